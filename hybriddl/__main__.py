@@ -1,0 +1,3 @@
+from hybriddl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""Data sources, the train/validation split, and the deterministic batch stream.
+
+Every source ends up as an `ImageSet`: uint8 images held in memory plus labels. The
+paper's preprocessing is applied per batch by `BatchTransform` (scale to the model's
+size, horizontal flip, normalisation, float tensor). The flip of each sample is drawn
+from the seed and the epoch *before* a global batch is cut into host or worker
+parts, so no strategy and no host count can change what a step sees.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torchvision
+from torchvision.transforms import v2
+
+from hybriddl.errors import UsageError
+from hybriddl.usecases import RGB_MEAN, RGB_STD
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+# Embedded data: (train images per class, validation images per class, native pixels).
+SYNTHETIC_VARIANTS = {"small": (160, 40, 64), "big": (800, 100, 64)}
+SYNTHETIC_CLASSES = ["fire", "smoke", "clear"]
+# Never more than this fraction of available RAM for an in-memory image set.
+MEMORY_FRACTION = 0.5
+
+
+@dataclass
+class ImageSet:
+    images: torch.Tensor  # uint8, N x 3 x H x W
+    labels: torch.Tensor  # int64, N
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, indices: torch.Tensor) -> ImageSet:
+        return ImageSet(self.images[indices], self.labels[indices], self.classes)
+
+
+@dataclass
+class DataSplit:
+    train: ImageSet
+    val: ImageSet
+    source: str
+
+    @property
+    def classes(self) -> list[str]:
+        return self.train.classes
+
+
+# --------------------------------------------------------------------------- sources
+
+def load_data(spec: str, *, variant: str, image_size: int, classes: int | None = None,
+              val_fraction: float = 0.2, progress: Progress | None = None) -> DataSplit:
+    """Load `--data SPEC`: "synthetic", "cifar10:DIR" or an ImageFolder directory."""
+    if spec == "synthetic":
+        if classes is not None:
+            raise UsageError("--classes applies to cifar10: data only; leave it out")
+        split = synthetic_split(variant, progress=progress)
+    elif spec.startswith("cifar10:"):
+        split = cifar10_split(spec[len("cifar10:"):], classes=classes, val_fraction=val_fraction)
+    else:
+        if classes is not None:
+            raise UsageError("--classes applies to cifar10: data only; leave it out")
+        split = imagefolder_split(spec, image_size=image_size, val_fraction=val_fraction,
+                                  progress=progress)
+    if len(split.classes) < 2:
+        raise UsageError(f"{split.source} has {len(split.classes)} class; "
+                         "a classifier needs at least 2 classes")
+    if len(split.train) == 0 or len(split.val) == 0:
+        raise UsageError(f"{split.source} has too few images for a train/validation split: "
+                         "add images or lower --val-fraction")
+    return split
+
+
+def synthetic_split(variant: str, *, progress: Progress | None = None) -> DataSplit:
+    """The embedded, procedurally generated 3-class set (fire / smoke / clear scenes).
+
+    The paper's fire and smoke images are not public; these stand in for them: the same
+    number of classes, colour and texture cues of the same kind, learnable, and the same
+    bytes on every machine (each image is drawn from its own index-seeded generator).
+    """
+    if variant not in SYNTHETIC_VARIANTS:
+        raise UsageError(f"unknown synthetic variant {variant!r}: use one of "
+                         f"{', '.join(SYNTHETIC_VARIANTS)}")
+    per_class_train, per_class_val, size = SYNTHETIC_VARIANTS[variant]
+    per_class = per_class_train + per_class_val
+    total = per_class * len(SYNTHETIC_CLASSES)
+    images = torch.empty(total, 3, size, size, dtype=torch.uint8)
+    labels = torch.empty(total, dtype=torch.int64)
+    for index in range(total):
+        label = index % len(SYNTHETIC_CLASSES)
+        images[index] = torch.from_numpy(render_synthetic(label, index, size))
+        labels[index] = label
+        if progress and ((index + 1) % 64 == 0 or index + 1 == total):
+            progress(index + 1, total)
+    n_val = per_class_val * len(SYNTHETIC_CLASSES)
+    every = ImageSet(images, labels, list(SYNTHETIC_CLASSES))
+    return DataSplit(every.subset(torch.arange(n_val, total)), every.subset(torch.arange(n_val)),
+                     f"synthetic:{variant}")
+
+
+def render_synthetic(label: int, index: int, size: int) -> np.ndarray:
+    """One 3 x size x size uint8 image of class `label`, fully determined by `index`."""
+    rng = np.random.default_rng([20220510, index])
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    # A landscape-like background: vertical gradient between two random dull colours.
+    top, bottom = rng.uniform(0.1, 0.6, 3), rng.uniform(0.1, 0.6, 3)
+    image = top[:, None, None] * (1 - yy) + bottom[:, None, None] * yy
+    blobs = np.zeros((size, size), np.float32)
+    for _ in range(rng.integers(1, 4)):
+        cx, cy = rng.uniform(0.2, 0.8, 2)
+        radius = rng.uniform(0.08, 0.25)
+        blobs += np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * radius ** 2))
+    blobs = np.clip(blobs, 0, 1)
+    if label == 0:  # fire: bright, saturated warm glow with flickering texture
+        flicker = 0.75 + 0.25 * np.sin(rng.uniform(20, 40) * yy + rng.uniform(0, 6.3))
+        colour = np.array([1.0, rng.uniform(0.3, 0.7), rng.uniform(0.0, 0.15)], np.float32)
+        glow = blobs * flicker
+        image = image * (1 - glow) + colour[:, None, None] * glow
+    elif label == 1:  # smoke: wide, grey, low-contrast haze
+        haze = np.clip(blobs * rng.uniform(0.6, 0.9) + 0.2 * rng.random((size, size)), 0, 1)
+        grey = rng.uniform(0.55, 0.8)
+        image = image * (1 - haze) + grey * haze
+    # label 2, clear: the background alone.
+    image = image + rng.normal(0, 0.04, image.shape)
+    return (np.clip(image, 0, 1) * 255).astype(np.uint8)
+
+
+def imagefolder_split(root: str, *, image_size: int, val_fraction: float,
+                      progress: Progress | None = None) -> DataSplit:
+    """An ImageFolder tree (one subfolder per class), scaled and centre-cropped once."""
+    path = Path(root)
+    if not path.is_dir():
+        raise UsageError(f"--data {root}: no such directory; give a folder with one "
+                         "subfolder of images per class, 'synthetic' or 'cifar10:DIR'")
+    try:
+        folder = torchvision.datasets.ImageFolder(str(path), allow_empty=False)
+    except FileNotFoundError as exc:
+        raise UsageError(f"--data {root}: {exc}; put the images of each class in its own "
+                         "subfolder") from None
+    _check_fits_in_memory(len(folder) * 3 * image_size * image_size, root)
+    scale = v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True),
+                        v2.CenterCrop(image_size)])
+    images = torch.empty(len(folder), 3, image_size, image_size, dtype=torch.uint8)
+    for index, (file, _) in enumerate(folder.samples):
+        try:
+            image = folder.loader(file)
+        except Exception as exc:  # PIL raises several types for broken files
+            raise UsageError(f"cannot read image {file} ({type(exc).__name__}): "
+                             "remove or replace the file") from None
+        images[index] = scale(image)
+        if progress and ((index + 1) % 64 == 0 or index + 1 == len(folder)):
+            progress(index + 1, len(folder))
+    every = ImageSet(images, torch.tensor(folder.targets, dtype=torch.int64),
+                     list(folder.classes))
+    train_idx, val_idx = stratified_split(every.labels, val_fraction)
+    return DataSplit(every.subset(train_idx), every.subset(val_idx), f"imagefolder:{root}")
+
+
+class _CIFAR10Files(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR-10 reader, accepting any subset of the python batches.
+
+    torchvision checks each batch's MD5 against the full download; users with a
+    trimmed or re-packed copy (and the tests) have valid batches with other sums.
+    """
+
+    def _check_integrity(self) -> bool:
+        folder = Path(self.root) / self.base_folder
+        return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+
+
+def cifar10_split(root: str, *, classes: int | None, val_fraction: float) -> DataSplit:
+    """CIFAR-10's python batches: DIR or DIR/cifar-10-batches-py holding data_batch_*."""
+    path = Path(root)
+    base = _CIFAR10Files.base_folder
+    if path.name == base:
+        path = path.parent
+    folder = path / base
+    if not folder.is_dir():
+        raise UsageError(f"--data cifar10:{root}: no {base} folder there; extract "
+                         "cifar-10-python.tar.gz and give the folder that holds it")
+    train_files = sorted(p.name for p in folder.glob("data_batch_*"))
+    if not train_files or not (folder / "batches.meta").is_file():
+        raise UsageError(f"--data cifar10:{root}: {folder} needs data_batch_* files and "
+                         "batches.meta; re-extract cifar-10-python.tar.gz")
+    has_test = (folder / "test_batch").is_file()
+
+    def read(train: bool, names: list[str]) -> ImageSet:
+        reader = _CIFAR10Files.__new__(_CIFAR10Files)
+        reader.train_list = [[n, ""] for n in names]
+        reader.test_list = [["test_batch", ""]] if has_test else []
+        try:
+            _CIFAR10Files.__init__(reader, str(path), train=train, download=False)
+        except (pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError) as exc:
+            raise UsageError(f"--data cifar10:{root}: a batch file is malformed "
+                             f"({type(exc).__name__}: {exc}); re-extract the archive") from None
+        images = torch.from_numpy(np.ascontiguousarray(reader.data.transpose(0, 3, 1, 2)))
+        return ImageSet(images, torch.tensor(reader.targets, dtype=torch.int64),
+                        list(reader.classes))
+
+    train = read(True, train_files)
+    val = read(False, train_files) if has_test else None
+    if classes is not None:
+        if not 2 <= classes <= len(train.classes):
+            raise UsageError(f"--classes {classes}: give a number from 2 to {len(train.classes)}")
+        train = _first_classes(train, classes)
+        val = _first_classes(val, classes) if val is not None else None
+    if val is None:
+        train_idx, val_idx = stratified_split(train.labels, val_fraction)
+        train, val = train.subset(train_idx), train.subset(val_idx)
+    return DataSplit(train, val, f"cifar10:{root}")
+
+
+def _first_classes(images: ImageSet, n: int) -> ImageSet:
+    keep = torch.nonzero(images.labels < n).flatten()
+    kept = images.subset(keep)
+    return ImageSet(kept.images, kept.labels, images.classes[:n])
+
+
+def stratified_split(labels: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same validation share from every class; fixed generator so the split never moves."""
+    if not 0.0 < val_fraction < 1.0:
+        raise UsageError(f"--val-fraction {val_fraction}: give a value between 0 and 1")
+    generator = torch.Generator().manual_seed(0)
+    train, val = [], []
+    for label in labels.unique(sorted=True):
+        members = torch.nonzero(labels == label).flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        n_val = int(round(len(members) * val_fraction))
+        if len(members) >= 2:
+            n_val = min(max(n_val, 1), len(members) - 1)
+        val.append(members[:n_val])
+        train.append(members[n_val:])
+    return torch.cat(train).sort().values, torch.cat(val).sort().values
+
+
+def _check_fits_in_memory(n_bytes: int, source: str) -> None:
+    available = psutil.virtual_memory().available
+    if n_bytes > MEMORY_FRACTION * available:
+        raise UsageError(f"{source} needs {n_bytes / 2**30:.1f} GiB in memory at this image "
+                         f"size but only {available / 2**30:.1f} GiB is free: lower --image-size")
+
+
+# --------------------------------------------------------------------------- batches
+
+class BatchTransform:
+    """The paper's preprocessing on a whole batch: scale, flip, normalise, float tensor."""
+
+    def __init__(self, image_size: int):
+        self.image_size = image_size
+        self.mean = torch.tensor(RGB_MEAN).view(1, 3, 1, 1)
+        self.std = torch.tensor(RGB_STD).view(1, 3, 1, 1)
+
+    def __call__(self, images: torch.Tensor, flips: torch.Tensor | None = None) -> torch.Tensor:
+        if images.shape[-1] != self.image_size or images.shape[-2] != self.image_size:
+            images = v2.functional.resize(images, [self.image_size, self.image_size],
+                                          antialias=True)
+        if flips is not None and bool(flips.any()):
+            images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
+        return (images.float().div_(255.0) - self.mean) / self.std
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The samples of one optimizer step over all hosts, with their augmentation."""
+
+    step: int  # index within the epoch
+    indices: torch.Tensor
+    flips: torch.Tensor
+
+    def part(self, start: int, stop: int) -> GlobalBatch:
+        return GlobalBatch(self.step, self.indices[start:stop], self.flips[start:stop])
+
+
+def epoch_batches(n_samples: int, batch_size: int, seed: int, epoch: int) -> list[GlobalBatch]:
+    """The epoch's global batches: a seeded shuffle and per-sample flips, last batch short."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size}: give at least 1")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n_samples, generator=generator)
+    flips = torch.rand(n_samples, generator=generator) < 0.5
+    return [GlobalBatch(step, order[i:i + batch_size], flips[i:i + batch_size])
+            for step, i in enumerate(range(0, n_samples, batch_size))]
+
+
+def steps_per_epoch(n_samples: int, batch_size: int) -> int:
+    return -(-n_samples // batch_size)
+
+
+class BatchPrefetcher:
+    """Assembles the next batches in a background thread so the step never waits on data.
+
+    Iterating yields (GlobalBatch, x, y) for this host's part; `wait_seconds` adds up
+    the time the training loop spent blocked here (the metric `data_wait_seconds`).
+    """
+
+    def __init__(self, images: ImageSet, batches: list[GlobalBatch], transform: BatchTransform,
+                 part: Callable[[GlobalBatch], GlobalBatch] = lambda b: b, depth: int = 2):
+        self._images, self._batches, self._transform, self._part = images, batches, transform, part
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.wait_seconds = 0.0
+        self._thread = threading.Thread(target=self._produce, name="hybriddl-prefetch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for batch in self._batches:
+                mine = self._part(batch)
+                x = self._transform(self._images.images[mine.indices], mine.flips)
+                item = (batch, x, self._images.labels[mine.indices])
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put(None)
+        except BaseException as exc:  # re-raised in the consumer, never lost in a thread
+            self._queue.put(exc)
+
+    def __iter__(self) -> Iterator[tuple[GlobalBatch, torch.Tensor, torch.Tensor]]:
+        while True:
+            started = time.perf_counter()
+            item = self._queue.get()
+            self.wait_seconds += time.perf_counter() - started
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> BatchPrefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def describe(split: DataSplit) -> dict:
+    return {"source": split.source, "classes": split.classes, "train_images": len(split.train),
+            "val_images": len(split.val), "stored_size": list(split.train.images.shape[-2:])}

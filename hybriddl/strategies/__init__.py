@@ -1,0 +1,26 @@
+"""Local strategies, by name. Adding one = a module here + one line in STRATEGIES."""
+
+from __future__ import annotations
+
+from hybriddl.errors import UsageError
+from hybriddl.strategies.base import LocalStrategy, StepStats, StrategyOptions, criterion
+from hybriddl.strategies.sequential import Sequential
+
+STRATEGIES: dict[str, type[LocalStrategy]] = {
+    Sequential.name: Sequential,
+}
+
+
+def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
+    """The named strategy, after checking that this host can run it."""
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        known = ", ".join(STRATEGIES)
+        raise UsageError(f"unknown strategy {name!r}: choose one of {known}") from None
+    cls.check_feasible(options)
+    return cls(options)
+
+
+__all__ = ["LocalStrategy", "StepStats", "StrategyOptions", "STRATEGIES", "criterion",
+           "make_strategy"]

@@ -1,0 +1,95 @@
+"""The paper's use cases as data, and the torchvision models they name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torchvision
+from torch import nn
+
+from hybriddl.errors import UsageError
+
+# ImageNet statistics, as in the paper's preprocessing.
+RGB_MEAN = (0.485, 0.456, 0.406)
+RGB_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class UseCase:
+    name: str
+    model: str
+    dataset: str  # embedded dataset variant: "small" or "big"
+    num_classes: int = 3
+    image_size: int = 224
+    batch_size: int = 16
+    epochs: int = 3
+    lr: float = 0.001
+    momentum: float = 0.9
+
+
+USECASES = {
+    "ComplexSmall": UseCase("ComplexSmall", model="vgg16", dataset="small", batch_size=16),
+    "SimpleBig": UseCase("SimpleBig", model="alexnet", dataset="big", batch_size=32),
+}
+
+# Where the two-stage pipeline cuts each model: after the 4th convolution for
+# AlexNet and after the 8th for VGG16 (the paper's split). Index = position of
+# the first module of stage 2 in `model.features`.
+PIPELINE_SPLITS = {"alexnet": 4, "vgg16": 8}
+
+
+def get_usecase(name: str) -> UseCase:
+    try:
+        return USECASES[name]
+    except KeyError:
+        known = ", ".join(USECASES)
+        raise UsageError(f"unknown use case {name!r}: choose one of {known}") from None
+
+
+def classifier_names() -> list[str]:
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_model(name: str, num_classes: int, dropout: float | None = None) -> nn.Module:
+    """A freshly initialised torchvision classifier (no pretrained weights: no network)."""
+    if name not in classifier_names():
+        raise UsageError(
+            f"unknown model {name!r}: use a torchvision classifier name such as vgg16, "
+            "alexnet or resnet50 (see torchvision.models.list_models())"
+        )
+    kwargs = {"weights": None, "num_classes": num_classes}
+    if dropout is not None:
+        if not 0.0 <= dropout < 1.0:
+            raise UsageError(f"--dropout {dropout} is out of range: give a value in [0, 1)")
+        kwargs["dropout"] = dropout
+    try:
+        return torchvision.models.get_model(name, **kwargs)
+    except TypeError as exc:
+        if "dropout" in str(exc) and dropout is not None:
+            raise UsageError(f"model {name!r} has no dropout option: leave --dropout out") from None
+        raise
+
+
+def check_image_size(model: nn.Module, image_size: int, num_classes: int) -> None:
+    """Fail early, with advice, when the model cannot take images this small."""
+    if image_size < 1:
+        raise UsageError(f"--image-size {image_size} must be a positive number of pixels")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, 3, image_size, image_size))
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(
+            f"--image-size {image_size} is too small for this model ({_first_line(exc)}): "
+            "use a larger size, e.g. 64 for alexnet or 32 for vgg16"
+        ) from None
+    finally:
+        model.train(was_training)
+    if out.shape[-1] != num_classes:
+        raise UsageError(f"the model gives {out.shape[-1]} outputs for {num_classes} classes")
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
