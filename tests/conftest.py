@@ -1,0 +1,34 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def hybriddl_env(**extra: str) -> dict:
+    """Environment for a child `python -m hybriddl`: this checkout first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, timeout: float = 600, cwd: Path | None = None,
+            **env: str) -> subprocess.CompletedProcess:
+    """Run `python -m hybriddl ARGS` in a child process; returns the finished process."""
+    return subprocess.run([sys.executable, "-m", "hybriddl", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd, env=hybriddl_env(**env))
+
+
+@pytest.fixture
+def cli():
+    return run_cli
