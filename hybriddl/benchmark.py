@@ -1,0 +1,78 @@
+"""Measuring a local strategy: warm-up steps, then the median of timed optimizer steps.
+
+Shared by the tuner, `scripts/bench_local.py` and `hybriddl compare`, so that every
+figure in a table was taken the same way (speedup = t_baseline / t_strategy).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from hybriddl.data import BatchTransform, ImageSet
+from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.usecases import build_model
+
+
+@dataclass
+class StepTiming:
+    strategy: dict  # the strategy's describe()
+    batch_size: int
+    seconds_per_step: float  # median of the timed steps
+    step_seconds: list[float]
+    peak_rss_bytes: int  # this process and its children, highest sample
+
+    @property
+    def images_per_second(self) -> float:
+        return self.batch_size / self.seconds_per_step
+
+
+def tree_rss_bytes() -> int:
+    """RSS of this process plus its live children (worker processes)."""
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for child in me.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int = 0):
+    """A real batch of the use case's data, preprocessed as in training."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(len(images), (batch_size,), generator=generator)
+    return BatchTransform(image_size)(images.images[index]), images.labels[index]
+
+
+def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_classes: int,
+                     x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1, steps: int = 5,
+                     lr: float = 0.001, momentum: float = 0.9, seed: int = 0) -> StepTiming:
+    """Time full optimizer steps (gradients + SGD update) of one strategy on one batch."""
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes, dropout=0.0)
+    threads = torch.get_num_threads()
+    try:
+        with make_strategy(name, options) as strategy:
+            strategy.setup(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+            seconds, peak = [], tree_rss_bytes()
+            for step in range(warmup + steps):
+                started = time.perf_counter()
+                optimizer.zero_grad(set_to_none=False)
+                strategy.compute_gradients(x, y)
+                optimizer.step()
+                strategy.after_step()
+                elapsed = time.perf_counter() - started
+                peak = max(peak, tree_rss_bytes())
+                if step >= warmup:
+                    seconds.append(elapsed)
+            description = strategy.describe()
+    finally:
+        torch.set_num_threads(threads)  # strategies pin threads; leave the caller as it was
+    return StepTiming(description, len(y), statistics.median(seconds), seconds, peak)
