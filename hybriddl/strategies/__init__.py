@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from hybriddl.errors import UsageError
 from hybriddl.strategies.base import LocalStrategy, StepStats, StrategyOptions, criterion
+from hybriddl.strategies.flat import Flat
 from hybriddl.strategies.sequential import Sequential
 
 STRATEGIES: dict[str, type[LocalStrategy]] = {
     Sequential.name: Sequential,
+    Flat.name: Flat,
 }
 
 

@@ -1,0 +1,136 @@
+"""The PyTorch DDP contender of `hybriddl compare`: what a PyTorch user would pick instead.
+
+    python -m hybriddl.ddp_peer --processes P ... --result-dir D
+
+P spawned processes, one CPU thread each, gloo over 127.0.0.1; each takes its 1/P of
+every global batch (the same batches, flips and model as the other contenders) and
+writes what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
+handed to gloo, as the MPI layer's counter does for MPI.
+"""
+
+# No `from __future__ import annotations`: DDP checks the comm hook's annotation
+# against dist.GradBucket itself, not a string.
+
+import argparse
+import inspect
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from hybriddl.compare import MeasureSettings
+from hybriddl.data import BatchTransform, epoch_batches, load_data
+from hybriddl.sharding import split_bounds
+from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.strategies import criterion
+from hybriddl.usecases import build_model, get_usecase
+
+# Buffers are not synchronised each step: the MPI contenders average gradients only,
+# and so must this one. (torch >= 2.10 renamed the switch.)
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                  if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                  else {"broadcast_buffers": False})
+
+
+@dataclass
+class CountingAllreduce:
+    """DDP comm-hook state: the process group and the bytes handed to it so far."""
+
+    group: dist.ProcessGroup | None
+    world: int
+    fp16: bool = False
+    bytes_sent: int = 0
+
+
+def counting_allreduce_hook(state: CountingAllreduce, bucket: dist.GradBucket):
+    """DDP's default averaging allreduce (optionally in float16), counting what it sends."""
+    buffer = bucket.buffer()
+    sent = buffer.to(torch.float16) if state.fp16 else buffer
+    sent.div_(state.world)
+    state.bytes_sent += sent.numel() * sent.element_size()
+    future = dist.all_reduce(sent, group=state.group, async_op=True).get_future()
+
+    def unpack(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(unpack)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir: str) -> None:
+    """One DDP process: join the group, run the steps, write rank<rank>.json."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        record = measure_ddp(rank, world, settings)
+        write_rank_result(result_dir, rank, record)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
+    config = settings.train_config("sequential").resolved()
+    case = get_usecase(config.usecase)
+    split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, len(split.classes), config.dropout)
+    ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)
+    state = CountingAllreduce(None, world, fp16=settings.fp16_allreduce)
+    ddp.register_comm_hook(state, counting_allreduce_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
+    transform = BatchTransform(config.image_size)
+    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: state.bytes_sent)
+    epoch = 0
+    while meter.remaining:
+        batches = epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
+        for batch in batches[: meter.remaining]:
+            start, stop = split_bounds(len(batch.indices), [1] * world)[rank]
+            mine = batch.part(start, stop)
+            x = transform(split.train.images[mine.indices], mine.flips)
+            y = split.train.labels[mine.indices]
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=False)
+            loss = criterion(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            meter.on_step(epoch, batch.step, len(batch.indices), time.perf_counter() - started,
+                          loss.item())
+        epoch += 1
+    return {**meter.result(), "strategy": {"name": "ddp", "backend": "gloo", "processes": world,
+                                            "threads_per_process": 1},
+            "gradient_bytes": gradient_bytes(model)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.ddp_peer",
+                                     description=__doc__.splitlines()[0])
+    MeasureSettings.add_arguments(parser)
+    parser.add_argument("--processes", type=int, required=True, help="DDP processes P")
+    parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = MeasureSettings.from_args(args)
+    # start_processes joins them all and, if one fails, stops the others and raises.
+    mp.start_processes(peer, args=(args.processes, free_port(), settings, args.result_dir),
+                       nprocs=args.processes, start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
