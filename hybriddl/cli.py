@@ -13,6 +13,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from hybriddl import __version__
+from hybriddl.compare import CONTENDERS, TABLE_COLUMNS, MeasureSettings
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.usecases import USECASES
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
     add_training_args(train)
     train.set_defaults(handler=cmd_train)
+
+    compare = commands.add_parser(
+        "compare", help="hybrid vs Horovod's model vs PyTorch DDP: speed and bytes on the network")
+    add_compare_args(compare)
+    compare.set_defaults(handler=cmd_compare)
 
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -69,6 +75,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    MeasureSettings.add_arguments(parser)
+    parser.add_argument("--hosts", type=int, default=2, help="H hosts (MPI ranks) of the hybrid")
+    parser.add_argument("--workers-per-host", type=int, default=2,
+                        help="K local workers per host; flat and DDP run H x K ranks")
+    parser.add_argument("--local-strategy", default="processes",
+                        help="the hybrid hosts' local strategy (default: processes)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
+    parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -174,6 +192,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         display.stop()
     out.print(epoch_table(metrics["epochs"]))
     out.print(f"run directory: {prepared.run_dir}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from hybriddl import compare
+
+    config = compare.CompareConfig(
+        settings=MeasureSettings.from_args(args), hosts=args.hosts,
+        workers_per_host=args.workers_per_host, local_strategy=args.local_strategy,
+        contenders=tuple(name.strip() for name in args.contenders.split(",") if name.strip()),
+        output=args.output)
+    display = TrainDisplay()
+    try:
+        config, output = compare.prepare(config, display)
+    finally:
+        display.stop()
+    with console.status("starting") as status:
+        def announce(contender) -> None:
+            console.print(f"[bold]{contender.name}[/]: {contender.describe_launch()}",
+                          markup=True, highlight=False, soft_wrap=True)
+            status.update(f"running {contender.name} ({contender.ranks} ranks)")
+
+        comparison = compare.run_comparison(config, output, announce)
+    table = Table(title="Hybrid vs Horovod's model vs PyTorch DDP")
+    for column in TABLE_COLUMNS:
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for row in compare.table_rows(comparison):
+        table.add_row(*row)
+    out.print(table)
+    for line in compare.notes(comparison):
+        out.print(f"- {line}", highlight=False)
+    out.print(f"written: {output / compare.RESULT}, {output / compare.REPORT}, charts in {output}")
     return 0
 
 

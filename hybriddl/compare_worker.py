@@ -2,43 +2,43 @@
 
     mpirun -np N python -m hybriddl.compare_worker --strategy S [--workers K] ... --result-dir D
 
-Each rank is a host to the MPI layer and runs the trainer's own steps (its local
+Each rank is a host to the MPI layer and runs `trainer.run` itself (its local
 strategy, the fused allreduce, SGD), so the comparison times exactly what
-`hybriddl train` does. Every rank writes what it measured to D/rank<R>.json.
+`hybriddl train` does. Every rank writes what it measured to D/rank<R>.json; the
+run's own metrics.json stays in D/run.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-
-import torch
+import traceback
+from dataclasses import replace
+from pathlib import Path
 
 from hybriddl import cluster, trainer
 from hybriddl.compare import MeasureSettings
-from hybriddl.data import BatchTransform, epoch_batches
+from hybriddl.rundir import MODEL
 from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
 
-def measure_training(prepared: trainer.PreparedRun, hosts, warmup: int, steps: int) -> dict:
-    """Run warm-up and timed optimizer steps of the trainer; this rank's figures."""
-    config, split, model = prepared.config, prepared.split, prepared.model
-    meter = StepMeter(warmup, steps, comm_bytes=lambda: hosts.bytes_sent)
-    with prepared.strategy as strategy:
-        strategy.setup(model)
-        hosts.broadcast_parameters(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
-        transform = BatchTransform(config.image_size)
-        epoch = 0
-        while meter.remaining:
-            batches = epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
-            trainer.train_epoch(epoch, batches[: meter.remaining], split, transform, model,
-                                strategy, optimizer, hosts, meter)
-            epoch += 1
-        description = strategy.describe()
-    return {**meter.result(), "strategy": description, "hosts": hosts.describe(),
-            "gradient_bytes": gradient_bytes(model)}
+def measure_training(settings: MeasureSettings, strategy: str, options: StrategyOptions,
+                     hosts, run_dir: Path) -> dict:
+    """Train warm-up plus timed steps with `trainer.run`; this rank's figures."""
+    steps = settings.warmup + settings.steps
+    # Every epoch has at least one step, so `steps` epochs always reach max_steps.
+    config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
+                     max_steps=steps, epochs=steps)
+    prepared = trainer.prepare(config)
+    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.bytes_sent)
+    metrics = trainer.run(prepared, meter, hosts)
+    if hosts.rank == 0:
+        # The comparison's output is its figures; the trained weights (0.5 GB for
+        # VGG16) would only fill the disk.
+        (run_dir / MODEL).unlink(missing_ok=True)
+    return {**meter.result(), "strategy": metrics["config"]["strategy"],
+            "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = MeasureSettings.from_args(args)
     options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
     hosts = cluster.connect(fp16_allreduce=settings.fp16_allreduce)
-    prepared = trainer.prepare(settings.train_config(args.strategy, options))
-    record = measure_training(prepared, hosts, settings.warmup, settings.steps)
-    write_rank_result(args.result_dir, hosts.rank, record)
+    try:
+        record = measure_training(settings, args.strategy, options, hosts,
+                                  Path(args.result_dir) / "run")
+        write_rank_result(args.result_dir, hosts.rank, record)
+    except BaseException:
+        # One rank's failure must not leave the others waiting in an allreduce.
+        if hosts.size > 1:
+            traceback.print_exc()
+            hosts.abort(1)
+        raise
+    hosts.close()
     return 0
 
 

@@ -32,7 +32,7 @@ from hybriddl.strategies import criterion
 from hybriddl.usecases import build_model, get_usecase
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
-# and so must this one. (torch >= 2.10 renamed the switch.)
+# and so must this one. (Newer torch renamed the switch.)
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                   if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                   else {"broadcast_buffers": False})
