@@ -155,11 +155,12 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError("--local-strategy sequential has one worker per host: give "
                          "--workers-per-host 1 or a parallel local strategy")
     options = StrategyOptions(workers=workers, oversubscribe=True)
-    prepared = trainer.prepare(settings.train_config(config.local_strategy, options), observer)
-    resolved = prepared.config
+    train_config = settings.train_config(config.local_strategy, options)
+    resolved = train_config.resolved()
     if resolved.batch_size < config.workers:
         raise UsageError(f"--batch-size {resolved.batch_size} is smaller than the "
                          f"{config.workers} workers: give at least one sample per worker")
+    trainer.prepare(train_config, observer)
     if {"hybrid", "flat"} & set(config.contenders):
         mpi_launcher()
     output = Path(config.output) if config.output else default_run_dir(
