@@ -213,15 +213,16 @@ def plan(config: CompareConfig, result_root: Path, as_root: bool) -> list[Conten
 
     workers = [] if config.local_strategy == "sequential" else [
         "--workers", str(config.workers_per_host)]
-    argv = {
-        "hybrid": mpirun(config.hosts) + python + [
+    launches = {
+        "hybrid": lambda: mpirun(config.hosts) + python + [
             "hybriddl.compare_worker", "--strategy", config.local_strategy, *workers,
             "--oversubscribe"],
-        "flat": mpirun(config.workers) + python + ["hybriddl.compare_worker", "--strategy", "flat"],
-        "ddp": python + ["hybriddl.ddp_peer", "--processes", str(config.workers)],
+        "flat": lambda: mpirun(config.workers) + python + [
+            "hybriddl.compare_worker", "--strategy", "flat"],
+        "ddp": lambda: python + ["hybriddl.ddp_peer", "--processes", str(config.workers)],
     }
     ranks = {"hybrid": config.hosts, "flat": config.workers, "ddp": config.workers}
-    return [Contender(name, ranks[name], argv[name] + common + [
+    return [Contender(name, ranks[name], launches[name]() + common + [
         "--result-dir", str(result_root / name)]) for name in config.contenders]
 
 
@@ -248,7 +249,7 @@ def run_comparison(config: CompareConfig, output: Path,
         "config": {**asdict(config.settings), "hosts": config.hosts,
                    "workers_per_host": config.workers_per_host,
                    "local_strategy": config.local_strategy},
-        "machine": {"usable_cores": usable_cores(), "processes_and_threads": config.workers,
+        "machine": {"usable_cores": usable_cores(), "workers": config.workers,
                     "oversubscribed": config.workers > usable_cores()},
         "network": ("a private network namespace: only this contender's traffic on lo"
                     if netns else "the shared lo: other programs' loopback traffic is included"),
@@ -326,9 +327,8 @@ def ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-TABLE_COLUMNS = ("contender", "ranks", "images/s", "vs hybrid", "s/step",
-                 "MB to comm lib/step", "MB on wire/step", "MB on wire/step (ring theory)",
-                 "wire vs hybrid", "peak RSS MB")
+TABLE_COLUMNS = ("contender", "ranks", "img/s", "img/s vs hybrid", "s/step", "MB to lib /step",
+                 "MB wire /step", "MB wire theory", "wire vs hybrid", "peak RSS MB")
 
 
 def table_rows(comparison: dict) -> list[list[str]]:
@@ -350,7 +350,7 @@ def notes(comparison: dict) -> list[str]:
              "theory: a ring allreduce over P ranks sends 2(P-1)/P of the gradient per rank, "
              "2(P-1) gradients in all (hybrid: P = hosts; flat and DDP: P = hosts x workers)"]
     if machine["oversubscribed"]:
-        lines.append(f"oversubscribed: {machine['processes_and_threads']} workers on "
+        lines.append(f"oversubscribed: {machine['workers']} workers on "
                      f"{machine['usable_cores']} cores, so speeds are not those of separate hosts")
     return lines
 
@@ -396,7 +396,8 @@ def comparison_charts(comparison: dict, output: Path) -> list[Path]:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("MB per step")
     ax.set_title("Bytes on the wire")
-    ax.legend()
+    ax.margins(y=0.25)
+    ax.legend(loc="upper left")
     paths.append(output / "wire_bytes_per_step.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
