@@ -16,6 +16,7 @@ import psutil
 import torch
 
 from hybriddl.data import BatchTransform, ImageSet
+from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import build_model
 
@@ -53,6 +54,14 @@ def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int =
     return BatchTransform(image_size)(images.images[index]), images.labels[index]
 
 
+def timing_model(name: str, num_classes: int) -> torch.nn.Module:
+    """The model with dropout 0 where it has the option (resnets have none)."""
+    try:
+        return build_model(name, num_classes, dropout=0.0)
+    except UsageError:
+        return build_model(name, num_classes)
+
+
 def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_classes: int,
                      x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1, steps: int = 5,
                      lr: float = 0.001, momentum: float = 0.9, seed: int = 0,
@@ -63,7 +72,7 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
     take the next one: the tuner's budget stops a slow candidate there.
     """
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes, dropout=0.0)
+    model = timing_model(model_name, num_classes)
     threads = torch.get_num_threads()
     try:
         with make_strategy(name, options) as strategy:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hybriddl.benchmark import StepTiming, measure_strategy, sample_batch
+from hybriddl.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
 from hybriddl.hostinfo import usable_cores
@@ -31,7 +31,7 @@ from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Sett
                                StrategyChoice, find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
 from hybriddl.strategies import STRATEGIES
-from hybriddl.usecases import build_model, check_image_size, get_usecase
+from hybriddl.usecases import check_image_size, get_usecase
 
 AUTO = "auto"
 BASELINE = StrategyChoice("sequential")  # one CPU core: the paper's reference
@@ -236,8 +236,7 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
         raise UsageError(f"{steps} timed steps after {warmup} warm-up steps: give at least 1 "
                          "timed step and no negative warm-up")
     num_classes = len(images.classes)
-    check_image_size(build_model(settings.model, num_classes, dropout=0.0), settings.image_size,
-                     num_classes)
+    check_image_size(timing_model(settings.model, num_classes), settings.image_size, num_classes)
     observer = observer or TuneObserver()
     candidates = enumerate_candidates(host or HostResources.here(), settings.batch_size)
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
