@@ -148,7 +148,8 @@ class TuneDisplay(TuneObserver):
     def on_candidate_end(self, index, result) -> None:
         if self.task is None:
             return
-        self.progress.advance(self.task)
+        self.progress.update(self.task, advance=1,
+                             description=f"{result.choice.label}: {result.status}")
         if index + 1 == len(self.candidates):
             self.progress.stop()
 
@@ -166,7 +167,8 @@ def tune_table(profile) -> Table:
     columns += ["vs 1 GPU"] if with_gpu else []
     columns += ["peak RSS MiB", "note"]
     for column in columns:
-        table.add_column(column, justify="left" if column in ("strategy", "note") else "right")
+        table.add_column(column, justify="left" if column in ("strategy", "note") else "right",
+                         no_wrap=column != "note")
     order = sorted(profile.candidates, key=lambda c: (not c.measured, c.seconds_per_step or 0.0))
     for c in order:
         picked = c.measured and c.choice == profile.pick

@@ -175,12 +175,12 @@ def _measure_one(index, choice, measure, deadline, share, is_baseline, warmup, s
     if not timing.step_seconds:
         first = min(seen) if seen else 0.0
         return CandidateResult(choice, DROPPED, note=(
-            f"a step takes {first:.2f} s: a timed step would end past its share "
-            f"({share:.1f} s) of the budget"))
+            f"a step took {first:.2f} s: a timed one would overrun its {share:.1f} s "
+            "share of the budget"))
     notes = []
     if len(timing.step_seconds) < steps:
-        notes.append(f"{len(timing.step_seconds)} of {steps} timed steps fit its share "
-                     f"({share:.1f} s) of the budget")
+        notes.append(f"{len(timing.step_seconds)} of {steps} timed steps fit its "
+                     f"{share:.1f} s share of the budget")
     if is_baseline and clock() > deadline:
         notes.append("the baseline ran past its share: every speedup is relative to it")
     return CandidateResult(choice, MEASURED, seconds_per_step=timing.seconds_per_step,

@@ -19,7 +19,7 @@ def a_profile(pick=SEQUENTIAL, settings=SETTINGS, host="node1", fp=FINGERPRINT) 
         CandidateResult(SEQUENTIAL, MEASURED, seconds_per_step=2.0, timed_steps=5,
                         images_per_second=2.0, speedup=1.0, peak_rss_bytes=1000),
         CandidateResult(StrategyChoice("threads", workers=2), DROPPED,
-                        note="a step takes 9.00 s: a timed step would end past its share"),
+                        note="a step took 9.00 s: a timed one would overrun its 3.0 s share of the budget"),
     ]
     if pick != SEQUENTIAL:
         candidates.append(CandidateResult(pick, MEASURED, seconds_per_step=1.0, timed_steps=5,
