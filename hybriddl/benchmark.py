@@ -6,14 +6,17 @@ figure in a table was taken the same way (speedup = t_baseline / t_strategy).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from hybriddl.data import BatchTransform, ImageSet
+from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import build_model
 
@@ -22,9 +25,10 @@ from hybriddl.usecases import build_model
 class StepTiming:
     strategy: dict  # the strategy's describe()
     batch_size: int
-    seconds_per_step: float  # median of the timed steps
-    step_seconds: list[float]
+    seconds_per_step: float  # median of the timed steps; inf when none was timed
+    step_seconds: list[float]  # the timed steps (fewer than asked when keep_going stopped them)
     peak_rss_bytes: int  # this process and its children, highest sample
+    warmup_seconds: list[float] = field(default_factory=list)
 
     @property
     def images_per_second(self) -> float:
@@ -50,18 +54,31 @@ def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int =
     return BatchTransform(image_size)(images.images[index]), images.labels[index]
 
 
+def timing_model(name: str, num_classes: int) -> torch.nn.Module:
+    """The model with dropout 0 where it has the option (resnets have none)."""
+    try:
+        return build_model(name, num_classes, dropout=0.0)
+    except UsageError:
+        return build_model(name, num_classes)
+
+
 def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_classes: int,
                      x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1, steps: int = 5,
-                     lr: float = 0.001, momentum: float = 0.9, seed: int = 0) -> StepTiming:
-    """Time full optimizer steps (gradients + SGD update) of one strategy on one batch."""
+                     lr: float = 0.001, momentum: float = 0.9, seed: int = 0,
+                     keep_going: Callable[[int, float], bool] | None = None) -> StepTiming:
+    """Time full optimizer steps (gradients + SGD update) of one strategy on one batch.
+
+    `keep_going(step, seconds)` is asked after every step, warm-up included, whether to
+    take the next one: the tuner's budget stops a slow candidate there.
+    """
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes, dropout=0.0)
+    model = timing_model(model_name, num_classes)
     threads = torch.get_num_threads()
     try:
         with make_strategy(name, options) as strategy:
             strategy.setup(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-            seconds, peak = [], tree_rss_bytes()
+            warm, seconds, peak = [], [], tree_rss_bytes()
             for step in range(warmup + steps):
                 started = time.perf_counter()
                 optimizer.zero_grad(set_to_none=False)
@@ -72,7 +89,12 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
                 peak = max(peak, tree_rss_bytes())
                 if step >= warmup:
                     seconds.append(elapsed)
+                else:
+                    warm.append(elapsed)
+                if keep_going is not None and not keep_going(step, elapsed):
+                    break
             description = strategy.describe()
     finally:
         torch.set_num_threads(threads)  # strategies pin threads; leave the caller as it was
-    return StepTiming(description, len(y), statistics.median(seconds), seconds, peak)
+    median = statistics.median(seconds) if seconds else math.inf
+    return StepTiming(description, len(y), median, seconds, peak, warm)

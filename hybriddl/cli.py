@@ -6,6 +6,7 @@ import argparse
 import json
 import shutil
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -16,6 +17,7 @@ from hybriddl import __version__
 from hybriddl.compare import CONTENDERS, TABLE_COLUMNS, MeasureSettings
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
+from hybriddl.tuner import AUTO_BUDGET_SECONDS, TuneObserver
 from hybriddl.usecases import USECASES
 
 console = Console(stderr=True)
@@ -43,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_args(compare)
     compare.set_defaults(handler=cmd_compare)
 
+    tune = commands.add_parser("tune", help="measure every feasible local strategy here, keep the "
+                               "fastest as this host's profile")
+    add_tune_args(tune)
+    tune.set_defaults(handler=cmd_tune)
+
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
@@ -68,8 +75,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                         help="dropout of the torchvision model; 0 makes runs comparable step for step")
     parser.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation seed")
     parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
-    parser.add_argument("--strategy", default="sequential",
-                        help=f"local strategy: {', '.join(STRATEGIES)} (default: sequential)")
+    parser.add_argument("--strategy", default="auto",
+                        help=f"local strategy: auto (this host's profiled pick; tunes first when no "
+                             f"profile fits), {', '.join(STRATEGIES)} (default: auto)")
+    parser.add_argument("--profile-dir", help="where auto finds and keeps profiles "
+                        "(default: $HYBRIDDL_PROFILES or ./profiles)")
+    parser.add_argument("--tune-budget", type=float, default=AUTO_BUDGET_SECONDS,
+                        help="seconds auto may spend tuning when no profile fits "
+                             f"(default: {AUTO_BUDGET_SECONDS:.0f})")
     parser.add_argument("--workers", type=int, help="local workers K for threads/processes/intraop")
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches M")
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
@@ -100,7 +113,92 @@ def config_from_args(args: argparse.Namespace):
                        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                        momentum=args.momentum, dropout=args.dropout, seed=args.seed,
                        max_steps=args.max_steps, run_dir=args.run_dir, strategy=args.strategy,
-                       strategy_options=options)
+                       strategy_options=options, profile_dir=args.profile_dir,
+                       tune_budget=args.tune_budget)
+
+
+def add_tune_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--usecase", default="ComplexSmall", help=f"one of {', '.join(USECASES)}")
+    parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
+    parser.add_argument("--image-size", type=int, help="pixels per side (default: the use case's, 224)")
+    parser.add_argument("--batch-size", type=int, help="this host's batch (default: the use case's)")
+    parser.add_argument("--budget", type=float, default=600.0,
+                        help="seconds for all candidates together; a candidate that cannot "
+                             "finish within its share is dropped (default: 600)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per candidate (default: 1)")
+    parser.add_argument("--output", help="profile file (default: PROFILE_DIR/<host>-<usecase>.json)")
+    parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
+
+
+class TuneDisplay(TuneObserver):
+    """rich progress over the candidates: which one runs, its steps, what came of it."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.progress = Progress(TextColumn("[bold]Tuning"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("candidates"), TimeElapsedColumn(),
+                                 TextColumn("{task.description}"), console=console,
+                                 disable=not enabled)
+        self.task = None
+        self.candidates = []
+
+    def on_tune_start(self, candidates, reason) -> None:
+        self.candidates = candidates
+        if not self.enabled:
+            return
+        if reason:
+            console.print(f"hybriddl: {reason}", markup=False, highlight=False)
+        self.progress.start()
+        self.task = self.progress.add_task("", total=len(candidates))
+
+    def on_candidate_start(self, index, choice, share_seconds) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description=f"{choice.label} "
+                                 f"(share {share_seconds:.0f} s)")
+
+    def on_candidate_step(self, index, step, seconds) -> None:
+        if self.task is not None:
+            choice = self.candidates[index]
+            self.progress.update(self.task, description=f"{choice.label}: step {step + 1}, "
+                                 f"{seconds:.2f} s")
+
+    def on_candidate_end(self, index, result) -> None:
+        if self.task is None:
+            return
+        self.progress.update(self.task, advance=1,
+                             description=f"{result.choice.label}: {result.status}")
+        if index + 1 == len(self.candidates):
+            self.progress.stop()
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def tune_table(profile) -> Table:
+    """The profile's candidates, fastest first, dropped ones last with their note."""
+    s = profile.settings
+    table = Table(title=f"{profile.host}: {s.usecase} ({s.model}), {s.image_size} px, "
+                        f"batch {s.batch_size}")
+    with_gpu = any(c.speedup_over_gpu is not None for c in profile.candidates)
+    columns = ["", "strategy", "s/step", "images/s", "speedup"]
+    columns += ["vs 1 GPU"] if with_gpu else []
+    columns += ["peak RSS MiB", "note"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("strategy", "note") else "right",
+                         no_wrap=column != "note")
+    order = sorted(profile.candidates, key=lambda c: (not c.measured, c.seconds_per_step or 0.0))
+    for c in order:
+        picked = c.measured and c.choice == profile.pick
+        figures = [f"{c.seconds_per_step:.3f}", f"{c.images_per_second:.1f}",
+                   f"{c.speedup:.2f}x" if c.speedup is not None else "-"] if c.measured else ["-"] * 3
+        if with_gpu:
+            figures.append(f"{c.speedup_over_gpu:.2f}x" if c.speedup_over_gpu is not None else "-")
+        rss = f"{c.peak_rss_bytes / 2**20:.0f}" if c.peak_rss_bytes else "-"
+        table.add_row("[bold green]pick[/]" if picked else ("dropped" if not c.measured else ""),
+                      c.choice.label, *figures, rss, c.note,
+                      style="bold" if picked else ("dim" if not c.measured else None))
+    return table
 
 
 class TrainDisplay:
@@ -108,6 +206,7 @@ class TrainDisplay:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self.tuning = TuneDisplay(enabled)  # shown when --strategy auto has to tune first
         self.progress = self._new_progress()
         self.task = None
         self.epochs = 0
@@ -129,10 +228,27 @@ class TrainDisplay:
         if self.task is not None:
             self.progress.update(self.task, completed=done)
 
+    def on_tune_start(self, candidates, reason) -> None:
+        self.progress.stop()
+        self.task = None
+        self.tuning.on_tune_start(candidates, reason)
+
+    def on_candidate_start(self, index, choice, share_seconds) -> None:
+        self.tuning.on_candidate_start(index, choice, share_seconds)
+
+    def on_candidate_step(self, index, step, seconds) -> None:
+        self.tuning.on_candidate_step(index, step, seconds)
+
+    def on_candidate_end(self, index, result) -> None:
+        self.tuning.on_candidate_end(index, result)
+
     def on_start(self, info: dict) -> None:
         self.epochs = info["epochs"]
         self.progress.stop()
+        self.tuning.stop()
         self.task = None
+        if self.enabled and info.get("strategy_choice"):
+            console.print(info["strategy_choice"]["message"], markup=False, highlight=False)
         if self.enabled:
             strategy = ", ".join(f"{k}={v}" for k, v in info["strategy"].items() if k != "name")
             console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
@@ -168,6 +284,7 @@ class TrainDisplay:
 
     def stop(self) -> None:
         self.progress.stop()
+        self.tuning.stop()
 
 
 def epoch_table(records: list[dict]) -> Table:
@@ -224,6 +341,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for line in compare.notes(comparison):
         out.print(f"- {line}", highlight=False)
     out.print(f"written: {output / compare.RESULT}, {output / compare.REPORT}, charts in {output}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from hybriddl import profiles, tuner
+
+    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
+    output = (Path(args.output) if args.output
+              else profiles.profile_path(profiles.profile_dir(args.profile_dir), settings.usecase))
+    if output.is_dir():
+        raise UsageError(f"--output {output} is a directory: give a file path such as "
+                         f"{profiles.profile_path(output, settings.usecase)}")
+    display = TuneDisplay()
+    try:
+        profile = tuner.tune_host(settings, tuner.embedded_images(settings), budget=args.budget,
+                                  warmup=args.warmup, steps=args.steps, observer=display)
+    finally:
+        display.stop()
+    profiles.save_profile(profile, output)
+    out.print(tune_table(profile))
+    pick = profile.pick_result
+    speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
+    out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
     return 0
 
 

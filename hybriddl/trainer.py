@@ -21,6 +21,7 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl.rundir import (CHECKPOINT, METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
 from hybriddl.strategies import LocalStrategy, StrategyOptions, make_strategy
+from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
@@ -40,8 +41,10 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     run_dir: str | None = None
-    strategy: str = "sequential"
+    strategy: str = "sequential"  # or "auto": this host's profiled pick (hybriddl/tuner.py)
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
+    tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -66,8 +69,8 @@ class TrainConfig:
         return filled
 
 
-class TrainingObserver:
-    """What the trainer reports while it runs; the CLI draws it, tests may record it."""
+class TrainingObserver(TuneObserver):
+    """What the trainer reports while it runs (and tunes, for auto); the CLI draws it."""
 
     def on_data_progress(self, done: int, total: int) -> None: ...
     def on_start(self, info: dict) -> None: ...
@@ -85,6 +88,7 @@ class PreparedRun:
     model: torch.nn.Module
     strategy: LocalStrategy
     run_dir: Path
+    strategy_choice: dict | None = None  # auto: the profile and figures behind the strategy
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None) -> PreparedRun:
@@ -94,14 +98,27 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None) -> Pr
     case = get_usecase(config.usecase)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.usecase)
     check_new_run_dir(run_dir)
-    strategy = make_strategy(config.strategy, config.strategy_options)
+    auto = config.strategy == AUTO
+    if auto and (config.strategy_options.workers is not None or config.strategy_options.devices):
+        raise UsageError("--workers and --devices go with a named --strategy; with auto the "
+                         "profile decides (or name the strategy)")
+    strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
                               progress=observer.on_data_progress)
+    choice = None
+    if auto:  # before seeding: tuning draws random numbers of its own
+        decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
+                                               config.batch_size),
+                                 split.train, directory=config.profile_dir,
+                                 budget=config.tune_budget, observer=observer)
+        strategy = make_strategy(decision.choice.name, decision.choice.options(
+            config.strategy_options.oversubscribe))
+        choice = {**decision.describe(), "message": decision.message()}
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
-    return PreparedRun(config, split, model, strategy, run_dir)
+    return PreparedRun(config, split, model, strategy, run_dir, choice)
 
 
 def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
@@ -193,7 +210,8 @@ def config_record(prepared: PreparedRun, hosts) -> dict:
     config = prepared.config
     return {
         "usecase": config.usecase, "model": config.model, "data": datamod.describe(prepared.split),
-        "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
+        "strategy": prepared.strategy.describe(), "strategy_choice": prepared.strategy_choice,
+        "hosts": hosts.describe(),
         "global_batch": config.batch_size, "image_size": config.image_size,
         "epochs": config.epochs, "max_steps": config.max_steps, "lr": config.lr,
         "momentum": config.momentum, "dropout": config.dropout, "seed": config.seed,

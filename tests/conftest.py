@@ -32,3 +32,14 @@ def run_cli(*args: str, timeout: float = 600, cwd: Path | None = None,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session", autouse=True)
+def profile_dir(tmp_path_factory):
+    """Where runs with --strategy auto (the default) keep profiles during the tests: a
+    temporary folder, so tests never write the checkout's profiles/ and never read a
+    profile measured outside them."""
+    path = tmp_path_factory.mktemp("profiles")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDDL_PROFILES", str(path))
+        yield path

@@ -1,0 +1,338 @@
+"""Profiles: the tuner's measured table for one host and use case, and its pick.
+
+A profile lives at ``<profile dir>/<host>-<usecase>.json`` (profile dir: ``--profile-dir``,
+else ``$HYBRIDDL_PROFILES``, else ``./profiles``) and is written atomically. Schema,
+version 1 (``SCHEMA_VERSION``)::
+
+    {
+      "schema_version": 1,
+      "host": "node07",                       # socket.gethostname() of the measured host
+      "created": "2026-11-21T05:30:00Z",       # UTC, when the tune finished
+      "hybriddl": "0.1.0",
+      "fingerprint": {                         # a change in any field makes the profile stale
+        "cpu_model": "Intel(R) Xeon(R) ...", "cores_usable": 2, "ram_gib": 7.8,
+        "gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.14.1"
+      },
+      "settings": {                            # what was measured; train matches all four
+        "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16
+      },
+      "measurement": {"warmup_steps": 1, "timed_steps": 5, "budget_seconds": 600.0,
+                      "seconds_spent": 312.5},
+      "candidates": [                          # every candidate tried, in enumeration order
+        {
+          "strategy": {"name": "threads", "workers": 2, "micro_batches": null, "devices": []},
+          "label": "threads K=2",
+          "status": "measured",                # or "dropped" (budget, error): see "note"
+          "seconds_per_step": 5.31,            # median of the timed optimizer steps
+          "timed_steps": 5,
+          "images_per_second": 3.01,
+          "speedup": 1.88,                     # over sequential on one core (the baseline)
+          "speedup_over_gpu": null,            # over the gpu strategy on one GPU; GPU hosts only
+          "peak_rss_bytes": 2147483648,        # the tuning process and its workers
+          "note": ""
+        }
+      ],
+      "pick": {"name": "threads", "workers": 2, "micro_batches": null, "devices": []}
+    }
+
+``pick`` is the strategy of the measured candidate with the lowest seconds per step.
+A profile that cannot be read (truncated JSON, another schema version, missing fields)
+raises ProfileError, a UsageError whose message says to re-tune; `find_profile` turns
+every such problem into a lookup that explains why the profile cannot be used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from hybriddl import __version__
+from hybriddl.errors import UsageError
+from hybriddl.hostinfo import cpu_model, gpus, usable_cores
+from hybriddl.rundir import atomic_write_json
+from hybriddl.strategies import STRATEGIES, StrategyOptions
+
+SCHEMA_VERSION = 1
+DEFAULT_DIR = "profiles"
+DIR_ENV = "HYBRIDDL_PROFILES"
+MEASURED, DROPPED = "measured", "dropped"
+
+
+class ProfileError(UsageError):
+    """A profile file that cannot be used as it is; the remedy is to tune again."""
+
+
+def profile_dir(given: str | os.PathLike | None = None) -> Path:
+    """--profile-dir if given, else $HYBRIDDL_PROFILES, else ./profiles."""
+    return Path(given or os.environ.get(DIR_ENV) or DEFAULT_DIR)
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def profile_path(directory: str | os.PathLike, usecase: str, host: str | None = None) -> Path:
+    host = (host or this_host()).replace(os.sep, "_")
+    return Path(directory) / f"{host}-{usecase}.json"
+
+
+def fingerprint() -> dict:
+    """The hardware and software facts a measurement depends on."""
+    return {
+        "cpu_model": cpu_model(),
+        "cores_usable": usable_cores(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": [g["name"] for g in gpus()],
+        "torch": torch.__version__,
+    }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a profile was measured at; a training run uses a profile only at the same."""
+
+    usecase: str
+    model: str
+    image_size: int
+    batch_size: int
+
+    def describe(self) -> str:
+        return f"{self.usecase} ({self.model}), {self.image_size} px, batch {self.batch_size}"
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """One strategy with its parameters: a tuner candidate, a profile's pick."""
+
+    name: str
+    workers: int | None = None
+    micro_batches: int | None = None  # pipeline only
+    devices: tuple[str, ...] = ()
+
+    def options(self, oversubscribe: bool = False) -> StrategyOptions:
+        default = StrategyOptions()
+        return StrategyOptions(workers=self.workers,
+                               micro_batches=self.micro_batches or default.micro_batches,
+                               devices=self.devices, oversubscribe=oversubscribe)
+
+    @property
+    def label(self) -> str:
+        parts = [self.name]
+        if self.devices:
+            parts.append(",".join(self.devices))
+        if self.workers is not None:
+            parts.append(f"K={self.workers}")
+        if self.micro_batches is not None:
+            parts.append(f"M={self.micro_batches}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "workers": self.workers, "micro_batches": self.micro_batches,
+                "devices": list(self.devices)}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> StrategyChoice:
+        return cls(name=str(record["name"]), workers=_optional_int(record.get("workers")),
+                   micro_batches=_optional_int(record.get("micro_batches")),
+                   devices=tuple(str(d) for d in record.get("devices") or ()))
+
+    def infeasibility(self) -> str | None:
+        """Why this host cannot run it, or None when it can."""
+        if self.name not in STRATEGIES:
+            return f"strategy {self.name!r} is not one this hybriddl has"
+        try:
+            STRATEGIES[self.name].check_feasible(self.options())
+        except UsageError as exc:
+            return str(exc)
+        return None
+
+
+@dataclass
+class CandidateResult:
+    choice: StrategyChoice
+    status: str  # MEASURED or DROPPED
+    seconds_per_step: float | None = None
+    timed_steps: int = 0
+    images_per_second: float | None = None
+    speedup: float | None = None  # over sequential on one core
+    speedup_over_gpu: float | None = None  # over the gpu strategy on one device
+    peak_rss_bytes: int | None = None
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.status == MEASURED
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.choice.to_dict(), "label": self.choice.label,
+                "status": self.status, "seconds_per_step": self.seconds_per_step,
+                "timed_steps": self.timed_steps, "images_per_second": self.images_per_second,
+                "speedup": self.speedup, "speedup_over_gpu": self.speedup_over_gpu,
+                "peak_rss_bytes": self.peak_rss_bytes, "note": self.note}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> CandidateResult:
+        status = record["status"]
+        if status not in (MEASURED, DROPPED):
+            raise ValueError(f"candidate status {status!r}")
+        result = cls(choice=StrategyChoice.from_dict(record["strategy"]), status=status,
+                     seconds_per_step=_optional_float(record.get("seconds_per_step")),
+                     timed_steps=int(record.get("timed_steps") or 0),
+                     images_per_second=_optional_float(record.get("images_per_second")),
+                     speedup=_optional_float(record.get("speedup")),
+                     speedup_over_gpu=_optional_float(record.get("speedup_over_gpu")),
+                     peak_rss_bytes=_optional_int(record.get("peak_rss_bytes")),
+                     note=str(record.get("note") or ""))
+        if result.measured and not (result.seconds_per_step and result.seconds_per_step > 0):
+            raise ValueError(f"measured candidate {result.choice.label} has no seconds_per_step")
+        return result
+
+
+@dataclass
+class Profile:
+    host: str
+    fingerprint: dict
+    settings: Settings
+    candidates: list[CandidateResult]
+    pick: StrategyChoice
+    measurement: dict = field(default_factory=dict)
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    hybriddl: str = __version__
+
+    @property
+    def pick_result(self) -> CandidateResult:
+        for candidate in self.candidates:
+            if candidate.measured and candidate.choice == self.pick:
+                return candidate
+        raise ProfileError(f"the profile's pick {self.pick.label} is not among its measured "
+                           "candidates: run 'hybriddl tune' again")
+
+    @property
+    def pick_throughput(self) -> float:
+        """The pick's images per second: this host's weight when hosts share a global batch."""
+        return float(self.pick_result.images_per_second)
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "host": self.host, "created": self.created,
+                "hybriddl": self.hybriddl, "fingerprint": self.fingerprint,
+                "settings": asdict(self.settings), "measurement": self.measurement,
+                "candidates": [c.to_dict() for c in self.candidates],
+                "pick": self.pick.to_dict()}
+
+    @classmethod
+    def from_dict(cls, record: dict, source: str = "profile") -> Profile:
+        if not isinstance(record, dict):
+            raise ProfileError(f"{source} is not a profile (a JSON object is expected): "
+                               "run 'hybriddl tune' to write a new one")
+        version = record.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ProfileError(f"{source} has schema version {version!r}, this hybriddl reads "
+                               f"version {SCHEMA_VERSION}: run 'hybriddl tune' to measure again")
+        try:
+            profile = cls(host=str(record["host"]), fingerprint=dict(record["fingerprint"]),
+                          settings=Settings(**record["settings"]),
+                          candidates=[CandidateResult.from_dict(c) for c in record["candidates"]],
+                          pick=StrategyChoice.from_dict(record["pick"]),
+                          measurement=dict(record.get("measurement") or {}),
+                          created=str(record.get("created", "")),
+                          hybriddl=str(record.get("hybriddl", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(f"{source} is damaged ({type(exc).__name__}: {exc}): "
+                               "run 'hybriddl tune' to write a new one") from None
+        profile.pick_result  # a pick that names no measured candidate is damage too
+        return profile
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, profile.to_dict())
+    return path
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"no profile at {path}: run 'hybriddl tune' first") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"cannot read profile {path} ({exc}): run 'hybriddl tune' "
+                           "to write a new one") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile {path} is not valid JSON ({exc.msg} at line {exc.lineno}; "
+                           "truncated?): run 'hybriddl tune' to write a new one") from None
+    return Profile.from_dict(record, source=f"profile {path}")
+
+
+def fingerprint_changes(recorded: dict, current: dict) -> list[str]:
+    """'cores_usable 2 -> 4' for every fact that differs."""
+    return [f"{key} {recorded.get(key)!r} -> {current.get(key)!r}"
+            for key in sorted(set(recorded) | set(current)) if recorded.get(key) != current.get(key)]
+
+
+@dataclass
+class ProfileLookup:
+    """The outcome of looking for a usable profile; `problem` says why there is none."""
+
+    path: Path
+    profile: Profile | None = None
+    problem: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.profile is not None and self.problem is None
+
+
+def find_profile(directory: str | os.PathLike, settings: Settings, *, host: str | None = None,
+                 current_fingerprint: dict | None = None) -> ProfileLookup:
+    """This host's profile for `settings`, or why it cannot be used. Never raises for a bad file."""
+    host = host or this_host()
+    path = profile_path(directory, settings.usecase, host)
+    if not path.exists():
+        return ProfileLookup(path, problem=f"no profile at {path}")
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:
+        return ProfileLookup(path, problem=str(exc))
+    if profile.host != host:
+        return ProfileLookup(path, profile, f"{path} was measured on host {profile.host!r}, "
+                                            f"not on {host!r}")
+    if profile.settings != settings:
+        return ProfileLookup(path, profile, f"{path} was measured at {profile.settings.describe()}, "
+                                            f"not at {settings.describe()}")
+    changes = fingerprint_changes(profile.fingerprint, current_fingerprint or fingerprint())
+    if changes:
+        return ProfileLookup(path, profile, f"{path} is stale: this host changed since it was "
+                                            f"measured ({'; '.join(changes)})")
+    reason = profile.pick.infeasibility()
+    if reason:
+        return ProfileLookup(path, profile, f"{path} picks {profile.pick.label}, which this host "
+                                            f"cannot run ({reason})")
+    return ProfileLookup(path, profile)
+
+
+def profiled_throughput(settings: Settings, directory: str | os.PathLike | None = None) -> float | None:
+    """Images/s of this host's pick at `settings`, or None without a usable profile.
+
+    Hosts of different speed get shares of the global batch in proportion to this.
+    """
+    lookup = find_profile(profile_dir(directory), settings)
+    return lookup.profile.pick_throughput if lookup.usable else None
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,178 @@
+import json
+
+import pytest
+
+from hybriddl import profiles
+from hybriddl.errors import UsageError
+from hybriddl.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
+                               ProfileError, Settings, StrategyChoice, find_profile,
+                               fingerprint_changes, load_profile, profile_path, save_profile)
+
+SETTINGS = Settings(usecase="ComplexSmall", model="vgg16", image_size=32, batch_size=4)
+FINGERPRINT = {"cpu_model": "Test CPU", "cores_usable": 2, "ram_gib": 8.0, "gpus": [],
+               "torch": "2.0"}
+SEQUENTIAL = StrategyChoice("sequential")
+
+
+def a_profile(pick=SEQUENTIAL, settings=SETTINGS, host="node1", fp=FINGERPRINT) -> Profile:
+    candidates = [
+        CandidateResult(SEQUENTIAL, MEASURED, seconds_per_step=2.0, timed_steps=5,
+                        images_per_second=2.0, speedup=1.0, peak_rss_bytes=1000),
+        CandidateResult(StrategyChoice("threads", workers=2), DROPPED,
+                        note="a step took 9.00 s: a timed one would overrun its 3.0 s share of the budget"),
+    ]
+    if pick != SEQUENTIAL:
+        candidates.append(CandidateResult(pick, MEASURED, seconds_per_step=1.0, timed_steps=5,
+                                          images_per_second=4.0, speedup=2.0, peak_rss_bytes=2000))
+    return Profile(host=host, fingerprint=dict(fp), settings=settings, candidates=candidates,
+                   pick=pick, measurement={"warmup_steps": 1, "timed_steps": 5})
+
+
+def lookup(directory, settings=SETTINGS, host="node1", fp=FINGERPRINT):
+    return find_profile(directory, settings, host=host, current_fingerprint=dict(fp))
+
+
+def test_profile_round_trips_through_its_file(tmp_path):
+    pick = StrategyChoice("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
+    original = a_profile(pick=pick)
+    path = save_profile(original, tmp_path / "new" / "node1-ComplexSmall.json")
+    assert load_profile(path) == original
+    record = json.loads(path.read_text())
+    assert record["schema_version"] == SCHEMA_VERSION
+    assert record["pick"] == {"name": "pipeline", "workers": None, "micro_batches": 4,
+                              "devices": ["cuda:0", "cuda:1"]}
+    assert [c["status"] for c in record["candidates"]] == ["measured", "dropped", "measured"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["node1-ComplexSmall.json"]
+
+
+def test_profile_path_is_host_and_usecase(tmp_path):
+    assert profile_path(tmp_path, "SimpleBig", host="gpu7") == tmp_path / "gpu7-SimpleBig.json"
+
+
+def test_profile_dir_comes_from_flag_then_environment_then_default(monkeypatch):
+    monkeypatch.setenv(profiles.DIR_ENV, "/from/env")
+    assert str(profiles.profile_dir("given")) == "given"
+    assert str(profiles.profile_dir()) == "/from/env"
+    monkeypatch.delenv(profiles.DIR_ENV)
+    assert str(profiles.profile_dir()) == "profiles"
+
+
+def test_strategy_choice_gives_the_strategy_options():
+    choice = StrategyChoice("pipeline", micro_batches=8, devices=("cuda:0", "cuda:0"))
+    options = choice.options()
+    assert (options.micro_batches, options.devices, options.workers) == (8, ("cuda:0", "cuda:0"), None)
+    assert choice.label == "pipeline cuda:0,cuda:0 M=8"
+    assert StrategyChoice("threads", workers=3).options(oversubscribe=True).oversubscribe
+    assert StrategyChoice.from_dict(choice.to_dict()) == choice
+
+
+def test_matching_profile_is_usable(tmp_path):
+    save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    found = lookup(tmp_path)
+    assert found.usable and found.problem is None
+    assert found.profile.pick == SEQUENTIAL
+
+
+def test_missing_profile_says_where_it_looked(tmp_path):
+    found = lookup(tmp_path)
+    assert not found.usable
+    assert found.problem == f"no profile at {tmp_path / 'node1-ComplexSmall.json'}"
+
+
+@pytest.mark.parametrize("other", [
+    Settings("ComplexSmall", "vgg16", image_size=64, batch_size=4),
+    Settings("ComplexSmall", "vgg16", image_size=32, batch_size=8),
+    Settings("ComplexSmall", "resnet18", image_size=32, batch_size=4),
+])
+def test_profile_at_other_settings_does_not_match(tmp_path, other):
+    save_profile(a_profile(settings=other), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    found = lookup(tmp_path)
+    assert not found.usable
+    assert f"was measured at {other.describe()}, not at {SETTINGS.describe()}" in found.problem
+
+
+def test_profile_of_another_host_does_not_match(tmp_path):
+    save_profile(a_profile(host="node2"), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    assert "measured on host 'node2'" in lookup(tmp_path).problem
+
+
+def test_changed_fingerprint_makes_the_profile_stale(tmp_path):
+    save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    found = lookup(tmp_path, fp={**FINGERPRINT, "cores_usable": 4, "gpus": ["NVIDIA H100"]})
+    assert not found.usable
+    assert "is stale" in found.problem
+    assert "cores_usable 2 -> 4" in found.problem and "gpus [] -> ['NVIDIA H100']" in found.problem
+
+
+def test_fingerprint_changes_lists_only_what_differs():
+    assert fingerprint_changes(FINGERPRINT, dict(FINGERPRINT)) == []
+    assert fingerprint_changes(FINGERPRINT, {**FINGERPRINT, "torch": "2.1"}) == ["torch '2.0' -> '2.1'"]
+
+
+def test_this_hosts_fingerprint_has_the_documented_fields():
+    fp = profiles.fingerprint()
+    assert set(fp) == {"cpu_model", "cores_usable", "ram_gib", "gpus", "torch"}
+    assert fp["cores_usable"] >= 1 and isinstance(fp["gpus"], list)
+
+
+def test_truncated_profile_is_a_clear_problem_not_a_crash(tmp_path):
+    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    path.write_text(path.read_text()[:120])
+    with pytest.raises(ProfileError, match="is not valid JSON .*truncated.*hybriddl tune"):
+        load_profile(path)
+    found = lookup(tmp_path)
+    assert not found.usable and "is not valid JSON" in found.problem
+
+
+def test_wrong_schema_version_is_a_clear_problem(tmp_path):
+    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    record = json.loads(path.read_text())
+    record["schema_version"] = 99
+    path.write_text(json.dumps(record))
+    with pytest.raises(UsageError, match="schema version 99, this hybriddl reads version 1"):
+        load_profile(path)
+    assert "schema version 99" in lookup(tmp_path).problem
+
+
+@pytest.mark.parametrize("damage", [
+    lambda r: r.pop("candidates"),
+    lambda r: r["settings"].pop("batch_size"),
+    lambda r: r["candidates"][0].update(status="maybe"),
+    lambda r: r["candidates"][0].update(seconds_per_step=None),
+    lambda r: r.update(pick={"name": "threads", "workers": 2}),  # dropped, so not a pick
+])
+def test_damaged_profile_is_a_clear_problem(tmp_path, damage):
+    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    record = json.loads(path.read_text())
+    damage(record)
+    path.write_text(json.dumps(record))
+    with pytest.raises(ProfileError, match="hybriddl tune"):
+        load_profile(path)
+    assert not lookup(tmp_path).usable
+
+
+def test_profile_that_is_not_an_object_is_a_clear_problem(tmp_path):
+    path = profile_path(tmp_path, "ComplexSmall", host="node1")
+    path.write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="is not a profile .a JSON object is expected"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize("pick", [
+    StrategyChoice("warp-drive", workers=2),
+    StrategyChoice("gpu", devices=("cuda:99",)),
+])
+def test_pick_this_host_cannot_run_makes_the_profile_unusable(tmp_path, pick):
+    save_profile(a_profile(pick=pick), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    found = lookup(tmp_path)
+    assert not found.usable
+    assert f"picks {pick.label}, which this host cannot run" in found.problem
+
+
+def test_profiled_throughput_is_the_picks_images_per_second(tmp_path):
+    host_fp = profiles.fingerprint()
+    save_profile(a_profile(host=profiles.this_host(), fp=host_fp),
+                 profile_path(tmp_path, "ComplexSmall"))
+    assert profiles.profiled_throughput(SETTINGS, tmp_path) == 2.0
+    other = Settings("ComplexSmall", "vgg16", image_size=32, batch_size=5)
+    assert profiles.profiled_throughput(other, tmp_path) is None

@@ -1,0 +1,423 @@
+import json
+import math
+import statistics
+
+import pytest
+
+from hybriddl import profiles, tuner
+from hybriddl.benchmark import StepTiming
+from hybriddl.cli import main
+from hybriddl.errors import UsageError
+from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
+                               StrategyChoice, load_profile, profile_path, save_profile)
+from hybriddl.rundir import METRICS
+from hybriddl.tuner import (BASELINE, HostResources, enumerate_candidates, measure_candidates,
+                            select_pick, worker_counts)
+
+THREADS2 = StrategyChoice("threads", workers=2)
+PROCESSES2 = StrategyChoice("processes", workers=2)
+INTRAOP2 = StrategyChoice("intraop", workers=2)
+
+
+class Feasible:
+    @classmethod
+    def check_feasible(cls, options):
+        pass
+
+
+class NeedsOversubscribe:
+    """Like a CPU strategy on a 3-core host: K above 3 is refused."""
+
+    @classmethod
+    def check_feasible(cls, options):
+        if options.workers and options.workers > 3:
+            raise UsageError("K above the usable cores")
+
+
+ALL = {name: Feasible for name in tuner.CANDIDATE_GENERATORS}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cost_measure(clock, cost, *, warmup=1, steps=5, batch=4, setup=lambda label: 0.0):
+    """A measure that spends `cost(choice, step)` fake seconds per step: no timing at all."""
+    def measure(choice, keep_going):
+        clock.now += setup(choice.label)
+        warm, timed = [], []
+        for step in range(warmup + steps):
+            seconds = cost(choice, step)
+            clock.now += seconds
+            (timed if step >= warmup else warm).append(seconds)
+            if not keep_going(step, seconds):
+                break
+        median = statistics.median(timed) if timed else math.inf
+        return StepTiming({"name": choice.name}, batch, median, timed, 1000, warm)
+    return measure
+
+
+def by_label(costs):
+    return lambda choice, step: costs[choice.label]
+
+
+# --------------------------------------------------------------------------- candidates
+
+def test_worker_counts_cover_every_k_on_small_hosts_and_doublings_on_big_ones():
+    assert worker_counts(1) == []
+    assert worker_counts(2) == [2]
+    assert worker_counts(8) == [2, 3, 4, 5, 6, 7, 8]
+    assert worker_counts(64) == [2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+    assert worker_counts(12) == [2, 3, 4, 5, 6, 7, 8, 12]
+
+
+def test_cpu_host_candidates_are_baseline_then_every_k():
+    labels = [c.label for c in enumerate_candidates(HostResources(cores=3), 16, ALL)]
+    assert labels == ["sequential", "intraop K=2", "intraop K=3", "threads K=2", "threads K=3",
+                      "processes K=2", "processes K=3"]
+
+
+def test_strategies_this_hybriddl_lacks_are_skipped():
+    present = {"sequential": Feasible, "threads": Feasible}
+    assert enumerate_candidates(HostResources(cores=2, cuda_devices=2), 8, present) == [BASELINE, THREADS2]
+
+
+def test_candidates_whose_check_feasible_raises_are_skipped():
+    present = {"sequential": Feasible, "processes": NeedsOversubscribe}
+    labels = [c.label for c in enumerate_candidates(HostResources(cores=5), 16, present)]
+    assert labels == ["sequential", "processes K=2", "processes K=3"]
+
+
+def test_data_parallel_workers_never_outnumber_the_batch():
+    labels = [c.label for c in enumerate_candidates(HostResources(cores=4), 3, ALL)]
+    assert "threads K=4" not in labels and "processes K=4" not in labels
+    assert "threads K=3" in labels and "intraop K=4" in labels
+
+
+def test_two_gpu_host_gets_each_gpu_the_pipeline_and_gpu_threads():
+    labels = [c.label for c in enumerate_candidates(HostResources(cores=1, cuda_devices=2), 16, ALL)]
+    assert labels == ["sequential", "gpu cuda:0", "gpu cuda:1",
+                      "pipeline cuda:0,cuda:1 M=1", "pipeline cuda:0,cuda:1 M=2",
+                      "pipeline cuda:0,cuda:1 M=4", "pipeline cuda:0,cuda:1 M=8",
+                      "gpu-threads cuda:0,cuda:1"]
+
+
+def test_one_gpu_host_pipelines_both_stages_on_it():
+    labels = [c.label for c in enumerate_candidates(HostResources(cores=1, cuda_devices=1), 4, ALL)]
+    assert labels == ["sequential", "gpu cuda:0", "pipeline cuda:0,cuda:0 M=1",
+                      "pipeline cuda:0,cuda:0 M=2", "pipeline cuda:0,cuda:0 M=4"]
+
+
+# --------------------------------------------------------------------------- selection
+
+def test_pick_is_the_candidate_with_the_lowest_seconds_per_step():
+    clock = FakeClock()
+    costs = {"sequential": 4.0, "intraop K=2": 2.5, "threads K=2": 2.0, "processes K=2": 2.2}
+    results = measure_candidates([BASELINE, INTRAOP2, THREADS2, PROCESSES2],
+                                 cost_measure(clock, by_label(costs)), budget=1000, clock=clock)
+    assert select_pick(results) == THREADS2
+    assert [r.status for r in results] == [MEASURED] * 4
+    threads = results[2]
+    assert threads.seconds_per_step == 2.0 and threads.timed_steps == 5
+    assert threads.speedup == 2.0 and threads.images_per_second == 2.0
+    assert results[0].speedup == 1.0 and threads.speedup_over_gpu is None
+    assert clock.now == pytest.approx(6 * sum(costs.values()))
+
+
+def test_tie_goes_to_the_earlier_simpler_candidate():
+    clock = FakeClock()
+    costs = {"sequential": 2.0, "threads K=2": 1.0, "processes K=2": 1.0}
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2],
+                                 cost_measure(clock, by_label(costs)), budget=1000, clock=clock)
+    assert select_pick(results) == THREADS2
+
+
+def test_speedup_over_one_gpu_on_gpu_hosts():
+    clock = FakeClock()
+    gpu = StrategyChoice("gpu", devices=("cuda:0",))
+    pipe = StrategyChoice("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
+    costs = {"sequential": 8.0, gpu.label: 0.5, pipe.label: 0.25}
+    results = measure_candidates([BASELINE, gpu, pipe], cost_measure(clock, by_label(costs)),
+                                 budget=1000, clock=clock)
+    assert select_pick(results) == pipe
+    assert (results[2].speedup, results[2].speedup_over_gpu) == (32.0, 2.0)
+    assert results[1].speedup_over_gpu == 1.0
+
+
+def test_nothing_measured_is_a_usage_error():
+    with pytest.raises(UsageError, match="larger --budget"):
+        select_pick([CandidateResult(THREADS2, DROPPED, note="x")])
+
+
+# --------------------------------------------------------------------------- budget
+
+def test_candidate_that_cannot_fit_its_share_is_dropped_after_one_step():
+    clock = FakeClock()
+    costs = {"sequential": 1.0, "threads K=2": 10.0, "processes K=2": 0.5}
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2],
+                                 cost_measure(clock, by_label(costs)), budget=30, clock=clock)
+    sequential, threads, processes = results
+    assert sequential.status == MEASURED and sequential.timed_steps == 5
+    # threads' share: (30 - 6) / 2 = 12 s; its warm-up took 10 s, a timed step would end at 20.
+    assert threads.status == DROPPED
+    assert threads.note == ("a step took 10.00 s: a timed one would overrun its 12.0 s share "
+                            "of the budget")
+    assert threads.seconds_per_step is None
+    # processes then gets the 14 s left, and needs 3.
+    assert processes.status == MEASURED and processes.timed_steps == 5
+    assert select_pick(results) == PROCESSES2
+    assert clock.now == 6 + 10 + 3
+
+
+def test_candidates_get_only_the_steps_that_fit_their_share():
+    clock = FakeClock()
+    costs = {"sequential": 1.0, "threads K=2": 2.0}
+    results = measure_candidates([BASELINE, THREADS2], cost_measure(clock, by_label(costs)),
+                                 budget=14, clock=clock)
+    threads = results[1]
+    # share 8 s: warm-up 2, then timed steps while the next one ends by 8: 3 timed steps.
+    assert threads.status == MEASURED and threads.timed_steps == 3
+    assert threads.note == "3 of 5 timed steps fit its 8.0 s share of the budget"
+    assert clock.now == 6 + 8
+
+
+def test_budget_spent_means_later_candidates_are_not_started():
+    clock = FakeClock()
+    started = []
+
+    def cost(choice, step):
+        started.append(choice.label)
+        return 50.0
+
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2], cost_measure(clock, cost),
+                                 budget=20, clock=clock)
+    assert [r.status for r in results] == [MEASURED, DROPPED, DROPPED]
+    assert results[1].note == results[2].note == "not started: the budget was spent"
+    assert set(started) == {"sequential"}
+
+
+def test_baseline_is_measured_even_past_its_share():
+    clock = FakeClock()
+    results = measure_candidates([BASELINE, THREADS2],
+                                 cost_measure(clock, by_label({"sequential": 10.0, "threads K=2": 1.0})),
+                                 budget=4, clock=clock)
+    baseline = results[0]
+    assert baseline.status == MEASURED and baseline.timed_steps == 1
+    assert "the baseline ran past its share" in baseline.note
+    assert clock.now == 20.0
+
+
+def test_setup_time_counts_against_the_share():
+    costs = {"sequential": 1.0, "processes K=2": 1.0}
+    setup = {"sequential": 0.0, "processes K=2": 9.5}  # e.g. spawning worker processes
+
+    def run(budget):
+        clock = FakeClock()
+        return measure_candidates([BASELINE, PROCESSES2],
+                                  cost_measure(clock, by_label(costs), setup=setup.__getitem__),
+                                  budget=budget, clock=clock)
+
+    # Budget 20: processes' share is 14 s; setup and warm-up take 10.5, 3 timed steps fit.
+    assert run(20)[1].timed_steps == 3
+    # Budget 17: its share is 11 s; setup and warm-up leave no room for a timed step.
+    assert run(17)[1].status == DROPPED
+
+
+def test_failed_candidate_is_dropped_with_its_error_and_tuning_goes_on():
+    clock = FakeClock()
+
+    def measure(choice, keep_going):
+        if choice == THREADS2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB\nmore detail")
+        return cost_measure(clock, lambda c, s: 1.0)(choice, keep_going)
+
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2], measure, budget=100, clock=clock)
+    assert [r.status for r in results] == [MEASURED, DROPPED, MEASURED]
+    assert results[1].note == "failed: CUDA out of memory. Tried to allocate 2 GiB"
+
+
+def test_progress_is_reported_for_every_candidate_and_step():
+    events = []
+
+    class Recorder(tuner.TuneObserver):
+        def on_candidate_start(self, index, choice, share_seconds):
+            events.append(("start", index, choice.label, share_seconds))
+
+        def on_candidate_step(self, index, step, seconds):
+            events.append(("step", index, step))
+
+        def on_candidate_end(self, index, result):
+            events.append(("end", index, result.status))
+
+    clock = FakeClock()
+    measure_candidates([BASELINE, THREADS2], cost_measure(clock, lambda c, s: 1.0, steps=1),
+                       budget=10, steps=1, clock=clock, observer=Recorder())
+    assert events == [("start", 0, "sequential", 5.0), ("step", 0, 0), ("step", 0, 1),
+                      ("end", 0, MEASURED), ("start", 1, "threads K=2", 8.0), ("step", 1, 0),
+                      ("step", 1, 1), ("end", 1, MEASURED)]
+
+
+# --------------------------------------------------------------------------- tune_host and auto
+
+TINY = Settings(usecase="ComplexSmall", model="resnet18", image_size=32, batch_size=2)
+
+
+def tiny_images():
+    return tuner.embedded_images(TINY)
+
+
+@pytest.fixture
+def one_core_host(monkeypatch):
+    """Only the baseline is a candidate: what is tested is the re-tune, not the strategies."""
+    monkeypatch.setattr(HostResources, "here", classmethod(lambda cls: cls(cores=1)))
+
+
+def test_tune_host_measures_real_steps_into_a_profile():
+    profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1)
+    assert profile.settings == TINY and profile.host == profiles.this_host()
+    assert profile.fingerprint == profiles.fingerprint()
+    assert profile.candidates[0].choice == BASELINE
+    measured = [c for c in profile.candidates if c.measured]
+    assert all(c.timed_steps == 1 and c.peak_rss_bytes > 0 for c in measured)
+    assert profile.pick_result.seconds_per_step == min(c.seconds_per_step for c in measured)
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_tune_host_rejects_an_image_size_the_model_cannot_take():
+    with pytest.raises(UsageError, match="--image-size 8 is too small"):
+        tuner.tune_host(Settings("ComplexSmall", "vgg16", 8, 2), tiny_images(), budget=10)
+
+
+def test_tune_settings_fill_the_use_case_defaults():
+    assert tuner.tune_settings("SimpleBig") == Settings("SimpleBig", "alexnet", 224, 32)
+    with pytest.raises(UsageError, match="--batch-size 0"):
+        tuner.tune_settings("SimpleBig", batch_size=0)
+    with pytest.raises(UsageError, match="unknown use case"):
+        tuner.tune_settings("Nope")
+
+
+def matching_profile(pick=BASELINE) -> Profile:
+    candidates = [CandidateResult(BASELINE, MEASURED, seconds_per_step=1.0, timed_steps=3,
+                                  images_per_second=2.0, speedup=1.0, peak_rss_bytes=1)]
+    if pick != BASELINE:
+        candidates.append(CandidateResult(pick, MEASURED, seconds_per_step=0.5, timed_steps=3,
+                                          images_per_second=4.0, speedup=2.0, peak_rss_bytes=1))
+    return Profile(host=profiles.this_host(), fingerprint=profiles.fingerprint(), settings=TINY,
+                   candidates=candidates, pick=pick)
+
+
+def test_auto_uses_a_matching_profile_without_measuring(tmp_path, monkeypatch):
+    path = save_profile(matching_profile(), profile_path(tmp_path, TINY.usecase))
+    monkeypatch.setattr(tuner, "tune_host", lambda *a, **k: pytest.fail("tuned"))
+    decision = tuner.auto_strategy(TINY, tiny_images(), directory=str(tmp_path))
+    assert decision.choice == BASELINE and decision.tuned_because is None
+    assert decision.describe()["source"] == "profile" and decision.describe()["speedup"] == 1.0
+    assert decision.message().startswith("strategy auto: sequential, the fastest of 1 measured")
+    assert decision.path == path
+
+
+def damage_truncate(path):
+    path.write_text(path.read_text()[:50])
+
+
+def damage_schema(path):
+    path.write_text(path.read_text().replace('"schema_version": 1', '"schema_version": 0'))
+
+
+def damage_fingerprint(path):
+    record = json.loads(path.read_text())
+    record["fingerprint"]["cpu_model"] = "a CPU this host does not have"
+    path.write_text(json.dumps(record))
+
+
+def damage_pick(path):
+    save_profile(matching_profile(pick=StrategyChoice("warp-drive", workers=2)), path)
+
+
+def damage_settings(path):
+    record = json.loads(path.read_text())
+    record["settings"]["batch_size"] = 64
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (damage_truncate, "is not valid JSON"),
+    (damage_schema, "schema version 0"),
+    (damage_fingerprint, "is stale"),
+    (damage_pick, "picks warp-drive K=2, which this host cannot run"),
+    (damage_settings, "was measured at ComplexSmall (resnet18), 32 px, batch 64"),
+])
+def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, damage, problem):
+    path = save_profile(matching_profile(), profile_path(tmp_path, TINY.usecase))
+    damage(path)
+    decision = tuner.auto_strategy(TINY, tiny_images(), directory=str(tmp_path), budget=60, steps=1)
+    assert problem in decision.tuned_because
+    assert decision.describe()["source"] == "tuned"
+    rewritten = load_profile(path)
+    assert rewritten.settings == TINY and rewritten.fingerprint == profiles.fingerprint()
+    assert rewritten.pick == decision.choice and rewritten.pick.infeasibility() is None
+
+
+# --------------------------------------------------------------------------- CLI
+
+def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
+    output = tmp_path / "out" / "here.json"
+    done = cli("tune", "--usecase", "ComplexSmall", "--image-size", "32", "--batch-size", "4",
+               "--steps", "1", "--output", str(output))
+    assert done.returncode == 0, done.stderr
+    profile = load_profile(output)
+    assert profile.settings == Settings("ComplexSmall", "vgg16", 32, 4)
+    assert profile.measurement["timed_steps"] == 1
+    assert profile.candidates[0].choice == BASELINE and profile.candidates[0].measured
+    assert "pick" in done.stdout and f"profile written to {output}" in " ".join(done.stdout.split())
+    assert profile.pick.label in done.stdout
+
+
+def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
+    done = cli("tune", "--usecase", "ComplexSmall", "--model", "resnet18", "--image-size", "32",
+               "--batch-size", "2", "--steps", "1", HYBRIDDL_PROFILES=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [f"{profiles.this_host()}-ComplexSmall.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0"], "--budget 0.0: give a positive number of seconds"),
+    (["--image-size", "8"], "--image-size 8 is too small"),
+    (["--usecase", "Nope"], "unknown use case 'Nope'"),
+    (["--steps", "0"], "give at least 1 timed step"),
+])
+def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
+    output = tmp_path / "p.json"
+    assert main(["tune", "--batch-size", "2", *args, "--output", str(output)]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not output.exists()
+
+
+def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
+    settings = Settings("ComplexSmall", "vgg16", 32, 4)
+    profile = matching_profile()
+    profile.settings = settings
+    path = save_profile(profile, profile_path(tmp_path / "profiles", "ComplexSmall"))
+    before = path.read_bytes()
+    run_dir = tmp_path / "run"
+    done = cli("train", "--strategy", "auto", "--image-size", "32", "--batch-size", "4",
+               "--max-steps", "1", "--epochs", "1", "--run-dir", str(run_dir),
+               "--profile-dir", str(tmp_path / "profiles"))
+    assert done.returncode == 0, done.stderr
+    config = json.loads((run_dir / METRICS).read_text())["config"]
+    assert config["strategy"]["name"] == "sequential"
+    assert config["strategy_choice"]["source"] == "profile"
+    assert config["strategy_choice"]["profile"] == str(path)
+    assert "strategy auto: sequential" in done.stderr and "tuning first" not in done.stderr
+    assert path.read_bytes() == before
+
+
+def test_train_auto_refuses_workers_and_devices(capsys, tmp_path):
+    assert main(["train", "--strategy", "auto", "--workers", "2", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "--workers and --devices go with a named --strategy" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
