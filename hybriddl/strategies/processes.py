@@ -1,0 +1,181 @@
+"""The paper's fastest CPU strategy: persistent local worker processes on shared memory.
+
+- Workers are started once, with the spawn context (never fork: forking a process that
+  holds OpenMP or MPI state is unsafe), and live until close().
+- The master parameters are moved to shared memory (model.share_memory()) before the
+  workers start, so the workers see every optimizer update in place: no copy per step.
+- Each worker's .grad fields are views of one flat shared-memory buffer, so its
+  backward writes straight into memory the master reads; the master adds the buffers.
+- Inputs travel through one shared input buffer; a step's message is four numbers.
+- The master computes the first sub-batch itself: with K processes on K cores an idle
+  master would waste one, and its share needs no gradient copy at all. K - 1 worker
+  processes are started.
+- Workers die with the master: they ignore SIGINT (the master stops them), and a closed
+  pipe (the master ended, however it ended) makes them exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from hybriddl.errors import TrainingError
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.resources import local_workers
+
+
+class Processes(LocalStrategy):
+    name = "processes"
+
+    @classmethod
+    def check_feasible(cls, options) -> None:
+        local_workers(options)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.workers = local_workers(options)
+        self.processes: list = []
+        self.connections: list = []
+        self.grad_buffers: list[torch.Tensor] = []
+        self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "workers": self.workers}
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        torch.set_num_threads(1)
+        model.share_memory()
+        numel = sum(p.numel() for p in _trained(model))
+        context = mp.get_context("spawn")
+        try:
+            for rank in range(1, self.workers):
+                grad_buffer = torch.zeros(numel).share_memory_()
+                mine, theirs = context.Pipe()
+                process = context.Process(target=_worker_main, args=(rank, theirs, model, grad_buffer),
+                                          name=f"hybriddl-worker-{rank}", daemon=True)
+                process.start()
+                theirs.close()  # the worker's end lives in the worker only: EOF when we end
+                self.processes.append(process)
+                self.connections.append(mine)
+                self.grad_buffers.append(grad_buffer)
+            for rank, connection in enumerate(self.connections, start=1):
+                self._expect(rank, connection, "ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        busy = list(enumerate(zip(self.connections, parts[1:]), start=1))
+        if busy:
+            self._share_inputs(x, y)
+        for _, (connection, (a, b)) in busy:
+            connection.send(("step", a, b, (b - a) / n))
+        torch.set_num_threads(1)
+        a, b = parts[0]
+        loss = criterion(self.model(x[a:b]), y[a:b])
+        (loss * ((b - a) / n)).backward()
+        loss_sum = loss.item() * (b - a)
+        for rank, (connection, _) in busy:
+            loss_sum += self._expect(rank, connection, "done")
+        # The workers idle now: the reduction and the optimizer step may use every core.
+        torch.set_num_threads(self.workers)
+        if busy:
+            with torch.no_grad():
+                for rank, _ in busy:
+                    for p, g in zip(_trained(self.model), _views(self.grad_buffers[rank - 1], self.model)):
+                        p.grad.add_(g)
+        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
+
+    def _share_inputs(self, x, y) -> None:
+        """Copy the batch into the shared input buffer; reallocate (and resend) it only
+        when the image shape changes or the batch outgrows it."""
+        fits = (self.inputs is not None and self.inputs[0].shape[1:] == x.shape[1:]
+                and len(self.inputs[0]) >= len(x) and self.inputs[0].dtype == x.dtype)
+        if not fits:
+            self.inputs = (torch.empty_like(x).share_memory_(), torch.empty_like(y).share_memory_())
+            for connection in self.connections:
+                connection.send(("inputs", *self.inputs))
+        self.inputs[0][:len(x)].copy_(x)
+        self.inputs[1][:len(y)].copy_(y)
+
+    def _expect(self, rank: int, connection, what: str):
+        try:
+            reply = connection.recv()
+        except (EOFError, OSError):
+            process = self.processes[rank - 1]
+            process.join(timeout=1.0)
+            raise TrainingError(f"local worker process {rank} died (exit code "
+                                f"{process.exitcode}): see its error above") from None
+        if reply[0] == "error":
+            raise TrainingError(f"local worker process {rank} failed:\n{reply[1]}")
+        assert reply[0] == what, reply
+        return reply[1] if len(reply) > 1 else None
+
+    def close(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(("stop",))
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=1.0)
+            if process.is_alive():  # still inside a step: its work is of no use any more
+                process.terminate()
+                process.join(timeout=5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.connections:
+            connection.close()
+        self.processes, self.connections, self.grad_buffers, self.inputs = [], [], [], None
+
+
+def _trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
+    """flat, cut into tensors shaped like the model's trained parameters, in order."""
+    views, offset = [], 0
+    for p in _trained(model):
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor) -> None:
+    """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # dropout differs per worker, as it would between sub-batches
+    for p, g in zip(_trained(model), _views(grad_buffer, model)):
+        p.grad = g
+    inputs = None
+    try:
+        connection.send(("ready",))
+        while True:
+            message = connection.recv()
+            if message[0] == "stop":
+                return
+            if message[0] == "inputs":
+                inputs = message[1:]
+                continue
+            _, a, b, weight = message
+            try:
+                grad_buffer.zero_()
+                loss = criterion(model(inputs[0][a:b]), inputs[1][a:b])
+                (loss * weight).backward()
+                connection.send(("done", loss.item() * (b - a)))
+            except Exception:
+                connection.send(("error", traceback.format_exc()))
+    except (EOFError, OSError):
+        return  # the master is gone
