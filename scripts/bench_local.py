@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--usecase", default="ComplexSmall", help=f"one of {', '.join(USECASES)}")
     parser.add_argument("--model", help="torchvision classifier (default: the use case's)")
-    parser.add_argument("--image-size", type=int, default=224, help="pixels per side (default: 224)")
+    parser.add_argument("--image-size", type=int, default=224,
+                        help="pixels per side (default: 224)")
     parser.add_argument("--batch-size", type=int, help="host batch (default: the use case's)")
     parser.add_argument("--workers", type=int, default=usable_cores(),
                         help="K for intraop/threads/processes/DDP (default: usable cores)")
@@ -109,9 +110,9 @@ def table(result: dict) -> Table:
     for column in ("strategy", "s/step", "images/s", "speedup", "peak RSS MiB", "peak PSS MiB"):
         table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
     for row in result["rows"]:
+        mib = [f"{row[key] / 2**20:.0f}" for key in ("peak_rss_bytes", "peak_pss_bytes")]
         table.add_row(label(row["strategy"]), f"{row['seconds_per_step']:.3f}",
-                      f"{row['images_per_second']:.1f}", f"{row['speedup']:.2f}x",
-                      f"{row['peak_rss_bytes'] / 2**20:.0f}", f"{row['peak_pss_bytes'] / 2**20:.0f}")
+                      f"{row['images_per_second']:.1f}", f"{row['speedup']:.2f}x", *mib)
     return table
 
 

@@ -37,8 +37,8 @@ def slim_model(name: str) -> nn.Module:
     model = build_model(name, 3, dropout=0.0)
     channels = model.features[-3].out_channels
     model.avgpool = nn.AdaptiveAvgPool2d(1)
-    model.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(channels, 32), nn.ReLU(inplace=True),
-                                     nn.Linear(32, 3))
+    model.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(channels, 32),
+                                     nn.ReLU(inplace=True), nn.Linear(32, 3))
     return model
 
 
@@ -73,6 +73,10 @@ def sequential_parameters(model_name: str) -> list[torch.Tensor]:
     return train("sequential", StrategyOptions(), model_name)
 
 
+def assert_matches_sequential(strategy: str, options: StrategyOptions, model_name: str) -> None:
+    assert_same_parameters(train(strategy, options, model_name), sequential_parameters(model_name))
+
+
 def assert_same_parameters(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
@@ -81,46 +85,47 @@ def assert_same_parameters(actual: list[torch.Tensor], expected: list[torch.Tens
 
 
 def test_training_moves_the_parameters():
-    """The equivalence tests would be empty if the steps changed nothing."""
+    """Every parameter tensor moves by 10x the tolerance of the equivalence tests or more,
+    so they could not pass by comparing two barely trained models."""
     before = [p.detach().clone() for p in slim_model("alexnet").parameters()]
     after = sequential_parameters("alexnet")
-    moved = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(after, before))
-    assert moved > 1e-3
+    moved = min(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(after, before))
+    assert moved > 1e-4
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("strategy", ["intraop", "threads", "processes"])
 def test_cpu_strategy_matches_sequential(strategy, workers):
     options = StrategyOptions(workers=workers, oversubscribe=True)
-    assert_same_parameters(train(strategy, options, "alexnet"), sequential_parameters("alexnet"))
+    assert_matches_sequential(strategy, options, "alexnet")
 
 
 def test_threads_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True)
-    assert_same_parameters(train("threads", options, "vgg16"), sequential_parameters("vgg16"))
+    assert_matches_sequential("threads", options, "vgg16")
 
 
 def test_processes_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True)
-    assert_same_parameters(train("processes", options, "vgg16"), sequential_parameters("vgg16"))
+    assert_matches_sequential("processes", options, "vgg16")
 
 
 @pytest.mark.parametrize("model_name", ["alexnet", "vgg16"])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
 def test_pipeline_matches_sequential_on_cpu(model_name, micro_batches):
     options = StrategyOptions(micro_batches=micro_batches, devices=("cpu", "cpu"))
-    assert_same_parameters(train("pipeline", options, model_name), sequential_parameters(model_name))
+    assert_matches_sequential("pipeline", options, model_name)
 
 
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu"), ("cpu", "cpu", "cpu")])
 def test_gpu_threads_matches_sequential_on_cpu(devices):
     options = StrategyOptions(devices=devices)
-    assert_same_parameters(train("gpu-threads", options, "alexnet"), sequential_parameters("alexnet"))
+    assert_matches_sequential("gpu-threads", options, "alexnet")
 
 
 @needs_cuda
 def test_gpu_matches_sequential():
-    assert_same_parameters(train("gpu", StrategyOptions(), "alexnet"), sequential_parameters("alexnet"))
+    assert_matches_sequential("gpu", StrategyOptions(), "alexnet")
 
 
 @needs_cuda
@@ -128,14 +133,14 @@ def test_gpu_matches_sequential():
 def test_pipeline_matches_sequential_on_cuda(micro_batches):
     devices = ("cuda:0", "cuda:1") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
     options = StrategyOptions(micro_batches=micro_batches, devices=devices)
-    assert_same_parameters(train("pipeline", options, "vgg16"), sequential_parameters("vgg16"))
+    assert_matches_sequential("pipeline", options, "vgg16")
 
 
 @needs_cuda
 def test_gpu_threads_matches_sequential_on_cuda():
     devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) + ("cpu",)
     options = StrategyOptions(devices=devices)
-    assert_same_parameters(train("gpu-threads", options, "alexnet"), sequential_parameters("alexnet"))
+    assert_matches_sequential("gpu-threads", options, "alexnet")
 
 
 @pytest.mark.parametrize(("name", "convolutions"), [("alexnet", 4), ("vgg16", 8)])

@@ -57,8 +57,8 @@ class Pipeline(LocalStrategy):
         if options.micro_batches < 1:
             raise UsageError(f"--micro-batches {options.micro_batches}: give at least 1")
         if not options.devices and not torch.cuda.is_available():
-            raise UsageError("no CUDA device: strategy 'pipeline' defaults to cuda:0,cuda:1; "
-                             "give --devices cpu,cpu or use --strategy sequential/threads/processes")
+            raise UsageError("no CUDA device: strategy 'pipeline' defaults to cuda:0,cuda:1; give "
+                             "--devices cpu,cpu or use --strategy sequential/threads/processes")
         devices = parse_devices(options, DEFAULT_DEVICES)
         if len(devices) != 2:
             raise UsageError(f"--devices {','.join(options.devices)}: strategy 'pipeline' takes "

@@ -42,6 +42,7 @@ class Processes(LocalStrategy):
         self.processes: list = []
         self.connections: list = []
         self.grad_buffers: list[torch.Tensor] = []
+        self.grad_views: list[list[torch.Tensor]] = []  # each buffer, shaped as the parameters
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def describe(self) -> dict:
@@ -57,15 +58,18 @@ class Processes(LocalStrategy):
             for rank in range(1, self.workers):
                 grad_buffer = torch.zeros(numel).share_memory_()
                 mine, theirs = context.Pipe()
-                process = context.Process(target=_worker_main, args=(rank, theirs, model, grad_buffer),
+                process = context.Process(target=_worker_main,
+                                          args=(rank, theirs, model, grad_buffer),
                                           name=f"hybriddl-worker-{rank}", daemon=True)
                 process.start()
                 theirs.close()  # the worker's end lives in the worker only: EOF when we end
                 self.processes.append(process)
                 self.connections.append(mine)
                 self.grad_buffers.append(grad_buffer)
-            for rank, connection in enumerate(self.connections, start=1):
-                self._expect(rank, connection, "ready")
+                self.grad_views.append(_views(grad_buffer, model))
+            for rank in range(1, self.workers):
+                if isinstance(failure := self._reply(rank, "ready"), TrainingError):
+                    raise failure
         except BaseException:
             self.close()
             raise
@@ -74,24 +78,34 @@ class Processes(LocalStrategy):
         started = time.perf_counter()
         n = len(y)
         parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
-        busy = list(enumerate(zip(self.connections, parts[1:]), start=1))
+        busy = list(range(1, len(parts)))  # ranks of the workers with a sub-batch
         if busy:
             self._share_inputs(x, y)
-        for _, (connection, (a, b)) in busy:
-            connection.send(("step", a, b, (b - a) / n))
+        for rank in busy:
+            a, b = parts[rank]
+            self.connections[rank - 1].send(("step", a, b, (b - a) / n))
         torch.set_num_threads(1)
-        a, b = parts[0]
-        loss = criterion(self.model(x[a:b]), y[a:b])
-        (loss * ((b - a) / n)).backward()
-        loss_sum = loss.item() * (b - a)
-        for rank, (connection, _) in busy:
-            loss_sum += self._expect(rank, connection, "done")
+        try:
+            a, b = parts[0]
+            loss = criterion(self.model(x[a:b]), y[a:b])
+            (loss * ((b - a) / n)).backward()
+            loss_sum = loss.item() * (b - a)
+        finally:
+            # Every reply is read, even when the master's share failed: none is left
+            # behind in a pipe to be mistaken for the next step's.
+            replies = [self._reply(rank, "done") for rank in busy]
+        failures = [reply for reply in replies if isinstance(reply, TrainingError)]
+        if failures:
+            raise failures[0]
+        loss_sum += sum(replies)
         # The workers idle now: the reduction and the optimizer step may use every core.
         torch.set_num_threads(self.workers)
-        if busy:
-            with torch.no_grad():
-                for rank, _ in busy:
-                    for p, g in zip(_trained(self.model), _views(self.grad_buffers[rank - 1], self.model)):
+        with torch.no_grad():
+            for rank in busy:
+                for p, g in zip(_trained(self.model), self.grad_views[rank - 1]):
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
                         p.grad.add_(g)
         return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
 
@@ -107,16 +121,17 @@ class Processes(LocalStrategy):
         self.inputs[0][:len(x)].copy_(x)
         self.inputs[1][:len(y)].copy_(y)
 
-    def _expect(self, rank: int, connection, what: str):
+    def _reply(self, rank: int, what: str):
+        """The worker's answer, or the TrainingError that says why there is none."""
         try:
-            reply = connection.recv()
+            reply = self.connections[rank - 1].recv()
         except (EOFError, OSError):
             process = self.processes[rank - 1]
             process.join(timeout=1.0)
-            raise TrainingError(f"local worker process {rank} died (exit code "
-                                f"{process.exitcode}): see its error above") from None
+            return TrainingError(f"local worker process {rank} died (exit code "
+                                 f"{process.exitcode}): see its error above")
         if reply[0] == "error":
-            raise TrainingError(f"local worker process {rank} failed:\n{reply[1]}")
+            return TrainingError(f"local worker process {rank} failed:\n{reply[1]}")
         assert reply[0] == what, reply
         return reply[1] if len(reply) > 1 else None
 
@@ -136,7 +151,8 @@ class Processes(LocalStrategy):
                 process.join()
         for connection in self.connections:
             connection.close()
-        self.processes, self.connections, self.grad_buffers, self.inputs = [], [], [], None
+        self.processes, self.connections, self.inputs = [], [], None
+        self.grad_buffers, self.grad_views = [], []
 
 
 def _trained(model):
