@@ -118,7 +118,7 @@ def table(result: dict) -> Table:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 110))  # piped output: no truncation
     try:
         result = run(args)
     except UsageError as exc:

@@ -100,6 +100,7 @@ class Processes(LocalStrategy):
         loss_sum += sum(replies)
         # The workers idle now: the reduction and the optimizer step may use every core.
         torch.set_num_threads(self.workers)
+        reduce_started = time.perf_counter()
         with torch.no_grad():
             for rank in busy:
                 for p, g in zip(_trained(self.model), self.grad_views[rank - 1]):
@@ -107,7 +108,9 @@ class Processes(LocalStrategy):
                         p.grad = g.clone()
                     else:
                         p.grad.add_(g)
-        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
+        done = time.perf_counter()
+        return StepStats(n, loss_sum, done - started,
+                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
 
     def _share_inputs(self, x, y) -> None:
         """Copy the batch into the shared input buffer; reallocate (and resend) it only

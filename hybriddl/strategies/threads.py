@@ -66,6 +66,7 @@ class Threads(LocalStrategy):
         # The reduction (and the optimizer step after it) runs while the workers idle,
         # so it may use every core.
         torch.set_num_threads(self.workers)
+        reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
                 worker_loss_sum, grads = future.result()
@@ -77,7 +78,9 @@ class Threads(LocalStrategy):
                         p.grad = g
                     else:
                         p.grad.add_(g)
-        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
+        done = time.perf_counter()
+        return StepStats(n, loss_sum, done - started,
+                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
 
     def close(self) -> None:
         if self.pool is not None:
