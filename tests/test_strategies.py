@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 
 import psutil
 import pytest
@@ -272,3 +273,15 @@ def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
 def test_every_strategy_is_registered():
     assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "gpu", "pipeline",
                                "gpu-threads"}
+
+
+def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):
+    from hybriddl.strategies import processes
+
+    one_mib_free = types.SimpleNamespace(total=2**20, used=0, free=2**20)
+    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: one_mib_free)
+    before = child_pids()
+    with make_strategy("processes", StrategyOptions(workers=2, oversubscribe=True)) as local:
+        with pytest.raises(UsageError, match="shared memory"):
+            local.setup(slim_model("alexnet"))
+    assert child_pids() == before

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 import traceback
@@ -23,10 +24,13 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from hybriddl.errors import TrainingError
+from hybriddl.errors import TrainingError, UsageError
 from hybriddl.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import local_workers
+
+
+SHARED_MEMORY = "/dev/shm"
 
 
 class Processes(LocalStrategy):
@@ -51,8 +55,9 @@ class Processes(LocalStrategy):
     def setup(self, model) -> None:
         super().setup(model)
         torch.set_num_threads(1)
-        model.share_memory()
         numel = sum(p.numel() for p in _trained(model))
+        _check_shared_memory(model, numel * 4 * (self.workers - 1))
+        model.share_memory()
         context = mp.get_context("spawn")
         try:
             for rank in range(1, self.workers):
@@ -156,6 +161,20 @@ class Processes(LocalStrategy):
             connection.close()
         self.processes, self.connections, self.inputs = [], [], None
         self.grad_buffers, self.grad_views = [], []
+
+
+def _check_shared_memory(model, grad_bytes: int) -> None:
+    """Shared tensors live in /dev/shm; a container's default (64 MiB) holds no VGG16."""
+    need = grad_bytes + sum(t.numel() * t.element_size()
+                            for t in (*model.parameters(), *model.buffers()))
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
+        return  # no /dev/shm to ask (not Linux): let PyTorch decide
+    if need > free:
+        raise UsageError(f"strategy 'processes' needs {need / 2**20:.0f} MiB of shared memory "
+                         f"and {SHARED_MEMORY} has {free / 2**20:.0f} MiB free: enlarge it "
+                         "(docker run --shm-size=...), lower --workers, or use --strategy threads")
 
 
 def _trained(model):
