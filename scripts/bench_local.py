@@ -13,7 +13,6 @@ speedup = t_sequential / t_row (the paper's definition).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
