@@ -7,6 +7,8 @@ figure in a table was taken the same way (speedup = t_baseline / t_strategy).
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +20,8 @@ import torch
 from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.usecases import build_model
 
 
@@ -29,6 +33,9 @@ class StepTiming:
     step_seconds: list[float]  # the timed steps (fewer than asked when keep_going stopped them)
     peak_rss_bytes: int  # this process and its children, highest sample
     warmup_seconds: list[float] = field(default_factory=list)
+    # RSS counts memory shared between processes (parameters in shared memory) once per
+    # process; PSS splits it between them, so it compares processes with threads fairly.
+    peak_pss_bytes: int = 0
 
     @property
     def images_per_second(self) -> float:
@@ -37,14 +44,23 @@ class StepTiming:
 
 def tree_rss_bytes() -> int:
     """RSS of this process plus its live children (worker processes)."""
+    return tree_memory()[0]
+
+
+def tree_memory() -> tuple[int, int]:
+    """(RSS, PSS) of this process plus its live children; PSS is 0 where unknown."""
     me = psutil.Process()
-    total = me.memory_info().rss
-    for child in me.children(recursive=True):
+    rss = pss = 0
+    for process in (me, *me.children(recursive=True)):
         try:
-            total += child.memory_info().rss
+            info = process.memory_full_info()
+            rss += info.rss
+            pss += getattr(info, "pss", 0)
+        except psutil.AccessDenied:
+            rss += process.memory_info().rss
         except psutil.Error:
             pass
-    return total
+    return rss, pss
 
 
 def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int = 0):
@@ -78,7 +94,7 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
         with make_strategy(name, options) as strategy:
             strategy.setup(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-            warm, seconds, peak = [], [], tree_rss_bytes()
+            warm, seconds, peak = [], [], tree_memory()
             for step in range(warmup + steps):
                 started = time.perf_counter()
                 optimizer.zero_grad(set_to_none=False)
@@ -86,7 +102,7 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
                 optimizer.step()
                 strategy.after_step()
                 elapsed = time.perf_counter() - started
-                peak = max(peak, tree_rss_bytes())
+                peak = tuple(map(max, peak, tree_memory()))
                 if step >= warmup:
                     seconds.append(elapsed)
                 else:
@@ -97,4 +113,87 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
     finally:
         torch.set_num_threads(threads)  # strategies pin threads; leave the caller as it was
     median = statistics.median(seconds) if seconds else math.inf
-    return StepTiming(description, len(y), median, seconds, peak, warm)
+    return StepTiming(description, len(y), median, seconds, peak[0], warmup_seconds=warm,
+                      peak_pss_bytes=peak[1])
+
+
+def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Tensor,
+                    y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
+                    momentum: float = 0.9, seed: int = 0) -> StepTiming:
+    """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(seed)
+        model = build_model(model_name, num_classes, dropout=0.0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        seconds, peak = _timed_steps(model, optimizer, x, y, warmup, steps)
+    finally:
+        torch.set_num_threads(previous)
+    return StepTiming({"name": "pytorch", "threads": threads}, len(y), statistics.median(seconds),
+                      seconds, peak[0], peak_pss_bytes=peak[1])
+
+
+def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tensor,
+                y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
+                momentum: float = 0.9, seed: int = 0) -> StepTiming:
+    """The DDP peer: P spawned processes, one thread each, gloo over 127.0.0.1, each on
+    its share of the batch. Rank 0's step times; memory summed over the ranks' peaks."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_loopback_port()
+    # start_processes joins every rank and, if one fails, stops the others and raises.
+    mp.start_processes(_ddp_rank, nprocs=processes, start_method="spawn",
+                       args=(processes, port, results, model_name, num_classes, x, y, warmup,
+                             steps, lr, momentum, seed))
+    reports = sorted(results.get() for _ in range(processes))
+    seconds = reports[0][1]
+    rss = tree_memory()[0] + sum(r[2] for r in reports)
+    pss = tree_memory()[1] + sum(r[3] for r in reports)
+    return StepTiming({"name": "ddp", "backend": "gloo", "processes": processes}, len(y),
+                      statistics.median(seconds), seconds, rss, peak_pss_bytes=pss)
+
+
+def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup, steps, lr,
+              momentum, seed) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(seed)
+        model = DistributedDataParallel(build_model(model_name, num_classes, dropout=0.0))
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        start, stop = split_bounds(len(y), [1.0] * world)[rank]
+        seconds, peak = _timed_steps(model, optimizer, x[start:stop], y[start:stop], warmup, steps,
+                                     before_step=dist.barrier)
+        results.put((rank, seconds, *peak))
+    finally:
+        dist.destroy_process_group()
+
+
+def _timed_steps(model, optimizer, x, y, warmup, steps, before_step=None):
+    seconds, peak = [], tree_memory()
+    for step in range(warmup + steps):
+        if before_step is not None:
+            before_step()
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=False)
+        criterion(model(x), y).backward()
+        optimizer.step()
+        elapsed = time.perf_counter() - started
+        peak = tuple(map(max, peak, tree_memory()))
+        if step >= warmup:
+            seconds.append(elapsed)
+    return seconds, peak
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

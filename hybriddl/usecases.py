@@ -34,9 +34,11 @@ USECASES = {
 }
 
 # Where the two-stage pipeline cuts each model: after the 4th convolution for
-# AlexNet and after the 8th for VGG16 (the paper's split). Index = position of
-# the first module of stage 2 in `model.features`.
-PIPELINE_SPLITS = {"alexnet": 4, "vgg16": 8}
+# AlexNet and after the 8th for VGG16 (the paper's split), each convolution kept
+# with its ReLU. Index = position of the first module of stage 2 in `model.features`:
+# AlexNet features[8] is its 4th Conv2d, features[9] its ReLU; VGG16 features[17]
+# is its 8th Conv2d, features[18] its ReLU.
+PIPELINE_SPLITS = {"alexnet": 10, "vgg16": 19}
 
 
 def get_usecase(name: str) -> UseCase:

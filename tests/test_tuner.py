@@ -57,7 +57,7 @@ def cost_measure(clock, cost, *, warmup=1, steps=5, batch=4, setup=lambda label:
             if not keep_going(step, seconds):
                 break
         median = statistics.median(timed) if timed else math.inf
-        return StepTiming({"name": choice.name}, batch, median, timed, 1000, warm)
+        return StepTiming({"name": choice.name}, batch, median, timed, 1000, warmup_seconds=warm)
     return measure
 
 

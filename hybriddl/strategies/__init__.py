@@ -5,10 +5,22 @@ from __future__ import annotations
 from hybriddl.errors import UsageError
 from hybriddl.strategies.base import LocalStrategy, StepStats, StrategyOptions, criterion
 from hybriddl.strategies.flat import Flat
+from hybriddl.strategies.gpu import Gpu
+from hybriddl.strategies.gpu_threads import GpuThreads
+from hybriddl.strategies.intraop import IntraOp
+from hybriddl.strategies.pipeline import Pipeline
+from hybriddl.strategies.processes import Processes
 from hybriddl.strategies.sequential import Sequential
+from hybriddl.strategies.threads import Threads
 
 STRATEGIES: dict[str, type[LocalStrategy]] = {
     Sequential.name: Sequential,
+    IntraOp.name: IntraOp,
+    Threads.name: Threads,
+    Processes.name: Processes,
+    Gpu.name: Gpu,
+    Pipeline.name: Pipeline,
+    GpuThreads.name: GpuThreads,
     Flat.name: Flat,
 }
 

@@ -1,0 +1,97 @@
+"""Data parallelism over the local GPUs: one replica and one thread per device.
+
+The master parameters are the replica on the first device; the master thread computes
+its sub-batch there, one pool thread per other device computes on that device's
+replica. The other replicas' gradients (weighted by n_i / n, as in `threads`) are
+added to the master's, and after the optimizer step the replicas copy the master
+parameters back. `--devices cpu,cpu` runs the same logic on the CPU (how CI tests it).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import torch
+
+from hybriddl.errors import UsageError
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.resources import parse_devices
+
+
+def _default_devices() -> tuple[str, ...]:
+    return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+
+
+class GpuThreads(LocalStrategy):
+    name = "gpu-threads"
+
+    @classmethod
+    def check_feasible(cls, options) -> None:
+        if not options.devices and not torch.cuda.is_available():
+            raise UsageError("no CUDA device: strategy 'gpu-threads' needs GPUs (or --devices "
+                             "cpu,cpu); use --strategy sequential/threads/processes")
+        parse_devices(options, _default_devices())
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.devices = parse_devices(options, _default_devices())
+        self.replicas: list[torch.nn.Module] = []
+        self.pool: ThreadPoolExecutor | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "devices": [str(d) for d in self.devices]}
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0]
+
+    def setup(self, model) -> None:
+        super().setup(model.to(self.devices[0]))
+        self.replicas = [copy.deepcopy(model).to(d) for d in self.devices[1:]]
+        if self.replicas:
+            self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="hybriddl-gpu")
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * len(self.devices)) if b > a]
+        futures = [self.pool.submit(_replica_gradients, replica, device, x[a:b], y[a:b], n)
+                   for replica, device, (a, b) in zip(self.replicas, self.devices[1:], parts[1:])]
+        try:
+            a, b = parts[0]
+            device = self.devices[0]
+            loss = criterion(self.model(x[a:b].to(device)), y[a:b].to(device))
+            (loss * ((b - a) / n)).backward()
+            loss_sum = loss.item() * (b - a)
+        finally:
+            wait(futures)
+        with torch.no_grad():
+            for future in futures:
+                replica_loss_sum, grads = future.result()
+                loss_sum += replica_loss_sum
+                for p, g in zip(self.model.parameters(), grads):
+                    if g is not None:
+                        p.grad.add_(g.to(p.device))
+        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
+
+    def after_step(self) -> None:
+        with torch.no_grad():
+            for replica in self.replicas:
+                for mine, master in zip(replica.parameters(), self.model.parameters()):
+                    mine.copy_(master)
+                for mine, master in zip(replica.buffers(), self.model.buffers()):
+                    mine.copy_(master)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+def _replica_gradients(replica, device, x, y, n):
+    loss = criterion(replica(x.to(device)), y.to(device))
+    grads = torch.autograd.grad(loss * (len(y) / n), list(replica.parameters()), allow_unused=True)
+    return loss.item() * len(y), grads

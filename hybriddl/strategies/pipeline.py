@@ -1,0 +1,141 @@
+"""The paper's fastest GPU strategy: the model in two stages on two devices, pipelined.
+
+The batch is cut into M micro-batches (GPipe, Huang et al. 2019). Stage 1 runs in the
+master thread: forward of every micro-batch (fill), then, as stage 2 hands back the
+gradient of each micro-batch's activation, its backward (drain). Stage 2 runs in its
+own persistent thread and does forward + backward of each micro-batch as soon as it
+arrives, so while it works on micro-batch j stage 1 already computes j + 1.
+
+Each micro-batch's loss is weighted by m_j / n, so the gradients accumulated over the
+micro-batches are exactly the mean gradient of the batch. The two threads accumulate
+into disjoint parameters (one stage each), so no .grad is shared between threads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+import torchvision
+from torch import nn
+
+from hybriddl.errors import UsageError
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.resources import parse_devices
+from hybriddl.usecases import PIPELINE_SPLITS
+
+DEFAULT_DEVICES = ("cuda:0", "cuda:1")
+
+
+def pipeline_model_name(model: nn.Module) -> str:
+    """The PIPELINE_SPLITS name of a model, or UsageError for models with no paper split."""
+    if isinstance(model, torchvision.models.AlexNet):
+        return "alexnet"
+    convolutions = sum(isinstance(m, nn.Conv2d) for m in getattr(model, "features", []))
+    if isinstance(model, torchvision.models.VGG) and convolutions == 13:
+        return "vgg16"
+    raise UsageError(f"strategy 'pipeline' splits only alexnet and vgg16 (the paper's split), "
+                     f"not {type(model).__name__}: use another --strategy or --model")
+
+
+def split_stages(model: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
+    """The two stages, made of the model's own modules (so of its own parameters)."""
+    cut = PIPELINE_SPLITS[pipeline_model_name(model)]
+    first = model.features[:cut]
+    second = nn.Sequential(model.features[cut:], model.avgpool, nn.Flatten(1), model.classifier)
+    return first, second
+
+
+class Pipeline(LocalStrategy):
+    name = "pipeline"
+
+    @classmethod
+    def check_feasible(cls, options) -> None:
+        if options.micro_batches < 1:
+            raise UsageError(f"--micro-batches {options.micro_batches}: give at least 1")
+        if not options.devices and not torch.cuda.is_available():
+            raise UsageError("no CUDA device: strategy 'pipeline' defaults to cuda:0,cuda:1; give "
+                             "--devices cpu,cpu or use --strategy sequential/threads/processes")
+        devices = parse_devices(options, DEFAULT_DEVICES)
+        if len(devices) != 2:
+            raise UsageError(f"--devices {','.join(options.devices)}: strategy 'pipeline' takes "
+                             "two devices, one per stage, e.g. cuda:0,cuda:1 or cpu,cpu")
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.devices = parse_devices(options, DEFAULT_DEVICES)
+        self.micro_batches = options.micro_batches
+        self.stages: tuple[nn.Module, nn.Module] | None = None
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self.second_stage: threading.Thread | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "micro_batches": self.micro_batches,
+                "devices": [str(d) for d in self.devices]}
+
+    @property
+    def device(self) -> torch.device:
+        return self.devices[0]
+
+    def setup(self, model) -> None:
+        first, second = split_stages(model)
+        # Module.to() moves parameters in place: the model's own parameters now live on
+        # the stage devices, and the optimizer built on model.parameters() updates them.
+        self.stages = (first.to(self.devices[0]), second.to(self.devices[1]))
+        super().setup(model)
+        self.second_stage = threading.Thread(target=self._second_stage_loop,
+                                             name="hybriddl-pipeline-stage-2", daemon=True)
+        self.second_stage.start()
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        first, _ = self.stages
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.micro_batches) if b > a]
+        x = x.to(self.devices[0], non_blocking=True)
+        y = y.to(self.devices[1], non_blocking=True)
+        activations = []
+        for a, b in parts:  # fill
+            activation = first(x[a:b])
+            activations.append(activation)
+            self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n))
+        loss_sum, failure = 0.0, None
+        for activation in activations:  # drain, in micro-batch order
+            reply = self.outbox.get()
+            if reply[0] == "error":
+                failure = failure or reply[1]
+            elif failure is None:
+                _, activation_grad, micro_loss_sum = reply
+                activation.backward(activation_grad.to(self.devices[0]))
+                loss_sum += micro_loss_sum
+        if failure is not None:
+            raise failure
+        return StepStats(n, loss_sum, time.perf_counter() - started,
+                         {"micro_batches": len(parts)})
+
+    def _second_stage_loop(self) -> None:
+        _, second = self.stages
+        while (message := self.inbox.get()) is not None:
+            activation, y, weight = message
+            try:
+                activation.requires_grad_()
+                loss = criterion(second(activation), y)
+                (loss * weight).backward()
+                self.outbox.put(("grad", activation.grad, loss.item() * len(y)))
+            except Exception as exc:  # handed to the master, which raises it
+                self.outbox.put(("error", exc))
+
+    def evaluate(self, x):
+        first, second = self.stages
+        with torch.no_grad():
+            return second(first(x.to(self.devices[0])).to(self.devices[1])).cpu()
+
+    def close(self) -> None:
+        if self.second_stage is not None:
+            self.inbox.put(None)
+            self.second_stage.join()
+            self.second_stage = None

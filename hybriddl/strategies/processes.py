@@ -1,0 +1,219 @@
+"""The paper's fastest CPU strategy: persistent local worker processes on shared memory.
+
+- Workers are started once, with the spawn context (never fork: forking a process that
+  holds OpenMP or MPI state is unsafe), and live until close().
+- The master parameters are moved to shared memory (model.share_memory()) before the
+  workers start, so the workers see every optimizer update in place: no copy per step.
+- Each worker's .grad fields are views of one flat shared-memory buffer, so its
+  backward writes straight into memory the master reads; the master adds the buffers.
+- Inputs travel through one shared input buffer; a step's message is four numbers.
+- The master computes the first sub-batch itself: with K processes on K cores an idle
+  master would waste one, and its share needs no gradient copy at all. K - 1 worker
+  processes are started.
+- Workers die with the master: they ignore SIGINT (the master stops them), and a closed
+  pipe (the master ended, however it ended) makes them exit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from hybriddl.errors import TrainingError, UsageError
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.resources import local_workers
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+class Processes(LocalStrategy):
+    name = "processes"
+
+    @classmethod
+    def check_feasible(cls, options) -> None:
+        local_workers(options)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.workers = local_workers(options)
+        self.processes: list = []
+        self.connections: list = []
+        self.grad_buffers: list[torch.Tensor] = []
+        self.grad_views: list[list[torch.Tensor]] = []  # each buffer, shaped as the parameters
+        self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "workers": self.workers}
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        torch.set_num_threads(1)
+        numel = sum(p.numel() for p in _trained(model))
+        _check_shared_memory(model, numel * 4 * (self.workers - 1))
+        model.share_memory()
+        context = mp.get_context("spawn")
+        try:
+            for rank in range(1, self.workers):
+                grad_buffer = torch.zeros(numel).share_memory_()
+                mine, theirs = context.Pipe()
+                process = context.Process(target=_worker_main,
+                                          args=(rank, theirs, model, grad_buffer),
+                                          name=f"hybriddl-worker-{rank}", daemon=True)
+                process.start()
+                theirs.close()  # the worker's end lives in the worker only: EOF when we end
+                self.processes.append(process)
+                self.connections.append(mine)
+                self.grad_buffers.append(grad_buffer)
+                self.grad_views.append(_views(grad_buffer, model))
+            for rank in range(1, self.workers):
+                if isinstance(failure := self._reply(rank, "ready"), TrainingError):
+                    raise failure
+        except BaseException:
+            self.close()
+            raise
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        busy = list(range(1, len(parts)))  # ranks of the workers with a sub-batch
+        if busy:
+            self._share_inputs(x, y)
+        for rank in busy:
+            a, b = parts[rank]
+            self.connections[rank - 1].send(("step", a, b, (b - a) / n))
+        torch.set_num_threads(1)
+        try:
+            a, b = parts[0]
+            loss = criterion(self.model(x[a:b]), y[a:b])
+            (loss * ((b - a) / n)).backward()
+            loss_sum = loss.item() * (b - a)
+        finally:
+            # Every reply is read, even when the master's share failed: none is left
+            # behind in a pipe to be mistaken for the next step's.
+            replies = [self._reply(rank, "done") for rank in busy]
+        failures = [reply for reply in replies if isinstance(reply, TrainingError)]
+        if failures:
+            raise failures[0]
+        loss_sum += sum(replies)
+        # The workers idle now: the reduction and the optimizer step may use every core.
+        torch.set_num_threads(self.workers)
+        reduce_started = time.perf_counter()
+        with torch.no_grad():
+            for rank in busy:
+                for p, g in zip(_trained(self.model), self.grad_views[rank - 1]):
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.add_(g)
+        done = time.perf_counter()
+        return StepStats(n, loss_sum, done - started,
+                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
+
+    def _share_inputs(self, x, y) -> None:
+        """Copy the batch into the shared input buffer; reallocate (and resend) it only
+        when the image shape changes or the batch outgrows it."""
+        fits = (self.inputs is not None and self.inputs[0].shape[1:] == x.shape[1:]
+                and len(self.inputs[0]) >= len(x) and self.inputs[0].dtype == x.dtype)
+        if not fits:
+            self.inputs = (torch.empty_like(x).share_memory_(), torch.empty_like(y).share_memory_())
+            for connection in self.connections:
+                connection.send(("inputs", *self.inputs))
+        self.inputs[0][:len(x)].copy_(x)
+        self.inputs[1][:len(y)].copy_(y)
+
+    def _reply(self, rank: int, what: str):
+        """The worker's answer, or the TrainingError that says why there is none."""
+        try:
+            reply = self.connections[rank - 1].recv()
+        except (EOFError, OSError):
+            process = self.processes[rank - 1]
+            process.join(timeout=1.0)
+            return TrainingError(f"local worker process {rank} died (exit code "
+                                 f"{process.exitcode}): see its error above")
+        if reply[0] == "error":
+            return TrainingError(f"local worker process {rank} failed:\n{reply[1]}")
+        assert reply[0] == what, reply
+        return reply[1] if len(reply) > 1 else None
+
+    def close(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(("stop",))
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=1.0)
+            if process.is_alive():  # still inside a step: its work is of no use any more
+                process.terminate()
+                process.join(timeout=5.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.connections:
+            connection.close()
+        self.processes, self.connections, self.inputs = [], [], None
+        self.grad_buffers, self.grad_views = [], []
+
+
+def _check_shared_memory(model, grad_bytes: int) -> None:
+    """Shared tensors live in /dev/shm; a container's default (64 MiB) holds no VGG16."""
+    need = grad_bytes + sum(t.numel() * t.element_size()
+                            for t in (*model.parameters(), *model.buffers()))
+    try:
+        free = shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
+        return  # no /dev/shm to ask (not Linux): let PyTorch decide
+    if need > free:
+        raise UsageError(f"strategy 'processes' needs {need / 2**20:.0f} MiB of shared memory "
+                         f"and {SHARED_MEMORY} has {free / 2**20:.0f} MiB free: enlarge it "
+                         "(docker run --shm-size=...), lower --workers, or use --strategy threads")
+
+
+def _trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
+    """flat, cut into tensors shaped like the model's trained parameters, in order."""
+    views, offset = [], 0
+    for p in _trained(model):
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor) -> None:
+    """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # dropout differs per worker, as it would between sub-batches
+    for p, g in zip(_trained(model), _views(grad_buffer, model)):
+        p.grad = g
+    inputs = None
+    try:
+        connection.send(("ready",))
+        while True:
+            message = connection.recv()
+            if message[0] == "stop":
+                return
+            if message[0] == "inputs":
+                inputs = message[1:]
+                continue
+            _, a, b, weight = message
+            try:
+                grad_buffer.zero_()
+                loss = criterion(model(inputs[0][a:b]), inputs[1][a:b])
+                (loss * weight).backward()
+                connection.send(("done", loss.item() * (b - a)))
+            except Exception:
+                connection.send(("error", traceback.format_exc()))
+    except (EOFError, OSError):
+        return  # the master is gone

@@ -1,0 +1,95 @@
+"""The paper's multithreaded data parallelism: K Python threads, each on a sub-batch.
+
+The master thread computes the first sub-batch itself and K - 1 persistent pool threads
+the others, all on the same parameters. Each sub-batch's loss is weighted by n_i / n,
+so the sum of the sub-batch gradients is exactly the mean gradient of the host batch,
+uneven splits included.
+
+Concurrent backward() calls that accumulate into the same leaf's .grad race (PyTorch,
+"Autograd mechanics", thread safety: "multiple threads may access and try to accumulate
+the same .grad attribute ... this is technically not safe"). So only the master thread
+accumulates into .grad; pool threads get their gradients from torch.autograd.grad and
+the master adds them, in worker order, which also keeps the sum deterministic.
+
+Modules with running statistics (BatchNorm) update them from every thread, as under
+any data parallelism; VGG16 and AlexNet have none.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import torch
+
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.resources import local_workers
+
+
+class Threads(LocalStrategy):
+    name = "threads"
+
+    @classmethod
+    def check_feasible(cls, options) -> None:
+        local_workers(options)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.workers = local_workers(options)
+        self.pool: ThreadPoolExecutor | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "workers": self.workers}
+
+    def setup(self, model) -> None:
+        super().setup(model)
+        if self.workers > 1:
+            self.pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hybriddl-thread")
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # One core per local worker: an intra-op pool on top would fight the workers.
+        torch.set_num_threads(1)
+        futures = [self.pool.submit(_sub_batch_gradients, self.model, params, x[a:b], y[a:b], n)
+                   for a, b in parts[1:]]
+        try:
+            (a, b) = parts[0]
+            loss = criterion(self.model(x[a:b]), y[a:b])
+            (loss * ((b - a) / n)).backward()
+            loss_sum = loss.item() * (b - a)
+        finally:
+            wait(futures)  # no worker may still run when this step ends, even on error
+        # The reduction (and the optimizer step after it) runs while the workers idle,
+        # so it may use every core.
+        torch.set_num_threads(self.workers)
+        reduce_started = time.perf_counter()
+        with torch.no_grad():
+            for future in futures:
+                worker_loss_sum, grads = future.result()
+                loss_sum += worker_loss_sum
+                for p, g in zip(params, grads):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+        done = time.perf_counter()
+        return StepStats(n, loss_sum, done - started,
+                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+def _sub_batch_gradients(model, params, x, y, n):
+    torch.set_num_threads(1)  # OpenMP thread counts are per calling thread
+    loss = criterion(model(x), y)
+    grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
+    return loss.item() * len(y), grads

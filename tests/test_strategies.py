@@ -1,0 +1,287 @@
+"""Every local strategy trains exactly the model that sequential SGD trains, and leaves
+no worker behind.
+
+The models are the real torchvision feature extractors (so the pipeline cuts them at
+the paper's split) with a slim classifier, at small image sizes: a few seconds per test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import types
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from conftest import hybriddl_env
+from hybriddl.errors import TrainingError, UsageError
+from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
+from hybriddl.strategies.pipeline import split_stages
+from hybriddl.usecases import PIPELINE_SPLITS, build_model
+
+IMAGE_SIZE = {"alexnet": 64, "vgg16": 32}
+BATCHES = (5, 2, 7)  # 5 and 7 split unevenly over 2 or 3 workers, 2 leaves a worker idle
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this host")
+
+
+def slim_model(name: str) -> nn.Module:
+    """The torchvision model with its features intact and a small classifier."""
+    torch.manual_seed(0)
+    model = build_model(name, 3, dropout=0.0)
+    channels = model.features[-3].out_channels
+    model.avgpool = nn.AdaptiveAvgPool2d(1)
+    model.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(channels, 32),
+                                     nn.ReLU(inplace=True), nn.Linear(32, 3))
+    return model
+
+
+def batches(model_name: str):
+    generator = torch.Generator().manual_seed(1)
+    size = IMAGE_SIZE[model_name]
+    return [(torch.randn(n, 3, size, size, generator=generator),
+             torch.randint(3, (n,), generator=generator)) for n in BATCHES]
+
+
+def train(strategy: str, options: StrategyOptions, model_name: str) -> list[torch.Tensor]:
+    """Parameters after len(BATCHES) SGD steps (lr 0.01 so that they move measurably)."""
+    threads = torch.get_num_threads()
+    model = slim_model(model_name)
+    try:
+        with make_strategy(strategy, options) as local:
+            local.setup(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            for x, y in batches(model_name):
+                optimizer.zero_grad(set_to_none=False)
+                stats = local.compute_gradients(x, y)
+                assert stats.samples == len(y)
+                optimizer.step()
+                local.after_step()
+    finally:
+        torch.set_num_threads(threads)
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+@functools.cache
+def sequential_parameters(model_name: str) -> list[torch.Tensor]:
+    return train("sequential", StrategyOptions(), model_name)
+
+
+def assert_matches_sequential(strategy: str, options: StrategyOptions, model_name: str) -> None:
+    assert_same_parameters(train(strategy, options, model_name), sequential_parameters(model_name))
+
+
+def assert_same_parameters(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        scale = e.abs().max().item()
+        assert (a - e).abs().max().item() <= 1e-5 * scale, f"parameter {i} differs"
+
+
+def test_training_moves_the_parameters():
+    """Every parameter tensor moves by 10x the tolerance of the equivalence tests or more,
+    so they could not pass by comparing two barely trained models."""
+    before = [p.detach().clone() for p in slim_model("alexnet").parameters()]
+    after = sequential_parameters("alexnet")
+    moved = min(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(after, before))
+    assert moved > 1e-4
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("strategy", ["intraop", "threads", "processes"])
+def test_cpu_strategy_matches_sequential(strategy, workers):
+    options = StrategyOptions(workers=workers, oversubscribe=True)
+    assert_matches_sequential(strategy, options, "alexnet")
+
+
+def test_threads_matches_sequential_on_vgg16():
+    options = StrategyOptions(workers=2, oversubscribe=True)
+    assert_matches_sequential("threads", options, "vgg16")
+
+
+def test_processes_matches_sequential_on_vgg16():
+    options = StrategyOptions(workers=2, oversubscribe=True)
+    assert_matches_sequential("processes", options, "vgg16")
+
+
+@pytest.mark.parametrize("model_name", ["alexnet", "vgg16"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_pipeline_matches_sequential_on_cpu(model_name, micro_batches):
+    options = StrategyOptions(micro_batches=micro_batches, devices=("cpu", "cpu"))
+    assert_matches_sequential("pipeline", options, model_name)
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu"), ("cpu", "cpu", "cpu")])
+def test_gpu_threads_matches_sequential_on_cpu(devices):
+    options = StrategyOptions(devices=devices)
+    assert_matches_sequential("gpu-threads", options, "alexnet")
+
+
+@needs_cuda
+def test_gpu_matches_sequential():
+    assert_matches_sequential("gpu", StrategyOptions(), "alexnet")
+
+
+@needs_cuda
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_pipeline_matches_sequential_on_cuda(micro_batches):
+    devices = ("cuda:0", "cuda:1") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
+    options = StrategyOptions(micro_batches=micro_batches, devices=devices)
+    assert_matches_sequential("pipeline", options, "vgg16")
+
+
+@needs_cuda
+def test_gpu_threads_matches_sequential_on_cuda():
+    devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) + ("cpu",)
+    options = StrategyOptions(devices=devices)
+    assert_matches_sequential("gpu-threads", options, "alexnet")
+
+
+@pytest.mark.parametrize(("name", "convolutions"), [("alexnet", 4), ("vgg16", 8)])
+def test_pipeline_cuts_after_the_papers_convolution(name, convolutions):
+    model = build_model(name, 3)
+    cut = PIPELINE_SPLITS[name]
+    convs = [i for i, m in enumerate(model.features) if isinstance(m, nn.Conv2d)]
+    assert convs[convolutions - 1] == cut - 2
+    assert isinstance(model.features[cut - 1], nn.ReLU)
+    first, second = split_stages(model)
+    assert sum(isinstance(m, nn.Conv2d) for m in first.modules()) == convolutions
+    staged = {id(p) for stage in (first, second) for p in stage.parameters()}
+    assert staged == {id(p) for p in model.parameters()}
+
+
+def test_pipeline_refuses_models_without_a_split():
+    with make_strategy("pipeline", StrategyOptions(devices=("cpu", "cpu"))) as local:
+        with pytest.raises(UsageError, match="alexnet and vgg16"):
+            local.setup(build_model("resnet18", 3))
+
+
+@pytest.mark.parametrize(("strategy", "options", "message"), [
+    ("threads", StrategyOptions(workers=0), "at least 1"),
+    ("processes", StrategyOptions(workers=os.cpu_count() + 1), "--oversubscribe"),
+    ("intraop", StrategyOptions(workers=-2), "at least 1"),
+    ("pipeline", StrategyOptions(devices=("cpu",)), "two devices"),
+    ("pipeline", StrategyOptions(devices=("cpu", "cpu"), micro_batches=0), "--micro-batches"),
+    ("gpu-threads", StrategyOptions(devices=("tpu:0",)), "unknown device"),
+])
+def test_infeasible_strategies_are_refused_before_starting(strategy, options, message):
+    with pytest.raises(UsageError, match=message):
+        make_strategy(strategy, options)
+
+
+@pytest.mark.skipif(CUDA, reason="this host has CUDA")
+@pytest.mark.parametrize("strategy", ["gpu", "pipeline", "gpu-threads"])
+def test_gpu_strategies_need_cuda(strategy):
+    with pytest.raises(UsageError, match="no CUDA device"):
+        make_strategy(strategy, StrategyOptions())
+
+
+def local_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hybriddl-")]
+
+
+def child_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("threads", StrategyOptions(workers=3, oversubscribe=True)),
+    ("processes", StrategyOptions(workers=3, oversubscribe=True)),
+    ("pipeline", StrategyOptions(devices=("cpu", "cpu"), micro_batches=2)),
+    ("gpu-threads", StrategyOptions(devices=("cpu", "cpu"))),
+])
+@pytest.mark.parametrize("failing", [False, True])
+def test_no_local_worker_outlives_close(strategy, options, failing):
+    """Neither after a normal end nor after an error inside a step (a label out of range
+    in the last sample, which a local worker computes)."""
+    before = child_pids()
+    model = slim_model("alexnet")
+    x, y = batches("alexnet")[2]
+    if failing:
+        y = y.clone()
+        y[-1] = 99
+    threads = torch.get_num_threads()
+    try:
+        with make_strategy(strategy, options) as local:
+            local.setup(model)
+            if failing:
+                with pytest.raises((TrainingError, IndexError, RuntimeError)):
+                    local.compute_gradients(x, y)
+            else:
+                local.compute_gradients(x, y)
+            assert local_threads() or child_pids() - before  # there were workers to stop
+    finally:
+        torch.set_num_threads(threads)
+    assert local_threads() == []
+    assert child_pids() == before
+
+
+def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A `train --strategy processes` child, once its two local workers are running."""
+    command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
+               "--workers", "3", "--oversubscribe", "--usecase", "ComplexSmall",
+               "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
+    master = subprocess.Popen(command, env=hybriddl_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    parent = psutil.Process(master.pid)
+    for _ in range(600):  # waits for a condition, at most a minute; no timing is asserted
+        workers = [p for p in parent.children(recursive=True)
+                   if "multiprocessing" in " ".join(p.cmdline())]
+        if len(workers) == 2 or master.poll() is not None:
+            break
+        psutil.wait_procs([parent], timeout=0.1)
+    assert len(workers) == 2, master.communicate()[1]
+    return master, workers
+
+
+def test_ctrl_c_of_a_cli_run_leaves_no_worker(tmp_path):
+    master, workers = start_cli_training(tmp_path)
+    master.send_signal(signal.SIGINT)
+    _, stderr = master.communicate(timeout=120)
+    assert master.returncode != 0
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [], stderr
+
+
+def test_workers_die_with_a_killed_master(tmp_path):
+    master, workers = start_cli_training(tmp_path)
+    master.kill()
+    master.wait(timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert alive == []
+
+
+@pytest.mark.parametrize("flags", [
+    ("--strategy", "threads", "--workers", "0"),
+    ("--strategy", "processes", "--workers", str(os.cpu_count() + 1)),
+    ("--strategy", "pipeline", "--devices", "cpu,quantum:3"),
+])
+def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
+    done = cli("train", "--image-size", "32", "--run-dir", str(tmp_path / "run"), *flags)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_strategy_is_registered():
+    assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "gpu", "pipeline",
+                               "gpu-threads"}
+
+
+def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):
+    from hybriddl.strategies import processes
+
+    one_mib_free = types.SimpleNamespace(total=2**20, used=0, free=2**20)
+    monkeypatch.setattr(processes.shutil, "disk_usage", lambda path: one_mib_free)
+    before = child_pids()
+    with make_strategy("processes", StrategyOptions(workers=2, oversubscribe=True)) as local:
+        with pytest.raises(UsageError, match="shared memory"):
+            local.setup(slim_model("alexnet"))
+    assert child_pids() == before
