@@ -4,7 +4,9 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from torch import nn
 
 from hybriddl.compare import RESULT, ring_allreduce_wire_bytes
 from hybriddl.errors import UsageError
@@ -40,6 +42,25 @@ def test_flat_is_horovods_model_one_sequential_worker_per_rank():
         assert "Horovod" in flat.describe()["model"]
     with pytest.raises(UsageError, match="one worker per MPI rank"):
         make_strategy("flat", StrategyOptions(workers=2))
+
+
+def test_flat_matches_sequential():
+    def train(name):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3))
+        generator = torch.Generator().manual_seed(1)
+        with make_strategy(name) as local:
+            local.setup(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(3):
+                optimizer.zero_grad(set_to_none=False)
+                local.compute_gradients(torch.randn(5, 12, generator=generator),
+                                        torch.randint(3, (5,), generator=generator))
+                optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for flat, sequential in zip(train("flat"), train("sequential"), strict=True):
+        assert torch.equal(flat, sequential)
 
 
 def test_ring_allreduce_sends_2_p_minus_1_gradients():

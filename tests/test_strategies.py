@@ -272,7 +272,7 @@ def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
 
 def test_every_strategy_is_registered():
     assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "gpu", "pipeline",
-                               "gpu-threads"}
+                               "gpu-threads", "flat"}
 
 
 def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):
