@@ -274,6 +274,9 @@ class Checkpointer:
         self.saved = Position(**asdict(self.position))
 
     def _interrupted(self) -> None:
+        # Under mpirun the first rank to exit non-zero gets the others killed: none may
+        # leave before rank 0's checkpoint is on disk.
+        self.hosts.barrier()
         # A host stopped because another one was signalled reports the usual SIGTERM.
         signum = self.stop.signum if self.stop.requested else int(signal.SIGTERM)
         raise TrainingInterrupted(self.run_dir, signum, self.position.epoch, self.position.step)

@@ -1,4 +1,4 @@
-"""Stop requests: SIGTERM (a SLURM time limit, preemption) and SIGINT (Ctrl-C).
+"""Stop requests: SIGTERM (a SLURM time limit, preemption), SIGINT (Ctrl-C), SIGUSR1.
 
 A signal handler only sets a flag. The trainer reads it between optimizer steps, so a
 step is never cut in half, and asks the hosts whether *any* of them was signalled, so
@@ -13,7 +13,12 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1 too, because Open MPI 5's mpirun (PRRTE 3) answers SIGTERM and SIGINT by killing
+# the ranks itself: SIGCONT, 250 ms, SIGTERM, 250 ms, SIGKILL (odls_base_default_fns.c,
+# hard-coded), which leaves no time for a checkpoint. It forwards SIGUSR1 untouched, so
+# `kill -USR1 <mpirun>`, or SLURM's `#SBATCH --signal=B:USR1@300` with `exec mpirun ...`,
+# stops every rank at one step with a checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 class StopRequest:
@@ -36,7 +41,7 @@ class StopRequest:
 
     @contextmanager
     def handling_signals(self) -> Iterator[StopRequest]:
-        """Route SIGTERM and SIGINT to this request; the previous handlers come back after."""
+        """Route the stop signals to this request; the previous handlers come back after."""
         previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
         try:
             yield self

@@ -1,0 +1,339 @@
+"""Checkpoints survive kills, resumed runs equal uninterrupted ones, stops are clean.
+
+Runs are tiny: squeezenet1_1 (0.7 M parameters) at 32 px on a 3-class ImageFolder of
+18 images the tests draw, so an epoch is 3 steps of 4 images. Interrupted runs are
+child processes started through `PAUSED_CHILD`: the real CLI, with the checkpoint
+write wrapped so that the child holds still at a known point (after its Nth
+checkpoint, or inside the Nth write) until the test has signalled or killed it.
+That makes "interrupted after epoch 1" exact without any sleep or timing.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from conftest import hybriddl_env
+from hybriddl import checkpoint
+from hybriddl.checkpoint import Checkpointer, EpochProgress, Position
+from hybriddl.cli import main
+from hybriddl.cluster import SingleHost
+from hybriddl.errors import TrainingError
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
+from hybriddl.shutdown import StopRequest
+from hybriddl.strategies import STRATEGIES
+
+DEADLINE_SECONDS = 300
+STEPS_PER_EPOCH = 3
+
+# The real CLI, holding still at its PAUSE_AT-th call of one function until GO exists
+# (having touched PAUSED): after a checkpoint write, inside one (its bytes written to the
+# temporary file, not yet renamed), or at the start of an optimizer step.
+PAUSED_CHILD = r"""
+import os, sys, time
+from pathlib import Path
+
+import hybriddl.checkpoint
+import hybriddl.strategies.sequential
+from hybriddl.cli import main
+
+paused, go, pause_at, where = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+calls = 0
+
+def hold_at_call(owner, name, counts=lambda *args: True, after=False):
+    real = getattr(owner, name)
+
+    def held(*args, **kwargs):
+        global calls
+        calls += counts(*args)
+        if not after and calls == pause_at and counts(*args):
+            hold()
+        result = real(*args, **kwargs)
+        if after and calls == pause_at and counts(*args):
+            hold()
+        return result
+
+    setattr(owner, name, held)
+
+def hold():
+    paused.touch()
+    while not go.exists():
+        time.sleep(0.01)
+
+if where == "after-write":
+    hold_at_call(hybriddl.checkpoint, "atomic_torch_save", after=True)
+elif where == "inside-write":
+    hold_at_call(os, "fsync", lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))
+elif where == "step":
+    hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients")
+sys.exit(main(sys.argv[5:]))
+"""
+
+
+def wait_for(condition, what: str, child: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while not condition():
+        if child is not None and child.poll() is not None:
+            out, err = child.communicate()
+            pytest.fail(f"child exited ({child.returncode}) before {what}:\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {DEADLINE_SECONDS} s")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(["fire", "smoke", "clear"]):
+        (root / name).mkdir()
+        for i in range(6):
+            pixels = (rng.random((32, 32, 3)) * 120).astype(np.uint8)
+            pixels[..., label] += 100
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+def train_args(images: Path, run_dir: Path, dropout: float | None, *extra: str) -> list[str]:
+    args = ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--run-dir", str(run_dir)]
+    if dropout is not None:
+        args += ["--dropout", str(dropout)]
+    return args + list(extra)
+
+
+class Paused:
+    """A training child process held still at a checkpoint write; see PAUSED_CHILD."""
+
+    def __init__(self, tmp: Path, args: list[str], pause_at: int = 1, where: str = "after-write"):
+        self.paused, self.go = tmp / "paused", tmp / "go"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PAUSED_CHILD, str(self.paused), str(self.go), str(pause_at),
+             where, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=hybriddl_env())
+        wait_for(self.paused.exists, "pause at the checkpoint write", self.process)
+
+    def release(self) -> None:
+        self.go.touch()
+
+    def finish(self) -> tuple[int, str]:
+        _, err = self.process.communicate(timeout=DEADLINE_SECONDS)
+        return self.process.returncode, err
+
+
+def final_parameters(run_dir: Path) -> dict:
+    return torch.load(run_dir / MODEL, weights_only=True)
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(images, tmp_path_factory):
+    """The 2-epoch run nothing interrupts, made once per dropout setting."""
+    done: dict = {}
+
+    def run(dropout: float | None) -> Path:
+        if dropout not in done:
+            run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+            assert main(train_args(images, run_dir, dropout)) == 0
+            done[dropout] = run_dir
+        return done[dropout]
+
+    return run
+
+
+# --------------------------------------------------------------------------- exact resume
+
+@pytest.mark.parametrize("dropout", [0.0, None], ids=["dropout0", "default-dropout"])
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, images, tmp_path,
+                                                             uninterrupted, capsys):
+    run_dir = tmp_path / "run"
+    if stop == "SIGKILL":  # held just after writing the checkpoint of epoch 1
+        child = Paused(tmp_path, train_args(images, run_dir, dropout))
+    else:  # held at the start of epoch 2's first step, so the signal comes inside a step
+        child = Paused(tmp_path, train_args(images, run_dir, dropout),
+                       pause_at=STEPS_PER_EPOCH + 1, where="step")
+    epoch_one = checkpoint.load(run_dir)
+    assert epoch_one.position == Position(epoch=1, step=0, steps_done=STEPS_PER_EPOCH)
+
+    if stop == "SIGKILL":
+        child.process.kill()
+        code, _ = child.finish()
+        assert code == -signal.SIGKILL
+        resumed_at = epoch_one.position
+    else:
+        child.process.send_signal(signal.SIGTERM)
+        child.release()
+        code, err = child.finish()
+        assert code == 128 + signal.SIGTERM, err
+        message = err.strip().splitlines()[-1]
+        assert "stopped by SIGTERM at epoch 2, step 1" in message
+        assert message.endswith(f"continue with: hybriddl train --resume {run_dir}")
+        resumed_at = checkpoint.load(run_dir).position
+        # The step under way when the signal came was finished, then checkpointed.
+        assert resumed_at == Position(epoch=1, step=1, steps_done=STEPS_PER_EPOCH + 1)
+
+    # Omitting the flags and repeating them must both continue the same run.
+    again = (["train", "--resume", str(run_dir)] if dropout is None else
+             train_args(images, run_dir, dropout, "--resume", str(run_dir)))
+    assert main(again) == 0, capsys.readouterr().err
+
+    reference = uninterrupted(dropout)
+    assert max_abs_difference(final_parameters(run_dir), final_parameters(reference)) <= 1e-6
+    metrics = json.loads((run_dir / METRICS).read_text())
+    expected = json.loads((reference / METRICS).read_text())
+    assert [r["epoch"] for r in metrics["epochs"]] == [1, 2]
+    assert [r["steps"] for r in metrics["epochs"]] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH]
+    assert [r["train_loss"] for r in metrics["epochs"]] == pytest.approx(
+        [r["train_loss"] for r in expected["epochs"]], rel=1e-6)
+    assert metrics["resumes"][0]["epoch"] == resumed_at.epoch + 1
+    assert metrics["resumes"][0]["step"] == resumed_at.step
+    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+
+
+def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path, uninterrupted,
+                                                                capsys):
+    run_dir = tmp_path / "run"
+    # Held inside the second write (end of epoch 2), its bytes written but not renamed.
+    child = Paused(tmp_path, train_args(images, run_dir, 0.0), pause_at=2, where="inside-write")
+    partial = list(run_dir.glob(f".{CHECKPOINT}.tmp-*"))
+    assert len(partial) == 1 and partial[0].stat().st_size > 0
+    child.process.kill()
+    assert child.finish()[0] == -signal.SIGKILL
+
+    survivor = checkpoint.load(run_dir)
+    assert survivor.position == Position(epoch=1, step=0, steps_done=STEPS_PER_EPOCH)
+    assert [r["epoch"] for r in survivor.metrics["epochs"]] == [1]
+
+    assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    assert max_abs_difference(final_parameters(run_dir),
+                              final_parameters(uninterrupted(0.0))) <= 1e-6
+    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+
+
+@pytest.mark.skipif("processes" not in STRATEGIES,
+                    reason="needs the processes strategy (branch strategies)")
+def test_interrupted_run_leaves_no_worker_process(images, tmp_path):
+    run_dir = tmp_path / "run"
+    child = Paused(tmp_path, train_args(images, run_dir, 0.0, "--strategy", "processes",
+                                        "--workers", "2", "--oversubscribe"))
+    workers = psutil.Process(child.process.pid).children(recursive=True)
+    assert len(workers) >= 2
+    child.process.send_signal(signal.SIGTERM)
+    child.release()
+    code, err = child.finish()
+    assert code == 128 + signal.SIGTERM, err
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == []
+    assert checkpoint.load(run_dir).position.step == 1
+
+
+# --------------------------------------------------------------------------- divergence
+
+def test_non_finite_loss_names_its_step_and_keeps_last_good_checkpoint(images, tmp_path, capsys):
+    messages = []
+    for name in ("first", "second"):
+        run_dir = tmp_path / name
+        code = main(train_args(images, run_dir, 0.0, "--lr", "1e6", "--checkpoint-every", "1"))
+        err = capsys.readouterr().err
+        assert code == 1
+        messages.append(err.strip().splitlines()[-1].replace(str(run_dir), "RUN"))
+    assert messages[0] == messages[1]  # deterministic: same step, same words
+    assert "at epoch 1, step 2: lower --lr" in messages[0]
+    assert "the last good checkpoint (epoch 1, step 1) is kept in RUN" in messages[0]
+
+    kept = checkpoint.load(run_dir)
+    assert kept.position == Position(epoch=0, step=1, steps_done=1)
+    assert all(torch.isfinite(t).all() for t in kept.model.values() if t.is_floating_point())
+    # Resuming it replays the same divergence at the same step: its RNG and state are exact.
+    assert main(["train", "--resume", str(run_dir)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].replace(str(run_dir), "RUN") \
+        == messages[0]
+
+
+def test_checkpoint_never_overwritten_with_non_finite_parameters(tmp_path):
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    about = {"config": {}, "identity": {}, "strategy": {"name": "sequential"}}
+    keeper = Checkpointer(tmp_path, SingleHost(), StopRequest(), model, optimizer,
+                          {"config": {}, "epochs": []}, about)
+    keeper.save(EpochProgress())
+    good = (tmp_path / CHECKPOINT).read_bytes()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(TrainingError, match="non-finite"):
+        keeper.save(EpochProgress())
+    assert (tmp_path / CHECKPOINT).read_bytes() == good
+
+
+# --------------------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("flags, named", [
+    (["--batch-size", "8"], "--batch-size 8"),
+    (["--usecase", "SimpleBig"], "--usecase 'SimpleBig'"),
+    (["--model", "alexnet"], "--model 'alexnet'"),
+    (["--seed", "1"], "--seed 1"),
+])
+def test_resume_refuses_another_run(flags, named, uninterrupted, capsys):
+    run_dir = uninterrupted(0.0)
+    before = (run_dir / CHECKPOINT).read_bytes()
+    assert main(["train", "--resume", str(run_dir), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err and "start a new run" in err
+    assert (run_dir / CHECKPOINT).read_bytes() == before
+
+
+def test_resume_refuses_a_directory_without_a_loadable_checkpoint(tmp_path, capsys):
+    cases = {"missing": tmp_path / "missing", "empty": tmp_path / "empty",
+             "damaged": tmp_path / "damaged"}
+    cases["empty"].mkdir()
+    cases["damaged"].mkdir()
+    (cases["damaged"] / CHECKPOINT).write_bytes(b"PK\x03\x04 not a checkpoint")
+    for name, run_dir in cases.items():
+        assert main(["train", "--resume", str(run_dir)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(run_dir) in err, err
+    assert not (cases["empty"] / METRICS).exists()
+
+
+def test_resume_continues_a_finished_run_when_given_more_epochs(uninterrupted, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    source = uninterrupted(0.0)
+    run_dir.mkdir()
+    for name in (CHECKPOINT, METRICS, MODEL):
+        (run_dir / name).write_bytes((source / name).read_bytes())
+    assert main(["train", "--resume", str(run_dir), "--epochs", "3"]) == 0, capsys.readouterr().err
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [r["epoch"] for r in metrics["epochs"]] == [1, 2, 3]
+    assert metrics["config"]["epochs"] == 3
+    assert checkpoint.load(run_dir).position == Position(3, 0, 3 * STEPS_PER_EPOCH)
+    assert max_abs_difference(final_parameters(run_dir), final_parameters(source)) > 0
+
+
+def test_checkpoint_every_n_steps_is_resumable_inside_an_epoch(images, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    child = Paused(tmp_path, train_args(images, run_dir, 0.0, "--checkpoint-every", "2"))
+    saved = checkpoint.load(run_dir)
+    assert saved.position == Position(epoch=0, step=2, steps_done=2)
+    assert saved.progress.steps == 2 and saved.progress.global_samples == 8
+    child.process.kill()
+    child.finish()
+    assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [(r["epoch"], r["steps"], r["samples"]) for r in metrics["epochs"]] == \
+        [(1, STEPS_PER_EPOCH, 12), (2, STEPS_PER_EPOCH, 12)]
