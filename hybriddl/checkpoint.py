@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import random
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -136,8 +136,9 @@ def load(run_dir: str | Path) -> Checkpoint:
                          f"({type(exc).__name__}); it is damaged or not a hybriddl checkpoint: "
                          "start a new run") from None
     if checkpoint.format != FORMAT:
-        raise UsageError(f"--resume {run_dir}: {CHECKPOINT} has format {checkpoint.format}, this "
-                         f"hybriddl reads format {FORMAT}: resume it with the version that wrote it")
+        raise UsageError(f"--resume {run_dir}: {CHECKPOINT} has format {checkpoint.format}, "
+                         f"this hybriddl reads format {FORMAT}: resume it with the version "
+                         "that wrote it")
     return checkpoint
 
 

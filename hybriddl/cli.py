@@ -86,9 +86,10 @@ TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_
 
 def given_settings(args: argparse.Namespace) -> dict:
     """The TrainConfig fields the user typed; strategy_options holds the typed options."""
-    given = {name: getattr(args, name) for name in TRAINING_FLAGS if getattr(args, name) is not None}
-    options = {"workers": args.workers, "micro_batches": args.micro_batches,
-               "devices": tuple(d.strip() for d in args.devices.split(",")) if args.devices else None,
+    given = {name: getattr(args, name) for name in TRAINING_FLAGS
+             if getattr(args, name) is not None}
+    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
+    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
                "oversubscribe": args.oversubscribe or None}
     given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
     return given

@@ -1,20 +1,17 @@
 """Checkpoints survive kills, resumed runs equal uninterrupted ones, stops are clean.
 
 Runs are tiny: squeezenet1_1 (0.7 M parameters) at 32 px on a 3-class ImageFolder of
-18 images the tests draw, so an epoch is 3 steps of 4 images. Interrupted runs are
-child processes started through `PAUSED_CHILD`: the real CLI, with the checkpoint
-write wrapped so that the child holds still at a known point (after its Nth
-checkpoint, or inside the Nth write) until the test has signalled or killed it.
-That makes "interrupted after epoch 1" exact without any sleep or timing.
+18 images the tests draw, so an epoch is 3 steps of 4 images; the short epochs come
+from the data, not from a test-only flag. Interrupted runs are child processes held
+still at a known point by tests/held_run.py (after the checkpoint of epoch 1, inside
+a checkpoint write, at the start of a step) until the test has signalled or killed
+them: "interrupted after epoch 1" is exact, with no sleep or timing.
 """
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import hybriddl_env
+from held_run import Held
 from hybriddl import checkpoint
 from hybriddl.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
@@ -34,62 +31,7 @@ from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
 from hybriddl.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
 
-DEADLINE_SECONDS = 300
 STEPS_PER_EPOCH = 3
-
-# The real CLI, holding still at its PAUSE_AT-th call of one function until GO exists
-# (having touched PAUSED): after a checkpoint write, inside one (its bytes written to the
-# temporary file, not yet renamed), or at the start of an optimizer step.
-PAUSED_CHILD = r"""
-import os, sys, time
-from pathlib import Path
-
-import hybriddl.checkpoint
-import hybriddl.strategies.sequential
-from hybriddl.cli import main
-
-paused, go, pause_at, where = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-calls = 0
-
-def hold_at_call(owner, name, counts=lambda *args: True, after=False):
-    real = getattr(owner, name)
-
-    def held(*args, **kwargs):
-        global calls
-        calls += counts(*args)
-        if not after and calls == pause_at and counts(*args):
-            hold()
-        result = real(*args, **kwargs)
-        if after and calls == pause_at and counts(*args):
-            hold()
-        return result
-
-    setattr(owner, name, held)
-
-def hold():
-    paused.touch()
-    while not go.exists():
-        time.sleep(0.01)
-
-if where == "after-write":
-    hold_at_call(hybriddl.checkpoint, "atomic_torch_save", after=True)
-elif where == "inside-write":
-    hold_at_call(os, "fsync", lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))
-elif where == "step":
-    hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients")
-sys.exit(main(sys.argv[5:]))
-"""
-
-
-def wait_for(condition, what: str, child: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while not condition():
-        if child is not None and child.poll() is not None:
-            out, err = child.communicate()
-            pytest.fail(f"child exited ({child.returncode}) before {what}:\n{err[-3000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} after {DEADLINE_SECONDS} s")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -111,25 +53,6 @@ def train_args(images: Path, run_dir: Path, dropout: float | None, *extra: str) 
     if dropout is not None:
         args += ["--dropout", str(dropout)]
     return args + list(extra)
-
-
-class Paused:
-    """A training child process held still at a checkpoint write; see PAUSED_CHILD."""
-
-    def __init__(self, tmp: Path, args: list[str], pause_at: int = 1, where: str = "after-write"):
-        self.paused, self.go = tmp / "paused", tmp / "go"
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", PAUSED_CHILD, str(self.paused), str(self.go), str(pause_at),
-             where, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=hybriddl_env())
-        wait_for(self.paused.exists, "pause at the checkpoint write", self.process)
-
-    def release(self) -> None:
-        self.go.touch()
-
-    def finish(self) -> tuple[int, str]:
-        _, err = self.process.communicate(timeout=DEADLINE_SECONDS)
-        return self.process.returncode, err
 
 
 def final_parameters(run_dir: Path) -> dict:
@@ -164,9 +87,9 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
                                                              uninterrupted, capsys):
     run_dir = tmp_path / "run"
     if stop == "SIGKILL":  # held just after writing the checkpoint of epoch 1
-        child = Paused(tmp_path, train_args(images, run_dir, dropout))
+        child = Held(tmp_path, train_args(images, run_dir, dropout))
     else:  # held at the start of epoch 2's first step, so the signal comes inside a step
-        child = Paused(tmp_path, train_args(images, run_dir, dropout),
+        child = Held(tmp_path, train_args(images, run_dir, dropout),
                        pause_at=STEPS_PER_EPOCH + 1, where="step")
     epoch_one = checkpoint.load(run_dir)
     assert epoch_one.position == Position(epoch=1, step=0, steps_done=STEPS_PER_EPOCH)
@@ -210,7 +133,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path
                                                                 capsys):
     run_dir = tmp_path / "run"
     # Held inside the second write (end of epoch 2), its bytes written but not renamed.
-    child = Paused(tmp_path, train_args(images, run_dir, 0.0), pause_at=2, where="inside-write")
+    child = Held(tmp_path, train_args(images, run_dir, 0.0), pause_at=2, where="inside-write")
     partial = list(run_dir.glob(f".{CHECKPOINT}.tmp-*"))
     assert len(partial) == 1 and partial[0].stat().st_size > 0
     child.process.kill()
@@ -230,7 +153,7 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path
                     reason="needs the processes strategy (branch strategies)")
 def test_interrupted_run_leaves_no_worker_process(images, tmp_path):
     run_dir = tmp_path / "run"
-    child = Paused(tmp_path, train_args(images, run_dir, 0.0, "--strategy", "processes",
+    child = Held(tmp_path, train_args(images, run_dir, 0.0, "--strategy", "processes",
                                         "--workers", "2", "--oversubscribe"))
     workers = psutil.Process(child.process.pid).children(recursive=True)
     assert len(workers) >= 2
@@ -327,7 +250,7 @@ def test_resume_continues_a_finished_run_when_given_more_epochs(uninterrupted, t
 
 def test_checkpoint_every_n_steps_is_resumable_inside_an_epoch(images, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    child = Paused(tmp_path, train_args(images, run_dir, 0.0, "--checkpoint-every", "2"))
+    child = Held(tmp_path, train_args(images, run_dir, 0.0, "--checkpoint-every", "2"))
     saved = checkpoint.load(run_dir)
     assert saved.position == Position(epoch=0, step=2, steps_done=2)
     assert saved.progress.steps == 2 and saved.progress.global_samples == 8
