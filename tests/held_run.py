@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 SCRIPT = Path(__file__).resolve()
@@ -36,6 +37,28 @@ def wait_for(condition, what: str, process: subprocess.Popen | None = None) -> N
         time.sleep(0.02)
 
 
+_started: list[subprocess.Popen] = []
+
+
+def kill_leftovers() -> None:
+    """Kill what a failed test left held (the run and its ranks/workers), then reap it."""
+    while _started:
+        process = _started.pop()
+        if process.poll() is None:
+            tree = [psutil.Process(process.pid)]
+            try:
+                tree += tree[0].children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+            for member in tree:
+                try:
+                    member.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(tree, timeout=30)
+        process.communicate()
+
+
 class Held:
     """A held training run in a child process (under `launcher`, e.g. mpirun, if given)."""
 
@@ -49,6 +72,7 @@ class Held:
              str(pause_at), where, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=env or hybriddl_env())
+        _started.append(self.process)
         self.markers = ([self.paused] if ranks is None else
                         [self.paused.with_name(f"paused.rank{r}") for r in range(ranks)])
         wait_for(lambda: all(m.exists() and m.read_text() for m in self.markers),

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from held_run import Held
+from held_run import Held, kill_leftovers
 from hybriddl import checkpoint
 from hybriddl.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
@@ -32,6 +32,12 @@ from hybriddl.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
 
 STEPS_PER_EPOCH = 3
+
+
+@pytest.fixture(autouse=True)
+def no_held_run_left():
+    yield
+    kill_leftovers()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from conftest import REPO, hybriddl_env
-from held_run import Held
+from held_run import Held, kill_leftovers
 from hybriddl import checkpoint
 from hybriddl.checkpoint import Position
 from hybriddl.cli import main
@@ -47,6 +47,12 @@ def has_mpi_hosts() -> bool:
 
 pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
                                 reason="needs mpirun and hybriddl.mpi.MPIHosts (branch mpi)")
+
+
+@pytest.fixture(autouse=True)
+def no_held_run_left():
+    yield
+    kill_leftovers()
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +151,9 @@ def test_sigterm_to_one_rank_stops_both_ranks_after_the_same_step(images, tmp_pa
 def test_sigterm_to_mpirun_keeps_the_last_checkpoint_and_leaves_no_rank(images, tmp_path,
                                                                         uninterrupted):
     run_dir = tmp_path / "run"
-    held, processes = held_ranks(tmp_path, images, run_dir)  # after epoch 1's checkpoint
+    # Both ranks held at the start of epoch 2, so epoch 1's checkpoint is on disk.
+    held, processes = held_ranks(tmp_path, images, run_dir, pause_at=STEPS_PER_EPOCH + 1,
+                                 where="step")
     held.process.send_signal(signal.SIGTERM)
     code, _ = held.finish()
     assert code != 0
