@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -108,6 +109,8 @@ def training_config(args: argparse.Namespace):
         resume = checkpoint.load(args.resume)
         settings = checkpoint.resumed_settings(resume, settings, args.resume)
     options = StrategyOptions(**settings.pop("strategy_options"))
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    settings = {name: value for name, value in settings.items() if name in known}
     return TrainConfig(**settings, strategy_options=options), resume
 
 

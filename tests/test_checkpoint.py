@@ -155,21 +155,51 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path
     assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
+def test_sigint_stops_after_the_step_with_exit_code_130(images, tmp_path):
+    run_dir = tmp_path / "run"
+    child = Held(tmp_path, train_args(images, run_dir, 0.0), pause_at=STEPS_PER_EPOCH + 1,
+                 where="step")
+    child.process.send_signal(signal.SIGINT)
+    child.release()
+    code, err = child.finish()
+    assert code == 128 + signal.SIGINT, err
+    assert "stopped by SIGINT at epoch 2, step 1" in err.strip().splitlines()[-1]
+    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+
+
+def test_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(images, tmp_path):
+    run_dir = tmp_path / "run"
+    child = Held(tmp_path, train_args(images, run_dir, 0.0), pause_at=STEPS_PER_EPOCH + 1,
+                 where="step")
+    child.process.send_signal(signal.SIGINT)
+    child.process.send_signal(signal.SIGTERM)  # never released: the step is abandoned
+    code, err = child.finish()
+    assert code == 130, err
+    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+
+
 @pytest.mark.skipif("processes" not in STRATEGIES,
                     reason="needs the processes strategy (branch strategies)")
-def test_interrupted_run_leaves_no_worker_process(images, tmp_path):
+def test_interrupted_run_leaves_no_worker_process(images, tmp_path, uninterrupted, capsys):
     run_dir = tmp_path / "run"
-    child = Held(tmp_path, train_args(images, run_dir, 0.0, "--strategy", "processes",
-                                        "--workers", "2", "--oversubscribe"))
+    processes = ("--strategy", "processes", "--workers", "2", "--oversubscribe")
+    child = Held(tmp_path, train_args(images, run_dir, 0.0, *processes))
     workers = psutil.Process(child.process.pid).children(recursive=True)
     assert len(workers) >= 2
-    child.process.send_signal(signal.SIGTERM)
+    child.process.send_signal(signal.SIGTERM)  # while epoch 1's checkpoint is being written
     child.release()
     code, err = child.finish()
     assert code == 128 + signal.SIGTERM, err
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert alive == []
-    assert checkpoint.load(run_dir).position.step == 1
+    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+
+    # The workers of the resumed run start from the checkpoint's parameters.
+    assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    got, want = final_parameters(run_dir), final_parameters(uninterrupted(0.0))
+    for name, value in want.items():  # workers sum in another order: not bitwise
+        scale = value.abs().max().clamp_min(1e-12)
+        assert float((got[name] - value).abs().max() / scale) <= 1e-5, name
 
 
 # --------------------------------------------------------------------------- divergence
@@ -266,3 +296,19 @@ def test_checkpoint_every_n_steps_is_resumable_inside_an_epoch(images, tmp_path,
     metrics = json.loads((run_dir / METRICS).read_text())
     assert [(r["epoch"], r["steps"], r["samples"]) for r in metrics["epochs"]] == \
         [(1, STEPS_PER_EPOCH, 12), (2, STEPS_PER_EPOCH, 12)]
+
+
+def test_resume_with_more_max_steps_continues_inside_the_cut_epoch(images, tmp_path,
+                                                                   uninterrupted, capsys):
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, 0.0, "--max-steps", str(STEPS_PER_EPOCH + 1))) == 0
+    cut = checkpoint.load(run_dir)
+    assert cut.position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    assert [r["epoch"] for r in cut.metrics["epochs"]] == [1]  # epoch 2 is not finished
+    assert main(["train", "--resume", str(run_dir), "--max-steps", "6"]) == 0, \
+        capsys.readouterr().err
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [(r["epoch"], r["steps"]) for r in metrics["epochs"]] == [(1, 3), (2, 3)]
+    assert max_abs_difference(final_parameters(run_dir),
+                              final_parameters(uninterrupted(0.0))) <= 1e-6
+
