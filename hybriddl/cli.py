@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -15,9 +16,9 @@ from rich.table import Table
 
 from hybriddl import __version__
 from hybriddl.compare import CONTENDERS, TABLE_COLUMNS, MeasureSettings
-from hybriddl.errors import TrainingError, UsageError
+from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
-from hybriddl.tuner import AUTO_BUDGET_SECONDS, TuneObserver
+from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
 from hybriddl.usecases import USECASES
 
 console = Console(stderr=True)
@@ -58,12 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(USECASES)
-    parser.add_argument("--usecase", default="ComplexSmall", help=f"one of {names} (default: ComplexSmall)")
+    # Defaults are None here and filled in by TrainConfig, so that --resume can tell the
+    # flags a user typed from those left out (which then come from the checkpoint).
+    parser.add_argument("--usecase", help=f"one of {names} (default: ComplexSmall)")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
-    parser.add_argument("--data", default="synthetic",
+    parser.add_argument("--data",
                         help="'synthetic' (embedded, default), an ImageFolder DIR, or cifar10:DIR")
     parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
-    parser.add_argument("--val-fraction", type=float, default=0.2,
+    parser.add_argument("--val-fraction", type=float,
                         help="share of each class held out for validation (default: 0.2)")
     parser.add_argument("--image-size", type=int, help="pixels per side (default: 224)")
     parser.add_argument("--batch-size", type=int, help="global batch: samples per optimizer step over all hosts")
@@ -73,18 +76,24 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, help="SGD momentum (default: 0.9)")
     parser.add_argument("--dropout", type=float,
                         help="dropout of the torchvision model; 0 makes runs comparable step for step")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation, shuffling and augmentation seed")
+    parser.add_argument("--seed", type=int,
+                        help="initialisation, shuffling and augmentation seed (default: 0)")
     parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
-    parser.add_argument("--strategy", default="auto",
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its checkpoint; flags left out "
+                             "are the checkpoint's")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="also write a checkpoint every N steps (always: every epoch)")
+    parser.add_argument("--strategy",
                         help=f"local strategy: auto (this host's profiled pick; tunes first when no "
                              f"profile fits), {', '.join(STRATEGIES)} (default: auto)")
     parser.add_argument("--profile-dir", help="where auto finds and keeps profiles "
                         "(default: $HYBRIDDL_PROFILES or ./profiles)")
-    parser.add_argument("--tune-budget", type=float, default=AUTO_BUDGET_SECONDS,
+    parser.add_argument("--tune-budget", type=float,
                         help="seconds auto may spend tuning when no profile fits "
                              f"(default: {AUTO_BUDGET_SECONDS:.0f})")
     parser.add_argument("--workers", type=int, help="local workers K for threads/processes/intraop")
-    parser.add_argument("--micro-batches", type=int, default=4, help="pipeline micro-batches M")
+    parser.add_argument("--micro-batches", type=int, help="pipeline micro-batches M (default: 4)")
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
@@ -102,19 +111,40 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
-def config_from_args(args: argparse.Namespace):
+TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_size",
+                  "batch_size", "epochs", "lr", "momentum", "dropout", "seed", "max_steps",
+                  "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget")
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields the user typed; strategy_options holds the typed options."""
+    given = {name: getattr(args, name) for name in TRAINING_FLAGS
+             if getattr(args, name) is not None}
+    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
+    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
+               "oversubscribe": args.oversubscribe or None}
+    given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
+    return given
+
+
+def training_config(args: argparse.Namespace):
+    """The run's TrainConfig, and with --resume the checkpoint it continues from."""
+    from hybriddl import checkpoint
     from hybriddl.trainer import TrainConfig
 
-    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else ()
-    options = StrategyOptions(workers=args.workers, micro_batches=args.micro_batches,
-                              devices=devices, oversubscribe=args.oversubscribe)
-    return TrainConfig(usecase=args.usecase, model=args.model, data=args.data, classes=args.classes,
-                       val_fraction=args.val_fraction, image_size=args.image_size,
-                       batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
-                       momentum=args.momentum, dropout=args.dropout, seed=args.seed,
-                       max_steps=args.max_steps, run_dir=args.run_dir, strategy=args.strategy,
-                       strategy_options=options, profile_dir=args.profile_dir,
-                       tune_budget=args.tune_budget)
+    settings, resume = given_settings(args), None
+    if args.resume is not None:
+        if args.run_dir is not None and args.run_dir != args.resume:
+            raise UsageError(f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed "
+                             "run continues in its own directory; leave --run-dir out")
+        resume = checkpoint.load(args.resume)
+        settings = checkpoint.resumed_settings(resume, settings, args.resume)
+    else:
+        settings.setdefault("strategy", AUTO)
+    options = StrategyOptions(**settings.pop("strategy_options"))
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    settings = {name: value for name, value in settings.items() if name in known}
+    return TrainConfig(**settings, strategy_options=options), resume
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
@@ -199,6 +229,7 @@ def tune_table(profile) -> Table:
                       c.choice.label, *figures, rss, c.note,
                       style="bold" if picked else ("dim" if not c.measured else None))
     return table
+
 
 
 class TrainDisplay:
@@ -300,11 +331,15 @@ def epoch_table(records: list[dict]) -> Table:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl import trainer
+    from hybriddl.shutdown import StopRequest
 
     display = TrainDisplay()
+    stop = StopRequest()
     try:
-        prepared = trainer.prepare(config_from_args(args), display)
-        metrics = trainer.run(prepared, display)
+        with stop.handling_signals():
+            config, resume = training_config(args)
+            prepared = trainer.prepare(config, display, resume)
+            metrics = trainer.run(prepared, display, stop=stop)
     finally:
         display.stop()
     out.print(epoch_table(metrics["epochs"]))
@@ -396,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"hybriddl: training stopped: {exc}", markup=False, highlight=False,
                       soft_wrap=True)
         return 1
+    except TrainingInterrupted as exc:
+        console.print(f"hybriddl: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         console.print("hybriddl: interrupted", markup=False)
         return 130

@@ -34,3 +34,10 @@ class SingleHost:
 
     def mean_over_hosts(self, total: float, samples: int) -> float:
         return total / max(samples, 1)
+
+    def barrier(self) -> None:
+        """Return when every host has arrived; alone, at once."""
+
+    def any_true(self, flag: bool) -> bool:
+        """Whether `flag` is true on any host: how all hosts agree to stop at the same step."""
+        return bool(flag)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hybriddl import cluster, trainer
 from hybriddl.compare import MeasureSettings
-from hybriddl.rundir import MODEL
+from hybriddl.rundir import CHECKPOINT, MODEL
 from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
@@ -34,9 +34,10 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.bytes_sent)
     metrics = trainer.run(prepared, meter, hosts)
     if hosts.rank == 0:
-        # The comparison's output is its figures; the trained weights (0.5 GB for
-        # VGG16) would only fill the disk.
-        (run_dir / MODEL).unlink(missing_ok=True)
+        # The comparison's output is its figures; the trained weights and checkpoint
+        # (0.5 and 1 GB for VGG16) would only fill the disk.
+        for name in (MODEL, CHECKPOINT):
+            (run_dir / name).unlink(missing_ok=True)
     return {**meter.result(), "strategy": metrics["config"]["strategy"],
             "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model)}
 

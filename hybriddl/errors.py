@@ -1,5 +1,7 @@
 """Errors the user can fix. The CLI turns them into one line and exit code 2."""
 
+import signal
+
 
 class UsageError(Exception):
     """Bad input: the message says what is wrong and what to do about it."""
@@ -7,3 +9,24 @@ class UsageError(Exception):
 
 class TrainingError(Exception):
     """Training could not go on (non-finite loss, a failed host, ...)."""
+
+
+class TrainingInterrupted(Exception):
+    """A stop was requested (SIGTERM, SIGINT); the run's checkpoint is written, workers stopped.
+
+    The CLI turns it into one line saying how to resume, and exit code 128 + signal number
+    (143 for SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal.
+    """
+
+    def __init__(self, run_dir, signum: int, epoch: int, step: int):
+        self.run_dir, self.signum, self.epoch, self.step = run_dir, signum, epoch, step
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        super().__init__(f"stopped by {name} at epoch {epoch + 1}, step {step}; checkpoint "
+                         f"written; continue with: hybriddl train --resume {run_dir}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from hybriddl import checkpoint as ckpt
 from hybriddl import data as datamod
 from hybriddl.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.rundir import (CHECKPOINT, METRICS, MODEL, atomic_write_json, atomic_torch_save,
+from hybriddl.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
+from hybriddl.shutdown import StopRequest
 from hybriddl.strategies import LocalStrategy, StrategyOptions, make_strategy
 from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
@@ -41,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     run_dir: str | None = None
+    checkpoint_every: int | None = None  # steps; a checkpoint ends every epoch regardless
     strategy: str = "sequential"  # or "auto": this host's profiled pick (hybriddl/tuner.py)
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
     profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
@@ -62,6 +65,8 @@ class TrainConfig:
                 raise UsageError(f"{flag} {value}: give at least {low}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
         if filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
         if not 0 <= filled.momentum < 1:
@@ -89,15 +94,22 @@ class PreparedRun:
     strategy: LocalStrategy
     run_dir: Path
     strategy_choice: dict | None = None  # auto: the profile and figures behind the strategy
+    resume: ckpt.Checkpoint | None = None
 
 
-def prepare(config: TrainConfig, observer: TrainingObserver | None = None) -> PreparedRun:
-    """Validate the whole configuration and load the data before any file is written."""
+def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
+            resume: ckpt.Checkpoint | None = None) -> PreparedRun:
+    """Validate the whole configuration and load the data before any file is written.
+
+    With `resume`, the run goes on in config.run_dir from that checkpoint (see
+    checkpoint.resumed_settings for how its settings and the flags given combine).
+    """
     observer = observer or TrainingObserver()
     config = config.resolved()
     case = get_usecase(config.usecase)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.usecase)
-    check_new_run_dir(run_dir)
+    if resume is None:
+        check_new_run_dir(run_dir)
     auto = config.strategy == AUTO
     if auto and (config.strategy_options.workers is not None or config.strategy_options.devices):
         raise UsageError("--workers and --devices go with a named --strategy; with auto the "
@@ -118,55 +130,70 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None) -> Pr
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
-    return PreparedRun(config, split, model, strategy, run_dir, choice)
+    if resume is not None:
+        ckpt.check_same_data(resume, datamod.describe(split))
+        model.load_state_dict(resume.model)  # before setup, so local workers start from it
+    return PreparedRun(config, split, model, strategy, run_dir, choice, resume)
 
 
 def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
-        hosts=None) -> dict:
-    """Train; returns the metrics dict that is also written to metrics.json."""
+        hosts=None, stop: StopRequest | None = None) -> dict:
+    """Train; returns the metrics dict that is also written to metrics.json.
+
+    Between steps, a `stop` requested on any host (a signal, see hybriddl.shutdown)
+    writes a checkpoint and raises TrainingInterrupted.
+    """
     observer = observer or TrainingObserver()
     hosts = hosts or SingleHost()
+    stop = stop or StopRequest()
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
-    metrics = {"config": config_record(prepared, hosts), "epochs": []}
-    steps_done = 0
+    metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
+        "config": config_record(prepared, hosts), "epochs": []}
     with strategy:
         strategy.setup(model)
         hosts.broadcast_parameters(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+        keeper = ckpt.Checkpointer(run_dir, hosts, stop, model, optimizer, metrics,
+                                   checkpoint_about(prepared, metrics), config.checkpoint_every)
+        if prepared.resume:
+            keeper.restore(prepared.resume, config.lr, config.momentum)
         if hosts.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(run_dir / METRICS, metrics)
         observer.on_start(metrics["config"])
-        for epoch in range(config.epochs):
+        for epoch in range(keeper.position.epoch, config.epochs):
+            progress = keeper.epoch_progress(epoch)
             batches = datamod.epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
+            todo = batches[progress.steps:]
             if config.max_steps is not None:
-                batches = batches[: config.max_steps - steps_done]
-            if not batches:
+                todo = todo[: config.max_steps - keeper.position.steps_done]
+            if not todo and progress.steps == 0:
                 break
-            record = train_epoch(epoch, batches, split, transform, model, strategy, optimizer,
-                                 hosts, observer)
-            steps_done += record["steps"]
+            record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
+                                 optimizer, hosts, observer, keeper)
             record["val_accuracy"] = evaluate(strategy, split.val, transform,
                                               2 * config.batch_size)
             metrics["epochs"].append(record)
             if hosts.rank == 0:
                 atomic_write_json(run_dir / METRICS, metrics)
             observer.on_epoch_end(record)
-            if config.max_steps is not None and steps_done >= config.max_steps:
+            keeper.epoch_done(progress, complete=progress.steps == len(batches))
+            if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
                 break
         if hosts.rank == 0:
             atomic_torch_save(run_dir / MODEL, model.state_dict())
     return metrics
 
 
-def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, hosts,
-                observer) -> dict:
+def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
+                observer, keeper) -> dict:
+    """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
     model.train()
     observer.on_epoch_start(epoch, len(batches))
-    started = time.perf_counter()
-    loss_sum, samples = 0.0, 0
+    last = time.perf_counter()
+    waited_before = progress.data_wait_seconds
     host_part = hosts.host_part
     with datamod.BatchPrefetcher(split.train, batches, transform, part=host_part) as prefetch:
         for batch, x, y in prefetch:
@@ -175,21 +202,21 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
             stats = strategy.compute_gradients(x, y)
             if not torch.isfinite(torch.tensor(stats.loss)):
                 raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
-                                    f"{batch.step + 1}: lower --lr")
+                                    f"{batch.step + 1}: lower --lr; {keeper.kept()}")
             hosts.average_gradients(model, stats.samples)
             optimizer.step()
             strategy.after_step()
-            loss_sum += stats.loss_sum
-            samples += stats.samples
-            observer.on_step(epoch, batch.step, len(batch.indices),
-                             time.perf_counter() - step_started, stats.loss)
-        data_wait = prefetch.wait_seconds
-    seconds = time.perf_counter() - started
-    global_samples = sum(len(b.indices) for b in batches)
-    return {"epoch": epoch + 1, "steps": len(batches), "samples": global_samples,
-            "seconds": seconds, "images_per_second": global_samples / seconds,
-            "train_loss": hosts.mean_over_hosts(loss_sum, samples),
-            "data_wait_seconds": data_wait, "mpi_bytes_sent": hosts.bytes_sent}
+            now = time.perf_counter()
+            progress.add_step(len(batch.indices), stats.samples, stats.loss_sum, now - last)
+            progress.data_wait_seconds = waited_before + prefetch.wait_seconds
+            last = now
+            observer.on_step(epoch, batch.step, len(batch.indices), now - step_started, stats.loss)
+            keeper.step_done(progress)
+    return {"epoch": epoch + 1, "steps": progress.steps, "samples": progress.global_samples,
+            "seconds": progress.seconds,
+            "images_per_second": progress.global_samples / max(progress.seconds, 1e-9),
+            "train_loss": hosts.mean_over_hosts(progress.loss_sum, progress.samples),
+            "data_wait_seconds": progress.data_wait_seconds, "mpi_bytes_sent": hosts.bytes_sent}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
@@ -206,6 +233,27 @@ def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch
     return correct / len(images)
 
 
+def resumed_metrics(prepared: PreparedRun, hosts) -> dict:
+    """The checkpoint's metrics, noting where this run took over and how it runs."""
+    config, metrics = prepared.config, prepared.resume.metrics
+    position = prepared.resume.position
+    # A resumed run may be extended or given another learning rate: the record follows.
+    metrics["config"].update(epochs=config.epochs, max_steps=config.max_steps, lr=config.lr,
+                             momentum=config.momentum, checkpoint_every=config.checkpoint_every)
+    metrics.setdefault("resumes", []).append({
+        "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
+        "strategy": prepared.strategy.describe(), "hosts": hosts.describe()})
+    return metrics
+
+
+def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
+    """What a checkpoint of this run records besides its state."""
+    config = asdict(prepared.config)
+    return {"config": config, "strategy": prepared.strategy.describe(),
+            "identity": ckpt.run_identity(config, datamod.describe(prepared.split)),
+            "profile": metrics["config"].get("profile")}
+
+
 def config_record(prepared: PreparedRun, hosts) -> dict:
     config = prepared.config
     return {
@@ -213,7 +261,8 @@ def config_record(prepared: PreparedRun, hosts) -> dict:
         "strategy": prepared.strategy.describe(), "strategy_choice": prepared.strategy_choice,
         "hosts": hosts.describe(),
         "global_batch": config.batch_size, "image_size": config.image_size,
-        "epochs": config.epochs, "max_steps": config.max_steps, "lr": config.lr,
+        "epochs": config.epochs, "max_steps": config.max_steps,
+        "checkpoint_every": config.checkpoint_every, "lr": config.lr,
         "momentum": config.momentum, "dropout": config.dropout, "seed": config.seed,
         "torch": torch.__version__, "python": platform.python_version(),
     }

@@ -1,0 +1,288 @@
+"""Checkpoints: what a run needs to continue as if it had never stopped.
+
+A checkpoint holds the model and optimizer state, the position (epoch, next global
+batch of that epoch, optimizer steps so far), the partial sums of the epoch in
+progress, the RNG states (dropout draws from them), the metrics so far, the strategy
+and profile used, and the settings that make two runs "the same run". The data order
+needs no state: `data.epoch_batches` is a pure function of (seed, epoch), so resuming
+skips the batches already done.
+
+Rank 0 writes `checkpoint.pt` atomically (temporary file, fsync, rename): a kill at
+any moment, even during the write, leaves the previous checkpoint intact. Parameters
+that are not finite are never written, so the last good checkpoint survives a
+diverging run. On resume every rank reads the same file, which therefore has to lie on
+a filesystem all hosts see (as SLURM clusters provide).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
+from hybriddl.rundir import CHECKPOINT, atomic_torch_save
+from hybriddl.shutdown import StopRequest
+
+FORMAT = 1
+
+# Settings that make a resumed run the same run; a difference is refused, not merged.
+IDENTITY_FLAGS = {"usecase": "--usecase", "model": "--model", "batch_size": "--batch-size",
+                  "image_size": "--image-size", "seed": "--seed", "data": "--data",
+                  "classes": "--classes", "val_fraction": "--val-fraction"}
+# What must match between the data the checkpoint saw and the data found on resume:
+# the batch order is drawn over sample indices, so the same counts in the same classes.
+DATA_IDENTITY = ("classes", "train_images", "val_images")
+
+
+@dataclass
+class Position:
+    epoch: int = 0  # the epoch in progress, from 0
+    step: int = 0  # the next global batch of that epoch
+    steps_done: int = 0  # optimizer steps since the run began
+
+
+@dataclass
+class EpochProgress:
+    """Sums over the steps done so far in the epoch in progress."""
+
+    steps: int = 0
+    global_samples: int = 0  # samples over all hosts (for images per second)
+    samples: int = 0  # this host's samples
+    loss_sum: float = 0.0  # this host's sum of per-sample losses
+    seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+
+    def add_step(self, global_samples: int, samples: int, loss_sum: float, seconds: float) -> None:
+        self.steps += 1
+        self.global_samples += global_samples
+        self.samples += samples
+        self.loss_sum += loss_sum
+        self.seconds += seconds
+
+
+@dataclass
+class Checkpoint:
+    config: dict  # the TrainConfig fields as plain data; strategy_options is a dict
+    identity: dict
+    position: Position
+    progress: EpochProgress  # over all hosts: rank 0 restores it, the others start at 0
+    model: dict
+    optimizer: dict
+    rng: dict
+    metrics: dict
+    strategy: dict
+    profile: dict | None = None
+    format: int = FORMAT
+
+    def to_payload(self) -> dict:
+        return {**asdict(self), "position": asdict(self.position),
+                "progress": asdict(self.progress)}
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> Checkpoint:
+        return cls(**{**payload, "position": Position(**payload["position"]),
+                      "progress": EpochProgress(**payload["progress"])})
+
+
+# --------------------------------------------------------------------------- RNG
+
+def capture_rng() -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"] = {"key": numpy_state["state"]["key"].tolist(),
+                            "pos": numpy_state["state"]["pos"]}
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = {"key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32),
+                            "pos": numpy_state["state"]["pos"]}
+    np.random.set_state(numpy_state)
+    random.setstate(state["python"])
+    # A host resumed with another GPU count keeps its fresh CUDA states: they only drive
+    # dropout on GPU, and a different device set cannot reproduce the old draws anyway.
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# --------------------------------------------------------------------------- loading
+
+def load(run_dir: str | Path) -> Checkpoint:
+    """The checkpoint of RUN_DIR, or a UsageError saying why it cannot be resumed."""
+    path = Path(run_dir) / CHECKPOINT
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"--resume {run_dir}: no such directory; give the run directory of "
+                         "an interrupted 'hybriddl train'")
+    if not path.is_file():
+        raise UsageError(f"--resume {run_dir}: no {CHECKPOINT} there, so nothing to resume; "
+                         "start a new run instead")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = Checkpoint.from_payload(payload)
+    except Exception as exc:  # torch.load raises many types for damaged or foreign files
+        raise UsageError(f"--resume {run_dir}: {CHECKPOINT} cannot be loaded "
+                         f"({type(exc).__name__}); it is damaged or not a hybriddl checkpoint: "
+                         "start a new run") from None
+    if checkpoint.format != FORMAT:
+        raise UsageError(f"--resume {run_dir}: {CHECKPOINT} has format {checkpoint.format}, "
+                         f"this hybriddl reads format {FORMAT}: resume it with the version "
+                         "that wrote it")
+    return checkpoint
+
+
+def resumed_settings(checkpoint: Checkpoint, given: dict, run_dir: str | Path) -> dict:
+    """TrainConfig fields for resuming: the checkpoint's, with the flags given on top.
+
+    `given` holds only what the user typed. Identity settings may be repeated but not
+    changed; the rest (epochs, max steps, lr, strategy, ...) may change, which is how a
+    finished run is extended or a resumed one moved to another strategy.
+    """
+    saved = checkpoint.config
+    changed = [f"{flag} {given[name]!r} (the checkpoint has {saved[name]!r})"
+               for name, flag in IDENTITY_FLAGS.items()
+               if name in given and given[name] != saved[name]]
+    if changed:
+        raise UsageError(f"--resume {run_dir}: {', '.join(changed)} would make another run; "
+                         "leave these flags out, or start a new run with --run-dir")
+    settings = {**saved, **given, "run_dir": str(run_dir)}
+    options = dict(saved["strategy_options"])
+    if "strategy" in given and given["strategy"] != saved["strategy"]:
+        options = {}  # another strategy starts from its own defaults
+    settings["strategy_options"] = {**options, **given.get("strategy_options", {})}
+    return settings
+
+
+def check_same_data(checkpoint: Checkpoint, data: dict) -> None:
+    """The data found on resume must be the data the checkpoint was trained on."""
+    saved = checkpoint.identity["data"]
+    for key in DATA_IDENTITY:
+        if saved[key] != data[key]:
+            raise UsageError(f"--resume: the data at {data['source']} now has {key} "
+                             f"{data[key]!r} but the checkpoint was made with {saved[key]!r}; "
+                             "restore that data or start a new run")
+
+
+def run_identity(config: dict, data: dict) -> dict:
+    return {**{name: config[name] for name in IDENTITY_FLAGS},
+            "data": {key: data[key] for key in ("source", *DATA_IDENTITY)}}
+
+
+# --------------------------------------------------------------------------- saving
+
+class Checkpointer:
+    """Where the run stands, and the checkpoint that lets it go on from there.
+
+    The trainer tells it when a step and an epoch are done; it writes a checkpoint at
+    the end of every epoch, every `every` steps, and when a stop was requested on any
+    host, in which case it raises TrainingInterrupted once the checkpoint is written.
+    Every host calls it at the same steps: saving and the stop decision are collective.
+    """
+
+    def __init__(self, run_dir: Path, hosts, stop: StopRequest, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, metrics: dict, about: dict,
+                 every: int | None = None):
+        self.run_dir, self.hosts, self.stop = Path(run_dir), hosts, stop
+        self.model, self.optimizer, self.metrics = model, optimizer, metrics
+        self.about = about  # config, identity, strategy, profile: fixed for the run
+        self.every = every
+        self.position = Position()
+        self._resumed_progress: EpochProgress | None = None
+        self.saved: Position | None = None
+
+    def restore(self, checkpoint: Checkpoint, lr: float, momentum: float) -> None:
+        """Optimizer, RNG and position from a checkpoint (the model was loaded in prepare)."""
+        self.optimizer.load_state_dict(checkpoint.optimizer)
+        for group in self.optimizer.param_groups:  # a resumed run may change these
+            group["lr"], group["momentum"] = lr, momentum
+        restore_rng(checkpoint.rng)
+        self.position = Position(**asdict(checkpoint.position))
+        progress = checkpoint.progress
+        if self.hosts.rank != 0:  # the saved sums are over all hosts: count them once
+            progress = EpochProgress(seconds=progress.seconds,
+                                     data_wait_seconds=progress.data_wait_seconds,
+                                     steps=progress.steps,
+                                     global_samples=progress.global_samples)
+        self._resumed_progress = progress
+        self.saved = Position(**asdict(self.position))
+
+    def epoch_progress(self, epoch: int) -> EpochProgress:
+        """The sums to continue `epoch` from: the checkpoint's if it stopped inside it."""
+        if self._resumed_progress is not None and epoch == self.position.epoch:
+            progress, self._resumed_progress = self._resumed_progress, None
+            return progress
+        self.position = Position(epoch, 0, self.position.steps_done)
+        return EpochProgress()
+
+    def step_done(self, progress: EpochProgress) -> None:
+        self.position.step += 1
+        self.position.steps_done += 1
+        due = self.every is not None and self.position.steps_done % self.every == 0
+        stopping = self.hosts.any_true(self.stop.requested)
+        if due or stopping:
+            self.save(progress)
+        if stopping:
+            self._interrupted()
+
+    def epoch_done(self, progress: EpochProgress, complete: bool) -> None:
+        """After the epoch's record is in the metrics; `complete` unless --max-steps cut it."""
+        if complete:
+            self.position = Position(self.position.epoch + 1, 0, self.position.steps_done)
+            self.save(EpochProgress())
+        else:  # resumable inside the epoch; its record is made again when it completes
+            self.save(progress, metrics={**self.metrics, "epochs": self.metrics["epochs"][:-1]})
+        if self.hosts.any_true(self.stop.requested):
+            self._interrupted()
+
+    def kept(self) -> str:
+        """Which checkpoint a failed run leaves behind, for the error message."""
+        if self.saved is None:
+            return "no checkpoint was written yet"
+        return (f"the last good checkpoint (epoch {self.saved.epoch + 1}, step "
+                f"{self.saved.step}) is kept in {self.run_dir}")
+
+    def save(self, progress: EpochProgress, metrics: dict | None = None) -> None:
+        # Collective: every host contributes its loss sum, so rank 0 can store the total.
+        mean_loss = self.hosts.mean_over_hosts(progress.loss_sum, progress.samples)
+        state = self.model.state_dict()
+        if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
+            raise TrainingError(f"parameters became non-finite by epoch {self.position.epoch + 1}, "
+                                f"step {self.position.step}: lower --lr; {self.kept()}")
+        if self.hosts.rank == 0:
+            total = EpochProgress(steps=progress.steps, global_samples=progress.global_samples,
+                                  samples=progress.global_samples,
+                                  loss_sum=mean_loss * progress.global_samples,
+                                  seconds=progress.seconds,
+                                  data_wait_seconds=progress.data_wait_seconds)
+            checkpoint = Checkpoint(
+                config=self.about["config"], identity=self.about["identity"],
+                position=self.position, progress=total, model=state,
+                optimizer=self.optimizer.state_dict(), rng=capture_rng(),
+                metrics=plain(metrics if metrics is not None else self.metrics),
+                strategy=self.about["strategy"], profile=self.about.get("profile"))
+            atomic_torch_save(self.run_dir / CHECKPOINT, checkpoint.to_payload())
+        self.saved = Position(**asdict(self.position))
+
+    def _interrupted(self) -> None:
+        # Under mpirun the first rank to exit non-zero gets the others killed: none may
+        # leave before rank 0's checkpoint is on disk.
+        self.hosts.barrier()
+        # A host stopped because another one was signalled reports the usual SIGTERM.
+        signum = self.stop.signum if self.stop.requested else int(signal.SIGTERM)
+        raise TrainingInterrupted(self.run_dir, signum, self.position.epoch, self.position.step)
+
+
+def plain(metrics: dict) -> dict:
+    """The metrics as the JSON types they are written as: loadable with weights_only=True."""
+    return json.loads(json.dumps(metrics))
