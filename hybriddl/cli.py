@@ -69,6 +69,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
+    parser.add_argument("--monitor-interval", type=float, default=1.0,
+                        help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -82,7 +84,7 @@ def config_from_args(args: argparse.Namespace):
                        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                        momentum=args.momentum, dropout=args.dropout, seed=args.seed,
                        max_steps=args.max_steps, run_dir=args.run_dir, strategy=args.strategy,
-                       strategy_options=options)
+                       strategy_options=options, monitor_interval=args.monitor_interval)
 
 
 class TrainDisplay:

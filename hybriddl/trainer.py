@@ -8,6 +8,7 @@ update. Nothing here knows which strategy ran.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ import torch
 from hybriddl import data as datamod
 from hybriddl.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
+from hybriddl.monitor import Monitor
 from hybriddl.rundir import (CHECKPOINT, METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
 from hybriddl.strategies import LocalStrategy, StrategyOptions, make_strategy
@@ -42,6 +44,7 @@ class TrainConfig:
     run_dir: str | None = None
     strategy: str = "sequential"
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -59,6 +62,9 @@ class TrainConfig:
                 raise UsageError(f"{flag} {value}: give at least {low}")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
+        if not 0 <= self.monitor_interval < float("inf"):
+            raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
+                             "(0 disables monitoring)")
         if filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
         if not 0 <= filled.momentum < 1:
@@ -114,9 +120,11 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     run_dir = prepared.run_dir
     metrics = {"config": config_record(prepared, hosts), "epochs": []}
     steps_done = 0
-    with strategy:
+    with strategy, contextlib.ExitStack() as monitoring:
         strategy.setup(model)
         hosts.broadcast_parameters(model)
+        # Started only now: every rank is past prepare()'s check that the run dir is new.
+        monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         if hosts.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,7 +147,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             observer.on_epoch_end(record)
             if config.max_steps is not None and steps_done >= config.max_steps:
                 break
+        metrics["monitor"] = monitor.stop()
         if hosts.rank == 0:
+            atomic_write_json(run_dir / METRICS, metrics)
             atomic_torch_save(run_dir / MODEL, model.state_dict())
     return metrics
 
@@ -148,6 +158,7 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
                 observer) -> dict:
     model.train()
     observer.on_epoch_start(epoch, len(batches))
+    started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
     started = time.perf_counter()
     loss_sum, samples = 0.0, 0
     host_part = hosts.host_part
@@ -172,7 +183,8 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
     return {"epoch": epoch + 1, "steps": len(batches), "samples": global_samples,
             "seconds": seconds, "images_per_second": global_samples / seconds,
             "train_loss": hosts.mean_over_hosts(loss_sum, samples),
-            "data_wait_seconds": data_wait, "mpi_bytes_sent": hosts.bytes_sent}
+            "data_wait_seconds": data_wait, "mpi_bytes_sent": hosts.bytes_sent,
+            "started_at": started_at, "ended_at": started_at + seconds}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
