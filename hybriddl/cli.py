@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(train)
     train.set_defaults(handler=cmd_train)
 
+    report = commands.add_parser("report", help="PNG charts and a Markdown table from run directories")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories made by 'train'")
+    report.add_argument("--output", default="report", help="folder for the charts and report.md "
+                        "(default: ./report)")
+    report.set_defaults(handler=cmd_report)
+
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
@@ -176,6 +182,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         display.stop()
     out.print(epoch_table(metrics["epochs"]))
     out.print(f"run directory: {prepared.run_dir}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hybriddl.report import write_report
+
+    written = write_report(args.run_dirs, args.output)
+    table = Table(title=f"Report of {len(args.run_dirs)} run(s)")
+    table.add_column("file")
+    for path in written:
+        table.add_row(str(path))
+    out.print(table)
     return 0
 
 
