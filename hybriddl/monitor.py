@@ -229,11 +229,15 @@ class Monitor:
 
         peaks.samples += 1
         peaks.process_cpu_seconds += user + system
-        peaks.process_cpu_peak_pct = max(peaks.process_cpu_peak_pct, cpu_total_pct)
+        # The kernel counts CPU in 10 ms ticks: one tick in stop()'s short last interval
+        # would read as a spike, so only full-length intervals set the CPU peaks.
+        full_interval = dt >= self.interval / 2
+        if full_interval:
+            peaks.process_cpu_peak_pct = max(peaks.process_cpu_peak_pct, cpu_total_pct)
+            peaks.host_busy_peak_pct = max(peaks.host_busy_peak_pct, 100 - idle_pct - iowait_pct)
         peaks.rss_peak_bytes = max(peaks.rss_peak_bytes, rss)
         peaks.threads_peak = max(peaks.threads_peak, threads)
         peaks.processes_peak = max(peaks.processes_peak, len(tree))
-        peaks.host_busy_peak_pct = max(peaks.host_busy_peak_pct, 100 - idle_pct - iowait_pct)
         peaks.host_memory_peak_pct = max(peaks.host_memory_peak_pct, memory.percent)
         self._last, self._last_proc, self._last_host, self._last_net = now, tree, host, net
 

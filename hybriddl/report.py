@@ -283,11 +283,13 @@ def resource_chart(pidstat: list[dict], sar: list[dict], path: Path | str, *, ti
     figure.suptitle(title)
 
     times = [row["timestamp_unix_s"] - started_at for row in pidstat]
-    cpu_axes.plot(times, [row["cpu_total_pct"] for row in pidstat], color="#C44E52",
+    cpu_rows = _full_intervals(pidstat)
+    cpu_times = [row["timestamp_unix_s"] - started_at for row in cpu_rows]
+    cpu_axes.plot(cpu_times, [row["cpu_total_pct"] for row in cpu_rows], color="#C44E52",
                   label="training process + children, user + system (pidstat)")
-    cpu_axes.plot(times, [row["cpu_system_pct"] for row in pidstat], color="#C44E52",
+    cpu_axes.plot(cpu_times, [row["cpu_system_pct"] for row in cpu_rows], color="#C44E52",
                   linestyle=":", label="training process, system only")
-    host_rows = _first_interface_rows(sar)
+    host_rows = _full_intervals(_first_interface_rows(sar))
     cores = host_cpus or 1
     cpu_axes.plot([row["timestamp_unix_s"] - started_at for row in host_rows],
                   [cores * (100 - row["cpu_idle_pct"] - row["cpu_iowait_pct"]) for row in host_rows],
@@ -299,13 +301,13 @@ def resource_chart(pidstat: list[dict], sar: list[dict], path: Path | str, *, ti
     if host_cpus:  # headroom above the host's ceiling for the epoch numbers
         cpu_axes.set_ylim(0, 100 * host_cpus * 1.15)
     else:
-        cpu_axes.set_ylim(bottom=0)
+        _headroom(cpu_axes, [row["cpu_total_pct"] for row in cpu_rows])
     cpu_axes.set_title("CPU use")
 
     rss_axes.plot(times, [row["rss_mib"] for row in pidstat], color="#4C72B0",
                   label="resident memory of the process tree (RSS)")
     rss_axes.set_ylabel("RSS (MiB)")
-    rss_axes.set_ylim(bottom=0)
+    _headroom(rss_axes, [row["rss_mib"] for row in pidstat])
     rss_axes.set_title("Memory")
 
     _plot_network(net_axes, sar, started_at)
@@ -315,8 +317,27 @@ def resource_chart(pidstat: list[dict], sar: list[dict], path: Path | str, *, ti
         _mark_epochs(axes, epochs, started_at, number=axes is cpu_axes)
         axes.grid(alpha=0.3)
         # Outside the axes: a legend over the curves hides what the chart is for.
-        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     return save_figure(figure, path)
+
+
+def _headroom(axes, values: list[float]) -> None:
+    """From 0 to 15% above the peak: a flat line must not hide under the top edge of the axes."""
+    peak = max(values, default=0.0)
+    axes.set_ylim(0, peak * 1.15 if peak > 0 else 1.0)
+
+
+def _full_intervals(rows: list[dict]) -> list[dict]:
+    """Rows whose interval is at least half the usual one.
+
+    CPU time is counted in 10 ms ticks, so the short last interval a monitor takes when it
+    stops can show one tick as a spike that never happened.
+    """
+    if not rows:
+        return rows
+    usual = statistics.median(row["interval_s"] for row in rows)
+    return [row for row in rows if row["interval_s"] >= usual / 2]
 
 
 def _first_interface_rows(sar: list[dict]) -> list[dict]:
@@ -350,7 +371,7 @@ def _plot_network(axes, sar: list[dict], started_at: float) -> None:
         axes.text(0.5, 0.5, f"no network traffic on any interface ({names})",
                   transform=axes.transAxes, ha="center", va="center")
     axes.set_ylabel(f"network rate ({unit})")
-    axes.set_ylim(bottom=0)
+    _headroom(axes, [peak / scale])
     axes.set_title("Network, per interface (whole host)")
 
 
