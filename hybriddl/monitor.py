@@ -59,7 +59,10 @@ class Monitor:
     """Samples one rank's process tree and its host every `interval` seconds.
 
     Use as a context manager (or start()/stop()); `stop()` returns the summary recorded
-    in metrics.json. An interval of 0 disables monitoring: no thread, no file, summary None.
+    in metrics.json under "monitor": process CPU % (average, peak), peak RSS, threads and
+    processes; host CPU % and memory; rx/tx bytes and packets per network interface. An
+    interval of 0 disables monitoring: no thread, no file, summary None. `pid` is the root
+    of the monitored process tree (default: this process).
     """
 
     def __init__(self, run_dir: Path | str, rank: int = 0, interval: float = 1.0,
@@ -73,7 +76,6 @@ class Monitor:
         self.sar_path = self.run_dir / sar_file(rank)
         self._root = psutil.Process(pid)
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # the thread and stop()'s final sample never overlap
         self._thread: threading.Thread | None = None
         self._summary: dict | None = None
         self._error: str | None = None
@@ -88,6 +90,7 @@ class Monitor:
         if not self.enabled or self._thread is not None:
             return self
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stop.clear()
         # Appending lets a resumed run continue its files; the header is written once.
         self._pidstat = self._open(self.pidstat_path, PIDSTAT_COLUMNS)
         self._sar = self._open(self.sar_path, SAR_COLUMNS)
@@ -108,7 +111,7 @@ class Monitor:
         if self._thread is None:
             return self._summary
         self._stop.set()
-        self._thread.join()
+        self._thread.join()  # before the last sample: the two must never write at once
         try:
             if time.perf_counter() - self._last >= self.interval / 10:
                 self._sample_safely()
@@ -154,10 +157,9 @@ class Monitor:
 
     def _sample_safely(self) -> bool:
         try:
-            with self._lock:
-                cpu_started = time.thread_time()
-                self._sample()
-                self._sampling_seconds += time.thread_time() - cpu_started
+            cpu_started = time.thread_time()
+            self._sample()
+            self._sampling_seconds += time.thread_time() - cpu_started
             return True
         except Exception as exc:  # noqa: BLE001 - a failed monitor (full disk, ...) must never
             # stop training; the summary says why the samples end early.

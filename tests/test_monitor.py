@@ -176,3 +176,20 @@ def test_negative_monitor_interval_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--monitor-interval -1" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_training_that_fails_still_stops_its_monitor(tmp_path):
+    from hybriddl import trainer
+
+    class FailingObserver(trainer.TrainingObserver):
+        def on_step(self, epoch, step, samples, seconds, loss):
+            raise RuntimeError("a step failed")
+
+    config = trainer.TrainConfig(model="resnet18", image_size=32, batch_size=8, max_steps=3,
+                                 run_dir=str(tmp_path / "run"), monitor_interval=0.05)
+    prepared = trainer.prepare(config)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        trainer.run(prepared, FailingObserver())
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]
+    rows = read_rows(tmp_path / "run" / "rank0-pidstat.csv", PIDSTAT_COLUMNS)
+    assert rows  # stop() took the last sample on the way out
