@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from hybriddl.errors import UsageError
-from hybriddl.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, pidstat_file, sar_file
+from hybriddl.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
 from hybriddl.rundir import METRICS, load_metrics
 
 REPORT = "report.md"
@@ -167,12 +167,15 @@ def scaling_rows(runs: list[RecordedRun]) -> tuple[list[dict], str]:
     sequential one-host run, else the first run given.
     """
     labels = [configuration_label(run.config) for run in runs]
+    names = [run.name for run in runs]
+    if len(set(names)) < len(names):  # runs/a/run and runs/b/run: number them
+        names = [f"#{i + 1} {name}" for i, name in enumerate(names)]
     rows = []
-    for run, label in zip(runs, labels):
+    for run, name, label in zip(runs, names, labels):
         if labels.count(label) > 1:
-            label = f"{label} ({run.name})"
+            label = f"{label} ({name})"
         rows.append({
-            "run": run.name, "label": label, "strategy": run.config["strategy"]["name"],
+            "run": name, "label": label, "strategy": run.config["strategy"]["name"],
             "workers": local_workers(run.config), "hosts": host_count(run.config),
             "global_batch": run.config.get("global_batch"), "image_size": run.config.get("image_size"),
             "epochs": len(run.epochs),

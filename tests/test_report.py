@@ -170,3 +170,13 @@ def test_report_command_end_to_end(cli, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "report.md" in done.stdout
     assert_png(tmp_path / "out" / "speedup.png")
+
+
+def test_runs_with_the_same_configuration_and_folder_name_stay_apart(tmp_path):
+    a = make_run(tmp_path / "a" / "run", {"name": "sequential"}, [10.0])
+    b = make_run(tmp_path / "b" / "run", {"name": "sequential"}, [12.0])
+    written = write_report([a, b], tmp_path / "out")
+    assert len([p for p in written if p.name.startswith("resources-")]) == 2
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| #1 run | sequential, 1 host (#1 run) |" in text
+    assert "| 1.20× |" in table_row(text, "#2 run")
