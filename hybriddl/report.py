@@ -216,7 +216,11 @@ def bar_chart(rows: list[dict], value_key: str, path: Path | str, *, title: str,
     colors = [BASELINE_COLOR if label == highlight else BAR_COLOR for label in labels]
     positions = range(len(rows))
     bars = axes.bar(positions, values, color=colors, width=0.6, zorder=2)
-    axes.bar_label(bars, labels=[value_format.format(v) for v in values], padding=3)
+    texts = [value_format.format(v) for v in values]
+    if ideal_key is None:
+        axes.bar_label(bars, labels=texts, padding=3)
+    else:  # above the bar it would collide with the ideal mark when the two are close
+        axes.bar_label(bars, labels=texts, label_type="center", color="white", fontweight="bold")
     handles = []
     if highlight in labels:
         handles.append(Patch(color=BASELINE_COLOR, label=highlight_label))
