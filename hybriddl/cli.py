@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "fastest as this host's profile")
     add_tune_args(tune)
     tune.set_defaults(handler=cmd_tune)
+    report = commands.add_parser("report", help="PNG charts and a Markdown table from run directories")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories made by 'train'")
+    report.add_argument("--output", default="report", help="folder for the charts and report.md "
+                        "(default: ./report)")
+    report.set_defaults(handler=cmd_report)
 
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -97,6 +102,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
+    parser.add_argument("--monitor-interval", type=float,
+                        help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +120,8 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
 
 TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_size",
                   "batch_size", "epochs", "lr", "momentum", "dropout", "seed", "max_steps",
-                  "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget")
+                  "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget",
+                  "monitor_interval")
 
 
 def given_settings(args: argparse.Namespace) -> dict:
@@ -399,6 +407,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
     pick = profile.pick_result
     speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
     out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hybriddl.report import write_report
+
+    written = write_report(args.run_dirs, args.output)
+    table = Table(title=f"Report of {len(args.run_dirs)} run(s)")
+    table.add_column("file")
+    for path in written:
+        table.add_row(str(path))
+    out.print(table)
     return 0
 
 

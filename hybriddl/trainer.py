@@ -8,6 +8,7 @@ update. Nothing here knows which strategy ran.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from hybriddl import checkpoint as ckpt
 from hybriddl import data as datamod
 from hybriddl.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
+from hybriddl.monitor import Monitor
 from hybriddl.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
 from hybriddl.shutdown import StopRequest
@@ -48,6 +50,7 @@ class TrainConfig:
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
     profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
     tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
+    monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -67,6 +70,9 @@ class TrainConfig:
             raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
+        if not 0 <= self.monitor_interval < float("inf"):
+            raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
+                             "(0 disables monitoring)")
         if filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
         if not 0 <= filled.momentum < 1:
@@ -151,9 +157,11 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     run_dir = prepared.run_dir
     metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
         "config": config_record(prepared, hosts), "epochs": []}
-    with strategy:
+    with strategy, contextlib.ExitStack() as monitoring:
         strategy.setup(model)
         hosts.broadcast_parameters(model)
+        # Started only now: every rank is past prepare()'s check that the run dir is new.
+        monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         keeper = ckpt.Checkpointer(run_dir, hosts, stop, model, optimizer, metrics,
                                    checkpoint_about(prepared, metrics), config.checkpoint_every)
@@ -182,7 +190,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             keeper.epoch_done(progress, complete=progress.steps == len(batches))
             if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
                 break
+        metrics["monitor"] = monitor.stop()
         if hosts.rank == 0:
+            atomic_write_json(run_dir / METRICS, metrics)
             atomic_torch_save(run_dir / MODEL, model.state_dict())
     return metrics
 
@@ -192,6 +202,7 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
     model.train()
     observer.on_epoch_start(epoch, len(batches))
+    started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
     last = time.perf_counter()
     waited_before = progress.data_wait_seconds
     host_part = hosts.host_part
@@ -216,7 +227,8 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             "seconds": progress.seconds,
             "images_per_second": progress.global_samples / max(progress.seconds, 1e-9),
             "train_loss": hosts.mean_over_hosts(progress.loss_sum, progress.samples),
-            "data_wait_seconds": progress.data_wait_seconds, "mpi_bytes_sent": hosts.bytes_sent}
+            "data_wait_seconds": progress.data_wait_seconds, "mpi_bytes_sent": hosts.bytes_sent,
+            "started_at": started_at, "ended_at": time.time()}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:

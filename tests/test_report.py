@@ -1,0 +1,182 @@
+import csv
+import json
+import time
+
+import pytest
+from matplotlib.image import imread
+
+from hybriddl.errors import UsageError
+from hybriddl.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
+from hybriddl.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
+                             write_report)
+from hybriddl.rundir import METRICS
+
+T0 = 1_700_000_000.0
+
+
+def write_csv(path, columns, rows):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        writer.writerows(rows)
+
+
+def make_run(path, strategy, images_per_second, hosts=1, ranks=(0,), lo_bytes_per_s=1e6):
+    """A run directory as `train` leaves it: metrics.json and each rank's monitor CSVs."""
+    path.mkdir(parents=True)
+    epochs = [{"epoch": i + 1, "steps": 10, "samples": 320, "seconds": 320 / ips,
+               "images_per_second": ips, "train_loss": 1.0, "val_accuracy": 0.5,
+               "data_wait_seconds": 0.0, "mpi_bytes_sent": 0,
+               "started_at": T0 + 1 + 12 * i, "ended_at": T0 + 1 + 12 * i + 320 / ips}
+              for i, ips in enumerate(images_per_second)]
+    metrics = {"config": {"usecase": "ComplexSmall", "model": "vgg16", "strategy": strategy,
+                          "hosts": {"count": hosts, "names": [f"h{i}" for i in range(hosts)]},
+                          "global_batch": 32, "image_size": 32},
+               "epochs": epochs,
+               "monitor": {"rank": 0, "started_at": T0, "host_cpus": 2,
+                           "process": {"cpu_avg_pct": 150.0, "cpu_peak_pct": 199.0,
+                                       "rss_peak_bytes": 512 * 2**20},
+                           "network": {"lo": {"rx_bytes": 30 * 2**20, "tx_bytes": 30 * 2**20},
+                                       "eth0": {"rx_bytes": 0, "tx_bytes": 0}}}}
+    (path / METRICS).write_text(json.dumps(metrics))
+    seconds = range(1, 12 * len(images_per_second) + 1)
+    for rank in ranks:
+        write_csv(path / f"rank{rank}-pidstat.csv", PIDSTAT_COLUMNS,
+                  [(T0 + s, s, 1.0, 100, 1, 120.0, 30.0, 150.0, 500.0 + s, 3.2, 8) for s in seconds])
+        write_csv(path / f"rank{rank}-sar.csv", SAR_COLUMNS,
+                  [(T0 + s, s, 1.0, 70.0, 20.0, 0.0, 10.0, 40.0, name, rate, rate, 100.0, 100.0)
+                   for s in seconds for name, rate in (("lo", lo_bytes_per_s), ("eth0", 0.0))])
+    return path
+
+
+def assert_png(path):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = imread(path).shape
+    assert height > 200 and width > 300
+
+
+def table_row(report_text, run_name):
+    return next(line for line in report_text.splitlines() if line.startswith(f"| {run_name} |"))
+
+
+def test_report_draws_scaling_charts_resources_and_table(tmp_path):
+    seq = make_run(tmp_path / "run-seq", {"name": "sequential"}, [10.0, 10.0])
+    thr = make_run(tmp_path / "run-thr", {"name": "threads", "workers": 2}, [24.0, 25.0, 26.0],
+                   hosts=2, ranks=(0, 1))
+    output = tmp_path / "report"
+    written = write_report([seq, thr], output)
+
+    names = {p.name for p in written}
+    assert names == {"epoch_time.png", "throughput.png", "speedup.png", "report.md",
+                     "resources-run-seq-rank0.png", "resources-run-thr-rank0.png",
+                     "resources-run-thr-rank1.png"}
+    for path in written:
+        if path.suffix == ".png":
+            assert_png(path)
+    text = (output / "report.md").read_text()
+    assert "speedup is images/s over sequential (run-seq)" in text
+    assert "| run-seq | sequential, 1 host |" in text
+    thr_row = table_row(text, "run-thr")
+    assert "| threads K=2, 2 hosts |" in thr_row
+    assert "| 25.0 | 2.50× |" in thr_row  # median images/s, and 25 / 10
+    assert "| 512 |" in thr_row and "lo 30.0 / 30.0" in thr_row and "eth0" not in thr_row
+    for name in names - {"report.md"}:
+        assert f"({name})" in text  # every chart is embedded in the Markdown
+
+
+def test_without_a_sequential_run_the_first_run_is_the_baseline(tmp_path):
+    a = make_run(tmp_path / "a", {"name": "threads", "workers": 2}, [20.0])
+    b = make_run(tmp_path / "b", {"name": "processes", "workers": 2}, [30.0])
+    write_report([a, b], tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "over the first run (threads K=2, 1 host)" in text
+    assert "| 1.50× |" in table_row(text, "b")
+
+
+def test_report_of_a_really_monitored_run(tmp_path):
+    run = tmp_path / "real"
+    with Monitor(run, rank=0, interval=0.05) as monitor:
+        started = time.time()
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            sum(i * i for i in range(10000))
+        ended = time.time()
+    metrics = {"config": {"strategy": {"name": "sequential"}, "hosts": {"count": 1}},
+               "epochs": [{"epoch": 1, "seconds": ended - started, "images_per_second": 8.0,
+                           "started_at": started, "ended_at": ended}],
+               "monitor": monitor.summary()}
+    (run / METRICS).write_text(json.dumps(metrics))
+    written = write_report([run], tmp_path / "out")
+    assert_png(tmp_path / "out" / "resources-real-rank0.png")
+    assert len(written) == 5
+
+
+def test_chart_functions_take_plain_rows_with_any_keys(tmp_path):
+    rows = [{"name": "sequential", "ips": 10.0, "x": 1.0},
+            {"name": "processes K=2", "ips": 19.0, "x": 1.9}]
+    assert_png(throughput_chart(rows, tmp_path / "t.png", value_key="ips", label_key="name",
+                                title="Tuner: throughput", highlight="processes K=2",
+                                highlight_label="pick"))
+    assert_png(speedup_chart(rows, tmp_path / "s.png", baseline="sequential, 1 core",
+                             value_key="x", label_key="name"))
+
+
+def test_markdown_table_escapes_pipes_and_marks_missing_values():
+    text = markdown_table([{"a": "x|y", "b": 1.234}, {"a": "z", "b": None}],
+                          [("a", "name", "{}"), ("b", "value", "{:.1f}")])
+    assert text.splitlines() == ["| name | value |", "|---|---:|", "| x\\|y | 1.2 |", "| z | — |"]
+
+
+def test_partial_last_row_is_tolerated_but_a_damaged_middle_row_is_not(tmp_path):
+    path = tmp_path / "rank0-pidstat.csv"
+    good = ",".join(["1.0"] * len(PIDSTAT_COLUMNS))
+    path.write_text(",".join(PIDSTAT_COLUMNS) + f"\n{good}\n{good}\n1.0,2.")
+    assert len(read_samples(path, PIDSTAT_COLUMNS)) == 2  # a run killed mid-write
+    path.write_text(",".join(PIDSTAT_COLUMNS) + f"\n{good}\n1.0,2.\n{good}\n")
+    with pytest.raises(UsageError, match="line 3 is malformed"):
+        read_samples(path, PIDSTAT_COLUMNS)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("missing", "has no metrics.json"),
+    ("json", "is not valid JSON"),
+    ("no-epochs", "no finished epoch"),
+    ("csv-header", "does not start with the monitor's header"),
+])
+def test_bad_run_directory_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, damage, message):
+    from hybriddl.cli import main
+
+    good = make_run(tmp_path / "good", {"name": "sequential"}, [10.0])
+    bad = make_run(tmp_path / "bad", {"name": "threads", "workers": 2}, [20.0])
+    if damage == "missing":
+        (bad / METRICS).unlink()
+    elif damage == "json":
+        (bad / METRICS).write_text((bad / METRICS).read_text()[:40])
+    elif damage == "no-epochs":
+        metrics = json.loads((bad / METRICS).read_text())
+        (bad / METRICS).write_text(json.dumps({**metrics, "epochs": []}))
+    else:
+        (bad / "rank0-sar.csv").write_text("time,cpu\n1,2\n")
+    output = tmp_path / "out"
+    assert main(["report", str(good), str(bad), "--output", str(output)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not output.exists()
+
+
+def test_report_command_end_to_end(cli, tmp_path):
+    seq = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
+    done = cli("report", str(seq), "--output", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert "report.md" in done.stdout
+    assert_png(tmp_path / "out" / "speedup.png")
+
+
+def test_runs_with_the_same_configuration_and_folder_name_stay_apart(tmp_path):
+    a = make_run(tmp_path / "a" / "run", {"name": "sequential"}, [10.0])
+    b = make_run(tmp_path / "b" / "run", {"name": "sequential"}, [12.0])
+    written = write_report([a, b], tmp_path / "out")
+    assert len([p for p in written if p.name.startswith("resources-")]) == 2
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| #1 run | sequential, 1 host (#1 run) |" in text
+    assert "| 1.20× |" in table_row(text, "#2 run")
