@@ -15,7 +15,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from hybriddl import __version__
-from hybriddl.compare import CONTENDERS, TABLE_COLUMNS, MeasureSettings
+from hybriddl.compare import CONTENDERS, MeasureSettings
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
@@ -376,10 +376,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
         comparison = compare.run_comparison(config, output, announce)
     table = Table(title="Hybrid vs Horovod's model vs PyTorch DDP")
-    for column in TABLE_COLUMNS:
-        table.add_column(column, justify="left" if column == "contender" else "right")
-    for row in compare.table_rows(comparison):
-        table.add_row(*row)
+    for key, header, _ in compare.COLUMNS:
+        table.add_column(header, justify="left" if key == "name" else "right")
+    for cells in compare.table_cells(comparison):
+        table.add_row(*cells)
     out.print(table)
     for line in compare.notes(comparison):
         out.print(f"- {line}", highlight=False)

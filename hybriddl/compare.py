@@ -319,32 +319,39 @@ def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:
 
 # --------------------------------------------------------------------------- outputs
 
-def megabytes(n: float) -> str:
-    return f"{n / 1e6:.2f}"
+# (key of a display row, header, format): the CLI's rich table and the Markdown share it.
+COLUMNS = [
+    ("name", "contender", "{}"), ("ranks", "ranks", "{:d}"),
+    ("images_per_second", "img/s", "{:.2f}"),
+    ("images_per_second_vs_hybrid", "img/s vs hybrid", "{:.2f}×"),
+    ("seconds_per_step", "s/step", "{:.3f}"),
+    ("comm_mb_per_step", "MB to lib /step", "{:.2f}"),
+    ("wire_mb_per_step", "MB wire /step", "{:.2f}"),
+    ("theory_wire_mb_per_step", "MB wire theory", "{:.2f}"),
+    ("wire_bytes_vs_hybrid", "wire vs hybrid", "{:.2f}×"),
+    ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+]
 
 
-def ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+def display_rows(comparison: dict) -> list[dict]:
+    """The contenders with their byte counts in MB (10^6 bytes), as tables and charts show them."""
+    return [{**r, "comm_mb_per_step": r["comm_bytes_per_step"] / 1e6,
+             "wire_mb_per_step": r["wire_bytes_per_step"] / 1e6,
+             "theory_wire_mb_per_step": r["theory_wire_bytes_per_step"] / 1e6,
+             "peak_rss_mb": r["peak_rss_bytes"] / 1e6} for r in comparison["contenders"]]
 
 
-TABLE_COLUMNS = ("contender", "ranks", "img/s", "img/s vs hybrid", "s/step", "MB to lib /step",
-                 "MB wire /step", "MB wire theory", "wire vs hybrid", "peak RSS MB")
-
-
-def table_rows(comparison: dict) -> list[list[str]]:
-    """The comparison as text cells, in TABLE_COLUMNS order (the CLI and Markdown share it)."""
-    return [[r["name"], str(r["ranks"]), f"{r['images_per_second']:.2f}",
-             ratio(r["images_per_second_vs_hybrid"]), f"{r['seconds_per_step']:.3f}",
-             megabytes(r["comm_bytes_per_step"]), megabytes(r["wire_bytes_per_step"]),
-             megabytes(r["theory_wire_bytes_per_step"]), ratio(r["wire_bytes_vs_hybrid"]),
-             f"{r['peak_rss_bytes'] / 1e6:.0f}"] for r in comparison["contenders"]]
+def table_cells(comparison: dict) -> list[list[str]]:
+    """display_rows as text, in COLUMNS order."""
+    return [["—" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in COLUMNS]
+            for row in display_rows(comparison)]
 
 
 def notes(comparison: dict) -> list[str]:
     config, machine = comparison["config"], comparison["machine"]
     lines = [f"{config['usecase']}: {config['model']} at {config['image_size']} px, global batch "
              f"{config['batch_size']}, {config['hosts']} hosts x {config['workers_per_host']} "
-             f"workers, {config['steps']} timed steps after {config['warmup']} warm-up"
+             f"workers per host, {config['steps']} timed steps after {config['warmup']} warm-up"
              + (", gradients sent as float16" if config["fp16_allreduce"] else ""),
              f"network: {comparison['network']}",
              "theory: a ring allreduce over P ranks sends 2(P-1)/P of the gradient per rank, "
@@ -356,50 +363,30 @@ def notes(comparison: dict) -> list[str]:
 
 
 def markdown(comparison: dict) -> str:
-    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(TABLE_COLUMNS))) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(comparison)]
-    return "\n".join(lines) + "\n\n" + "".join(f"- {line}\n" for line in notes(comparison))
+    from hybriddl import report
+
+    return (report.markdown_table(display_rows(comparison), COLUMNS) + "\n"
+            + "".join(f"- {line}\n" for line in notes(comparison)))
 
 
-def write_outputs(comparison: dict, output: Path) -> None:
+def write_outputs(comparison: dict, output: Path) -> list[Path]:
     atomic_write_json(output / RESULT, comparison)
     atomic_write_bytes(output / REPORT, markdown(comparison).encode())
-    comparison_charts(comparison, output)
+    return [output / RESULT, output / REPORT, *comparison_charts(comparison, output)]
 
 
 def comparison_charts(comparison: dict, output: Path) -> list[Path]:
-    """Bar charts of speed and of wire bytes per step (measured beside the ring theory)."""
-    import matplotlib
+    """Speed and bytes on the wire per contender, the hybrid's bar set apart."""
+    from hybriddl import report
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    rows = comparison["contenders"]
-    names = [r["name"] for r in rows]
-    paths = []
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar(names, [r["images_per_second"] for r in rows], color="tab:blue")
-    ax.set_ylabel("images/s")
-    ax.set_title("Training speed")
-    paths.append(output / "images_per_second.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["wire_bytes_per_step"] / 1e6 for r in rows], width=0.4,
-           label="measured on lo")
-    ax.bar([x + 0.2 for x in xs], [r["theory_wire_bytes_per_step"] / 1e6 for r in rows],
-           width=0.4, label="ring allreduce theory")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("MB per step")
-    ax.set_title("Bytes on the wire")
-    ax.margins(y=0.25)
-    ax.legend(loc="upper left")
-    paths.append(output / "wire_bytes_per_step.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
+    rows = display_rows(comparison)
+    common = {"label_key": "name", "xlabel": "contender", "highlight": "hybrid",
+              "highlight_label": "hybrid (local-first)"}
+    return [
+        report.throughput_chart(rows, output / "images_per_second.png",
+                                title="Training speed, side by side", **common),
+        report.bar_chart(rows, "wire_mb_per_step", output / "wire_bytes_per_step.png",
+                         title="Bytes on the wire per step (loopback TCP)",
+                         ylabel="MB per step (lower is better)", value_format="{:.2f} MB",
+                         **common),
+    ]

@@ -39,7 +39,8 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
         for name in (MODEL, CHECKPOINT):
             (run_dir / name).unlink(missing_ok=True)
     return {**meter.result(), "strategy": metrics["config"]["strategy"],
-            "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model)}
+            "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model),
+            "monitor": metrics.get("monitor")}
 
 
 def build_parser() -> argparse.ArgumentParser:

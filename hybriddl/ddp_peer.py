@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hybriddl.compare import MeasureSettings
 from hybriddl.data import BatchTransform, epoch_batches, load_data
+from hybriddl.monitor import Monitor
 from hybriddl.sharding import split_bounds
 from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import criterion
@@ -74,8 +76,13 @@ def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
+    monitor_dir = Path(result_dir) / "run"
+    monitor_dir.mkdir(parents=True, exist_ok=True)
     try:
-        record = measure_ddp(rank, world, settings)
+        with Monitor(monitor_dir, rank) as monitor:
+            record = measure_ddp(rank, world, settings)
+            record["monitor"] = monitor.stop()
         write_rank_result(result_dir, rank, record)
     finally:
         dist.destroy_process_group()

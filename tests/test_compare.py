@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hybriddl.compare import RESULT, ring_allreduce_wire_bytes
+from hybriddl.compare import REPORT, RESULT, ring_allreduce_wire_bytes
 from hybriddl.errors import UsageError
 from hybriddl.stepmeter import StepMeter
 from hybriddl.strategies import StrategyOptions, make_strategy
@@ -34,6 +34,8 @@ def tiny_images(tmp_path_factory):
 def compare(cli, output, data, *args):
     done = cli("compare", *SMALL, "--data", data, "--output", str(output), *args, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
+    for written in (REPORT, "images_per_second.png", "wire_bytes_per_step.png"):
+        assert (output / written).stat().st_size > 0
     return {r["name"]: r for r in json.loads((output / RESULT).read_text())["contenders"]}
 
 
