@@ -6,6 +6,7 @@ import argparse
 import json
 import shutil
 import sys
+import traceback
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
     add_training_args(train)
+    add_hosts_args(train)
     train.set_defaults(handler=cmd_train)
 
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
@@ -71,6 +73,26 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                         help="allow more local workers than usable cores")
 
 
+def add_hosts_args(parser: argparse.ArgumentParser) -> None:
+    from hybriddl.cluster import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+
+    group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
+    group.add_argument("--overlap", action="store_true",
+                       help="send gradient buckets while backward still runs, where the strategy allows it")
+    group.add_argument("--fp16-allreduce", action="store_true",
+                       help="half-precision gradients on the wire (half the bytes)")
+    group.add_argument("--balance", choices=BALANCE_POLICIES,
+                       help="hosts' shares of the global batch: proportional to their images/s, or "
+                            "even (default: throughput when the hosts' figures differ)")
+    group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
+                       help="this host's images/s for --balance (default: its profile's)")
+    group.add_argument("--fusion-mib", type=float, default=64,
+                       help="size of the gradient fusion buffers in MiB (default: 64)")
+    group.add_argument("--host-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
+                       help="stop when another host has not answered for this many seconds "
+                            f"(default: {DEFAULT_TIMEOUT_SECONDS:.0f})")
+
+
 def config_from_args(args: argparse.Namespace):
     from hybriddl.trainer import TrainConfig
 
@@ -82,7 +104,8 @@ def config_from_args(args: argparse.Namespace):
                        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr,
                        momentum=args.momentum, dropout=args.dropout, seed=args.seed,
                        max_steps=args.max_steps, run_dir=args.run_dir, strategy=args.strategy,
-                       strategy_options=options)
+                       strategy_options=options, balance=getattr(args, "balance", None),
+                       throughput=getattr(args, "throughput", None))
 
 
 class TrainDisplay:
@@ -122,6 +145,13 @@ class TrainDisplay:
                           f"images, {len(info['data']['classes'])} classes), {info['image_size']} px, "
                           f"global batch {info['global_batch']}, strategy "
                           f"[bold]{info['strategy']['name']}[/] {strategy}".rstrip())
+            hosts = info["hosts"]
+            if hosts["count"] > 1:
+                console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
+                              f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
+                              "on the wire")
+            for note in hosts.get("notes", []):
+                console.print(f"[yellow]note:[/] {note}", highlight=False)
 
     def on_epoch_start(self, epoch: int, steps: int) -> None:
         if not self.enabled:
@@ -165,16 +195,55 @@ def epoch_table(records: list[dict]) -> Table:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl import trainer
+    from hybriddl.cluster import connect
+    from hybriddl.rundir import default_run_dir
 
-    display = TrainDisplay()
+    hosts = connect(overlap=args.overlap, fp16_allreduce=args.fp16_allreduce,
+                    bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
+    display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     try:
-        prepared = trainer.prepare(config_from_args(args), display)
-        metrics = trainer.run(prepared, display)
+        config = config_from_args(args)
+        if hosts.size > 1 and config.run_dir is None:
+            # Every rank names rank 0's run directory (its monitors write there too).
+            config.run_dir = hosts.broadcast_object(
+                str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
+        prepared = trainer.prepare(config, display)
+        metrics = trainer.run(prepared, display, hosts)
+    except (Exception, KeyboardInterrupt) as exc:
+        display.stop()
+        stop_every_host(hosts, exc)
+        raise
     finally:
         display.stop()
-    out.print(epoch_table(metrics["epochs"]))
-    out.print(f"run directory: {prepared.run_dir}")
+    hosts.close()
+    if hosts.rank == 0:
+        out.print(epoch_table(metrics["epochs"]))
+        out.print(f"run directory: {prepared.run_dir}")
     return 0
+
+
+def stop_every_host(hosts, exc: BaseException) -> None:
+    """Under mpirun, say which rank failed and why, then take every other rank down.
+
+    Returns only for a single host, where main() reports the error as usual.
+    """
+    from hybriddl.cluster import SingleHost
+
+    if isinstance(hosts, SingleHost):
+        return
+    import socket
+
+    where = f"rank {hosts.rank} on {socket.gethostname()}"
+    if isinstance(exc, (UsageError, TrainingError)):
+        console.print(f"hybriddl: {where}: {exc}", markup=False, highlight=False, soft_wrap=True)
+    elif isinstance(exc, KeyboardInterrupt):
+        console.print(f"hybriddl: {where}: interrupted", markup=False)
+    else:
+        console.print(f"hybriddl: {where} failed:\n"
+                      + "".join(traceback.format_exception(exc)).rstrip(),
+                      markup=False, highlight=False, soft_wrap=True)
+    code = 2 if isinstance(exc, UsageError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+    hosts.abort(code)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

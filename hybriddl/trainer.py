@@ -20,7 +20,7 @@ from hybriddl.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.rundir import (CHECKPOINT, METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
-from hybriddl.strategies import LocalStrategy, StrategyOptions, make_strategy
+from hybriddl.strategies import LocalStrategy, StepStats, StrategyOptions, make_strategy
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
@@ -42,6 +42,8 @@ class TrainConfig:
     run_dir: str | None = None
     strategy: str = "sequential"
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (cluster.py)
+    throughput: float | None = None  # this host's images/s (its profile's) for --balance
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -112,11 +114,14 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
-    metrics = {"config": config_record(prepared, hosts), "epochs": []}
     steps_done = 0
     with strategy:
+        hosts.check_same(settings_hosts_share(prepared))
         strategy.setup(model)
         hosts.broadcast_parameters(model)
+        hosts.agree_shares(config.balance, config.throughput)
+        hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
+        metrics = {"config": config_record(prepared, hosts), "epochs": []}
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         if hosts.rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -148,6 +153,7 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
                 observer) -> dict:
     model.train()
     observer.on_epoch_start(epoch, len(batches))
+    hosts.begin_epoch()
     started = time.perf_counter()
     loss_sum, samples = 0.0, 0
     host_part = hosts.host_part
@@ -155,7 +161,9 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
         for batch, x, y in prefetch:
             step_started = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
-            stats = strategy.compute_gradients(x, y)
+            hosts.begin_step(batch)
+            # A host whose share of a short batch is empty contributes a zero gradient.
+            stats = strategy.compute_gradients(x, y) if len(y) else StepStats(0, 0.0)
             if not torch.isfinite(torch.tensor(stats.loss)):
                 raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
                                     f"{batch.step + 1}: lower --lr")
@@ -172,7 +180,7 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
     return {"epoch": epoch + 1, "steps": len(batches), "samples": global_samples,
             "seconds": seconds, "images_per_second": global_samples / seconds,
             "train_loss": hosts.mean_over_hosts(loss_sum, samples),
-            "data_wait_seconds": data_wait, "mpi_bytes_sent": hosts.bytes_sent}
+            "data_wait_seconds": data_wait, **hosts.epoch_record()}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
@@ -187,6 +195,14 @@ def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch
         correct += int((logits.argmax(1) == images.labels[start:start + batch_size]).sum())
     model.train(was_training)
     return correct / len(images)
+
+
+def settings_hosts_share(prepared: PreparedRun) -> dict:
+    """What every host must have identically (the data's path may differ, not its size)."""
+    config = prepared.config
+    return {**{key: getattr(config, key) for key in (
+        "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
+        "momentum", "dropout", "seed")}, "train_images": len(prepared.split.train)}
 
 
 def config_record(prepared: PreparedRun, hosts) -> dict:
