@@ -183,13 +183,16 @@ class Hosts:
 
     def epoch_record(self) -> dict:
         """This epoch's traffic and time split, per step and per rank (collective)."""
-        mine = {"mpi_bytes_sent": self.bytes_sent - self._epoch_bytes_at,
-                "comm_seconds": sum(self._steps["comm_seconds"]),
-                "compute_seconds": sum(self._steps["compute_seconds"])}
+        mine = self._epoch_figures()
         by_rank = self.allgather(mine)
         per_step = {key: [round(v, 6) if isinstance(v, float) else v for v in values]
                     for key, values in self._steps.items()}
         return {**mine, "per_step": per_step, "by_rank": by_rank}
+
+    def _epoch_figures(self) -> dict:
+        return {"mpi_bytes_sent": self.bytes_sent - self._epoch_bytes_at,
+                "comm_seconds": sum(self._steps["comm_seconds"]),
+                "compute_seconds": sum(self._steps["compute_seconds"])}
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

@@ -101,6 +101,7 @@ class MPIHosts(Hosts):
         self._scale = 1.0
         self._armed = False
         self._closed = False
+        self._sent_in_backward = 0  # buckets that left while backward still ran, this epoch
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -290,6 +291,13 @@ class MPIHosts(Hosts):
             except self.MPI.Exception as exc:
                 raise self._failure(exc, "averaging gradients") from None
 
+    def begin_epoch(self) -> None:
+        super().begin_epoch()
+        self._sent_in_backward = 0
+
+    def _epoch_figures(self) -> dict:
+        return {**super()._epoch_figures(), "buckets_sent_in_backward": self._sent_in_backward}
+
     def _post_ready_buckets(self) -> None:
         # Collectives must start in the same order on every host, whichever strategy it
         # runs and whether it overlaps: buckets leave strictly in index order.
@@ -297,6 +305,7 @@ class MPIHosts(Hosts):
         while self._next_to_post < len(buckets) and not self._pending[self._next_to_post]:
             self._post(buckets[self._next_to_post])
             self._next_to_post += 1
+            self._sent_in_backward += 1
 
     def _post(self, bucket) -> None:
         self.buckets.gather(bucket)

@@ -156,6 +156,7 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
     hosts.begin_epoch()
     started = time.perf_counter()
     loss_sum, samples = 0.0, 0
+    step_seconds = []
     host_part = hosts.host_part
     with datamod.BatchPrefetcher(split.train, batches, transform, part=host_part) as prefetch:
         for batch, x, y in prefetch:
@@ -172,15 +173,17 @@ def train_epoch(epoch, batches, split, transform, model, strategy, optimizer, ho
             strategy.after_step()
             loss_sum += stats.loss_sum
             samples += stats.samples
-            observer.on_step(epoch, batch.step, len(batch.indices),
-                             time.perf_counter() - step_started, stats.loss)
+            step_seconds.append(time.perf_counter() - step_started)
+            observer.on_step(epoch, batch.step, len(batch.indices), step_seconds[-1], stats.loss)
         data_wait = prefetch.wait_seconds
     seconds = time.perf_counter() - started
     global_samples = sum(len(b.indices) for b in batches)
+    traffic = hosts.epoch_record()  # mpi_bytes_sent, comm/compute seconds, per step and rank
+    traffic["per_step"]["seconds"] = [round(s, 6) for s in step_seconds]
     return {"epoch": epoch + 1, "steps": len(batches), "samples": global_samples,
             "seconds": seconds, "images_per_second": global_samples / seconds,
             "train_loss": hosts.mean_over_hosts(loss_sum, samples),
-            "data_wait_seconds": data_wait, **hosts.epoch_record()}
+            "data_wait_seconds": data_wait, **traffic}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
