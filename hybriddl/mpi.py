@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import threading
 import time
 
 import numpy as np
@@ -61,6 +62,64 @@ class HostFailure(TrainingError):
     """Another host died, hung or could not be reached."""
 
 
+class ProgressThread:
+    """Keeps calling MPI while backward runs and bucket allreduces are in flight.
+
+    Open MPI moves the data of non-blocking collectives only inside MPI calls (this
+    build has no asynchronous progress), and backward makes none between two hooks, so
+    without this thread an early bucket would wait for the end of backward anyway
+    (Horovod keeps a background thread for the same reason). Every MPI call made while
+    overlapping holds `lock`, so only one thread is inside MPI for these requests.
+    """
+
+    INTERVAL_SECONDS = 0.0002
+
+    def __init__(self, MPI):
+        self.MPI = MPI
+        self.lock = threading.Lock()
+        self._requests: list | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hybriddl-mpi-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def track(self, requests: list) -> None:
+        """Drive `requests` (a list that grows as buckets leave) until `release`."""
+        with self.lock:
+            self._requests = requests
+
+    def wake(self) -> None:
+        """A request was added (caller holds `lock`)."""
+        self._wake.set()
+
+    def release(self) -> None:
+        """The caller takes over the requests (it will wait for them itself)."""
+        with self.lock:
+            self._requests = None
+            self._wake.clear()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self.lock:
+                if self._stopping:
+                    return
+                try:
+                    idle = self._requests is None or self.MPI.Request.Testall(self._requests)
+                except self.MPI.Exception:
+                    idle = True  # the waiting thread meets the same error and reports it
+                if idle:
+                    self._wake.clear()
+            time.sleep(self.INTERVAL_SECONDS)
+
+    def close(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._wake.set()
+        self._thread.join(timeout=5)
+
+
 class MPIHosts(Hosts):
     """The hosts of a run launched by mpirun: one rank each."""
 
@@ -95,6 +154,7 @@ class MPIHosts(Hosts):
         self.buckets: GradientBuckets | None = None
         self.overlapping = False  # hooks attached: buckets leave during backward
         self._hooks: list = []
+        self._progress: ProgressThread | None = None
         self._requests: list = []
         self._next_to_post = 0
         self._pending: list[set[int]] = []
@@ -260,6 +320,7 @@ class MPIHosts(Hosts):
         self.overlap_by_rank = [overlapping for overlapping, _ in everyone]
         self.notes = _unique(note for _, notes in everyone for note in notes)
         if self.overlapping:
+            self._progress = ProgressThread(self.MPI)
             for bucket in self.buckets.buckets:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
@@ -273,6 +334,8 @@ class MPIHosts(Hosts):
         self._next_to_post = 0
         self._pending = [{id(p) for p in b.params} for b in self.buckets.buckets] \
             if self.buckets else []
+        if self._progress:
+            self._progress.track(self._requests)
         self._armed = True
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
@@ -283,13 +346,8 @@ class MPIHosts(Hosts):
             raise TrainingError("a parameter's gradient was written twice in one backward "
                                 "pass; this strategy must not offer overlap hooks")
         self._pending[index].discard(id(param))
-        self._post_ready_buckets()
-        if self._requests:
-            # Open MPI progresses non-blocking collectives only inside MPI calls.
-            try:
-                self.MPI.Request.Testall(self._requests)
-            except self.MPI.Exception as exc:
-                raise self._failure(exc, "averaging gradients") from None
+        with self._progress.lock:
+            self._post_ready_buckets()
 
     def begin_epoch(self) -> None:
         super().begin_epoch()
@@ -306,6 +364,7 @@ class MPIHosts(Hosts):
             self._post(buckets[self._next_to_post])
             self._next_to_post += 1
             self._sent_in_backward += 1
+            self._progress.wake()
 
     def _post(self, bucket) -> None:
         self.buckets.gather(bucket)
@@ -333,6 +392,8 @@ class MPIHosts(Hosts):
         elif samples != self._step_share[0]:
             raise TrainingError(f"the local strategy computed {samples} samples but this "
                                 f"host's part of the batch has {self._step_share[0]}")
+        if self._progress:
+            self._progress.release()
         for bucket in self.buckets.buckets[self._next_to_post:]:
             self._post(bucket)
         self._next_to_post = len(self.buckets.buckets)
@@ -352,6 +413,8 @@ class MPIHosts(Hosts):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._progress:
+            self._progress.close()
         self.barrier()
         self.MPI.Finalize()
 
