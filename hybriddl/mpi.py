@@ -224,9 +224,8 @@ class MPIHosts(Hosts):
             while not Request.Testall(requests):
                 if time.monotonic() > deadline:
                     raise HostFailure(
-                        f"rank {self.rank} on host {self.names[self.rank]}: no answer from the "
-                        f"other hosts for {self.timeout:.0f} s while {what}; a host hung or "
-                        "the network is down (see --host-timeout)")
+                        f"no answer from the other hosts for {self.timeout:.0f} s while {what}; "
+                        "a host hung or the network is down (see --host-timeout)")
                 # Release the GIL so the prefetch thread keeps assembling batches.
                 time.sleep(0)
         except self.MPI.Exception as exc:

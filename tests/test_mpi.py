@@ -196,6 +196,29 @@ def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_p
     assert not [p for p in ranks.values() if p.is_running() and p.status() != "zombie"]
 
 
+def test_a_hung_rank_ends_the_run_at_the_host_timeout(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+               "--epochs", "3", "--host-timeout", "20", "--run-dir", str(run_dir)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=hybriddl_env())
+    ranks = {}
+    try:
+        ranks = wait_for_training(launcher, run_dir)
+        ranks[1].suspend()  # alive but silent: only the deadline can notice
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for rank in ranks.values():
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert launcher.returncode != 0
+    assert re.search(r"rank 0 on \S+: .*no answer from the other hosts for 20 s", output), output
+
+
 def wait_for_training(launcher: subprocess.Popen, run_dir: Path) -> dict[int, psutil.Process]:
     """The ranks' processes, once rank 0 has started the epoch loop (metrics.json exists)."""
     deadline = time.monotonic() + 240
