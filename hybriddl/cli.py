@@ -85,7 +85,7 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
                        help="hosts' shares of the global batch: proportional to their images/s, or "
                             "even (default: throughput when the hosts' figures differ)")
     group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
-                       help="this host's images/s for --balance (default: its profile's)")
+                       help="this host's images/s for --balance (default: its profile's, if any)")
     group.add_argument("--fusion-mib", type=float, default=64,
                        help="size of the gradient fusion buffers in MiB (default: 64)")
     group.add_argument("--host-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,

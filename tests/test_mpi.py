@@ -190,8 +190,9 @@ def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_p
     assert launcher.returncode != 0
     assert ended_after < 60
     host = re.escape(socket.gethostname())
-    assert re.search(rf"rank 1 on host {host} failed|process rank 1 with PID {victim.pid} on "
-                     rf"node {host}", output), output
+    # Either a survivor names it, or mpirun does (whichever notices first).
+    assert re.search(rf"rank 1 on host {host} failed|process rank 1 with PID \d+ on node "
+                     rf"{host}", output), output
     psutil.wait_procs(list(ranks.values()), timeout=10)
     assert not [p for p in ranks.values() if p.is_running() and p.status() != "zombie"]
 
