@@ -44,8 +44,5 @@ class FP16Compression:
         flat.copy_(wire)
 
 
-COMPRESSIONS = {NoCompression.name: NoCompression, FP16Compression.name: FP16Compression}
-
-
 def make_compression(fp16: bool) -> NoCompression | FP16Compression:
     return FP16Compression() if fp16 else NoCompression()
