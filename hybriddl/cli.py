@@ -8,6 +8,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+import traceback
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
     add_training_args(train)
+    add_hosts_args(train)
     train.set_defaults(handler=cmd_train)
 
     compare = commands.add_parser(
@@ -121,7 +123,7 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
 TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_size",
                   "batch_size", "epochs", "lr", "momentum", "dropout", "seed", "max_steps",
                   "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget",
-                  "monitor_interval")
+                  "monitor_interval", "balance", "throughput")
 
 
 def given_settings(args: argparse.Namespace) -> dict:
@@ -238,6 +240,25 @@ def tune_table(profile) -> Table:
                       style="bold" if picked else ("dim" if not c.measured else None))
     return table
 
+def add_hosts_args(parser: argparse.ArgumentParser) -> None:
+    from hybriddl.cluster import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+
+    group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
+    group.add_argument("--overlap", action="store_true",
+                       help="send gradient buckets while backward still runs, where the strategy allows it")
+    group.add_argument("--fp16-allreduce", action="store_true",
+                       help="half-precision gradients on the wire (half the bytes)")
+    group.add_argument("--balance", choices=BALANCE_POLICIES,
+                       help="hosts' shares of the global batch: proportional to their images/s, or "
+                            "even (default: throughput when the hosts' figures differ)")
+    group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
+                       help="this host's images/s for --balance (default: its profile's, if any)")
+    group.add_argument("--fusion-mib", type=float, default=64,
+                       help="size of the gradient fusion buffers in MiB (default: 64)")
+    group.add_argument("--host-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
+                       help="stop when another host has not answered for this many seconds "
+                            f"(default: {DEFAULT_TIMEOUT_SECONDS:.0f})")
+
 
 
 class TrainDisplay:
@@ -295,6 +316,13 @@ class TrainDisplay:
                           f"images, {len(info['data']['classes'])} classes), {info['image_size']} px, "
                           f"global batch {info['global_batch']}, strategy "
                           f"[bold]{info['strategy']['name']}[/] {strategy}".rstrip())
+            hosts = info["hosts"]
+            if hosts["count"] > 1:
+                console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
+                              f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
+                              "on the wire")
+            for note in hosts.get("notes", []):
+                console.print(f"[yellow]note:[/] {note}", highlight=False)
 
     def on_epoch_start(self, epoch: int, steps: int) -> None:
         if not self.enabled:
@@ -339,19 +367,38 @@ def epoch_table(records: list[dict]) -> Table:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl import trainer
+    from hybriddl.cluster import connect
+    from hybriddl.rundir import default_run_dir
     from hybriddl.shutdown import StopRequest
 
-    display = TrainDisplay()
+    hosts = connect(overlap=args.overlap, fp16_allreduce=args.fp16_allreduce,
+                    bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
+    display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     stop = StopRequest()
     try:
         with stop.handling_signals():
             config, resume = training_config(args)
-            prepared = trainer.prepare(config, display, resume)
-            metrics = trainer.run(prepared, display, stop=stop)
+            if hosts.size > 1 and config.run_dir is None:
+                # Every rank names rank 0's run directory (its monitors write there too).
+                config.run_dir = hosts.broadcast_object(
+                    str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
+            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size)
+            metrics = trainer.run(prepared, display, hosts, stop=stop)
+    except TrainingInterrupted:
+        # Every host stopped after the same step: they leave together, nothing to abort.
+        display.stop()
+        hosts.close()
+        raise
+    except (Exception, KeyboardInterrupt) as exc:
+        display.stop()
+        stop_every_host(hosts, exc)
+        raise
     finally:
         display.stop()
-    out.print(epoch_table(metrics["epochs"]))
-    out.print(f"run directory: {prepared.run_dir}")
+    hosts.close()
+    if hosts.rank == 0:
+        out.print(epoch_table(metrics["epochs"]))
+        out.print(f"run directory: {prepared.run_dir}")
     return 0
 
 
@@ -420,6 +467,30 @@ def cmd_report(args: argparse.Namespace) -> int:
         table.add_row(str(path))
     out.print(table)
     return 0
+
+
+def stop_every_host(hosts, exc: BaseException) -> None:
+    """Under mpirun, say which rank failed and why, then take every other rank down.
+
+    Returns only for a single host, where main() reports the error as usual.
+    """
+    from hybriddl.cluster import SingleHost
+
+    if isinstance(hosts, SingleHost):
+        return
+    import socket
+
+    where = f"rank {hosts.rank} on {socket.gethostname()}"
+    if isinstance(exc, (UsageError, TrainingError)):
+        console.print(f"hybriddl: {where}: {exc}", markup=False, highlight=False, soft_wrap=True)
+    elif isinstance(exc, KeyboardInterrupt):
+        console.print(f"hybriddl: {where}: interrupted", markup=False)
+    else:
+        console.print(f"hybriddl: {where} failed:\n"
+                      + "".join(traceback.format_exception(exc)).rstrip(),
+                      markup=False, highlight=False, soft_wrap=True)
+    code = 2 if isinstance(exc, UsageError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+    hosts.abort(code)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -1,6 +1,33 @@
-"""Everything MPI. No other module imports mpi4py."""
+"""Everything MPI: one rank per host, gradients averaged with allreduce. No other module
+imports mpi4py.
+
+MPI is initialised only when `MPIHosts` is created (hybriddl.cluster.connect does so
+under mpirun), never at import: `hybriddl info` and the worker processes that
+strategies spawn must not start an MPI runtime.
+
+Every wait on another host goes through `MPIHosts._wait`, which polls non-blocking
+requests against a deadline, so a host that dies or hangs turns into an error naming
+it instead of a hang.
+"""
 
 from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybriddl.cluster import DEFAULT_TIMEOUT_SECONDS, Hosts
+from hybriddl.compression import make_compression
+from hybriddl.errors import TrainingError, UsageError
+from hybriddl.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
+
+PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 
 
 def library_versions() -> dict:
@@ -13,4 +40,393 @@ def library_versions() -> dict:
     except ImportError as exc:
         return {"mpi4py": None, "mpi_library": f"unavailable ({exc})"}
     return {"mpi4py": mpi4py.__version__,
-            "mpi_library": MPI.Get_library_version().strip().splitlines()[0]}
+            "mpi_library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0]}
+
+
+def _initialise():
+    # With Open MPI's fault tolerance (ULFM) on, a rank that dies makes the survivors'
+    # pending operations fail with MPI_ERR_PROC_FAILED and Comm.Get_failed() names it;
+    # without it, the first survivor to notice aborts and mpirun blames that survivor.
+    os.environ.setdefault("OMPI_MCA_mpi_ft_enable", "1")
+    import mpi4py
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+    if not MPI.Is_initialized():
+        # Overlap hooks may run on autograd's device threads, not just the main thread.
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    return MPI
+
+
+class HostFailure(TrainingError):
+    """Another host died, hung or could not be reached."""
+
+
+class ProgressThread:
+    """Keeps calling MPI while backward runs and bucket allreduces are in flight.
+
+    Open MPI moves the data of non-blocking collectives only inside MPI calls (this
+    build has no asynchronous progress), and backward makes none between two hooks, so
+    without this thread an early bucket would wait for the end of backward anyway
+    (Horovod keeps a background thread for the same reason). Every MPI call made while
+    overlapping holds `lock`, so only one thread is inside MPI for these requests.
+    """
+
+    INTERVAL_SECONDS = 0.0002
+
+    def __init__(self, MPI):
+        self.MPI = MPI
+        self.lock = threading.Lock()
+        self._requests: list | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hybriddl-mpi-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def track(self, requests: list) -> None:
+        """Drive `requests` (a list that grows as buckets leave) until `release`."""
+        with self.lock:
+            self._requests = requests
+
+    def wake(self) -> None:
+        """A request was added (caller holds `lock`)."""
+        self._wake.set()
+
+    def release(self) -> None:
+        """The caller takes over the requests (it will wait for them itself)."""
+        with self.lock:
+            self._requests = None
+            self._wake.clear()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self.lock:
+                if self._stopping:
+                    return
+                try:
+                    idle = self._requests is None or self.MPI.Request.Testall(self._requests)
+                except self.MPI.Exception:
+                    idle = True  # the waiting thread meets the same error and reports it
+                if idle:
+                    self._wake.clear()
+            time.sleep(self.INTERVAL_SECONDS)
+
+    def close(self) -> None:
+        with self.lock:
+            self._stopping = True
+            self._wake.set()
+        self._thread.join(timeout=5)
+
+
+class MPIHosts(Hosts):
+    """The hosts of a run launched by mpirun: one rank each."""
+
+    def __init__(self, *, overlap: bool = False, fp16_allreduce: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout: float = DEFAULT_TIMEOUT_SECONDS):
+        if bucket_bytes < 1:
+            raise UsageError(f"--fusion-mib gives {bucket_bytes} bytes: give a positive size")
+        if not timeout > 0:
+            raise UsageError(f"--host-timeout {timeout}: give a positive number of seconds")
+        self.MPI = MPI = _initialise()
+        self.comm = MPI.COMM_WORLD
+        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        super().__init__()
+        self.timeout = timeout
+        self.overlap = overlap
+        self.compression = make_compression(fp16_allreduce)
+        self.bucket_bytes = bucket_bytes
+        self.thread_level = MPI.Query_thread()
+        self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.machine.Set_errhandler(MPI.ERRORS_RETURN)
+        self.names = ["?"] * self.size
+        self.names[self.rank] = socket.gethostname()
+        self.names = self.allgather(self.names[self.rank])
+        self.cores = self._divide_cores()
+        everyone = self.allgather((self.machine.Get_size(), self.cores, self.notes))
+        self.ranks_per_machine = max(sharing for sharing, _, _ in everyone)
+        self.cores_by_rank = [cores for _, cores, _ in everyone]
+        self.notes = _unique(note for _, _, notes in everyone for note in notes)
+        self.overlap_by_rank: list[bool] = [False] * self.size
+        self.buckets: GradientBuckets | None = None
+        self.overlapping = False  # hooks attached: buckets leave during backward
+        self._hooks: list = []
+        self._progress: ProgressThread | None = None
+        self._requests: list = []
+        self._next_to_post = 0
+        self._pending: list[set[int]] = []
+        self._scale = 1.0
+        self._armed = False
+        self._closed = False
+        self._sent_in_backward = 0  # buckets that left while backward still ran, this epoch
+
+    # ------------------------------------------------------------------ machines
+    def _divide_cores(self) -> list[int]:
+        """Split this machine's usable cores between the ranks that share it."""
+        bound_to = sorted(os.sched_getaffinity(0))
+        try:
+            # mpirun binds ranks to one core by default when there are few of them; a
+            # host's local strategy needs all of its cores, so take them back, then share.
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError:
+            pass
+        usable = sorted(os.sched_getaffinity(0))
+        sharing, position = self.machine.Get_size(), self.machine.Get_rank()
+        if sharing > 1:
+            usable = sorted(set().union(*map(set, self._machine_allgather(usable))))
+            if len(usable) >= sharing:
+                n = len(usable)
+                mine = usable[position * n // sharing:(position + 1) * n // sharing]
+                each = sorted({(i + 1) * n // sharing - i * n // sharing for i in range(sharing)})
+                self.notes.append(f"{sharing} ranks share host {self.names[self.rank]} "
+                                  f"({n} cores): {'-'.join(map(str, each))} core(s) each; "
+                                  f"{PRODUCTION_HINT}")
+            else:
+                mine = [usable[position % len(usable)]]
+                self.notes.append(f"{sharing} ranks share host {self.names[self.rank]} with "
+                                  f"only {len(usable)} cores: they are oversubscribed; "
+                                  f"{PRODUCTION_HINT}")
+        else:
+            mine = usable
+            if len(bound_to) < len(usable):
+                self.notes.append(f"mpirun had bound rank {self.rank} to cores {bound_to}; "
+                                  f"alone on its host, it uses all {len(usable)} cores")
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+        return mine
+
+    def _machine_allgather(self, value) -> list:
+        return self._allgather_on(self.machine, value)
+
+    def describe(self) -> dict:
+        return {
+            "count": self.size, "names": self.names, "mpi": True,
+            "ranks_per_machine": self.ranks_per_machine, "cores": self.cores_by_rank,
+            "balance": self.balance, "weights": self.weights,
+            "compression": self.compression.name, "overlap": self.overlap_by_rank,
+            "fusion_buckets": len(self.buckets.buckets) if self.buckets else None,
+            "fusion_bucket_bytes": self.bucket_bytes,
+            "gradient_bytes_per_step": self.buckets.wire_bytes if self.buckets else None,
+            "thread_level": self.thread_level,
+            "mpi_library": library_versions()["mpi_library"],
+            "notes": self.notes,
+        }
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, requests: list, what: str) -> None:
+        """Complete `requests`, or raise HostFailure naming who failed, or the deadline."""
+        Request = self.MPI.Request
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not Request.Testall(requests):
+                if time.monotonic() > deadline:
+                    raise HostFailure(
+                        f"no answer from the other hosts for {self.timeout:.0f} s while {what}; "
+                        "a host hung or the network is down (see --host-timeout)")
+                # Release the GIL so the prefetch thread keeps assembling batches.
+                time.sleep(0)
+        except self.MPI.Exception as exc:
+            raise self._failure(exc, what) from None
+
+    def _failure(self, exc, what: str) -> HostFailure:
+        failed = []
+        try:
+            group = self.comm.Get_failed()
+            failed = self.MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                   self.comm.Get_group())
+        except (AttributeError, NotImplementedError, self.MPI.Exception):
+            pass
+        reason = exc.Get_error_string().strip()
+        if failed:
+            who = ", ".join(f"rank {r} on host {self.names[r]}" for r in sorted(failed))
+            return HostFailure(f"{who} failed while {what} ({reason}); the run stops on "
+                               "every host")
+        return HostFailure(f"communication between hosts failed while {what} ({reason})")
+
+    # ------------------------------------------------------------------ small values
+    def _allgather_on(self, comm, value) -> list:
+        payload = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+        sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+        self._wait([comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)],
+                   "exchanging settings")
+        gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+        self._wait([comm.Iallgatherv(payload, [gathered, sizes])], "exchanging settings")
+        self.bytes_sent += 8 + payload.size
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
+                for i in range(comm.Get_size())]
+
+    def allgather(self, value) -> list:
+        return self._allgather_on(self.comm, value)
+
+    def broadcast_object(self, value):
+        payload = pickle.dumps(value) if self.rank == 0 else b""
+        size = np.array([len(payload)], dtype=np.int64)
+        self._wait([self.comm.Ibcast(size, root=0)], "receiving rank 0's settings")
+        buffer = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == 0 else \
+            np.empty(int(size[0]), dtype=np.uint8)
+        self._wait([self.comm.Ibcast(buffer, root=0)], "receiving rank 0's settings")
+        if self.rank == 0:
+            self.bytes_sent += 8 + buffer.size
+        return pickle.loads(buffer.tobytes())
+
+    def barrier(self) -> None:
+        self._wait([self.comm.Ibarrier()], "waiting for every host")
+
+    def any_true(self, flag: bool) -> bool:
+        value = np.array([1 if flag else 0], dtype=np.int32)
+        self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, value, self.MPI.MAX)],
+                   "agreeing whether to stop")
+        self.bytes_sent += value.nbytes
+        return bool(value[0])
+
+    def mean_over_hosts(self, total: float, samples: int) -> float:
+        sums = np.array([total, samples], dtype=np.float64)
+        self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, sums, self.MPI.SUM)],
+                   "averaging the loss")
+        self.bytes_sent += sums.nbytes
+        return float(sums[0] / max(sums[1], 1))
+
+    # ------------------------------------------------------------------ parameters
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        # Every host has prepared (and checked its run directory) before rank 0 writes.
+        self.barrier()
+        staged = []
+        for tensor in [*model.parameters(), *model.buffers()]:
+            data = tensor.detach()
+            on_cpu = data.device.type == "cpu" and data.is_contiguous()
+            staged.append((data, data if on_cpu else data.cpu().contiguous()))
+        requests = [self.comm.Ibcast(host.numpy(), root=0) for _, host in staged]
+        self._wait(requests, "receiving rank 0's initial parameters")
+        for data, host in staged:
+            if host is not data:
+                data.copy_(host)
+        if self.rank == 0:
+            self.bytes_sent += sum(host.nbytes for _, host in staged)
+
+    # ------------------------------------------------------------------ gradients
+    def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
+        """Lay out the fusion buckets; with --overlap and a strategy whose backward writes
+        each gradient once, send each bucket as soon as backward has filled it."""
+        self.buckets = GradientBuckets(model, self.compression, self.bucket_bytes)
+        signatures = self.allgather(self.buckets.signature())
+        if any(s != signatures[0] for s in signatures):
+            raise UsageError("hosts lay out gradients differently (different models, library "
+                             "versions or --fp16-allreduce): give every host the same options")
+        self.buckets.install_views()
+        self._pending = [set() for _ in self.buckets.buckets]
+        self.overlapping = self.overlap and gradient_hooks
+        if self.overlap and not gradient_hooks:
+            self.notes.append(f"--overlap: rank {self.rank}'s strategy computes gradients "
+                              "outside one backward pass, so it sends them after the step")
+        everyone = self.allgather((self.overlapping, self.notes))
+        self.overlap_by_rank = [overlapping for overlapping, _ in everyone]
+        self.notes = _unique(note for _, notes in everyone for note in notes)
+        if self.overlapping:
+            self._progress = ProgressThread(self.MPI)
+            for bucket in self.buckets.buckets:
+                for p in bucket.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+
+    def begin_step(self, batch) -> None:
+        super().begin_step(batch)
+        mine, total = self._step_share
+        # Each host sends n_h/N * g_h, so the sum is the mean over the global batch.
+        self._scale = mine / total
+        self._requests = []
+        self._next_to_post = 0
+        self._pending = [{id(p) for p in b.params} for b in self.buckets.buckets] \
+            if self.buckets else []
+        if self._progress:
+            self._progress.track(self._requests)
+        self._armed = True
+
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        index = self.buckets.bucket_of[id(param)]
+        if id(param) not in self._pending[index]:
+            raise TrainingError("a parameter's gradient was written twice in one backward "
+                                "pass; this strategy must not offer overlap hooks")
+        self._pending[index].discard(id(param))
+        with self._progress.lock:
+            self._post_ready_buckets()
+
+    def begin_epoch(self) -> None:
+        super().begin_epoch()
+        self._sent_in_backward = 0
+
+    def _epoch_figures(self) -> dict:
+        return {**super()._epoch_figures(), "buckets_sent_in_backward": self._sent_in_backward}
+
+    def _post_ready_buckets(self) -> None:
+        # Collectives must start in the same order on every host, whichever strategy it
+        # runs and whether it overlaps: buckets leave strictly in index order.
+        buckets = self.buckets.buckets
+        while self._next_to_post < len(buckets) and not self._pending[self._next_to_post]:
+            self._post(buckets[self._next_to_post])
+            self._next_to_post += 1
+            self._sent_in_backward += 1
+            self._progress.wake()
+
+    def _post(self, bucket) -> None:
+        self.buckets.gather(bucket)
+        if self._scale != 1.0:
+            bucket.flat.mul_(self._scale)
+        self.compression.compress(bucket.flat, bucket.wire)
+        try:
+            request = self.comm.Iallreduce(self.MPI.IN_PLACE, bucket.wire.numpy(), self.MPI.SUM)
+        except self.MPI.Exception as exc:
+            raise self._failure(exc, "averaging gradients") from None
+        self._requests.append(request)
+        self.bytes_sent += bucket.wire.nbytes
+
+    def _average(self, model: nn.Module, samples: int) -> None:
+        if self.buckets is None:
+            self.attach(model)
+        if not self._armed:
+            # Called without begin_step: learn the global sample count first.
+            counts = np.array([samples], dtype=np.int64)
+            self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, counts, self.MPI.SUM)],
+                       "counting the step's samples")
+            self.bytes_sent += counts.nbytes
+            self._scale = samples / int(counts[0]) if counts[0] else 0.0
+            self._requests, self._next_to_post = [], 0
+        elif samples != self._step_share[0]:
+            raise TrainingError(f"the local strategy computed {samples} samples but this "
+                                f"host's part of the batch has {self._step_share[0]}")
+        if self._progress:
+            self._progress.release()
+        for bucket in self.buckets.buckets[self._next_to_post:]:
+            self._post(bucket)
+        self._next_to_post = len(self.buckets.buckets)
+        try:
+            self._wait(self._requests, "averaging gradients")
+        finally:
+            self._armed = False
+        for bucket in self.buckets.buckets:
+            self.compression.decompress(bucket.wire, bucket.flat)
+            self.buckets.scatter(bucket)
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._progress:
+            self._progress.close()
+        self.barrier()
+        self.MPI.Finalize()
+
+    def abort(self, exit_code: int) -> None:
+        self.comm.Abort(exit_code)
+
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))

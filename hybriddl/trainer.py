@@ -24,7 +24,7 @@ from hybriddl.monitor import Monitor
 from hybriddl.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
 from hybriddl.shutdown import StopRequest
-from hybriddl.strategies import LocalStrategy, StrategyOptions, make_strategy
+from hybriddl.strategies import LocalStrategy, StepStats, StrategyOptions, make_strategy
 from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
@@ -51,6 +51,8 @@ class TrainConfig:
     profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
     tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
     monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
+    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (cluster.py)
+    throughput: float | None = None  # this host's images/s (its profile's) for --balance
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -104,11 +106,12 @@ class PreparedRun:
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
-            resume: ckpt.Checkpoint | None = None) -> PreparedRun:
+            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1) -> PreparedRun:
     """Validate the whole configuration and load the data before any file is written.
 
     With `resume`, the run goes on in config.run_dir from that checkpoint (see
     checkpoint.resumed_settings for how its settings and the flags given combine).
+    `hosts_count` hosts share each global batch: auto profiles this host's share of it.
     """
     observer = observer or TrainingObserver()
     config = config.resolved()
@@ -126,13 +129,16 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
                               progress=observer.on_data_progress)
     choice = None
     if auto:  # before seeding: tuning draws random numbers of its own
+        host_batch = -(-config.batch_size // hosts_count)
         decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
-                                               config.batch_size),
+                                               host_batch),
                                  split.train, directory=config.profile_dir,
                                  budget=config.tune_budget, observer=observer)
         strategy = make_strategy(decision.choice.name, decision.choice.options(
             config.strategy_options.oversubscribe))
         choice = {**decision.describe(), "message": decision.message()}
+        if config.throughput is None:  # the host's weight for --balance throughput
+            config.throughput = decision.profile.pick_result.images_per_second
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
@@ -155,13 +161,16 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
-    metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
-        "config": config_record(prepared, hosts), "epochs": []}
     with strategy, contextlib.ExitStack() as monitoring:
+        hosts.check_same(settings_hosts_share(prepared))
         strategy.setup(model)
         hosts.broadcast_parameters(model)
+        hosts.agree_shares(config.balance, config.throughput)
+        hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
+        metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
+            "config": config_record(prepared, hosts), "epochs": []}
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         keeper = ckpt.Checkpointer(run_dir, hosts, stop, model, optimizer, metrics,
                                    checkpoint_about(prepared, metrics), config.checkpoint_every)
@@ -205,12 +214,16 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
     last = time.perf_counter()
     waited_before = progress.data_wait_seconds
+    hosts.begin_epoch()
+    step_seconds = []
     host_part = hosts.host_part
     with datamod.BatchPrefetcher(split.train, batches, transform, part=host_part) as prefetch:
         for batch, x, y in prefetch:
             step_started = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
-            stats = strategy.compute_gradients(x, y)
+            hosts.begin_step(batch)
+            # A host whose share of a short batch is empty contributes a zero gradient.
+            stats = strategy.compute_gradients(x, y) if len(y) else StepStats(0, 0.0)
             if not torch.isfinite(torch.tensor(stats.loss)):
                 raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
                                     f"{batch.step + 1}: lower --lr; {keeper.kept()}")
@@ -221,14 +234,17 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             progress.add_step(len(batch.indices), stats.samples, stats.loss_sum, now - last)
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds
             last = now
+            step_seconds.append(now - step_started)
             observer.on_step(epoch, batch.step, len(batch.indices), now - step_started, stats.loss)
             keeper.step_done(progress)
+    traffic = hosts.epoch_record()  # mpi_bytes_sent, comm/compute seconds, per step and rank
+    traffic["per_step"]["seconds"] = [round(s, 6) for s in step_seconds]
     return {"epoch": epoch + 1, "steps": progress.steps, "samples": progress.global_samples,
             "seconds": progress.seconds,
             "images_per_second": progress.global_samples / max(progress.seconds, 1e-9),
             "train_loss": hosts.mean_over_hosts(progress.loss_sum, progress.samples),
-            "data_wait_seconds": progress.data_wait_seconds, "mpi_bytes_sent": hosts.bytes_sent,
-            "started_at": started_at, "ended_at": time.time()}
+            "data_wait_seconds": progress.data_wait_seconds,
+            "started_at": started_at, "ended_at": time.time(), **traffic}
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
@@ -264,6 +280,14 @@ def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
     return {"config": config, "strategy": prepared.strategy.describe(),
             "identity": ckpt.run_identity(config, datamod.describe(prepared.split)),
             "profile": metrics["config"].get("profile")}
+
+
+def settings_hosts_share(prepared: PreparedRun) -> dict:
+    """What every host must have identically (the data's path may differ, not its size)."""
+    config = prepared.config
+    return {**{key: getattr(config, key) for key in (
+        "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
+        "momentum", "dropout", "seed")}, "train_images": len(prepared.split.train)}
 
 
 def config_record(prepared: PreparedRun, hosts) -> dict:

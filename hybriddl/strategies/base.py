@@ -46,6 +46,11 @@ class LocalStrategy(ABC):
     """How one host computes the gradient of its batch."""
 
     name: str = ""
+    # True when one backward pass in this process writes each master parameter's .grad
+    # exactly once per step (no sub-batch accumulation into it): a hook run after that
+    # write sees the host's final mean gradient, so hosts may send it while backward
+    # still runs (--overlap). Strategies that accumulate or copy gradients keep False.
+    writes_gradients_once: bool = False
 
     def __init__(self, options: StrategyOptions = StrategyOptions()):
         self.options = options

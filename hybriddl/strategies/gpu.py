@@ -13,6 +13,7 @@ from hybriddl.strategies.resources import parse_devices, require_cuda
 
 class Gpu(LocalStrategy):
     name = "gpu"
+    writes_gradients_once = True  # one backward pass: buckets may leave during it
 
     @classmethod
     def check_feasible(cls, options) -> None:

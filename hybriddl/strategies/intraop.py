@@ -15,6 +15,7 @@ from hybriddl.strategies.resources import local_workers
 
 class IntraOp(LocalStrategy):
     name = "intraop"
+    writes_gradients_once = True  # one backward pass: buckets may leave during it
 
     @classmethod
     def check_feasible(cls, options) -> None:

@@ -11,6 +11,7 @@ from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 
 class Sequential(LocalStrategy):
     name = "sequential"
+    writes_gradients_once = True
 
     def setup(self, model) -> None:
         # One core, so the speedup of every other strategy is measured against it.

@@ -1,0 +1,105 @@
+"""Tensor fusion: a model's gradients laid out in a few large contiguous buffers.
+
+One allreduce of 64 MiB costs far less than hundreds of small ones (Horovod's tensor
+fusion). Where it is safe, each parameter's `.grad` *is* a view into its bucket
+(like DDP's gradient_as_bucket_view), so gradients land in the buffer that MPI sends
+and nothing is copied; elsewhere (a strategy that owns `.grad`, parameters on a GPU)
+gradients are gathered into the bucket before sending and scattered back after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    bounds: list[tuple[int, int]]  # each parameter's [start, stop) in `flat`
+    flat: torch.Tensor  # on the CPU, where MPI reads it
+    wire: torch.Tensor  # what is handed to MPI: `flat` itself or its compressed copy
+    viewed: list[bool] = field(default_factory=list)  # .grad is a view into `flat`
+
+    def slot(self, i: int) -> torch.Tensor:
+        start, stop = self.bounds[i]
+        return self.flat[start:stop].view(self.params[i].shape)
+
+
+class GradientBuckets:
+    """The fusion plan of one model: which parameters share which buffer."""
+
+    def __init__(self, model: nn.Module, compression, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        # Reverse registration order approximates the order in which backward produces
+        # gradients, so with overlap the first bucket is the first one complete.
+        params = [p for p in model.parameters() if p.requires_grad][::-1]
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            fits = groups and groups[-1][0].dtype == p.dtype and size + nbytes <= bucket_bytes
+            if fits:
+                groups[-1].append(p)
+                size += nbytes
+            else:
+                groups.append([p])
+                size = nbytes
+        self.buckets: list[Bucket] = []
+        for index, group in enumerate(groups):
+            bounds, start = [], 0
+            for p in group:
+                bounds.append((start, start + p.numel()))
+                start += p.numel()
+            flat = torch.zeros(start, dtype=group[0].dtype)
+            self.buckets.append(Bucket(index, group, bounds, flat, compression.wire_buffer(flat),
+                                       [False] * len(group)))
+        self.bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes one gradient exchange hands to MPI."""
+        return sum(b.wire.nbytes for b in self.buckets)
+
+    def signature(self) -> list[tuple[int, str]]:
+        """What every host must agree on before buffers are summed element by element."""
+        return [(b.flat.numel(), str(b.wire.dtype)) for b in self.buckets]
+
+    def install_views(self) -> None:
+        """Make `.grad` a view into the bucket wherever no strategy has claimed it yet."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is None and p.device.type == "cpu":
+                    p.grad = bucket.slot(i)
+                    bucket.viewed[i] = True
+
+    def _still_viewed(self, bucket: Bucket, i: int) -> bool:
+        grad = bucket.params[i].grad
+        return bucket.viewed[i] and grad is not None and grad.data_ptr() == bucket.slot(i).data_ptr()
+
+    def gather(self, bucket: Bucket) -> None:
+        """Bring every gradient of the bucket into its buffer (absent ones count as zero)."""
+        for i, p in enumerate(bucket.params):
+            if self._still_viewed(bucket, i):
+                continue
+            bucket.viewed[i] = False
+            if p.grad is None:
+                bucket.slot(i).zero_()
+            else:
+                bucket.slot(i).copy_(p.grad)
+
+    def scatter(self, bucket: Bucket) -> None:
+        """Put the buffer's (averaged) values back into gradients that are not views."""
+        for i, p in enumerate(bucket.params):
+            if bucket.viewed[i]:
+                continue
+            if p.grad is None:
+                p.grad = bucket.slot(i).to(p.device, copy=True)
+            else:
+                p.grad.copy_(bucket.slot(i))

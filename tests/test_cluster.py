@@ -1,0 +1,122 @@
+"""Hosts without MPI: shares of a global batch, fusion buckets, wire compression."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hybriddl.cluster import LAUNCHER_VARIABLES, SingleHost, connect, host_weights
+from hybriddl.compression import FP16Compression, NoCompression
+from hybriddl.data import epoch_batches
+from hybriddl.errors import UsageError
+from hybriddl.fusion import GradientBuckets
+
+
+def test_connect_without_mpirun_gives_a_single_host_and_leaves_mpi_alone(monkeypatch):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    hosts = connect(overlap=True, fp16_allreduce=True)
+    assert isinstance(hosts, SingleHost)
+    assert (hosts.rank, hosts.size) == (0, 1)
+    if "mpi4py.MPI" in sys.modules:
+        assert not sys.modules["mpi4py.MPI"].Is_initialized()
+
+
+def test_single_host_takes_every_sample_and_records_steps():
+    hosts = SingleHost()
+    batch = epoch_batches(10, 4, seed=0, epoch=0)[0]
+    assert torch.equal(hosts.host_part(batch).indices, batch.indices)
+    hosts.begin_epoch()
+    for _ in range(3):
+        hosts.begin_step(batch)
+        hosts.average_gradients(nn.Linear(2, 2), len(batch.indices))
+    record = hosts.epoch_record()
+    assert record["mpi_bytes_sent"] == 0
+    assert len(record["per_step"]["compute_seconds"]) == 3
+    assert record["by_rank"][0]["mpi_bytes_sent"] == 0
+
+
+def test_throughput_shares_are_the_default_when_hosts_differ():
+    assert host_weights(None, [30.0, 10.0]) == ([30.0, 10.0], "throughput", None)
+    assert host_weights(None, [20.0, 20.0])[:2] == ([1.0, 1.0], "even")
+    assert host_weights(None, [30.0, None])[:2] == ([1.0, 1.0], "even")
+    assert host_weights("even", [30.0, 10.0])[:2] == ([1.0, 1.0], "even")
+
+
+def test_throughput_balance_fills_unknown_hosts_with_the_mean():
+    weights, policy, note = host_weights("throughput", [30.0, None, 10.0])
+    assert (weights, policy) == ([30.0, 20.0, 10.0], "throughput")
+    assert "ranks [1]" in note
+    weights, policy, note = host_weights("throughput", [None, None])
+    assert (weights, policy) == ([1.0, 1.0], "even") and "no host knows" in note
+
+
+@pytest.mark.parametrize("balance, figures", [("fastest", [1.0]), ("throughput", [0.0, 2.0])])
+def test_bad_balance_settings_are_usage_errors(balance, figures):
+    with pytest.raises(UsageError):
+        host_weights(balance, figures)
+
+
+def test_hosts_split_each_global_batch_by_weight():
+    class Rank(SingleHost):
+        size = 2
+
+        def __init__(self, rank):
+            super().__init__()
+            self.rank = rank
+            self.weights = [3.0, 1.0]
+
+    batch = epoch_batches(8, 8, seed=0, epoch=0)[0]
+    parts = [Rank(r).host_part(batch).indices for r in (0, 1)]
+    assert [len(p) for p in parts] == [6, 2]
+    assert torch.equal(torch.cat(parts), batch.indices)
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_buckets_hold_every_gradient_in_backward_order_within_the_size_limit():
+    model = small_model()
+    buckets = GradientBuckets(model, NoCompression(), bucket_bytes=16 * 8 * 4)
+    params = list(model.parameters())
+    laid_out = [p for b in buckets.buckets for p in b.params]
+    assert laid_out == params[::-1]
+    # 16 + 256 + 64 bytes fit in 512; the 512-byte first weight needs a bucket of its own.
+    assert [len(b.params) for b in buckets.buckets] == [3, 1]
+    assert all(b.flat.nbytes <= 16 * 8 * 4 for b in buckets.buckets)
+    assert buckets.wire_bytes == 4 * sum(p.numel() for p in params)
+
+
+def test_gradients_land_in_the_fusion_buffer_without_copies():
+    model = small_model()
+    buckets = GradientBuckets(model, NoCompression(), bucket_bytes=1 << 20)
+    buckets.install_views()
+    model(torch.randn(5, 8)).sum().backward()
+    (bucket,) = buckets.buckets
+    for i, p in enumerate(bucket.params):
+        assert torch.equal(bucket.slot(i), p.grad)
+    bucket.flat.mul_(2)  # what MPI does to the buffer is what the optimizer sees
+    assert torch.equal(bucket.slot(0), bucket.params[0].grad)
+
+
+def test_gradients_a_strategy_owns_are_copied_in_and_out():
+    model = small_model()
+    owned = [torch.zeros_like(p) for p in model.parameters()]
+    for p, g in zip(model.parameters(), owned):
+        p.grad = g
+    buckets = GradientBuckets(model, FP16Compression(), bucket_bytes=1 << 20)
+    buckets.install_views()
+    model(torch.randn(5, 8)).sum().backward()
+    (bucket,) = buckets.buckets
+    assert bucket.wire.dtype == torch.float16 and bucket.wire.nbytes * 2 == bucket.flat.nbytes
+    buckets.gather(bucket)
+    assert torch.equal(bucket.slot(0), bucket.params[0].grad)
+    bucket.flat.fill_(0.5)
+    buckets.scatter(bucket)
+    assert all(p.grad is g for p, g in zip(model.parameters(), owned))
+    assert all(bool((g == 0.5).all()) for g in owned)

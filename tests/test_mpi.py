@@ -1,0 +1,239 @@
+"""Across hosts, through mpirun: H ranks train exactly what one sequential run with the
+global batch trains, and a rank that dies or fails takes the run down, naming itself."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+from conftest import hybriddl_env
+from hybriddl.rundir import METRICS, MODEL
+from hybriddl.strategies import STRATEGIES
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+# squeezenet1_1: small (0.7 M parameters), no batch normalisation, so a host's part of a
+# batch gives exactly its share of the global gradient.
+TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--dropout", "0",
+         "--batch-size", "8", "--epochs", "1"]
+PARAMETERS = 724_035
+
+pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """3 classes x 8 images: 18 train images, so batches of 8, 8 and a short last one of 2."""
+    root = tmp_path_factory.mktemp("images")
+    generator = torch.Generator().manual_seed(1)
+    for label, name in enumerate(("fire", "smoke", "clear")):
+        (root / name).mkdir()
+        for i in range(8):
+            pixels = torch.randint(0, 256, (24, 24, 3), generator=generator, dtype=torch.uint8)
+            pixels[..., label] = 255
+            Image.fromarray(pixels.numpy()).save(root / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def sequential(images, tmp_path_factory) -> Path:
+    """One sequential run (no mpirun) of the whole epoch with global batch 8."""
+    run_dir = tmp_path_factory.mktemp("sequential") / "run"
+    done = subprocess.run([sys.executable, "-m", "hybriddl", *TRAIN, "--data", str(images),
+                           "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=300, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run_dir / METRICS).read_text())["epochs"][0]["steps"] == 3
+    return run_dir
+
+
+def mpirun(*apps: tuple[int, list[str]], timeout: float = 300) -> subprocess.CompletedProcess:
+    """mpirun over loopback TCP; each app is (ranks, hybriddl arguments) (MPMD with ':')."""
+    command = [str(MPIRUN), *LOOPBACK]
+    for i, (ranks, args) in enumerate(apps):
+        command += ([":"] if i else []) + ["-np", str(ranks), sys.executable, "-m", "hybriddl",
+                                           *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=hybriddl_env())
+
+
+def assert_same_model(run_dir: Path, reference: Path, rtol: float = 1e-5) -> None:
+    got = torch.load(run_dir / MODEL)
+    want = torch.load(reference / MODEL)
+    assert got.keys() == want.keys()
+    for name in want:
+        scale = want[name].abs().max().clamp_min(1e-12)
+        error = float((got[name] - want[name]).abs().max() / scale)
+        assert error <= rtol, f"{name}: relative difference {error:.2e}"
+
+
+def epoch_of(run_dir: Path) -> tuple[dict, dict]:
+    metrics = json.loads((run_dir / METRICS).read_text())
+    return metrics["config"], metrics["epochs"][0]
+
+
+def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tmp_path):
+    run_dir = tmp_path / "run"
+    done = mpirun((2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+    config, epoch = epoch_of(run_dir)
+    hosts = config["hosts"]
+    assert hosts["count"] == 2 and hosts["weights"] == [1.0, 1.0]
+    # Both ranks share this machine: they were detected, split its cores and warned.
+    assert hosts["ranks_per_machine"] == 2
+    assert not set(hosts["cores"][0]) & set(hosts["cores"][1])
+    assert "-npernode 1" in done.stderr
+    # One fused exchange of every float32 gradient per step, nothing else.
+    assert epoch["per_step"]["mpi_bytes_sent"] == [4 * PARAMETERS] * 3
+    assert [r["mpi_bytes_sent"] for r in epoch["by_rank"]] == [epoch["mpi_bytes_sent"]] * 2
+    assert epoch["comm_seconds"] > 0 and epoch["compute_seconds"] > 0
+    # Only rank 0 reports progress.
+    assert done.stderr.count("epoch 1:") == 1
+
+
+def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,
+                                                                     tmp_path):
+    """8 = 3 + 3 + 2, and the last batch of 2 leaves rank 2 with no sample at all."""
+    run_dir = tmp_path / "run"
+    done = mpirun((3, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir), "--overlap",
+                       "--fusion-mib", "0.5"]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+    config, epoch = epoch_of(run_dir)
+    assert config["hosts"]["overlap"] == [True, True, True]
+    buckets = config["hosts"]["fusion_buckets"]
+    assert buckets > 3
+    # Ranks 0 and 1 computed every step, so every bucket left during backward; rank 2 had
+    # nothing to compute in the last step and sent its zeros after it.
+    assert [r["buckets_sent_in_backward"] for r in epoch["by_rank"]] == [3 * buckets] * 2 + \
+        [2 * buckets]
+    assert config["hosts"]["gradient_bytes_per_step"] == 4 * PARAMETERS
+
+
+def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequential,
+                                                                    tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir), "--balance",
+              "throughput", "--fusion-mib", "0.5"]
+    done = mpirun((1, [*common, "--throughput", "30", "--overlap"]),
+                  (1, [*common, "--throughput", "10"]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+    config, epoch = epoch_of(run_dir)
+    assert config["hosts"]["balance"] == "throughput"
+    assert config["hosts"]["weights"] == [30.0, 10.0]  # 6 + 2 samples of each batch of 8
+    assert config["hosts"]["overlap"] == [True, False]
+    sent_early = [r["buckets_sent_in_backward"] for r in epoch["by_rank"]]
+    assert sent_early[0] == 3 * config["hosts"]["fusion_buckets"] and sent_early[1] == 0
+
+
+@pytest.mark.skipif("threads" not in STRATEGIES, reason="the threads strategy is not here yet")
+def test_threads_and_sequential_hosts_match_sequential(images, sequential, tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
+    done = mpirun((1, [*common, "--strategy", "threads", "--workers", "2", "--oversubscribe"]),
+                  (1, [*common, "--strategy", "sequential"]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+    config, _ = epoch_of(run_dir)
+    assert config["strategy"]["name"] == "threads"  # rank 0's record
+
+
+def test_fp16_allreduce_hands_half_the_bytes_to_mpi(images, sequential, tmp_path):
+    run_dir = tmp_path / "run"
+    done = mpirun((2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                       "--fp16-allreduce"]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    config, epoch = epoch_of(run_dir)
+    assert config["hosts"]["compression"] == "fp16"
+    assert epoch["per_step"]["mpi_bytes_sent"] == [2 * PARAMETERS] * 3
+    assert_same_model(run_dir, sequential, rtol=1e-2)
+
+
+def test_a_rank_that_fails_stops_every_rank_and_names_itself(images, tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
+    done = mpirun((1, common), (1, [*common, "--strategy", "no-such-strategy"]), timeout=120)
+    assert done.returncode == 2
+    assert re.search(rf"rank 1 on {re.escape(socket.gethostname())}: unknown strategy",
+                     done.stderr + done.stdout)
+    assert not run_dir.exists()
+
+
+def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+               "--epochs", "3", "--run-dir", str(run_dir)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=hybriddl_env())
+    try:
+        ranks = wait_for_training(launcher, run_dir)
+        victim = ranks[1]
+        victim.kill()
+        killed_at = time.monotonic()
+        output, _ = launcher.communicate(timeout=90)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert ended_after < 60
+    host = re.escape(socket.gethostname())
+    # Either a survivor names it, or mpirun does (whichever notices first).
+    assert re.search(rf"rank 1 on host {host} failed|process rank 1 with PID \d+ on node "
+                     rf"{host}", output), output
+    psutil.wait_procs(list(ranks.values()), timeout=10)
+    assert not [p for p in ranks.values() if p.is_running() and p.status() != "zombie"]
+
+
+def test_a_hung_rank_ends_the_run_at_the_host_timeout(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+               "--epochs", "3", "--host-timeout", "20", "--run-dir", str(run_dir)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=hybriddl_env())
+    ranks = {}
+    try:
+        ranks = wait_for_training(launcher, run_dir)
+        ranks[1].suspend()  # alive but silent: only the deadline can notice
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for rank in ranks.values():
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert launcher.returncode != 0
+    assert re.search(r"rank 0 on \S+: .*no answer from the other hosts for 20 s", output), output
+
+
+def wait_for_training(launcher: subprocess.Popen, run_dir: Path) -> dict[int, psutil.Process]:
+    """The ranks' processes, once rank 0 has started the epoch loop (metrics.json exists)."""
+    deadline = time.monotonic() + 240
+    while not (run_dir / METRICS).exists():
+        assert launcher.poll() is None, "the run ended before it could be interrupted"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    ranks = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("OMPI_COMM_WORLD_RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "hybriddl" in " ".join(child.cmdline()):
+            ranks[int(rank)] = child
+    assert sorted(ranks) == [0, 1]
+    return ranks
