@@ -30,7 +30,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     # Every epoch has at least one step, so `steps` epochs always reach max_steps.
     config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
                      max_steps=steps, epochs=steps)
-    prepared = trainer.prepare(config)
+    prepared = trainer.prepare(config, hosts_count=hosts.size)
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.bytes_sent)
     metrics = trainer.run(prepared, meter, hosts)
     if hosts.rank == 0:
