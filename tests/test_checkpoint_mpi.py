@@ -72,7 +72,7 @@ def images(tmp_path_factory) -> Path:
 def train_args(images: Path, run_dir: Path) -> list[str]:
     return ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
             "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--dropout", "0",
-            "--run-dir", str(run_dir)]
+            "--strategy", "sequential", "--run-dir", str(run_dir)]
 
 
 @pytest.fixture(scope="module")
