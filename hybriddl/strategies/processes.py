@@ -24,6 +24,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from hybriddl.hostinfo import usable_cores
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
@@ -53,6 +54,9 @@ class Processes(LocalStrategy):
         return {"name": self.name, "workers": self.workers}
 
     def setup(self, model) -> None:
+        # Never more threads than cores this process may use (ranks sharing a machine
+        # are pinned to their own cores): oversubscribed reductions crawl.
+        self.reduce_threads = max(1, min(self.workers, usable_cores()))
         super().setup(model)
         torch.set_num_threads(1)
         numel = sum(p.numel() for p in _trained(model))
@@ -104,7 +108,7 @@ class Processes(LocalStrategy):
             raise failures[0]
         loss_sum += sum(replies)
         # The workers idle now: the reduction and the optimizer step may use every core.
-        torch.set_num_threads(self.workers)
+        torch.set_num_threads(self.reduce_threads)
         reduce_started = time.perf_counter()
         with torch.no_grad():
             for rank in busy:

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from hybriddl.hostinfo import usable_cores
 from hybriddl.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import local_workers
@@ -43,6 +44,9 @@ class Threads(LocalStrategy):
         return {"name": self.name, "workers": self.workers}
 
     def setup(self, model) -> None:
+        # Never more threads than cores this process may use (ranks sharing a machine
+        # are pinned to their own cores): oversubscribed reductions crawl.
+        self.reduce_threads = max(1, min(self.workers, usable_cores()))
         super().setup(model)
         if self.workers > 1:
             self.pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hybriddl-thread")
@@ -65,7 +69,7 @@ class Threads(LocalStrategy):
             wait(futures)  # no worker may still run when this step ends, even on error
         # The reduction (and the optimizer step after it) runs while the workers idle,
         # so it may use every core.
-        torch.set_num_threads(self.workers)
+        torch.set_num_threads(self.reduce_threads)
         reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
