@@ -76,8 +76,8 @@ def load_data(spec: str, *, variant: str, image_size: int, classes: int | None =
         split = imagefolder_split(spec, image_size=image_size, val_fraction=val_fraction,
                                   progress=progress)
     if len(split.classes) < 2:
-        raise UsageError(f"{split.source} has {len(split.classes)} class; "
-                         "a classifier needs at least 2 classes")
+        raise UsageError(f"{split.source} has {len(split.classes)} class; a classifier needs "
+                         "at least 2 classes: add a subfolder of images for each class")
     if len(split.train) == 0 or len(split.val) == 0:
         raise UsageError(f"{split.source} has too few images for a train/validation split: "
                          "add images or lower --val-fraction")
