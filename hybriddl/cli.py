@@ -283,8 +283,13 @@ class TrainDisplay:
 
     def on_data_progress(self, done: int, total: int) -> None:
         if self.task is None and self.enabled:
+            # Transient: once the data are ready the bar goes, and if they are bad the
+            # error stays the only line on stderr (no bar is left behind in a log).
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TextColumn("images"),
+                                     TimeElapsedColumn(), console=console, transient=True)
             self.progress.start()
-            self.task = self.progress.add_task("Preparing data", total=total, rate=0.0, loss=0.0)
+            self.task = self.progress.add_task("Preparing data", total=total)
         if self.task is not None:
             self.progress.update(self.task, completed=done)
 

@@ -76,8 +76,8 @@ def load_data(spec: str, *, variant: str, image_size: int, classes: int | None =
         split = imagefolder_split(spec, image_size=image_size, val_fraction=val_fraction,
                                   progress=progress)
     if len(split.classes) < 2:
-        raise UsageError(f"{split.source} has {len(split.classes)} class; "
-                         "a classifier needs at least 2 classes")
+        raise UsageError(f"{split.source} has {len(split.classes)} class; a classifier needs "
+                         "at least 2 classes: add a subfolder of images for each class")
     if len(split.train) == 0 or len(split.val) == 0:
         raise UsageError(f"{split.source} has too few images for a train/validation split: "
                          "add images or lower --val-fraction")
@@ -169,20 +169,41 @@ def imagefolder_split(root: str, *, image_size: int, val_fraction: float,
     return DataSplit(every.subset(train_idx), every.subset(val_idx), f"imagefolder:{root}")
 
 
-class _CIFAR10Files(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR-10 reader, accepting any subset of the python batches.
+# What reading a damaged or foreign pickle can raise, besides a clean UnpicklingError.
+_PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError,
+                  AttributeError, ImportError, RuntimeError, OSError)
 
-    torchvision checks each batch's MD5 against the full download; users with a
-    trimmed or re-packed copy (and the tests) have valid batches with other sums.
+
+class _CIFAR10Files(torchvision.datasets.CIFAR10):
+    """torchvision's CIFAR-10 reader for some python batch files of ROOT/cifar-10-batches-py.
+
+    torchvision checks every file's MD5 against the full download; users with a trimmed
+    or re-packed copy (and the tests) have valid files with other sums, so only their
+    presence is checked.
     """
+
+    def __init__(self, root: str, files: list[str]):
+        self.train_list = [[name, None] for name in files]
+        self.test_list = []
+        super().__init__(root, train=True, download=False)
 
     def _check_integrity(self) -> bool:
         folder = Path(self.root) / self.base_folder
         return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
 
+    def _load_meta(self) -> None:
+        meta = Path(self.root) / self.base_folder / self.meta["filename"]
+        with open(meta, "rb") as handle:
+            self.classes = list(pickle.load(handle, encoding="latin1")[self.meta["key"]])
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
 
 def cifar10_split(root: str, *, classes: int | None, val_fraction: float) -> DataSplit:
-    """CIFAR-10's python batches: DIR or DIR/cifar-10-batches-py holding data_batch_*."""
+    """CIFAR-10's python batches: DIR or DIR/cifar-10-batches-py holding data_batch_*.
+
+    The test_batch, when present, is the validation set; otherwise a stratified share
+    of the training batches is held out.
+    """
     path = Path(root)
     base = _CIFAR10Files.base_folder
     if path.name == base:
@@ -195,23 +216,31 @@ def cifar10_split(root: str, *, classes: int | None, val_fraction: float) -> Dat
     if not train_files or not (folder / "batches.meta").is_file():
         raise UsageError(f"--data cifar10:{root}: {folder} needs data_batch_* files and "
                          "batches.meta; re-extract cifar-10-python.tar.gz")
-    has_test = (folder / "test_batch").is_file()
 
-    def read(train: bool, names: list[str]) -> ImageSet:
-        reader = _CIFAR10Files.__new__(_CIFAR10Files)
-        reader.train_list = [[n, ""] for n in names]
-        reader.test_list = [["test_batch", ""]] if has_test else []
+    def read(name: str) -> ImageSet:
+        # One file at a time, so that an error names the file that is damaged.
         try:
-            _CIFAR10Files.__init__(reader, str(path), train=train, download=False)
-        except (pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError) as exc:
-            raise UsageError(f"--data cifar10:{root}: a batch file is malformed "
-                             f"({type(exc).__name__}: {exc}); re-extract the archive") from None
+            reader = _CIFAR10Files(str(path), [name])
+        except _PICKLE_ERRORS as exc:
+            raise UsageError(f"--data cifar10:{root}: {name} or batches.meta is not a CIFAR-10 "
+                             f"python batch ({type(exc).__name__}: {_first_line(exc)}); "
+                             "re-extract cifar-10-python.tar.gz") from None
+        labels = torch.tensor(reader.targets, dtype=torch.int64)
+        if len(labels) != len(reader.data) or (
+                len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < len(reader.classes)):
+            raise UsageError(f"--data cifar10:{root}: {name} has {len(reader.data)} images and "
+                             f"{len(labels)} labels for {len(reader.classes)} classes; "
+                             "re-extract cifar-10-python.tar.gz")
         images = torch.from_numpy(np.ascontiguousarray(reader.data.transpose(0, 3, 1, 2)))
-        return ImageSet(images, torch.tensor(reader.targets, dtype=torch.int64),
-                        list(reader.classes))
+        return ImageSet(images, labels, [str(c) for c in reader.classes])
 
-    train = read(True, train_files)
-    val = read(False, train_files) if has_test else None
+    def read_all(names: list[str]) -> ImageSet:
+        sets = [read(name) for name in names]
+        return ImageSet(torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets]),
+                        sets[0].classes)
+
+    train = read_all(train_files)
+    val = read_all(["test_batch"]) if (folder / "test_batch").is_file() else None
     if classes is not None:
         if not 2 <= classes <= len(train.classes):
             raise UsageError(f"--classes {classes}: give a number from 2 to {len(train.classes)}")
@@ -221,6 +250,11 @@ def cifar10_split(root: str, *, classes: int | None, val_fraction: float) -> Dat
         train_idx, val_idx = stratified_split(train.labels, val_fraction)
         train, val = train.subset(train_idx), train.subset(val_idx)
     return DataSplit(train, val, f"cifar10:{root}")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:120] if text else "no message"
 
 
 def _first_classes(images: ImageSet, n: int) -> ImageSet:

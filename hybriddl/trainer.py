@@ -59,7 +59,7 @@ class TrainConfig:
         case = get_usecase(self.usecase)
         filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
         filled.model = self.model or case.model
-        filled.image_size = self.image_size or case.image_size
+        filled.image_size = self.image_size if self.image_size is not None else case.image_size
         filled.batch_size = self.batch_size if self.batch_size is not None else case.batch_size
         filled.epochs = self.epochs if self.epochs is not None else case.epochs
         filled.lr = self.lr if self.lr is not None else case.lr

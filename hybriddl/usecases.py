@@ -40,6 +40,10 @@ USECASES = {
 # is its 8th Conv2d, features[18] its ReLU.
 PIPELINE_SPLITS = {"alexnet": 10, "vgg16": 19}
 
+# torchvision classifiers that return extra auxiliary logits in training mode; the
+# use cases' loss is plain cross-entropy on the main head, so those heads are left out.
+AUXILIARY_HEAD_MODELS = {"googlenet", "inception_v3"}
+
 
 def get_usecase(name: str) -> UseCase:
     try:
@@ -61,6 +65,8 @@ def build_model(name: str, num_classes: int, dropout: float | None = None) -> nn
             "alexnet or resnet50 (see torchvision.models.list_models())"
         )
     kwargs = {"weights": None, "num_classes": num_classes}
+    if name in AUXILIARY_HEAD_MODELS:
+        kwargs["aux_logits"] = False
     if dropout is not None:
         if not 0.0 <= dropout < 1.0:
             raise UsageError(f"--dropout {dropout} is out of range: give a value in [0, 1)")
@@ -82,10 +88,12 @@ def check_image_size(model: nn.Module, image_size: int, num_classes: int) -> Non
     try:
         with torch.no_grad():
             out = model(torch.zeros(1, 3, image_size, image_size))
-    except (RuntimeError, ValueError) as exc:
+    # Too-small inputs fail in a pooling or convolution (RuntimeError/ValueError);
+    # fixed-size models such as vit_* assert their size (AssertionError).
+    except (RuntimeError, ValueError, AssertionError) as exc:
         raise UsageError(
-            f"--image-size {image_size} is too small for this model ({_first_line(exc)}): "
-            "use a larger size, e.g. 64 for alexnet or 32 for vgg16"
+            f"--image-size {image_size} does not work with this model ({_first_line(exc)}): "
+            "give a size it accepts, e.g. at least 64 for alexnet, 32 for vgg16"
         ) from None
     finally:
         model.train(was_training)

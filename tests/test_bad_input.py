@@ -1,0 +1,153 @@
+"""Every bad input gets one line naming the problem, exit code 2, and leaves no run behind."""
+
+from pathlib import Path
+
+import pytest
+from sample_data import CIFAR_FOLDER, write_cifar10, write_image, write_imagefolder
+
+
+def empty_dir(tmp: Path) -> list[str]:
+    (tmp / "empty").mkdir()
+    return ["--data", str(tmp / "empty")]
+
+
+def class_without_images(tmp: Path) -> list[str]:
+    write_imagefolder(tmp / "images", per_class=2)
+    (tmp / "images" / "clear").mkdir()
+    (tmp / "images" / "clear" / "notes.txt").write_text("not an image")
+    return ["--data", str(tmp / "images")]
+
+
+def corrupt_image(tmp: Path) -> list[str]:
+    write_imagefolder(tmp / "images", per_class=2)
+    (tmp / "images" / "smoke" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    return ["--data", str(tmp / "images")]
+
+
+def truncated_jpeg(tmp: Path) -> list[str]:
+    write_imagefolder(tmp / "images", per_class=2)
+    good = write_image(tmp / "images" / "fire" / "big.jpg", (200, 200), (200, 10, 10))
+    good.write_bytes(good.read_bytes()[:300])
+    return ["--data", str(tmp / "images")]
+
+
+def one_class(tmp: Path) -> list[str]:
+    write_imagefolder(tmp / "images", per_class=4, classes={"fire": (255, 0, 0)})
+    return ["--data", str(tmp / "images")]
+
+
+def data_is_a_file(tmp: Path) -> list[str]:
+    (tmp / "images.zip").write_bytes(b"PK")
+    return ["--data", str(tmp / "images.zip")]
+
+
+def cifar_without_folder(tmp: Path) -> list[str]:
+    (tmp / "cifar").mkdir()
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_without_meta(tmp: Path) -> list[str]:
+    write_cifar10(tmp / "cifar", train_batches=1)
+    (tmp / "cifar" / CIFAR_FOLDER / "batches.meta").unlink()
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_without_batches(tmp: Path) -> list[str]:
+    write_cifar10(tmp / "cifar", train_batches=1)
+    (tmp / "cifar" / CIFAR_FOLDER / "data_batch_1").unlink()
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_garbage_batch(tmp: Path) -> list[str]:
+    write_cifar10(tmp / "cifar", train_batches=2)
+    (tmp / "cifar" / CIFAR_FOLDER / "data_batch_2").write_bytes(b"this is not a pickle\n" * 20)
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_truncated_batch(tmp: Path) -> list[str]:
+    write_cifar10(tmp / "cifar", train_batches=1)
+    batch = tmp / "cifar" / CIFAR_FOLDER / "data_batch_1"
+    batch.write_bytes(batch.read_bytes()[:1000])
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_garbage_meta(tmp: Path) -> list[str]:
+    write_cifar10(tmp / "cifar", train_batches=1)
+    (tmp / "cifar" / CIFAR_FOLDER / "batches.meta").write_bytes(b"\x80\x02}q\x00.")  # {}
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def cifar_labels_out_of_range(tmp: Path) -> list[str]:
+    import pickle
+
+    write_cifar10(tmp / "cifar", train_batches=1, per_batch=4)
+    batch = tmp / "cifar" / CIFAR_FOLDER / "data_batch_1"
+    entry = pickle.loads(batch.read_bytes(), encoding="latin1")
+    entry["labels"] = [0, 1, 2, 12]
+    batch.write_bytes(pickle.dumps(entry, protocol=2))
+    return ["--data", f"cifar10:{tmp / 'cifar'}"]
+
+
+def flags(*args: str):
+    return lambda tmp: list(args)
+
+
+CASES = {
+    "missing_directory": (lambda tmp: ["--data", str(tmp / "nowhere")], "no such directory"),
+    "data_is_a_file": (data_is_a_file, "images.zip"),
+    "empty_directory": (empty_dir, "class folder"),
+    "class_folder_without_images": (class_without_images, "clear"),
+    "corrupt_image": (corrupt_image, "broken.png"),
+    "truncated_jpeg": (truncated_jpeg, "big.jpg"),
+    "fewer_than_two_classes": (one_class, "at least 2 classes"),
+    "unknown_usecase": (flags("--usecase", "ComplexHuge"), "unknown use case 'ComplexHuge'"),
+    "unknown_model": (flags("--model", "resnet1000"), "unknown model 'resnet1000'"),
+    "batch_size_zero": (flags("--batch-size", "0"), "--batch-size 0"),
+    "batch_size_not_a_number": (flags("--batch-size", "many"), "--batch-size"),
+    "image_size_too_small_for_alexnet": (flags("--model", "alexnet", "--image-size", "32"),
+                                         "--image-size 32"),
+    "image_size_zero": (flags("--image-size", "0"), "--image-size 0"),
+    "epochs_zero": (flags("--epochs", "0"), "--epochs 0"),
+    "dropout_on_a_model_without_it": (flags("--model", "resnet18", "--dropout", "0"),
+                                      "no dropout option"),
+    "classes_with_synthetic_data": (flags("--classes", "2"), "--classes"),
+    "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
+    "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
+    "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),
+    "cifar10_garbage_batch": (cifar_garbage_batch, "data_batch_2"),
+    "cifar10_truncated_batch": (cifar_truncated_batch, "data_batch_1"),
+    "cifar10_garbage_meta": (cifar_garbage_meta, "batches.meta"),
+    "cifar10_labels_out_of_range": (cifar_labels_out_of_range, "data_batch_1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli, tmp_path, case):
+    make_args, names_problem = CASES[case]
+    run_dir = tmp_path / "run"
+    done = cli("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("hybriddl")
+    assert names_problem in lines[0]
+    assert not run_dir.exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_input_without_run_dir_creates_no_default_run_directory(cli, tmp_path):
+    done = cli("train", "--batch-size", "0", cwd=tmp_path)
+    assert done.returncode == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_dir_that_already_holds_a_run_is_refused_and_left_alone(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text("{}")
+    done = cli("train", "--run-dir", str(run_dir), "--max-steps", "1")
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1 and "already holds files" in done.stderr
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.json"]
+    assert (run_dir / "metrics.json").read_text() == "{}"

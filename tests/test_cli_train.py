@@ -1,0 +1,174 @@
+"""`hybriddl train` end to end: the embedded data is learnable and the run directory keeps its contract."""
+
+import json
+
+import pytest
+import torch
+import torchvision
+from sample_data import write_cifar10, write_imagefolder
+
+from hybriddl import data
+from hybriddl.rundir import METRICS, MODEL
+
+EPOCH_KEYS = {"seconds", "images_per_second", "train_loss", "val_accuracy", "data_wait_seconds",
+              "mpi_bytes_sent"}
+CONFIG_KEYS = {"usecase", "model", "strategy", "hosts", "global_batch", "image_size", "seed",
+               "data", "epochs", "lr", "momentum", "dropout"}
+
+# A small torchvision model at a small size learns the embedded data in a few epochs;
+# the paper's VGG16 at lr 0.001 needs minutes for the same (see the README's main job).
+LEARNING_RUN = ["--usecase", "ComplexSmall", "--model", "resnet18", "--image-size", "32",
+                "--lr", "0.01", "--epochs", "3", "--strategy", "sequential"]
+
+
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    from conftest import run_cli
+
+    run_dir = tmp_path_factory.mktemp("learning") / "run"
+    done = run_cli("train", *LEARNING_RUN, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return run_dir, json.loads((run_dir / METRICS).read_text()), done
+
+
+def test_embedded_data_is_learnable_in_a_few_epochs(learning_run):
+    _, metrics, _ = learning_run
+    accuracies = [e["val_accuracy"] for e in metrics["epochs"]]
+    assert len(accuracies) == 3
+    assert accuracies[-1] >= 0.8, accuracies
+    assert metrics["epochs"][-1]["train_loss"] < metrics["epochs"][0]["train_loss"]
+
+
+def test_metrics_record_the_configuration(learning_run):
+    _, metrics, _ = learning_run
+    config = metrics["config"]
+    assert CONFIG_KEYS <= set(config)
+    assert (config["usecase"], config["model"], config["image_size"]) == ("ComplexSmall", "resnet18", 32)
+    assert (config["global_batch"], config["lr"], config["momentum"], config["seed"]) == (16, 0.01, 0.9, 0)
+    assert config["strategy"]["name"] == "sequential"
+    assert config["hosts"]["count"] == 1
+    per_class_train, per_class_val, _ = data.SYNTHETIC_VARIANTS["small"]
+    assert config["data"]["source"] == "synthetic:small"
+    assert config["data"]["classes"] == ["fire", "smoke", "clear"]
+    assert (config["data"]["train_images"], config["data"]["val_images"]) == \
+        (3 * per_class_train, 3 * per_class_val)
+
+
+def test_metrics_hold_one_sensible_record_per_epoch(learning_run):
+    _, metrics, _ = learning_run
+    train_images = metrics["config"]["data"]["train_images"]
+    for number, record in enumerate(metrics["epochs"], start=1):
+        assert EPOCH_KEYS <= set(record)
+        assert record["epoch"] == number
+        assert record["samples"] == train_images
+        assert record["steps"] == data.steps_per_epoch(train_images, 16)
+        assert record["seconds"] > 0
+        assert record["images_per_second"] == pytest.approx(train_images / record["seconds"])
+        assert 0.0 <= record["data_wait_seconds"] < record["seconds"]
+        assert record["mpi_bytes_sent"] == 0  # one host: nothing handed to MPI
+        assert 0.0 <= record["val_accuracy"] <= 1.0
+        assert record["train_loss"] > 0
+
+
+def test_model_file_loads_into_the_torchvision_model(learning_run):
+    run_dir, _, _ = learning_run
+    state = torch.load(run_dir / MODEL, weights_only=True)
+    model = torchvision.models.get_model("resnet18", weights=None, num_classes=3)
+    model.load_state_dict(state, strict=True)
+    assert not torch.equal(model.fc.weight, torchvision.models.get_model(
+        "resnet18", weights=None, num_classes=3).fc.weight)
+
+
+def test_run_directory_holds_only_finished_files(learning_run):
+    run_dir, _, _ = learning_run
+    names = {p.name for p in run_dir.iterdir()}
+    assert {METRICS, MODEL} <= names
+    assert not [n for n in names if ".tmp" in n]
+
+
+def test_train_prints_the_epoch_table(learning_run):
+    run_dir, _, done = learning_run
+    assert "val accuracy" in done.stdout
+    assert str(run_dir) in done.stdout.replace("\n", "")
+
+
+def test_max_steps_stops_across_epochs(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    done = cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
+               "--max-steps", "2", "--epochs", "3", "--dropout", "0", "--strategy", "sequential",
+               "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [e["steps"] for e in metrics["epochs"]] == [2]
+    assert metrics["epochs"][0]["samples"] == 8
+    assert metrics["config"]["dropout"] == 0.0
+    model = torchvision.models.get_model("squeezenet1_1", weights=None, num_classes=3, dropout=0.0)
+    model.load_state_dict(torch.load(run_dir / MODEL, weights_only=True), strict=True)
+
+
+def test_train_on_an_imagefolder(cli, tmp_path):
+    root = write_imagefolder(tmp_path / "images", per_class=6,
+                             classes={"fire": (230, 80, 10), "smoke": (150, 150, 150),
+                                      "clear": (40, 90, 200)})
+    run_dir = tmp_path / "run"
+    done = cli("train", "--data", str(root), "--model", "squeezenet1_1", "--image-size", "32",
+               "--batch-size", "4", "--epochs", "1", "--val-fraction", "0.34",
+               "--strategy", "sequential", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    config = json.loads((run_dir / METRICS).read_text())["config"]
+    assert config["data"]["classes"] == ["clear", "fire", "smoke"]
+    assert (config["data"]["train_images"], config["data"]["val_images"]) == (12, 6)
+    assert config["data"]["stored_size"] == [32, 32]
+
+
+def test_train_on_cifar10_batches_with_fewer_classes(cli, tmp_path):
+    write_cifar10(tmp_path / "cifar", train_batches=2, per_batch=30, test=20)
+    run_dir = tmp_path / "run"
+    done = cli("train", "--data", f"cifar10:{tmp_path / 'cifar'}", "--classes", "4",
+               "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8",
+               "--epochs", "1", "--strategy", "sequential", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert metrics["config"]["data"]["classes"] == ["airplane", "automobile", "bird", "cat"]
+    assert (metrics["config"]["data"]["train_images"], metrics["config"]["data"]["val_images"]) == (24, 8)
+    assert metrics["epochs"][0]["steps"] == 3
+    state = torch.load(run_dir / MODEL, weights_only=True)
+    torchvision.models.get_model("squeezenet1_1", weights=None, num_classes=4).load_state_dict(
+        state, strict=True)
+
+
+def test_info_names_host_cores_ram_gpus_and_library_versions(cli):
+    done = cli("info", "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert {"host", "cpu_model", "cores_logical", "cores_usable", "ram_gib", "gpus", "torch",
+            "torchvision", "mpi4py", "mpi_library"} <= set(info)
+    assert info["torch"] == torch.__version__
+    assert info["torchvision"] == torchvision.__version__
+    assert 1 <= info["cores_usable"] <= info["cores_logical"]
+    assert info["ram_gib"] > 0
+    assert isinstance(info["gpus"], list) and len(info["gpus"]) == torch.cuda.device_count()
+    import mpi4py
+
+    assert info["mpi4py"] == mpi4py.__version__
+    assert "MPI" in info["mpi_library"]
+
+
+def test_info_table_lists_the_same_facts(cli):
+    done = cli("info")
+    assert done.returncode == 0, done.stderr
+    for word in ("host", "cores usable", "ram gib", "gpus", "torch", "torchvision", "mpi4py",
+                 "mpi library"):
+        assert word in done.stdout
+
+
+def test_python_m_hybriddl_help_lists_the_subcommands(cli):
+    done = cli("--help")
+    assert done.returncode == 0, done.stderr
+    assert "train" in done.stdout and "info" in done.stdout
+    train_help = cli("train", "--help")
+    for flag in ("--usecase", "--model", "--image-size", "--batch-size", "--epochs", "--lr",
+                 "--momentum", "--dropout", "--seed", "--max-steps", "--data", "--run-dir",
+                 "--classes"):
+        assert flag in train_help.stdout
+
