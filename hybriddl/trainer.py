@@ -127,21 +127,23 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
                               progress=observer.on_data_progress)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, len(split.classes), config.dropout)
+    check_image_size(model, config.image_size, len(split.classes))
     choice = None
-    if auto:  # before seeding: tuning draws random numbers of its own
+    if auto:
         host_batch = -(-config.batch_size // hosts_count)
-        decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
-                                               host_batch),
-                                 split.train, directory=config.profile_dir,
-                                 budget=config.tune_budget, observer=observer)
+        # Tuning draws random numbers of its own; the run's stream must not see them.
+        with torch.random.fork_rng(devices=[]):
+            decision = auto_strategy(tune_settings(config.usecase, config.model,
+                                                   config.image_size, host_batch),
+                                     split.train, directory=config.profile_dir,
+                                     budget=config.tune_budget, observer=observer)
         strategy = make_strategy(decision.choice.name, decision.choice.options(
             config.strategy_options.oversubscribe))
         choice = {**decision.describe(), "message": decision.message()}
         if config.throughput is None:  # the host's weight for --balance throughput
             config.throughput = decision.profile.pick_result.images_per_second
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, len(split.classes), config.dropout)
-    check_image_size(model, config.image_size, len(split.classes))
     if resume is not None:
         ckpt.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it

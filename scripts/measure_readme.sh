@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every figure in README.md, measured one after another on a quiet machine (~40 min on
+# 2 cores). Results land in results/ (JSON, Markdown, PNG) and profiles/.
+# Usage: scripts/measure_readme.sh [PYTHON]   (default: .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-.venv/bin/python}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+out=results
+mkdir -p "$out"
+step() { echo; echo "=== $* ($(date +%H:%M:%S))"; }
+
+step "local strategies vs PyTorch peers, 224 px"
+$PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --output $out/bench_local-ComplexSmall.json
+$PY scripts/bench_local.py --usecase SimpleBig --image-size 224 --output $out/bench_local-SimpleBig.json
+
+step "tuner at 224 px (profiles kept in profiles/)"
+$PY -m hybriddl tune --usecase ComplexSmall --image-size 224 --profile-dir profiles
+$PY -m hybriddl tune --usecase SimpleBig --image-size 224 --profile-dir profiles
+
+step "tuner pick vs re-measured fastest, small image size"
+$PY scripts/check_tune.py --usecase ComplexSmall --image-size 64 --profile-dir $out/check-profiles --output $out/check_tune-ComplexSmall.json
+$PY scripts/check_tune.py --usecase SimpleBig --image-size 64 --profile-dir $out/check-profiles --output $out/check_tune-SimpleBig.json
+
+step "MPI layer: co-located ranks, 1-rank overhead, fp16 and overlap traffic"
+$PY scripts/bench_mpi.py --usecase ComplexSmall --image-size 64 --output $out/bench_mpi-ComplexSmall.json
+
+step "monitor overhead"
+$PY scripts/bench_monitor.py --usecase ComplexSmall --image-size 64 --output $out/bench_monitor.json
+
+step "hybrid vs Horovod model vs DDP, H=2 K=2 (oversubscribed on 2 cores)"
+for case in ComplexSmall SimpleBig; do
+  $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --output $out/compare-$case
+  $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --fp16-allreduce --contenders hybrid,flat --output $out/compare-$case-fp16
+done
+
+step "main job"
+$PY -m hybriddl train --usecase ComplexSmall --image-size 64 --epochs 5 --profile-dir profiles --run-dir $out/main-job 2>&1 | tee $out/main-job.log
+$PY -m hybriddl report $out/main-job --output $out/main-job-report
+rm -f $out/main-job/model.pt $out/main-job/checkpoint.pt  # 0.5 GB and 1 GB: not results
