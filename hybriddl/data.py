@@ -355,18 +355,21 @@ class BatchPrefetcher:
             for batch in self._batches:
                 mine = self._part(batch)
                 x = self._transform(self._images.images[mine.indices], mine.flips)
-                item = (batch, x, self._images.labels[mine.indices])
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._offer((batch, x, self._images.labels[mine.indices])):
                     return
-            self._queue.put(None)
+            self._offer(None)
         except BaseException as exc:  # re-raised in the consumer, never lost in a thread
-            self._queue.put(exc)
+            self._offer(exc)
+
+    def _offer(self, item) -> bool:
+        """Queue `item` unless the consumer stopped listening (then never block on it)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __iter__(self) -> Iterator[tuple[GlobalBatch, torch.Tensor, torch.Tensor]]:
         while True:

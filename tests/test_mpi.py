@@ -25,7 +25,7 @@ LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_
 # squeezenet1_1: small (0.7 M parameters), no batch normalisation, so a host's part of a
 # batch gives exactly its share of the global gradient.
 TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--dropout", "0",
-         "--batch-size", "8", "--epochs", "1"]
+         "--batch-size", "8", "--epochs", "1", "--strategy", "sequential"]
 PARAMETERS = 724_035
 
 pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
