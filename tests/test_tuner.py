@@ -288,7 +288,7 @@ def test_tune_host_measures_real_steps_into_a_profile():
 
 
 def test_tune_host_rejects_an_image_size_the_model_cannot_take():
-    with pytest.raises(UsageError, match="--image-size 8 is too small"):
+    with pytest.raises(UsageError, match="--image-size 8 does not work with this model"):
         tuner.tune_host(Settings("ComplexSmall", "vgg16", 8, 2), tiny_images(), budget=10)
 
 
@@ -386,7 +386,7 @@ def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--budget", "0"], "--budget 0.0: give a positive number of seconds"),
-    (["--image-size", "8"], "--image-size 8 is too small"),
+    (["--image-size", "8"], "--image-size 8 does not work with this model"),
     (["--usecase", "Nope"], "unknown use case 'Nope'"),
     (["--steps", "0"], "give at least 1 timed step"),
 ])
