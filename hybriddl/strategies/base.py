@@ -7,6 +7,7 @@ trainer, the MPI layer, the optimizer and checkpoints rely on nothing else.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -94,3 +95,30 @@ class LocalStrategy(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class CoreWorkersStrategy(LocalStrategy):
+    """A strategy with K local workers on CPU cores (K = --workers, checked up front)."""
+
+    @classmethod
+    def check_feasible(cls, options: StrategyOptions) -> None:
+        from hybriddl.strategies.resources import local_workers
+
+        local_workers(options)
+
+    def __init__(self, options: StrategyOptions = StrategyOptions()):
+        from hybriddl.strategies.resources import local_workers
+
+        super().__init__(options)
+        self.workers = local_workers(options)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "workers": self.workers}
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> StepStats:
+    """One forward and backward of the whole batch: the mean gradient lands in .grad."""
+    started = time.perf_counter()
+    loss = criterion(model(x), y)
+    loss.backward()
+    return StepStats(len(y), loss.item() * len(y), time.perf_counter() - started)

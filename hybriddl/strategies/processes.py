@@ -24,34 +24,25 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from hybriddl.hostinfo import usable_cores
 from hybriddl.errors import TrainingError, UsageError
+from hybriddl.hostinfo import usable_cores
 from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
-from hybriddl.strategies.resources import local_workers
+from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
 
 
 SHARED_MEMORY = "/dev/shm"
 
 
-class Processes(LocalStrategy):
+class Processes(CoreWorkersStrategy):
     name = "processes"
-
-    @classmethod
-    def check_feasible(cls, options) -> None:
-        local_workers(options)
 
     def __init__(self, options):
         super().__init__(options)
-        self.workers = local_workers(options)
         self.processes: list = []
         self.connections: list = []
         self.grad_buffers: list[torch.Tensor] = []
         self.grad_views: list[list[torch.Tensor]] = []  # each buffer, shaped as the parameters
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def describe(self) -> dict:
-        return {"name": self.name, "workers": self.workers}
 
     def setup(self, model) -> None:
         # Never more threads than cores this process may use (ranks sharing a machine

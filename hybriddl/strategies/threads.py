@@ -24,24 +24,15 @@ import torch
 
 from hybriddl.hostinfo import usable_cores
 from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
-from hybriddl.strategies.resources import local_workers
+from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
 
 
-class Threads(LocalStrategy):
+class Threads(CoreWorkersStrategy):
     name = "threads"
-
-    @classmethod
-    def check_feasible(cls, options) -> None:
-        local_workers(options)
 
     def __init__(self, options):
         super().__init__(options)
-        self.workers = local_workers(options)
         self.pool: ThreadPoolExecutor | None = None
-
-    def describe(self) -> dict:
-        return {"name": self.name, "workers": self.workers}
 
     def setup(self, model) -> None:
         # Never more threads than cores this process may use (ranks sharing a machine
