@@ -14,14 +14,13 @@ import json
 import signal
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
-from PIL import Image
 from torch import nn
 
 from held_run import Held, kill_leftovers
+from sample_data import write_tinted_classes
 from hybriddl import checkpoint
 from hybriddl.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
@@ -42,15 +41,7 @@ def no_held_run_left():
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for label, name in enumerate(["fire", "smoke", "clear"]):
-        (root / name).mkdir()
-        for i in range(6):
-            pixels = (rng.random((32, 32, 3)) * 120).astype(np.uint8)
-            pixels[..., label] += 100
-            Image.fromarray(pixels).save(root / name / f"{i}.png")
-    return root
+    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 def train_args(images: Path, run_dir: Path, dropout: float | None, *extra: str) -> list[str]:

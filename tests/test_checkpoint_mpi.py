@@ -21,14 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import psutil
 import pytest
 import torch
-from PIL import Image
 
 from conftest import REPO, hybriddl_env
 from held_run import Held, kill_leftovers
+from sample_data import write_tinted_classes
 from hybriddl import checkpoint
 from hybriddl.checkpoint import Position
 from hybriddl.cli import main
@@ -58,15 +57,7 @@ def no_held_run_left():
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """3 classes x 6 images: 12 train images, 3 global batches of 4 (2 per rank)."""
-    root = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for label, name in enumerate(["fire", "smoke", "clear"]):
-        (root / name).mkdir()
-        for i in range(6):
-            pixels = (rng.random((32, 32, 3)) * 120).astype(np.uint8)
-            pixels[..., label] += 100
-            Image.fromarray(pixels).save(root / name / f"{i}.png")
-    return root
+    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 def train_args(images: Path, run_dir: Path) -> list[str]:
