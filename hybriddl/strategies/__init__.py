@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import LocalStrategy, StepStats, StrategyOptions, criterion
+from hybriddl.strategies.base import (PRECISIONS, LocalStrategy, StepStats, StrategyOptions,
+                                      check_numerics, criterion)
 from hybriddl.strategies.flat import Flat
 from hybriddl.strategies.gpu import Gpu
 from hybriddl.strategies.gpu_threads import GpuThreads
 from hybriddl.strategies.intraop import IntraOp
+from hybriddl.strategies.layerwise import LayerWise
 from hybriddl.strategies.pipeline import Pipeline
 from hybriddl.strategies.processes import Processes
 from hybriddl.strategies.sequential import Sequential
@@ -18,6 +20,7 @@ STRATEGIES: dict[str, type[LocalStrategy]] = {
     IntraOp.name: IntraOp,
     Threads.name: Threads,
     Processes.name: Processes,
+    LayerWise.name: LayerWise,
     Gpu.name: Gpu,
     Pipeline.name: Pipeline,
     GpuThreads.name: GpuThreads,
@@ -32,9 +35,10 @@ def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> Lo
     except KeyError:
         known = ", ".join(STRATEGIES)
         raise UsageError(f"unknown strategy {name!r}: choose one of {known}") from None
+    check_numerics(cls, options)
     cls.check_feasible(options)
     return cls(options)
 
 
-__all__ = ["LocalStrategy", "StepStats", "StrategyOptions", "STRATEGIES", "criterion",
+__all__ = ["PRECISIONS", "LocalStrategy", "StepStats", "StrategyOptions", "STRATEGIES", "criterion",
            "make_strategy"]

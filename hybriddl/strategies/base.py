@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybriddl.errors import UsageError
+
 
 @dataclass(frozen=True)
 class StrategyOptions:
@@ -24,6 +26,14 @@ class StrategyOptions:
     micro_batches: int = 4  # pipeline only
     devices: tuple[str, ...] = ()  # gpu / pipeline / gpu-threads; () = the strategy's default
     oversubscribe: bool = False  # allow more workers than usable cores
+    # Numerics (see run_forward): "bf16" autocasts the forward pass; master weights,
+    # gradients and the optimizer stay float32. channels_last stores images and conv
+    # weights NHWC, which oneDNN's CPU convolutions prefer; still float32.
+    precision: str = "fp32"
+    channels_last: bool = False
+
+
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
@@ -47,6 +57,9 @@ class LocalStrategy(ABC):
     """How one host computes the gradient of its batch."""
 
     name: str = ""
+    # False for strategies that run the model in pieces of their own (pipeline stages,
+    # device replicas): they do not go through run_forward, so they refuse other numerics.
+    honours_numerics: bool = True
     # True when one backward pass in this process writes each master parameter's .grad
     # exactly once per step (no sub-batch accumulation into it): a hook run after that
     # write sees the host's final mean gradient, so hosts may send it while backward
@@ -72,6 +85,7 @@ class LocalStrategy(ABC):
 
     def setup(self, model: nn.Module) -> None:
         """Place the model and start local workers; `model` holds the master parameters."""
+        prepare_model(model, self.options)
         self.model = model
 
     @abstractmethod
@@ -85,7 +99,7 @@ class LocalStrategy(ABC):
         """Logits for x in eval mode (validation); strategies may override for speed."""
         assert self.model is not None
         with torch.no_grad():
-            return self.model(x.to(self.device)).cpu()
+            return run_forward(self.model, x.to(self.device), self.options).cpu()
 
     def close(self) -> None:
         """Stop every worker; safe to call twice and after a failed setup."""
@@ -116,9 +130,39 @@ class CoreWorkersStrategy(LocalStrategy):
         return {"name": self.name, "workers": self.workers}
 
 
-def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> StepStats:
+def check_numerics(strategy: type[LocalStrategy], options: StrategyOptions) -> None:
+    if options.precision not in PRECISIONS:
+        raise UsageError(f"--precision {options.precision}: choose one of {', '.join(PRECISIONS)}")
+    if not strategy.honours_numerics and (options.precision != "fp32" or options.channels_last):
+        raise UsageError(f"strategy {strategy.name!r} runs in float32 with the default memory "
+                         "format only: leave out --precision bf16 and --channels-last")
+
+
+def prepare_model(model: nn.Module, options: StrategyOptions) -> None:
+    """Lay the master parameters out as the strategy's numerics ask (in place)."""
+    if options.channels_last:
+        model.to(memory_format=torch.channels_last)
+
+
+def run_forward(module: nn.Module, x: torch.Tensor, options: StrategyOptions) -> torch.Tensor:
+    """module(x) in the strategy's numerics; the result in float32 for the loss.
+
+    bf16 is autocast (torch.amp): matrix products and convolutions run in bfloat16 on
+    float32 weights, so no float32 master copy is needed and backward needs no loss
+    scaling (bfloat16 has float32's exponent range). Autocast is thread-local: every
+    thread that runs a forward enters it itself.
+    """
+    if options.channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+        out = module(x)
+    return out.float()
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               options: StrategyOptions = StrategyOptions()) -> StepStats:
     """One forward and backward of the whole batch: the mean gradient lands in .grad."""
     started = time.perf_counter()
-    loss = criterion(model(x), y)
+    loss = criterion(run_forward(model, x, options), y)
     loss.backward()
     return StepStats(len(y), loss.item() * len(y), time.perf_counter() - started)

@@ -7,7 +7,7 @@ import time
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion, run_forward
 from hybriddl.strategies.resources import parse_devices, require_cuda
 
 
@@ -41,6 +41,6 @@ class Gpu(LocalStrategy):
         started = time.perf_counter()
         x = x.to(self._device, non_blocking=True)
         y = y.to(self._device, non_blocking=True)
-        loss = criterion(self.model(x), y)
+        loss = criterion(run_forward(self.model, x, self.options), y)
         loss.backward()
         return StepStats(len(y), loss.item() * len(y), time.perf_counter() - started)

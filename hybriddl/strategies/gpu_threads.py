@@ -27,6 +27,7 @@ def _default_devices() -> tuple[str, ...]:
 
 class GpuThreads(LocalStrategy):
     name = "gpu-threads"
+    honours_numerics = False
 
     @classmethod
     def check_feasible(cls, options) -> None:

@@ -19,4 +19,4 @@ class IntraOp(CoreWorkersStrategy):
         super().setup(model)
 
     def compute_gradients(self, x, y) -> StepStats:
-        return plain_step(self.model, x, y)
+        return plain_step(self.model, x, y, self.options)

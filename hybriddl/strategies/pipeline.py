@@ -51,6 +51,7 @@ def split_stages(model: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
 
 class Pipeline(LocalStrategy):
     name = "pipeline"
+    honours_numerics = False
 
     @classmethod
     def check_feasible(cls, options) -> None:

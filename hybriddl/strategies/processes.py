@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hostinfo import usable_cores
 from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
+from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion, run_forward
 
 
 SHARED_MEMORY = "/dev/shm"
@@ -59,7 +59,7 @@ class Processes(CoreWorkersStrategy):
                 grad_buffer = torch.zeros(numel).share_memory_()
                 mine, theirs = context.Pipe()
                 process = context.Process(target=_worker_main,
-                                          args=(rank, theirs, model, grad_buffer),
+                                          args=(rank, theirs, model, grad_buffer, self.options),
                                           name=f"hybriddl-worker-{rank}", daemon=True)
                 process.start()
                 theirs.close()  # the worker's end lives in the worker only: EOF when we end
@@ -87,7 +87,7 @@ class Processes(CoreWorkersStrategy):
         torch.set_num_threads(1)
         try:
             a, b = parts[0]
-            loss = criterion(self.model(x[a:b]), y[a:b])
+            loss = criterion(run_forward(self.model, x[a:b], self.options), y[a:b])
             (loss * ((b - a) / n)).backward()
             loss_sum = loss.item() * (b - a)
         finally:
@@ -185,7 +185,7 @@ def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
     return views
 
 
-def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor) -> None:
+def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, options) -> None:
     """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
     torch.set_num_threads(1)
@@ -205,7 +205,7 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor) -> Non
             _, a, b, weight = message
             try:
                 grad_buffer.zero_()
-                loss = criterion(model(inputs[0][a:b]), inputs[1][a:b])
+                loss = criterion(run_forward(model, inputs[0][a:b], options), inputs[1][a:b])
                 (loss * weight).backward()
                 connection.send(("done", loss.item() * (b - a)))
             except Exception:

@@ -17,4 +17,4 @@ class Sequential(LocalStrategy):
         super().setup(model)
 
     def compute_gradients(self, x, y) -> StepStats:
-        return plain_step(self.model, x, y)
+        return plain_step(self.model, x, y, self.options)

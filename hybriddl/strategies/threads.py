@@ -24,7 +24,7 @@ import torch
 
 from hybriddl.hostinfo import usable_cores
 from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
+from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion, run_forward
 
 
 class Threads(CoreWorkersStrategy):
@@ -49,11 +49,12 @@ class Threads(CoreWorkersStrategy):
         params = [p for p in self.model.parameters() if p.requires_grad]
         # One core per local worker: an intra-op pool on top would fight the workers.
         torch.set_num_threads(1)
-        futures = [self.pool.submit(_sub_batch_gradients, self.model, params, x[a:b], y[a:b], n)
+        futures = [self.pool.submit(_sub_batch_gradients, self.model, params, x[a:b], y[a:b], n,
+                                   self.options)
                    for a, b in parts[1:]]
         try:
             (a, b) = parts[0]
-            loss = criterion(self.model(x[a:b]), y[a:b])
+            loss = criterion(run_forward(self.model, x[a:b], self.options), y[a:b])
             (loss * ((b - a) / n)).backward()
             loss_sum = loss.item() * (b - a)
         finally:
@@ -83,8 +84,8 @@ class Threads(CoreWorkersStrategy):
             self.pool = None
 
 
-def _sub_batch_gradients(model, params, x, y, n):
+def _sub_batch_gradients(model, params, x, y, n, options):
     torch.set_num_threads(1)  # OpenMP thread counts are per calling thread
-    loss = criterion(model(x), y)
+    loss = criterion(run_forward(model, x, options), y)
     grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
     return loss.item() * len(y), grads

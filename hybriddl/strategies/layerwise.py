@@ -1,0 +1,167 @@
+"""Layer-wise parallelism: data-parallel convolutions, one classifier over the whole batch.
+
+On AlexNet the two kinds of layers want opposite treatment (measured with
+scripts/profile_local.py, 224 px, batch 32, 2 cores): the convolutions are
+compute-bound and scale across data-parallel workers, while the 57 M-parameter
+classifier is memory-bound at a few samples per worker, so K workers that each run
+it on their sub-batch each stream all of its weights. This strategy cuts the model
+between the two (`features` + `avgpool` | `classifier`) and runs each part the way it
+scales (the idea of Krizhevsky's "one weird trick", arXiv:1404.5997: data parallelism
+for the convolutions, another parallelism for the fully-connected layers):
+
+1. K local workers (the master thread and K - 1 pool threads, one core each) run the
+   convolutional part forward on their sub-batches.
+2. The master concatenates their outputs and runs the classifier forward and backward
+   once, on the whole host batch, with K intra-op threads (the workers are idle).
+3. The gradient of the classifier's input, cut into the same sub-batches, goes back
+   to the workers, which run the convolutional part backward.
+
+The loss is the mean over the whole batch, so the classifier's gradient is exactly
+sequential's and each worker's backward leaves exactly its share of the convolutions'
+mean gradient: their sum is sequential's. As in `threads`, only the master thread
+accumulates into .grad (concurrent accumulation into one .grad races); the pool
+threads' gradients come from torch.autograd.grad and the master adds them.
+
+Threads rather than processes: the activations cross between the two parts twice per
+step, which threads do without a copy through shared memory.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import torch
+from torch import nn
+
+from hybriddl.errors import UsageError
+from hybriddl.hostinfo import usable_cores
+from hybriddl.sharding import split_bounds
+from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, StrategyOptions,
+                                      criterion, run_forward)
+
+
+class LayerWise(CoreWorkersStrategy):
+    name = "layerwise"
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.pool: ThreadPoolExecutor | None = None
+        self.convolutions: nn.Module | None = None
+        self.classifier: nn.Module | None = None
+        self.cut_checked = False
+
+    def setup(self, model) -> None:
+        self.convolutions, self.classifier = split_at_classifier(model)
+        # Never more threads than cores this process may use (ranks sharing a machine
+        # are pinned to their own cores): oversubscribed matrix products crawl.
+        self.classifier_threads = max(1, min(self.workers, usable_cores()))
+        super().setup(model)
+        if self.workers > 1:
+            self.pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hybriddl-layer")
+
+    def compute_gradients(self, x, y) -> StepStats:
+        started = time.perf_counter()
+        if not self.cut_checked:
+            self._check_cut(x[:1])
+        n = len(y)
+        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        conv_params = [p for p in self.convolutions.parameters() if p.requires_grad]
+
+        torch.set_num_threads(1)
+        futures = [self.pool.submit(_convolutions_forward, self.convolutions, x[a:b], self.options)
+                   for a, b in parts[1:]]
+        try:
+            a, b = parts[0]
+            outputs = [_convolutions_forward(self.convolutions, x[a:b], self.options)]
+        finally:
+            wait(futures)  # no worker may still run when this step ends, even on error
+        outputs += [future.result() for future in futures]
+
+        torch.set_num_threads(self.classifier_threads)
+        classifier_started = time.perf_counter()
+        features = torch.cat([out.detach() for out in outputs]).requires_grad_()
+        loss = criterion(run_forward(self.classifier, features, self.options), y)
+        loss.backward()
+        features_grad = features.grad
+        classifier_seconds = time.perf_counter() - classifier_started
+
+        torch.set_num_threads(1)
+        futures = [self.pool.submit(_convolutions_backward, out, conv_params, features_grad[a:b])
+                   for out, (a, b) in zip(outputs[1:], parts[1:])]
+        try:
+            a, b = parts[0]
+            outputs[0].backward(features_grad[a:b])
+        finally:
+            wait(futures)
+        torch.set_num_threads(self.classifier_threads)
+        reduce_started = time.perf_counter()
+        with torch.no_grad():
+            for future in futures:
+                for p, g in zip(conv_params, future.result()):
+                    if g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+        done = time.perf_counter()
+        return StepStats(n, loss.item() * n, done - started,
+                         {"parts": len(parts), "classifier_seconds": classifier_seconds,
+                          "reduce_seconds": done - reduce_started})
+
+    def _check_cut(self, probe: torch.Tensor) -> None:
+        """The model's own forward must be the cut's: torchvision models with these
+        attributes whose forward does more (DenseNet's final ReLU) are refused here."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                whole = self.model(probe)
+                try:
+                    cut = self.classifier(_convolutions_forward(self.convolutions, probe,
+                                                                StrategyOptions()))
+                except RuntimeError:
+                    cut = None
+        finally:
+            self.model.train(training)
+        if cut is None or cut.shape != whole.shape or not torch.allclose(cut, whole, rtol=1e-4,
+                                                                          atol=1e-5):
+            raise UsageError(f"{_MODEL_SHAPE} does not compute this model "
+                             f"({type(self.model).__name__}): use another --strategy")
+        self.cut_checked = True
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+_MODEL_SHAPE = "features -> avgpool -> flatten -> classifier"
+
+
+def split_at_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(features + avgpool + flatten, classifier) of a torchvision model built that way
+    (AlexNet, VGG, MobileNetV3, EfficientNet); UsageError for any other."""
+    parts = [getattr(model, name, None) for name in ("features", "avgpool", "classifier")]
+    if not all(isinstance(part, nn.Module) for part in parts):
+        raise UsageError(f"strategy 'layerwise' needs a model made of {_MODEL_SHAPE} (AlexNet, "
+                         f"VGG, ...); {type(model).__name__} is not: use another --strategy")
+    features, avgpool, classifier = parts
+    return nn.Sequential(features, avgpool, nn.Flatten(1)), classifier
+
+
+def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options) -> torch.Tensor:
+    torch.set_num_threads(1)  # OpenMP thread counts are per calling thread
+    if options.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    # Autocast is thread-local, so each worker enters it; the output stays bfloat16
+    # under bf16 (the classifier would cast it to bfloat16 again anyway).
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+        return convolutions(x)
+
+
+def _convolutions_backward(output: torch.Tensor, params: list[torch.Tensor],
+                           output_grad: torch.Tensor):
+    torch.set_num_threads(1)
+    return torch.autograd.grad(output, params, output_grad, allow_unused=True)
