@@ -21,6 +21,7 @@ from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
 from hybriddl.sharding import split_bounds
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
+from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.usecases import build_model
 
 
@@ -118,19 +119,25 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
 
 def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Tensor,
                     y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
-                    momentum: float = 0.9, seed: int = 0) -> StepTiming:
-    """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default)."""
+                    momentum: float = 0.9, seed: int = 0,
+                    numerics: StrategyOptions = StrategyOptions()) -> StepTiming:
+    """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default);
+    with `numerics` bf16 / channels_last, the autocast loop of PyTorch's AMP recipe."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         torch.manual_seed(seed)
         model = build_model(model_name, num_classes, dropout=0.0)
+        prepare_model(model, numerics)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        seconds, peak = _timed_steps(model, optimizer, x, y, warmup, steps)
+        seconds, peak = _timed_steps(model, optimizer, x, y, warmup, steps, numerics=numerics)
     finally:
         torch.set_num_threads(previous)
-    return StepTiming({"name": "pytorch", "threads": threads}, len(y), statistics.median(seconds),
-                      seconds, peak[0], peak_pss_bytes=peak[1])
+    described = {"name": "pytorch", "threads": threads}
+    if numerics != StrategyOptions():
+        described.update(precision=numerics.precision, channels_last=numerics.channels_last)
+    return StepTiming(described, len(y), statistics.median(seconds), seconds, peak[0],
+                      peak_pss_bytes=peak[1])
 
 
 def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tensor,
@@ -176,14 +183,15 @@ def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup,
         dist.destroy_process_group()
 
 
-def _timed_steps(model, optimizer, x, y, warmup, steps, before_step=None):
+def _timed_steps(model, optimizer, x, y, warmup, steps, before_step=None,
+                 numerics: StrategyOptions = StrategyOptions()):
     seconds, peak = [], tree_memory()
     for step in range(warmup + steps):
         if before_step is not None:
             before_step()
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
-        criterion(model(x), y).backward()
+        criterion(run_forward(model, x, numerics), y).backward()
         optimizer.step()
         elapsed = time.perf_counter() - started
         peak = tuple(map(max, peak, tree_memory()))

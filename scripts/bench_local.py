@@ -1,22 +1,31 @@
 """Local strategies against PyTorch's own options, side by side, in one invocation.
 
     PYTHONPATH=. python scripts/bench_local.py --usecase ComplexSmall --workers 2 \
-        --output bench-vgg16.json
+        --rounds 3 --output bench-vgg16.json
 
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
-threads K, processes K, plain PyTorch with its default threads, and PyTorch DDP over
-gloo with K processes. Each row runs in a fresh spawned process, so its peak memory is
-its own. Seconds/step is the median of the timed optimizer steps after the warm-up;
-speedup = t_sequential / t_row (the paper's definition).
+threads K, processes K, layerwise K, plain PyTorch with its default threads, and PyTorch
+DDP over gloo with K processes. `--variants` adds the hybriddl rows again in other
+numerics (channels_last, bf16 autocast); a bf16 variant also adds plain PyTorch with
+autocast, the bf16 peer. Each row runs in a fresh spawned process, so its peak memory
+is its own.
+
+This machine's steps vary by 15-20 %, and slowly (other tenants), so rows are
+interleaved: R rounds of every row in turn (A B C A B C ...). A row's seconds/step is
+the median of its rounds' medians (each over the timed steps after the warm-up); its
+spread is the lowest and highest round median. speedup = t_sequential / t_row (the
+paper's definition); vs_faster_peer = t_peer / t_row against the faster of plain
+PyTorch and DDP in float32, each ratio taken within a round, median over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +41,11 @@ from hybriddl.rundir import atomic_write_json
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import USECASES, build_model, check_image_size, get_usecase
 
+STRATEGY_ROWS = ("sequential", "intraop", "threads", "processes", "layerwise")
+VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),
+            "bf16": StrategyOptions(precision="bf16"),
+            "bf16-cl": StrategyOptions(precision="bf16", channels_last=True)}
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,11 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pixels per side (default: 224)")
     parser.add_argument("--batch-size", type=int, help="host batch (default: the use case's)")
     parser.add_argument("--workers", type=int, default=usable_cores(),
-                        help="K for intraop/threads/processes/DDP (default: usable cores)")
+                        help="K for intraop/threads/processes/layerwise/DDP (default: usable cores)")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow K above the usable cores")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: 1)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed steps per row and round (default: 5)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps first, per row and round (default: 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times every row runs, interleaved (default: 1)")
+    parser.add_argument("--variants", default="fp32",
+                        help=f"numerics of the hybriddl rows, comma-separated, from "
+                             f"{', '.join(VARIANTS)} (default: fp32); sequential is always fp32")
+    parser.add_argument("--strategies", default=",".join(STRATEGY_ROWS[1:]),
+                        help="hybriddl rows besides sequential (default: all)")
     parser.add_argument("--output", help="write the table as JSON here")
     return parser.parse_args(argv)
 
@@ -64,37 +87,112 @@ def in_fresh_process(function, *args, **kwargs) -> StepTiming:
         return pool.submit(function, *args, **kwargs).result()
 
 
-def run(args) -> dict:
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: what runs, and how to start it in a fresh process."""
+
+    name: str  # sequential, intraop, threads, processes, layerwise, pytorch, ddp
+    variant: str  # a key of VARIANTS
+    function: object
+    args: tuple
+    kwargs: tuple = ()
+
+    def measure(self, common: dict) -> StepTiming:
+        return in_fresh_process(self.function, *self.args, **common, **dict(self.kwargs))
+
+
+def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise UsageError(f"--variants {variant}: choose from {', '.join(VARIANTS)}")
+    for name in strategies:
+        if name not in STRATEGY_ROWS[1:]:
+            raise UsageError(f"--strategies {name}: choose from {', '.join(STRATEGY_ROWS[1:])}")
+    if "fp32" not in variants:
+        raise UsageError("--variants must include fp32: every ratio is taken against the "
+                         "float32 rows")
+    base = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
+    rows = [Row("sequential", "fp32", measure_strategy,
+                ("sequential", base, model_name, num_classes, x, y))]
+    for variant in variants:
+        numerics = VARIANTS[variant]
+        options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe,
+                                  precision=numerics.precision,
+                                  channels_last=numerics.channels_last)
+        for name in strategies:
+            make_strategy(name, options)  # refuses an infeasible K before anything runs
+            rows.append(Row(name, variant, measure_strategy,
+                            (name, options, model_name, num_classes, x, y)))
+    default_threads = torch.get_num_threads()  # PyTorch's own choice, before anyone pins it
+    rows.append(Row("pytorch", "fp32", measure_pytorch,
+                    (default_threads, model_name, num_classes, x, y)))
+    rows.append(Row("ddp", "fp32", measure_ddp, (args.workers, model_name, num_classes, x, y)))
+    for variant in variants:
+        if VARIANTS[variant].precision == "bf16":
+            rows.append(Row("pytorch", variant, measure_pytorch,
+                            (default_threads, model_name, num_classes, x, y),
+                            (("numerics", VARIANTS[variant]),)))
+    return rows
+
+
+def run(args, on_measured=lambda round_, row, timing: None) -> dict:
     case = get_usecase(args.usecase)
     model_name = args.model or case.model
     batch_size = args.batch_size or case.batch_size
     num_classes = len(SYNTHETIC_CLASSES)
-    for flag, value in (("--steps", args.steps), ("--batch-size", batch_size)):
+    for flag, value in (("--steps", args.steps), ("--batch-size", batch_size),
+                        ("--rounds", args.rounds)):
         if value < 1:
             raise UsageError(f"{flag} {value}: give at least 1")
     if args.warmup < 0:
         raise UsageError(f"--warmup {args.warmup}: give 0 or more")
-    options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
-    for name in ("intraop", "threads", "processes"):
-        make_strategy(name, options)  # refuses an infeasible K before anything runs
     check_image_size(build_model(model_name, num_classes), args.image_size, num_classes)
     x, y = batch(model_name, batch_size, args.image_size, num_classes)
+    rows = plan_rows(args, model_name, num_classes, x, y)
     common = dict(warmup=args.warmup, steps=args.steps, lr=case.lr, momentum=case.momentum)
-    default_threads = torch.get_num_threads()  # PyTorch's own choice, before anyone pins it
-    rows = []
-    for name in ("sequential", "intraop", "threads", "processes"):
-        rows.append(in_fresh_process(measure_strategy, name, options, model_name, num_classes,
-                                     x, y, **common))
-    rows.append(in_fresh_process(measure_pytorch, default_threads, model_name, num_classes, x, y,
-                                 **common))
-    rows.append(in_fresh_process(measure_ddp, args.workers, model_name, num_classes, x, y,
-                                 **common))
-    baseline = rows[0].seconds_per_step
+    rounds: list[list[StepTiming]] = []
+    for round_ in range(args.rounds):
+        rounds.append([])
+        for row in rows:
+            timing = row.measure(common)
+            rounds[-1].append(timing)
+            on_measured(round_, row, timing)
     return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "workers": args.workers, "warmup": args.warmup,
-            "steps": args.steps, "host": host_info(),
-            "rows": [{**asdict(r), "images_per_second": r.images_per_second,
-                      "speedup": baseline / r.seconds_per_step} for r in rows]}
+            "steps": args.steps, "rounds": args.rounds, "host": host_info(),
+            "rows": summarise(rows, rounds)}
+
+
+def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
+    """Per row: median and spread of its round medians; ratios taken within each round."""
+    def index(name, variant="fp32"):
+        return next(i for i, row in enumerate(rows) if (row.name, row.variant) == (name, variant))
+
+    sequential, pytorch, ddp = index("sequential"), index("pytorch"), index("ddp")
+    summary = []
+    for i, row in enumerate(rows):
+        timings = [timings[i] for timings in rounds]
+        seconds = [t.seconds_per_step for t in timings]
+        median = statistics.median(seconds)
+        # Within a round the rows ran minutes apart at most: the VM's slow drifts cancel.
+        speedups = [r[sequential].seconds_per_step / r[i].seconds_per_step for r in rounds]
+        vs_peer = [min(r[pytorch].seconds_per_step, r[ddp].seconds_per_step)
+                   / r[i].seconds_per_step for r in rounds]
+        last = timings[-1]
+        summary.append({
+            "name": row.name, "variant": row.variant, "strategy": last.strategy,
+            "batch_size": last.batch_size, "seconds_per_step": median,
+            "seconds_min": min(seconds), "seconds_max": max(seconds),
+            "round_seconds": seconds, "images_per_second": last.batch_size / median,
+            "speedup": statistics.median(speedups),
+            "vs_faster_peer": statistics.median(vs_peer),
+            "vs_faster_peer_min": min(vs_peer), "vs_faster_peer_max": max(vs_peer),
+            "peak_rss_bytes": max(t.peak_rss_bytes for t in timings),
+            "peak_pss_bytes": max(t.peak_pss_bytes for t in timings),
+            "step_seconds": [t.step_seconds for t in timings]})
+    return summary
 
 
 def label(strategy: dict) -> str:
@@ -103,23 +201,34 @@ def label(strategy: dict) -> str:
 
 
 def table(result: dict) -> Table:
-    title = (f"{result['model']}, {result['image_size']} px, batch {result['batch_size']}, "
-             f"median of {result['steps']} steps after {result['warmup']} warm-up")
+    title = (f"{result['model']}, {result['image_size']} px, batch {result['batch_size']}: "
+             f"median of {result['rounds']} interleaved rounds (each the median of "
+             f"{result['steps']} steps after {result['warmup']} warm-up); (min-max) over rounds")
     table = Table(title=title)
-    for column in ("strategy", "s/step", "images/s", "speedup", "peak RSS MiB", "peak PSS MiB"):
-        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
+    for column in ("strategy", "numerics", "s/step (min-max)", "images/s", "speedup",
+                   "vs faster peer", "peak RSS MiB", "peak PSS MiB"):
+        table.add_column(column, justify="left" if column in ("strategy", "numerics") else "right",
+                         no_wrap=True)
     for row in result["rows"]:
         mib = [f"{row[key] / 2**20:.0f}" for key in ("peak_rss_bytes", "peak_pss_bytes")]
-        table.add_row(label(row["strategy"]), f"{row['seconds_per_step']:.3f}",
-                      f"{row['images_per_second']:.1f}", f"{row['speedup']:.2f}x", *mib)
+        description = {k: v for k, v in row["strategy"].items()
+                       if k not in ("precision", "channels_last")}
+        table.add_row(label(description), row["variant"],
+                      f"{row['seconds_per_step']:.3f} ({row['seconds_min']:.3f}-"
+                      f"{row['seconds_max']:.3f})",
+                      f"{row['images_per_second']:.1f}", f"{row['speedup']:.2f}x",
+                      f"{row['vs_faster_peer']:.2f}x ({row['vs_faster_peer_min']:.2f}-"
+                      f"{row['vs_faster_peer_max']:.2f})", *mib)
     return table
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    console = Console(width=max(Console().width, 110))  # piped output: no truncation
+    console = Console(width=max(Console().width, 160))  # piped output: no truncation
     try:
-        result = run(args)
+        result = run(args, on_measured=lambda round_, row, timing: console.print(
+            f"round {round_ + 1}: {row.name} {row.variant} {timing.seconds_per_step:.3f} s/step",
+            highlight=False))
     except UsageError as exc:
         Console(stderr=True).print(f"bench_local: error: {exc}", markup=False, soft_wrap=True)
         return 2

@@ -76,7 +76,13 @@ class LocalStrategy(ABC):
 
     def describe(self) -> dict:
         """The strategy and its parameters, as recorded in metrics.json and profiles."""
-        return {"name": self.name}
+        return {"name": self.name, **self.numerics()}
+
+    def numerics(self) -> dict:
+        """Precision and memory format, where they differ from the default."""
+        default = StrategyOptions()
+        return {key: getattr(self.options, key) for key in ("precision", "channels_last")
+                if getattr(self.options, key) != getattr(default, key)}
 
     @property
     def device(self) -> torch.device:
@@ -127,7 +133,7 @@ class CoreWorkersStrategy(LocalStrategy):
         self.workers = local_workers(options)
 
     def describe(self) -> dict:
-        return {"name": self.name, "workers": self.workers}
+        return {"name": self.name, "workers": self.workers, **self.numerics()}
 
 
 def check_numerics(strategy: type[LocalStrategy], options: StrategyOptions) -> None:

@@ -28,7 +28,7 @@ class Gpu(LocalStrategy):
         self._device = parse_devices(options, ("cuda:0",))[0]
 
     def describe(self) -> dict:
-        return {"name": self.name, "devices": [str(self._device)]}
+        return {"name": self.name, "devices": [str(self._device)], **self.numerics()}
 
     @property
     def device(self) -> torch.device:
