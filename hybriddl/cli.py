@@ -103,6 +103,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
+    add_precision_arg(parser)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="images and convolution weights in channels_last memory format "
+                             "(with a named --strategy; auto decides itself)")
     parser.add_argument("--monitor-interval", type=float,
                         help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
 
@@ -131,7 +135,8 @@ def given_settings(args: argparse.Namespace) -> dict:
              if getattr(args, name) is not None}
     devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
     options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
-               "oversubscribe": args.oversubscribe or None}
+               "oversubscribe": args.oversubscribe or None, "precision": args.precision,
+               "channels_last": args.channels_last or None}
     given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
     return given
 
@@ -156,6 +161,12 @@ def training_config(args: argparse.Namespace):
     return TrainConfig(**settings, strategy_options=options), resume
 
 
+def add_precision_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--precision", choices=("fp32", "bf16", "auto"),
+                        help="fp32 (default); bf16: autocast forward, float32 weights and "
+                             "optimizer; auto: the tuner tries both (with --strategy auto)")
+
+
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usecase", default="ComplexSmall", help=f"one of {', '.join(USECASES)}")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
@@ -168,6 +179,7 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per candidate (default: 1)")
     parser.add_argument("--output", help="profile file (default: PROFILE_DIR/<host>-<usecase>.json)")
     parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
+    add_precision_arg(parser)
 
 
 class TuneDisplay(TuneObserver):
@@ -441,7 +453,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from hybriddl import profiles, tuner
 
-    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
+    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
+                                   args.precision or "fp32")
     output = (Path(args.output) if args.output
               else profiles.profile_path(profiles.profile_dir(args.profile_dir), settings.usecase))
     if output.is_dir():

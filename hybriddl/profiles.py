@@ -102,9 +102,12 @@ class Settings:
     model: str
     image_size: int
     batch_size: int
+    precision: str = "fp32"  # what the user allows: fp32, bf16 or auto (the tuner tries both)
 
     def describe(self) -> str:
-        return f"{self.usecase} ({self.model}), {self.image_size} px, batch {self.batch_size}"
+        precision = "" if self.precision == "fp32" else f", precision {self.precision}"
+        return (f"{self.usecase} ({self.model}), {self.image_size} px, batch {self.batch_size}"
+                f"{precision}")
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,15 @@ class StrategyChoice:
     workers: int | None = None
     micro_batches: int | None = None  # pipeline only
     devices: tuple[str, ...] = ()
+    precision: str = "fp32"
+    channels_last: bool = False
 
     def options(self, oversubscribe: bool = False) -> StrategyOptions:
         default = StrategyOptions()
         return StrategyOptions(workers=self.workers,
                                micro_batches=self.micro_batches or default.micro_batches,
-                               devices=self.devices, oversubscribe=oversubscribe)
+                               devices=self.devices, oversubscribe=oversubscribe,
+                               precision=self.precision, channels_last=self.channels_last)
 
     @property
     def label(self) -> str:
@@ -131,17 +137,29 @@ class StrategyChoice:
             parts.append(f"K={self.workers}")
         if self.micro_batches is not None:
             parts.append(f"M={self.micro_batches}")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        if self.channels_last:
+            parts.append("channels_last")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "workers": self.workers, "micro_batches": self.micro_batches,
-                "devices": list(self.devices)}
+        record = {"name": self.name, "workers": self.workers,
+                  "micro_batches": self.micro_batches, "devices": list(self.devices)}
+        # Only where they differ from the default: profiles of fp32 picks read as before.
+        if self.precision != "fp32":
+            record["precision"] = self.precision
+        if self.channels_last:
+            record["channels_last"] = True
+        return record
 
     @classmethod
     def from_dict(cls, record: dict) -> StrategyChoice:
         return cls(name=str(record["name"]), workers=_optional_int(record.get("workers")),
                    micro_batches=_optional_int(record.get("micro_batches")),
-                   devices=tuple(str(d) for d in record.get("devices") or ()))
+                   devices=tuple(str(d) for d in record.get("devices") or ()),
+                   precision=str(record.get("precision") or "fp32"),
+                   channels_last=bool(record.get("channels_last", False)))
 
     def infeasibility(self) -> str | None:
         """Why this host cannot run it, or None when it can."""

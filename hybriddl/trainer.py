@@ -120,9 +120,10 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     if resume is None:
         check_new_run_dir(run_dir)
     auto = config.strategy == AUTO
-    if auto and (config.strategy_options.workers is not None or config.strategy_options.devices):
-        raise UsageError("--workers and --devices go with a named --strategy; with auto the "
-                         "profile decides (or name the strategy)")
+    options = config.strategy_options
+    if auto and (options.workers is not None or options.devices or options.channels_last):
+        raise UsageError("--workers, --devices and --channels-last go with a named --strategy; "
+                         "with auto the profile decides (or name the strategy)")
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
@@ -136,7 +137,8 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
             decision = auto_strategy(tune_settings(config.usecase, config.model,
-                                                   config.image_size, host_batch),
+                                                   config.image_size, host_batch,
+                                                   options.precision),
                                      split.train, directory=config.profile_dir,
                                      budget=config.tune_budget, observer=observer)
         strategy = make_strategy(decision.choice.name, decision.choice.options(

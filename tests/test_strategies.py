@@ -271,8 +271,8 @@ def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
 
 
 def test_every_strategy_is_registered():
-    assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "gpu", "pipeline",
-                               "gpu-threads", "flat"}
+    assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "layerwise", "gpu",
+                               "pipeline", "gpu-threads", "flat"}
 
 
 def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):

@@ -78,7 +78,7 @@ def test_worker_counts_cover_every_k_on_small_hosts_and_doublings_on_big_ones():
 def test_cpu_host_candidates_are_baseline_then_every_k():
     labels = [c.label for c in enumerate_candidates(HostResources(cores=3), 16, ALL)]
     assert labels == ["sequential", "intraop K=2", "intraop K=3", "threads K=2", "threads K=3",
-                      "processes K=2", "processes K=3"]
+                      "processes K=2", "processes K=3", "layerwise K=2", "layerwise K=3"]
 
 
 def test_strategies_this_hybriddl_lacks_are_skipped():

@@ -138,7 +138,8 @@ class CoreWorkersStrategy(LocalStrategy):
 
 def check_numerics(strategy: type[LocalStrategy], options: StrategyOptions) -> None:
     if options.precision not in PRECISIONS:
-        raise UsageError(f"--precision {options.precision}: choose one of {', '.join(PRECISIONS)}")
+        raise UsageError(f"--precision {options.precision} goes with --strategy auto (the tuner "
+                         f"tries both); with a named strategy choose {' or '.join(PRECISIONS)}")
     if not strategy.honours_numerics and (options.precision != "fp32" or options.channels_last):
         raise UsageError(f"strategy {strategy.name!r} runs in float32 with the default memory "
                          "format only: leave out --precision bf16 and --channels-last")

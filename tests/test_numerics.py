@@ -1,0 +1,99 @@
+"""Precision and memory format: channels_last trains sequential's model (within the
+tolerance of another convolution algorithm), bf16 trains a bfloat16 model that every
+strategy agrees on loosely, and strategies that cannot honour them refuse them."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from hybriddl.errors import UsageError
+from hybriddl.profiles import StrategyChoice
+from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.tuner import HostResources, enumerate_candidates
+from test_strategies import sequential_parameters, train
+
+# channels_last runs oneDNN's NHWC convolution kernels, which sum in another order than
+# the default ones: 3 SGD steps then differ from sequential by up to CHANNELS_LAST_TOLERANCE
+# (relative to each tensor's largest value) instead of the 1e-5 of the other tests.
+CHANNELS_LAST_TOLERANCE = 1e-4
+# bfloat16 keeps 8 bits of mantissa (~2-3 significant digits): strategies that sum the
+# same products in another order (sub-batches, another thread count) agree to a few %.
+BF16_TOLERANCE = 5e-2
+
+
+def largest_difference(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    return max(((a - e).abs().max() / e.abs().max()).item() for a, e in zip(actual, expected))
+
+
+@functools.cache
+def sequential_bf16(model_name: str) -> list[torch.Tensor]:
+    return train("sequential", StrategyOptions(precision="bf16"), model_name)
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "threads", "processes", "layerwise"])
+def test_channels_last_matches_sequential(strategy):
+    options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
+    difference = largest_difference(train(strategy, options, "alexnet"),
+                                    sequential_parameters("alexnet"))
+    assert difference <= CHANNELS_LAST_TOLERANCE
+
+
+def test_layerwise_channels_last_matches_sequential_on_vgg16():
+    options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
+    difference = largest_difference(train("layerwise", options, "vgg16"),
+                                    sequential_parameters("vgg16"))
+    assert difference <= CHANNELS_LAST_TOLERANCE
+
+
+def test_bf16_really_trains_in_reduced_precision():
+    """bf16 moves the parameters away from float32 training by far more than any float32
+    tolerance: autocast is in effect, not silently ignored."""
+    assert largest_difference(sequential_bf16("alexnet"), sequential_parameters("alexnet")) > 1e-3
+
+
+@pytest.mark.parametrize("strategy, channels_last", [
+    ("threads", False), ("processes", False), ("layerwise", False), ("layerwise", True)])
+def test_bf16_strategies_match_sequential_bf16_loosely(strategy, channels_last):
+    options = StrategyOptions(workers=2, oversubscribe=True, precision="bf16",
+                              channels_last=channels_last)
+    actual = train(strategy, options, "alexnet")
+    # Closer to bf16 sequential than bf16 is to float32: the same computation, summed
+    # in another order.
+    assert largest_difference(actual, sequential_bf16("alexnet")) <= BF16_TOLERANCE
+    assert all(p.dtype == torch.float32 for p in actual)  # master weights stay float32
+
+
+@pytest.mark.parametrize("options, message", [
+    (StrategyOptions(devices=("cpu", "cpu"), precision="bf16"), "float32"),
+    (StrategyOptions(devices=("cpu", "cpu"), channels_last=True), "float32"),
+])
+def test_pipeline_refuses_other_numerics(options, message):
+    with pytest.raises(UsageError, match=message):
+        make_strategy("pipeline", options)
+
+
+def test_precision_auto_needs_the_tuner():
+    with pytest.raises(UsageError, match="--strategy auto"):
+        make_strategy("threads", StrategyOptions(precision="auto"))
+
+
+def test_tuner_tries_bf16_only_when_allowed():
+    fp32 = enumerate_candidates(HostResources(cores=2), 16)
+    auto = enumerate_candidates(HostResources(cores=2), 16, precision="auto")
+    assert all(c.precision == "fp32" for c in fp32)
+    assert StrategyChoice("layerwise", workers=2) in fp32
+    bf16 = [c for c in auto if c.precision == "bf16"]
+    assert [c.label for c in bf16] == [
+        "intraop K=2 bf16 channels_last", "threads K=2 bf16 channels_last",
+        "processes K=2 bf16 channels_last", "layerwise K=2 bf16 channels_last"]
+    assert set(auto) - set(bf16) == set(fp32)  # the baseline stays sequential in float32
+
+
+def test_bf16_choice_round_trips_and_gives_its_options():
+    choice = StrategyChoice("layerwise", workers=2, precision="bf16", channels_last=True)
+    assert StrategyChoice.from_dict(choice.to_dict()) == choice
+    options = choice.options()
+    assert (options.precision, options.channels_last) == ("bf16", True)
