@@ -257,10 +257,13 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
         raise UsageError(f"{steps} timed steps after {warmup} warm-up steps: give at least 1 "
                          "timed step and no negative warm-up")
     num_classes = len(images.classes)
-    check_image_size(timing_model(settings.model, num_classes), settings.image_size, num_classes)
+    model = timing_model(settings.model, num_classes)
+    check_image_size(model, settings.image_size, num_classes)
     observer = observer or TuneObserver()
-    candidates = enumerate_candidates(host or HostResources.here(), settings.batch_size,
-                                      precision=settings.precision)
+    candidates = [choice for choice in enumerate_candidates(host or HostResources.here(),
+                                                            settings.batch_size,
+                                                            precision=settings.precision)
+                  if _runs_model(choice, model)]
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
 
     def measure(choice: StrategyChoice, keep_going: KeepGoing) -> StepTiming:
@@ -324,6 +327,15 @@ def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None
                         reason=reason)
     save_profile(profile, lookup.path)
     return AutoDecision(profile, lookup.path, tuned_because=lookup.problem)
+
+
+def _runs_model(choice: StrategyChoice, model: torch.nn.Module) -> bool:
+    """False for a strategy that cannot run this model at all (layerwise on a ResNet)."""
+    try:
+        STRATEGIES[choice.name].check_model(model)
+    except UsageError:
+        return False
+    return True
 
 
 def _first_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybriddl.benchmark import StepTiming
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.strategies.layerwise import split_at_classifier
@@ -71,3 +72,22 @@ def test_layerwise_cut_keeps_every_parameter():
     convolutions, classifier = split_at_classifier(model)
     cut = {id(p) for part in (convolutions, classifier) for p in part.parameters()}
     assert cut == {id(p) for p in model.parameters()}
+
+
+def test_tuner_tries_layerwise_only_on_models_with_the_cut(monkeypatch):
+    from hybriddl import tuner
+    from hybriddl.profiles import Settings
+    from test_tuner import tiny_images
+
+    tried = []
+
+    def measure(name, *args, **kwargs):
+        tried.append(name)
+        return StepTiming({"name": name}, 2, 1.0, [1.0], 1)
+
+    monkeypatch.setattr(tuner, "measure_strategy", measure)
+    for model in ("resnet18", "vgg16"):
+        tried.clear()
+        tuner.tune_host(Settings("ComplexSmall", model, 32, 2), tiny_images(), budget=600,
+                        steps=1, host=tuner.HostResources(cores=2))
+        assert ("layerwise" in tried) == (model == "vgg16")

@@ -74,6 +74,10 @@ class LocalStrategy(ABC):
     def check_feasible(cls, options: StrategyOptions) -> None:
         """Raise UsageError, before anything starts, when this host cannot run it."""
 
+    @classmethod
+    def check_model(cls, model: nn.Module) -> None:
+        """Raise UsageError when this strategy cannot run `model` (the tuner skips it then)."""
+
     def describe(self) -> dict:
         """The strategy and its parameters, as recorded in metrics.json and profiles."""
         return {"name": self.name, **self.numerics()}

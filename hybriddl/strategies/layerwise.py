@@ -51,6 +51,10 @@ class LayerWise(CoreWorkersStrategy):
         self.classifier: nn.Module | None = None
         self.cut_checked = False
 
+    @classmethod
+    def check_model(cls, model) -> None:
+        split_at_classifier(model)
+
     def setup(self, model) -> None:
         self.convolutions, self.classifier = split_at_classifier(model)
         # Never more threads than cores this process may use (ranks sharing a machine
