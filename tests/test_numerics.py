@@ -15,10 +15,10 @@ from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.tuner import HostResources, enumerate_candidates
 from test_strategies import sequential_parameters, train
 
-# channels_last runs oneDNN's NHWC convolution kernels, which sum in another order than
-# the default ones: 3 SGD steps then differ from sequential by up to CHANNELS_LAST_TOLERANCE
-# (relative to each tensor's largest value) instead of the 1e-5 of the other tests.
-CHANNELS_LAST_TOLERANCE = 1e-4
+# channels_last runs oneDNN's NHWC convolution kernels, which may sum in another order:
+# 3 SGD steps differed from sequential by 2.2e-7 (processes and layerwise, AlexNet), so
+# the equivalence tests' own 1e-5 holds.
+CHANNELS_LAST_TOLERANCE = 1e-5
 # bfloat16 keeps 8 bits of mantissa (~2-3 significant digits): strategies that sum the
 # same products in another order (sub-batches, another thread count) agree to a few %.
 BF16_TOLERANCE = 5e-2
@@ -38,20 +38,21 @@ def test_channels_last_matches_sequential(strategy):
     options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
     difference = largest_difference(train(strategy, options, "alexnet"),
                                     sequential_parameters("alexnet"))
-    assert difference <= CHANNELS_LAST_TOLERANCE
+    assert difference <= CHANNELS_LAST_TOLERANCE, difference
 
 
 def test_layerwise_channels_last_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
     difference = largest_difference(train("layerwise", options, "vgg16"),
                                     sequential_parameters("vgg16"))
-    assert difference <= CHANNELS_LAST_TOLERANCE
+    assert difference <= CHANNELS_LAST_TOLERANCE, difference
 
 
 def test_bf16_really_trains_in_reduced_precision():
     """bf16 moves the parameters away from float32 training by far more than any float32
     tolerance: autocast is in effect, not silently ignored."""
-    assert largest_difference(sequential_bf16("alexnet"), sequential_parameters("alexnet")) > 1e-3
+    difference = largest_difference(sequential_bf16("alexnet"), sequential_parameters("alexnet"))
+    assert difference > 1e-3, difference
 
 
 @pytest.mark.parametrize("strategy, channels_last", [
@@ -62,7 +63,8 @@ def test_bf16_strategies_match_sequential_bf16_loosely(strategy, channels_last):
     actual = train(strategy, options, "alexnet")
     # Closer to bf16 sequential than bf16 is to float32: the same computation, summed
     # in another order.
-    assert largest_difference(actual, sequential_bf16("alexnet")) <= BF16_TOLERANCE
+    difference = largest_difference(actual, sequential_bf16("alexnet"))
+    assert difference <= BF16_TOLERANCE, difference
     assert all(p.dtype == torch.float32 for p in actual)  # master weights stay float32
 
 

@@ -177,10 +177,13 @@ def _trained(model):
 
 
 def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
-    """flat, cut into tensors shaped like the model's trained parameters, in order."""
+    """flat, cut into tensors shaped like the model's trained parameters, in order.
+
+    Each view takes its parameter's strides too (channels_last weights): autograd writes
+    a gradient laid out unlike its parameter through an extra copy."""
     views, offset = [], 0
     for p in _trained(model):
-        views.append(flat[offset:offset + p.numel()].view_as(p))
+        views.append(flat[offset:offset + p.numel()].as_strided(p.shape, p.stride()))
         offset += p.numel()
     return views
 
