@@ -23,7 +23,10 @@ accumulates into .grad (concurrent accumulation into one .grad races); the pool
 threads' gradients come from torch.autograd.grad and the master adds them.
 
 Threads rather than processes: the activations cross between the two parts twice per
-step, which threads do without a copy through shared memory.
+step, which threads do without a copy through shared memory, and on the convolutions
+alone they were not slower (AlexNet features with a one-layer classifier, 224 px, batch 32,
+K = 2, 3 interleaved rounds: threads 1.10-2.20 s/step, processes 1.13-1.59 s/step, round 3
+1.10 against 1.13 s: within this VM's noise).
 """
 
 from __future__ import annotations
