@@ -70,7 +70,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usecase", help=f"one of {names} (default: ComplexSmall)")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
     parser.add_argument("--data",
-                        help="'synthetic' (embedded, default), an ImageFolder DIR, or cifar10:DIR")
+                        help="'synthetic' (embedded, default), synthetic:N (N generated images), "
+                             "an ImageFolder DIR, or cifar10:DIR; all but 'synthetic' are "
+                             "streamed from a cache file built once")
+    parser.add_argument("--data-cache", metavar="DIR",
+                        help="where decoded data are cached for every later run and tune "
+                             "(default: $XDG_CACHE_HOME/hybriddl or ~/.cache/hybriddl)")
     parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
     parser.add_argument("--val-fraction", type=float,
                         help="share of each class held out for validation (default: 0.2)")
@@ -119,7 +124,7 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
-TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_size",
+TRAINING_FLAGS = ("usecase", "model", "data", "data_cache", "classes", "val_fraction", "image_size",
                   "batch_size", "epochs", "lr", "momentum", "dropout", "seed", "max_steps",
                   "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget",
                   "monitor_interval", "balance", "throughput")
@@ -167,6 +172,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per candidate (default: 1)")
     parser.add_argument("--output", help="profile file (default: PROFILE_DIR/<host>-<usecase>.json)")
+    parser.add_argument("--data", help="measure on batches of this data, as train's --data "
+                        "(default: the use case's embedded set)")
+    parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
     parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
 
 
@@ -286,7 +294,8 @@ class TrainDisplay:
             # error stays the only line on stderr (no bar is left behind in a log).
             self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TextColumn("images"),
-                                     TimeElapsedColumn(), console=console, transient=True)
+                                     TimeElapsedColumn(), TextColumn("ETA"),
+                                     TimeRemainingColumn(), console=console, transient=True)
             self.progress.start()
             self.task = self.progress.add_task("Preparing data", total=total)
         if self.task is not None:
@@ -386,7 +395,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 # Every rank names rank 0's run directory (its monitors write there too).
                 config.run_dir = hosts.broadcast_object(
                     str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
-            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size)
+            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
             metrics = trainer.run(prepared, display, hosts, stop=stop)
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
@@ -447,9 +456,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "
                          f"{profiles.profile_path(output, settings.usecase)}")
+    images = tuner.embedded_images(settings)
+    if args.data is not None:
+        from hybriddl.data import load_data
+
+        loading = TrainDisplay()
+        try:
+            images = load_data(args.data, variant=USECASES[settings.usecase].dataset,
+                               image_size=settings.image_size,
+                               cache_dir=args.data_cache,
+                               progress=loading.on_data_progress).train
+        finally:
+            loading.stop()
     display = TuneDisplay()
     try:
-        profile = tuner.tune_host(settings, tuner.embedded_images(settings), budget=args.budget,
+        profile = tuner.tune_host(settings, images, budget=args.budget,
                                   warmup=args.warmup, steps=args.steps, observer=display)
     finally:
         display.stop()

@@ -34,6 +34,7 @@ class TrainConfig:
     usecase: str = "ComplexSmall"
     model: str | None = None  # None: the use case's model
     data: str = "synthetic"
+    data_cache: str | None = None  # None: hybriddl.datacache.default_cache_dir()
     classes: int | None = None
     val_fraction: float = 0.2
     image_size: int | None = None
@@ -106,12 +107,14 @@ class PreparedRun:
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
-            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1) -> PreparedRun:
+            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1,
+            stop: StopRequest | None = None) -> PreparedRun:
     """Validate the whole configuration and load the data before any file is written.
 
     With `resume`, the run goes on in config.run_dir from that checkpoint (see
     checkpoint.resumed_settings for how its settings and the flags given combine).
     `hosts_count` hosts share each global batch: auto profiles this host's share of it.
+    A `stop` requested while a data cache is built ends the build, resumable.
     """
     observer = observer or TrainingObserver()
     config = config.resolved()
@@ -126,7 +129,8 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
-                              progress=observer.on_data_progress)
+                              progress=observer.on_data_progress, cache_dir=config.data_cache,
+                              stop_signal=lambda: stop.signum if stop else None)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
