@@ -205,18 +205,24 @@ class Cifar10Source(Source):
         self.root, self.spec = path, root
         self.name = f"cifar10:{root}"
         self.stored_size = 32
-        self.classes = self._read("batches.meta", meta_only=True)
+        # Every run needs the classes, only a build needs the images: the meta file alone.
+        try:
+            with open(self.folder / "batches.meta", "rb") as handle:
+                self.classes = [str(c) for c in pickle.load(handle, encoding="latin1")[
+                    CIFAR10Files.meta["key"]]]
+        except _PICKLE_ERRORS as exc:
+            raise UsageError(f"--data cifar10:{root}: batches.meta is not CIFAR-10's "
+                             f"({type(exc).__name__}: {first_line(exc)}); "
+                             "re-extract cifar-10-python.tar.gz") from None
 
-    def _read(self, name: str, meta_only: bool = False):
+    def _read(self, name: str):
         # One file at a time, so that an error names the file that is damaged.
         try:
-            reader = CIFAR10Files(str(self.root), [] if meta_only else [name])
+            reader = CIFAR10Files(str(self.root), [name])
         except _PICKLE_ERRORS as exc:
             raise UsageError(f"--data cifar10:{self.spec}: {name} or batches.meta is not a "
                              f"CIFAR-10 python batch ({type(exc).__name__}: {first_line(exc)}); "
                              "re-extract cifar-10-python.tar.gz") from None
-        if meta_only:
-            return [str(c) for c in reader.classes]
         labels = np.asarray(reader.targets, dtype=np.int64)
         if len(labels) != len(reader.data) or (
                 len(labels) and not 0 <= labels.min() <= labels.max() < len(reader.classes)):
@@ -539,7 +545,7 @@ def _build(path: Path, source: Source, progress: Progress | None,
             crcs[done] = zlib.crc32(image.tobytes())
             labels[done] = label
             done += 1
-            if progress and (done % 64 == 0 or done == count):
+            if progress is not None and (done % 64 == 0 or done == count):
                 progress(done, count)
             if time.monotonic() - synced_at > SYNC_EVERY_SECONDS or done == count:
                 sync(done)
