@@ -55,18 +55,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def write_jpeg_folder(root: Path, n: int) -> None:
-    """n JPEG files of 160 x 120 px (wider than tall: the centre crop has work to do)."""
+def write_jpeg_folder(root: Path, n: int, size: tuple[int, int] = (160, 120)) -> None:
+    """n JPEG files of `size` px (wider than tall: the centre crop has work to do)."""
     for index in range(n):
         label = index % 3
         folder = root / ["fire", "smoke", "clear"][label]
         folder.mkdir(parents=True, exist_ok=True)
         image = Image.fromarray(render_synthetic(label, index, 64).transpose(1, 2, 0))
-        image.resize((160, 120), Image.BILINEAR).save(folder / f"{index:06d}.jpg", quality=90)
+        image.resize(size, Image.BILINEAR).save(folder / f"{index:06d}.jpg", quality=90)
 
 
 def per_image_costs(folder: Path, cache_dir: Path, n: int = 256) -> dict:
-    """Seconds per image at 224 px: decode + scale from JPEG, against a read from the cache."""
+    """Seconds per image at 224 px, one core: decode + scale from JPEG, against a read of
+    the same decoded image from the cache (a random batch of 32, as training reads)."""
+    torch.set_num_threads(1)
     files = sorted(folder.rglob("*.jpg"))[:n]
     scale = v2.Compose([v2.PILToTensor(), v2.Resize(224, antialias=True), v2.CenterCrop(224)])
     started = time.perf_counter()
@@ -122,12 +124,14 @@ def train_once(spec: str, cache_dir: Path, run_dir: Path, args) -> dict:
                "--run-dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(process.pid, 0)
+    log = run_dir.with_name(run_dir.name + ".log")
+    with open(log, "wb") as errors:  # a file, not a pipe: nothing can block the child
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - started
     if process.returncode != 0:
-        raise SystemExit(f"train on {spec} failed: {process.stderr.read().decode()[-2000:]}")
+        raise SystemExit(f"train on {spec} failed: {log.read_text()[-2000:]}")
     epoch = json.loads((run_dir / "metrics.json").read_text())["epochs"][0]
     return {"peak_rss_mib": usage.ru_maxrss / 1024, "images_per_second": epoch["images_per_second"],
             "data_wait_pct": 100 * epoch["data_wait_seconds"] / epoch["seconds"],
@@ -147,7 +151,9 @@ def main(argv=None) -> int:
         builds = [timed_build(str(folder), cache_dir)]
         builds += [timed_build(f"synthetic:{n}", cache_dir) for n in sizes]
         print(json.dumps(builds), flush=True)
-        costs = per_image_costs(folder, cache_dir)
+        photos = scratch / "photos-500x375"  # the size of a typical ImageNet photo
+        write_jpeg_folder(photos, 320, size=(500, 375))
+        costs = per_image_costs(photos, cache_dir)
         step = alexnet_step_seconds_224(args.workers)
         costs.update(alexnet_step_seconds_224_batch32=step,
                      decode_share_of_a_step_one_core=32 * costs["decode_scale_seconds_per_image"] / step,
