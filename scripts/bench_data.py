@@ -10,7 +10,7 @@ One invocation, everything serial (run it under the machine's CPU lock):
    interleaved rounds (2k, 20k, 100k, 2k, ...): peak RSS of the training process (its
    ru_maxrss, from wait4), images/s and data wait % of the epoch; medians over rounds.
 
-    python scripts/bench_data.py                                  # the README's figures
+    python scripts/bench_data.py --output results/bench_data.json     # the README's figures
     python scripts/bench_data.py --sizes 300,600 --rounds 1 --max-steps 5 --jpegs 300
 """
 
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--scratch", default=None, help="where data and caches go "
                         "(default: a new folder under /tmp, removed at the end)")
-    parser.add_argument("--output", default=str(REPO / "results" / "bench_data.json"))
+    parser.add_argument("--output", default="bench_data.json")
     return parser.parse_args(argv)
 
 
