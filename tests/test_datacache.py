@@ -200,6 +200,16 @@ def test_cache_dir_that_cannot_be_written_is_one_line_exit_2(cli, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_tune_reads_its_data_through_the_same_cache(cli, tmp_path):
+    (tmp_path / "file").write_text("not a folder\n")
+    done = cli("tune", "--usecase", "SimpleBig", "--data", "synthetic:40", "--data-cache",
+               str(tmp_path / "file" / "cache"), "--output", str(tmp_path / "profile.json"))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "--data-cache" in done.stderr
+    assert not (tmp_path / "profile.json").exists()
+
+
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(datacache.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
