@@ -15,10 +15,10 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from hybriddl import __version__
-from hybriddl.compare import CONTENDERS, MeasureSettings
+from hybriddl.compare.compare import CONTENDERS, MeasureSettings
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
-from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
 from hybriddl.usecases import USECASES
 
 console = Console(stderr=True)
@@ -138,8 +138,8 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 def training_config(args: argparse.Namespace):
     """The run's TrainConfig, and with --resume the checkpoint it continues from."""
-    from hybriddl import checkpoint
-    from hybriddl.trainer import TrainConfig
+    from hybriddl.run import checkpoint
+    from hybriddl.run.trainer import TrainConfig
 
     settings, resume = given_settings(args), None
     if args.resume is not None:
@@ -240,7 +240,7 @@ def tune_table(profile) -> Table:
     return table
 
 def add_hosts_args(parser: argparse.ArgumentParser) -> None:
-    from hybriddl.cluster import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+    from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
 
     group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
     group.add_argument("--overlap", action="store_true",
@@ -370,10 +370,10 @@ def epoch_table(records: list[dict]) -> Table:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybriddl import trainer
-    from hybriddl.cluster import connect
-    from hybriddl.rundir import default_run_dir
-    from hybriddl.shutdown import StopRequest
+    from hybriddl.run import trainer
+    from hybriddl.hosts.cluster import connect
+    from hybriddl.run.rundir import default_run_dir
+    from hybriddl.run.shutdown import StopRequest
 
     hosts = connect(overlap=args.overlap, fp16_allreduce=args.fp16_allreduce,
                     bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
@@ -407,7 +407,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hybriddl import compare
+    from hybriddl.compare import compare
 
     config = compare.CompareConfig(
         settings=MeasureSettings.from_args(args), hosts=args.hosts,
@@ -439,7 +439,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from hybriddl import profiles, tuner
+    from hybriddl.tuning import profiles, tuner
 
     settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
     output = (Path(args.output) if args.output
@@ -462,7 +462,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hybriddl.report import write_report
+    from hybriddl.monitoring.report import write_report
 
     written = write_report(args.run_dirs, args.output)
     table = Table(title=f"Report of {len(args.run_dirs)} run(s)")
@@ -478,7 +478,7 @@ def stop_every_host(hosts, exc: BaseException) -> None:
 
     Returns only for a single host, where main() reports the error as usual.
     """
-    from hybriddl.cluster import SingleHost
+    from hybriddl.hosts.cluster import SingleHost
 
     if isinstance(hosts, SingleHost):
         return
@@ -498,7 +498,7 @@ def stop_every_host(hosts, exc: BaseException) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hybriddl.hostinfo import host_info
+    from hybriddl.hosts.hostinfo import host_info
 
     info = host_info()
     if args.json:

@@ -8,7 +8,7 @@ step; it forwards SIGUSR1 instead, so SIGUSR1 is how a job under mpirun is stopp
 checkpoint (SLURM: `#SBATCH --signal=B:USR1@300` with `exec mpirun ...`), and a SIGTERM
 to mpirun must at least keep the last checkpoint and leave no rank behind.
 
-These tests need hybriddl.mpi.MPIHosts (branch `mpi`) with `any_true`; they are skipped
+These tests need hybriddl.hosts.mpi.MPIHosts (branch `mpi`) with `any_true`; they are skipped
 until it is there.
 """
 
@@ -28,10 +28,10 @@ import torch
 from conftest import REPO, hybriddl_env
 from held_run import Held, kill_leftovers
 from sample_data import write_tinted_classes
-from hybriddl import checkpoint
-from hybriddl.checkpoint import Position
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position
 from hybriddl.cli import main
-from hybriddl.rundir import METRICS, MODEL
+from hybriddl.run.rundir import METRICS, MODEL
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LAUNCH = [str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "btl", "tcp,self",
@@ -40,12 +40,12 @@ STEPS_PER_EPOCH = 3
 
 
 def has_mpi_hosts() -> bool:
-    tree = ast.parse((REPO / "hybriddl" / "mpi.py").read_text())
+    tree = ast.parse((REPO / "hybriddl" / "hosts" / "mpi.py").read_text())
     return any(isinstance(node, ast.ClassDef) and node.name == "MPIHosts" for node in tree.body)
 
 
 pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
-                                reason="needs mpirun and hybriddl.mpi.MPIHosts (branch mpi)")
+                                reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)")
 
 
 @pytest.fixture(autouse=True)

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from hybriddl.cluster import LAUNCHER_VARIABLES, SingleHost, connect, host_weights
-from hybriddl.compression import FP16Compression, NoCompression
+from hybriddl.hosts.base import host_weights
+from hybriddl.hosts.cluster import LAUNCHER_VARIABLES, SingleHost, connect
+from hybriddl.hosts.compression import FP16Compression, NoCompression
 from hybriddl.data import epoch_batches
 from hybriddl.errors import UsageError
-from hybriddl.fusion import GradientBuckets
+from hybriddl.hosts.fusion import GradientBuckets
 
 
 def test_connect_without_mpirun_gives_a_single_host_and_leaves_mpi_alone(monkeypatch):

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from hybriddl.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.rundir import METRICS
+from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
+from hybriddl.run.rundir import METRICS
 
 INTERVAL = 0.1
 
@@ -189,7 +189,7 @@ def test_negative_monitor_interval_is_refused(tmp_path, capsys):
 
 
 def test_training_that_fails_still_stops_its_monitor(tmp_path):
-    from hybriddl import trainer
+    from hybriddl.run import trainer
 
     class FailingObserver(trainer.TrainingObserver):
         def on_step(self, epoch, step, samples, seconds, loss):

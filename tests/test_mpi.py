@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from conftest import hybriddl_env
-from hybriddl.rundir import METRICS, MODEL
+from hybriddl.run.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES
 
 MPIRUN = Path(sys.executable).parent / "mpirun"

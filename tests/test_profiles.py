@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from hybriddl import profiles
+from hybriddl.tuning import profiles
 from hybriddl.errors import UsageError
-from hybriddl.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
                                ProfileError, Settings, StrategyChoice, find_profile,
                                fingerprint_changes, load_profile, profile_path, save_profile)
 

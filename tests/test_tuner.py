@@ -4,14 +4,14 @@ import statistics
 
 import pytest
 
-from hybriddl import profiles, tuner
-from hybriddl.benchmark import StepTiming
+from hybriddl.tuning import profiles, tuner
+from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
-from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                StrategyChoice, load_profile, profile_path, save_profile)
-from hybriddl.rundir import METRICS
-from hybriddl.tuner import (BASELINE, HostResources, enumerate_candidates, measure_candidates,
+from hybriddl.run.rundir import METRICS
+from hybriddl.tuning.tuner import (BASELINE, HostResources, enumerate_candidates, measure_candidates,
                             select_pick, worker_counts)
 
 THREADS2 = StrategyChoice("threads", workers=2)

@@ -1,4 +1,4 @@
-"""The one contract every local strategy keeps (DESIGN.md, "Local strategies").
+"""The one contract every local strategy keeps (ARCHITECTURE.md).
 
 After `compute_gradients(x, y)` the master model's `.grad` fields hold the **mean
 gradient over the host's batch**, exactly what sequential SGD would have. The
@@ -15,15 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class StrategyOptions:
-    """What the command line can say about a local strategy."""
-
-    workers: int | None = None  # K local workers; None: the strategy's default
-    micro_batches: int = 4  # pipeline only
-    devices: tuple[str, ...] = ()  # gpu / pipeline / gpu-threads; () = the strategy's default
-    oversubscribe: bool = False  # allow more workers than usable cores
+from hybriddl.strategies.resources import local_workers
+from hybriddl.strategies.spec import StrategyOptions
 
 
 @dataclass
@@ -102,13 +95,9 @@ class CoreWorkersStrategy(LocalStrategy):
 
     @classmethod
     def check_feasible(cls, options: StrategyOptions) -> None:
-        from hybriddl.strategies.resources import local_workers
-
         local_workers(options)
 
     def __init__(self, options: StrategyOptions = StrategyOptions()):
-        from hybriddl.strategies.resources import local_workers
-
         super().__init__(options)
         self.workers = local_workers(options)
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import parse_devices
 

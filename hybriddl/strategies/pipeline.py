@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import parse_devices
 from hybriddl.usecases import PIPELINE_SPLITS

@@ -25,8 +25,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.sharding import split_bounds
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
 
 

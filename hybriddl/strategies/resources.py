@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.strategies.base import StrategyOptions
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.strategies.spec import StrategyOptions
 
 
 def local_workers(options: StrategyOptions) -> int:

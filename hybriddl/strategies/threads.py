@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from hybriddl.hostinfo import usable_cores
-from hybriddl.sharding import split_bounds
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
 
 

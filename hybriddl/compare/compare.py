@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
-from hybriddl.stepmeter import read_rank_results
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
+from hybriddl.run.stepmeter import read_rank_results
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 
 CONTENDERS = ("hybrid", "flat", "ddp")
@@ -90,7 +90,7 @@ class MeasureSettings:
 
     def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()):
         """The trainer's configuration for one contender's ranks (no run directory is written)."""
-        from hybriddl.trainer import TrainConfig
+        from hybriddl.run.trainer import TrainConfig
 
         return TrainConfig(usecase=self.usecase, model=self.model, data=self.data,
                            image_size=self.image_size, batch_size=self.batch_size,
@@ -134,7 +134,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     Returns the configuration with the use case's defaults filled in and the output folder;
     `observer` (a trainer.TrainingObserver) sees the data loading.
     """
-    from hybriddl import trainer
+    from hybriddl.run import trainer
 
     if config.hosts < 1 or config.workers_per_host < 1:
         raise UsageError(f"--hosts {config.hosts} --workers-per-host {config.workers_per_host}: "
@@ -215,11 +215,11 @@ def plan(config: CompareConfig, result_root: Path, as_root: bool) -> list[Conten
         "--workers", str(config.workers_per_host)]
     launches = {
         "hybrid": lambda: mpirun(config.hosts) + python + [
-            "hybriddl.compare_worker", "--strategy", config.local_strategy, *workers,
+            "hybriddl.compare.worker", "--strategy", config.local_strategy, *workers,
             "--oversubscribe"],
         "flat": lambda: mpirun(config.workers) + python + [
-            "hybriddl.compare_worker", "--strategy", "flat"],
-        "ddp": lambda: python + ["hybriddl.ddp_peer", "--processes", str(config.workers)],
+            "hybriddl.compare.worker", "--strategy", "flat"],
+        "ddp": lambda: python + ["hybriddl.compare.ddp", "--processes", str(config.workers)],
     }
     ranks = {"hybrid": config.hosts, "flat": config.workers, "ddp": config.workers}
     return [Contender(name, ranks[name], launches[name]() + common + [
@@ -363,7 +363,7 @@ def notes(comparison: dict) -> list[str]:
 
 
 def markdown(comparison: dict) -> str:
-    from hybriddl import report
+    from hybriddl.monitoring import report
 
     return (report.markdown_table(display_rows(comparison), COLUMNS) + "\n"
             + "".join(f"- {line}\n" for line in notes(comparison)))
@@ -377,7 +377,7 @@ def write_outputs(comparison: dict, output: Path) -> list[Path]:
 
 def comparison_charts(comparison: dict, output: Path) -> list[Path]:
     """Speed and bytes on the wire per contender, the hybrid's bar set apart."""
-    from hybriddl import report
+    from hybriddl.monitoring import report
 
     rows = display_rows(comparison)
     common = {"label_key": "name", "xlabel": "contender", "highlight": "hybrid",

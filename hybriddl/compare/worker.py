@@ -1,6 +1,6 @@
 """One rank of an MPI contender of `hybriddl compare` (hybrid or flat).
 
-    mpirun -np N python -m hybriddl.compare_worker --strategy S [--workers K] ... --result-dir D
+    mpirun -np N python -m hybriddl.compare.worker --strategy S [--workers K] ... --result-dir D
 
 Each rank is a host to the MPI layer and runs `trainer.run` itself (its local
 strategy, the fused allreduce, SGD), so the comparison times exactly what
@@ -16,10 +16,11 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from hybriddl import cluster, trainer
-from hybriddl.compare import MeasureSettings
-from hybriddl.rundir import CHECKPOINT, MODEL
-from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.hosts import cluster
+from hybriddl.run import trainer
+from hybriddl.compare.compare import MeasureSettings
+from hybriddl.run.rundir import CHECKPOINT, MODEL
+from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
 
@@ -44,7 +45,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare_worker",
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.worker",
                                      description=__doc__.splitlines()[0])
     MeasureSettings.add_arguments(parser)
     parser.add_argument("--strategy", required=True, help="the local strategy of every rank")

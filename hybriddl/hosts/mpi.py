@@ -1,7 +1,7 @@
 """Everything MPI: one rank per host, gradients averaged with allreduce. No other module
 imports mpi4py.
 
-MPI is initialised only when `MPIHosts` is created (hybriddl.cluster.connect does so
+MPI is initialised only when `MPIHosts` is created (hybriddl.hosts.cluster.connect does so
 under mpirun), never at import: `hybriddl info` and the worker processes that
 strategies spawn must not start an MPI runtime.
 
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybriddl.cluster import DEFAULT_TIMEOUT_SECONDS, Hosts
-from hybriddl.compression import make_compression
+from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
+from hybriddl.hosts.compression import make_compression
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
+from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 

@@ -19,7 +19,7 @@ import torch
 
 from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.usecases import build_model
 

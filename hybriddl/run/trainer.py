@@ -16,16 +16,16 @@ from pathlib import Path
 
 import torch
 
-from hybriddl import checkpoint as ckpt
+from hybriddl.run import checkpoint as ckpt
 from hybriddl import data as datamod
-from hybriddl.cluster import SingleHost
+from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.monitor import Monitor
-from hybriddl.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
+from hybriddl.monitoring.monitor import Monitor
+from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
-from hybriddl.shutdown import StopRequest
+from hybriddl.run.shutdown import StopRequest
 from hybriddl.strategies import LocalStrategy, StepStats, StrategyOptions, make_strategy
-from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
@@ -46,12 +46,12 @@ class TrainConfig:
     max_steps: int | None = None
     run_dir: str | None = None
     checkpoint_every: int | None = None  # steps; a checkpoint ends every epoch regardless
-    strategy: str = "sequential"  # or "auto": this host's profiled pick (hybriddl/tuner.py)
+    strategy: str = "sequential"  # or "auto": this host's profiled pick (hybriddl/tuning/tuner.py)
     strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
     profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
     tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
     monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
-    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (cluster.py)
+    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (hosts/base.py)
     throughput: float | None = None  # this host's images/s (its profile's) for --balance
 
     def resolved(self) -> TrainConfig:
@@ -154,7 +154,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         hosts=None, stop: StopRequest | None = None) -> dict:
     """Train; returns the metrics dict that is also written to metrics.json.
 
-    Between steps, a `stop` requested on any host (a signal, see hybriddl.shutdown)
+    Between steps, a `stop` requested on any host (a signal, see hybriddl.run.shutdown)
     writes a checkpoint and raises TrainingInterrupted.
     """
     observer = observer or TrainingObserver()

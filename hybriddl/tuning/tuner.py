@@ -5,7 +5,7 @@ speedup, because which one wins depends on the model and the hardware (threads o
 machine, processes on another, a two-GPU pipeline on a third). The tuner enumerates the
 candidates this host can run, times each on a real batch of the use case through
 `benchmark.measure_strategy` (warm-up, then the median of timed steps), and keeps the
-table and its pick as a profile (hybriddl/profiles.py).
+table and its pick as a profile (hybriddl/tuning/profiles.py).
 
 Budget: every candidate gets an equal share of what is left of the budget. After each
 step the tuner predicts the next from the fastest step so far; a candidate whose next
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from hybriddl.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
+from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                StrategyChoice, find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
 from hybriddl.strategies import STRATEGIES

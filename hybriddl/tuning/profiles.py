@@ -55,8 +55,8 @@ import torch
 
 from hybriddl import __version__
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import cpu_model, gpus, usable_cores
-from hybriddl.rundir import atomic_write_json
+from hybriddl.hosts.hostinfo import cpu_model, gpus, usable_cores
+from hybriddl.run.rundir import atomic_write_json
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 
 SCHEMA_VERSION = 1

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
-from hybriddl.rundir import CHECKPOINT, atomic_torch_save
-from hybriddl.shutdown import StopRequest
+from hybriddl.run.rundir import CHECKPOINT, atomic_torch_save
+from hybriddl.run.shutdown import StopRequest
 
 FORMAT = 1
 

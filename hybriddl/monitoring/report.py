@@ -25,8 +25,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from hybriddl.errors import UsageError
-from hybriddl.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
-from hybriddl.rundir import METRICS, load_metrics
+from hybriddl.monitoring.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
+from hybriddl.run.rundir import METRICS, load_metrics
 
 REPORT = "report.md"
 EPOCH_TIME_PNG = "epoch_time.png"

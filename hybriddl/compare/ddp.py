@@ -1,6 +1,6 @@
 """The PyTorch DDP contender of `hybriddl compare`: what a PyTorch user would pick instead.
 
-    python -m hybriddl.ddp_peer --processes P ... --result-dir D
+    python -m hybriddl.compare.ddp --processes P ... --result-dir D
 
 P spawned processes, one CPU thread each, gloo over 127.0.0.1; each takes its 1/P of
 every global batch (the same batches, flips and model as the other contenders) and
@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from hybriddl.compare import MeasureSettings
+from hybriddl.compare.compare import MeasureSettings
 from hybriddl.data import BatchTransform, epoch_batches, load_data
-from hybriddl.monitor import Monitor
-from hybriddl.sharding import split_bounds
-from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.monitoring.monitor import Monitor
+from hybriddl.data.sharding import split_bounds
+from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import criterion
 from hybriddl.usecases import build_model, get_usecase
 
@@ -122,7 +122,7 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybriddl.ddp_peer",
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.ddp",
                                      description=__doc__.splitlines()[0])
     MeasureSettings.add_arguments(parser)
     parser.add_argument("--processes", type=int, required=True, help="DDP processes P")

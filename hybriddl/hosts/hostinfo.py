@@ -41,7 +41,7 @@ def gpus() -> list[dict]:
 
 
 def host_info() -> dict:
-    from hybriddl.mpi import library_versions
+    from hybriddl.hosts.mpi import library_versions
 
     memory = psutil.virtual_memory()
     return {
