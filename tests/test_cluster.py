@@ -10,7 +10,7 @@ from torch import nn
 
 from hybriddl.hosts.base import host_weights
 from hybriddl.hosts.cluster import LAUNCHER_VARIABLES, SingleHost, connect
-from hybriddl.hosts.compression import FP16Compression, NoCompression
+from hybriddl.hosts.compression import Compression, FP16Compression, NoCompression
 from hybriddl.data import epoch_batches
 from hybriddl.errors import UsageError
 from hybriddl.hosts.fusion import GradientBuckets
@@ -19,7 +19,7 @@ from hybriddl.hosts.fusion import GradientBuckets
 def test_connect_without_mpirun_gives_a_single_host_and_leaves_mpi_alone(monkeypatch):
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    hosts = connect(overlap=True, fp16_allreduce=True)
+    hosts = connect(overlap=True, compression=Compression.fp16)
     assert isinstance(hosts, SingleHost)
     assert (hosts.rank, hosts.size) == (0, 1)
     if "mpi4py.MPI" in sys.modules:

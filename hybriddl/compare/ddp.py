@@ -30,8 +30,9 @@ from hybriddl.data import BatchTransform, epoch_batches, load_data
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.data.sharding import split_bounds
 from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
-from hybriddl.strategies import criterion
+from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model, get_usecase
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
 # and so must this one. (Newer torch renamed the switch.)
@@ -73,7 +74,7 @@ def free_port() -> int:
 
 def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir: str) -> None:
     """One DDP process: join the group, run the steps, write rank<rank>.json."""
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
@@ -89,7 +90,7 @@ def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir
 
 
 def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
-    config = settings.train_config("sequential").resolved()
+    config = settings.train_config(Sequential.name).resolved()
     case = get_usecase(config.usecase)
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)

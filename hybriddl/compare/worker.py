@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
 from hybriddl.hosts import cluster
+from hybriddl.hosts.compression import Compression
 from hybriddl.run import trainer
 from hybriddl.compare.compare import MeasureSettings
+from hybriddl.display import show_host_failure
 from hybriddl.run.rundir import CHECKPOINT, MODEL
+from hybriddl.run.shutdown import stop_every_host
 from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
@@ -59,16 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = MeasureSettings.from_args(args)
     options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
-    hosts = cluster.connect(fp16_allreduce=settings.fp16_allreduce)
+    hosts = cluster.connect(compression=Compression.fp16 if settings.fp16_allreduce
+                            else Compression.none)
     try:
         record = measure_training(settings, args.strategy, options, hosts,
                                   Path(args.result_dir) / "run")
         write_rank_result(args.result_dir, hosts.rank, record)
-    except BaseException:
-        # One rank's failure must not leave the others waiting in an allreduce.
-        if hosts.size > 1:
-            traceback.print_exc()
-            hosts.abort(1)
+    except BaseException as exc:
+        stop_every_host(hosts, exc, show_host_failure)
         raise
     hosts.close()
     return 0

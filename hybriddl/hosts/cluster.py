@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
+from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 
 # Set by Open MPI (mpirun/prterun), PMIx launchers (srun --mpi=pmix) and MPICH's hydra.
@@ -20,7 +21,7 @@ def launched_by_mpirun(environ=os.environ) -> bool:
     return any(name in environ for name in LAUNCHER_VARIABLES)
 
 
-def connect(*, overlap: bool = False, fp16_allreduce: bool = False,
+def connect(*, overlap: bool = False, compression=Compression.none,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             timeout: float = DEFAULT_TIMEOUT_SECONDS) -> Hosts:
     """The hosts of this run. MPI is initialised only when a launcher started us.
@@ -32,7 +33,7 @@ def connect(*, overlap: bool = False, fp16_allreduce: bool = False,
         return SingleHost()
     from hybriddl.hosts.mpi import MPIHosts
 
-    return MPIHosts(overlap=overlap, fp16_allreduce=fp16_allreduce, bucket_bytes=bucket_bytes,
+    return MPIHosts(overlap=overlap, compression=compression, bucket_bytes=bucket_bytes,
                     timeout=timeout)
 
 

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
-from hybriddl.hosts.compression import make_compression
+from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 
@@ -123,7 +124,7 @@ class ProgressThread:
 class MPIHosts(Hosts):
     """The hosts of a run launched by mpirun: one rank each."""
 
-    def __init__(self, *, overlap: bool = False, fp16_allreduce: bool = False,
+    def __init__(self, *, overlap: bool = False, compression=Compression.none,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout: float = DEFAULT_TIMEOUT_SECONDS):
         if bucket_bytes < 1:
@@ -137,7 +138,7 @@ class MPIHosts(Hosts):
         super().__init__()
         self.timeout = timeout
         self.overlap = overlap
-        self.compression = make_compression(fp16_allreduce)
+        self.compression = compression
         self.bucket_bytes = bucket_bytes
         self.thread_level = MPI.Query_thread()
         self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -195,7 +196,7 @@ class MPIHosts(Hosts):
                 self.notes.append(f"mpirun had bound rank {self.rank} to cores {bound_to}; "
                                   f"alone on its host, it uses all {len(usable)} cores")
         os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
+        set_torch_threads(len(mine))
         return mine
 
     def _machine_allgather(self, value) -> list:
