@@ -7,12 +7,12 @@ check lives in one place; the trainer receives a finished TrainConfig and never 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from hybriddl.errors import UsageError
 from hybriddl.run import checkpoint
 from hybriddl.strategies import StrategyOptions
-from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, auto_strategy, tune_settings
 from hybriddl.usecases import get_usecase
 
 
@@ -62,6 +62,10 @@ class TrainConfig:
         if not 0 <= self.monitor_interval < float("inf"):
             raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
                              "(0 disables monitoring)")
+        if self.strategy == AUTO and (self.strategy_options.workers is not None
+                                      or self.strategy_options.devices):
+            raise UsageError("--workers and --devices go with a named --strategy; with auto the "
+                             "profile decides (or name the strategy)")
         if filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
         if not 0 <= filled.momentum < 1:
@@ -99,3 +103,22 @@ def training_config(args: argparse.Namespace):
     known = {f.name for f in fields(TrainConfig)}
     settings = {name: value for name, value in settings.items() if name in known}
     return TrainConfig(**settings, strategy_options=options), resume
+
+
+def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
+    """`--strategy auto` settled: this host's profiled pick (tuned first when no profile fits).
+
+    The profile is measured at this host's share of the global batch. Returns the
+    config naming the picked strategy (and, unless given, this host's images/s for
+    --balance throughput) and the record of the choice for metrics.json.
+    """
+    host_batch = -(-config.batch_size // hosts_count)
+    decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
+                                           host_batch),
+                             images, directory=config.profile_dir, budget=config.tune_budget,
+                             observer=observer)
+    throughput = (config.throughput if config.throughput is not None
+                  else decision.profile.pick_result.images_per_second)
+    settled = replace(config, strategy=decision.choice.name, throughput=throughput,
+                      strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
+    return settled, {**decision.describe(), "message": decision.message()}

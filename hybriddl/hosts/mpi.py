@@ -19,7 +19,6 @@ import threading
 import time
 
 import numpy as np
-import torch
 from torch import nn
 
 from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts

@@ -11,28 +11,32 @@ from __future__ import annotations
 import contextlib
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from hybriddl import data as datamod
-from hybriddl.config import TrainConfig
+from hybriddl.config import AUTO, TrainConfig, auto_pick
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.errors import TrainingError, UsageError
+from hybriddl.errors import TrainingError
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir)
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
-from hybriddl.tuning.tuner import AUTO, TuneObserver, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
-class TrainingObserver(TuneObserver):
+class TrainingObserver:
     """What the trainer reports while it runs (and tunes, for auto); the CLI draws it."""
+
+    def on_tune_start(self, candidates, reason) -> None: ...
+    def on_candidate_start(self, index, choice, share_seconds) -> None: ...
+    def on_candidate_step(self, index, step, seconds) -> None: ...
+    def on_candidate_end(self, index, result) -> None: ...
 
     def on_data_progress(self, done: int, total: int) -> None: ...
     def on_start(self, info: dict) -> None: ...
@@ -69,9 +73,6 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     if resume is None:
         check_new_run_dir(run_dir)
     auto = config.strategy == AUTO
-    if auto and (config.strategy_options.workers is not None or config.strategy_options.devices):
-        raise UsageError("--workers and --devices go with a named --strategy; with auto the "
-                         "profile decides (or name the strategy)")
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
@@ -81,18 +82,12 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     check_image_size(model, config.image_size, len(split.classes))
     choice = None
     if auto:
-        host_batch = -(-config.batch_size // hosts_count)
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
-            decision = auto_strategy(tune_settings(config.usecase, config.model,
-                                                   config.image_size, host_batch),
-                                     split.train, directory=config.profile_dir,
-                                     budget=config.tune_budget, observer=observer)
-        strategy = make_strategy(decision.choice.name, decision.choice.options(
-            config.strategy_options.oversubscribe))
-        choice = {**decision.describe(), "message": decision.message()}
-        if config.throughput is None:  # the host's weight for --balance throughput
-            config.throughput = decision.profile.pick_result.images_per_second
+            picked, choice = auto_pick(config, split.train, observer, hosts_count)
+        strategy = make_strategy(picked.strategy, picked.strategy_options)
+        # The run stays "auto" (a resume picks again); the host's weight is the pick's.
+        config = replace(config, throughput=picked.throughput)
     if resume is not None:
         ckpt.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it

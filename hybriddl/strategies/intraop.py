@@ -5,8 +5,6 @@ What a PyTorch user gets without doing anything (the default is one thread per c
 
 from __future__ import annotations
 
-import torch
-
 from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, plain_step
 from hybriddl.hosts.cpu_threads import set_torch_threads
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from hybriddl.strategies.base import LocalStrategy, StepStats, plain_step
 from hybriddl.strategies.spec import StrategySpec
 from hybriddl.hosts.cpu_threads import set_torch_threads

@@ -21,12 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import usable_cores
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
