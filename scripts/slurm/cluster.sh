@@ -8,8 +8,8 @@
 # Runs as root. Installs Debian's slurm-wlm, munge and libpmix-dev when missing. Everything
 # it writes lives under $HYBRIDDL_SLURM_DIR (default /run/hybriddl-slurm) and /tmp/slurm-node*;
 # the system's own /etc/slurm and munge are left alone. Every daemon it starts carries
-# HYBRIDDL_SLURM_DIR in its environment, which is how `stop` finds them (and the
-# slurmstepd processes they fork) without killing anything else by name.
+# HYBRIDDL_SLURM_CLUSTER=<that directory> in its environment, which is how `stop` finds
+# them (and the slurmstepd processes they fork) without killing anything by name.
 # Idempotent: `start` on a running cluster of the same size only reports it.
 set -euo pipefail
 
@@ -46,7 +46,7 @@ our_processes() {
     for environ in /proc/[0-9]*/environ; do
         pid=${environ#/proc/}; pid=${pid%/environ}
         [ "$pid" = "$$" ] && continue
-        if tr '\0' '\n' < "$environ" 2>/dev/null | grep -qx "HYBRIDDL_SLURM_DIR=$DIR"; then
+        if tr "\0" "\n" 2>/dev/null < "$environ" | grep -qx "HYBRIDDL_SLURM_CLUSTER=$DIR"; then
             echo "$pid"
         fi
     done
@@ -130,7 +130,7 @@ start_munge() {
     fi
     chown munge:munge "$DIR/munge/munge.key"
     chmod 400 "$DIR/munge/munge.key"
-    HYBRIDDL_SLURM_DIR=$DIR runuser -u munge -- /usr/sbin/munged \
+    HYBRIDDL_SLURM_CLUSTER=$DIR runuser -u munge -- /usr/sbin/munged \
         --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
         --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/munge/munged.log" \
         --seed-file="$DIR/munge/munged.seed"
@@ -141,7 +141,7 @@ start_daemon() {  # start_daemon PIDFILE LOG COMMAND...: in the background, in i
     local pidfile=$1 log=$2
     shift 2
     running "$pidfile" && return
-    HYBRIDDL_SLURM_DIR=$DIR SLURM_CONF=$CONF setsid "$@" >> "$log" 2>&1 < /dev/null &
+    HYBRIDDL_SLURM_CLUSTER=$DIR SLURM_CONF=$CONF setsid "$@" >> "$log" 2>&1 < /dev/null &
 }
 
 nodes_idle() {
