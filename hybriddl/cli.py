@@ -482,9 +482,9 @@ def stop_every_host(hosts, exc: BaseException) -> None:
 
     if isinstance(hosts, SingleHost):
         return
-    import socket
+    from hybriddl.hostinfo import host_name
 
-    where = f"rank {hosts.rank} on {socket.gethostname()}"
+    where = f"rank {hosts.rank} on {host_name()}"
     if isinstance(exc, (UsageError, TrainingError)):
         console.print(f"hybriddl: {where}: {exc}", markup=False, highlight=False, soft_wrap=True)
     elif isinstance(exc, KeyboardInterrupt):

@@ -8,7 +8,6 @@ surface, so the trainer never imports mpi4py and never asks which one it holds.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 
@@ -17,6 +16,7 @@ from torch import nn
 from hybriddl.data import GlobalBatch
 from hybriddl.errors import UsageError
 from hybriddl.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hostinfo import host_name
 from hybriddl.sharding import split_bounds, split_counts
 
 BALANCE_POLICIES = ("throughput", "even")
@@ -99,7 +99,7 @@ class Hosts:
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
-        return {"count": self.size, "names": [socket.gethostname()], "balance": self.balance,
+        return {"count": self.size, "names": [host_name()], "balance": self.balance,
                 "weights": self.weights, "notes": self.notes}
 
     def check_same(self, settings: dict) -> None:

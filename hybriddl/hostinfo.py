@@ -13,6 +13,16 @@ import torchvision
 from hybriddl import __version__
 
 
+def host_name() -> str:
+    """This host's name in logs, metrics and profiles: SLURM's node name when SLURM started us.
+
+    Under SLURM the node name is how users and `squeue` know a host, and it stays distinct
+    where several slurmd nodes share one machine (and so one real hostname).
+    """
+    # slurm: SLURMD_NODENAME is set by slurmd for every task of a job or step.
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def usable_cores() -> int:
     """Cores this process may run on (affinity, cgroup-limited launchers such as mpirun)."""
     try:
@@ -45,7 +55,7 @@ def host_info() -> dict:
 
     memory = psutil.virtual_memory()
     return {
-        "host": socket.gethostname(),
+        "host": host_name(),
         "cpu_model": cpu_model(),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_physical": psutil.cpu_count(logical=False),
