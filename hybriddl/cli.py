@@ -88,6 +88,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its checkpoint; flags left out "
                              "are the checkpoint's")
+    parser.add_argument("--resume-if-exists", metavar="RUN_DIR",
+                        help="for job schedulers that restart the same command: --resume RUN_DIR "
+                             "if it has a checkpoint, nothing (exit 0) if its run finished, "
+                             "else a new run in RUN_DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="also write a checkpoint every N steps (always: every epoch)")
     parser.add_argument("--strategy",
@@ -375,6 +379,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.rundir import default_run_dir
     from hybriddl.shutdown import StopRequest
 
+    if not resume_if_exists(args):
+        return 0
     hosts = connect(overlap=args.overlap, fp16_allreduce=args.fp16_allreduce,
                     bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
@@ -404,6 +410,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         out.print(epoch_table(metrics["epochs"]))
         out.print(f"run directory: {prepared.run_dir}")
     return 0
+
+
+def resume_if_exists(args: argparse.Namespace) -> bool:
+    """Turn --resume-if-exists into --resume or --run-dir; False if its run already finished."""
+    from hybriddl import checkpoint
+
+    run_dir = args.resume_if_exists
+    if run_dir is None:
+        return True
+    if args.resume is not None or args.run_dir not in (None, run_dir):
+        raise UsageError(f"--resume-if-exists {run_dir} names the run directory already: leave "
+                         "--resume and --run-dir out")
+    state = checkpoint.run_state(run_dir)
+    if state == checkpoint.FINISHED:
+        console.print(f"hybriddl: the run in {run_dir} has finished; nothing to do",
+                      markup=False, highlight=False, soft_wrap=True)
+        return False
+    if state == checkpoint.RESUMABLE:
+        args.resume, args.run_dir = run_dir, None
+    else:
+        args.run_dir = run_dir
+    return True
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
