@@ -127,7 +127,7 @@ def job_output(fields: dict) -> str:
 
 def submit(env: dict, tmp_path: Path, run_dir: Path, command: str, args: list[str]) -> str:
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--nodes", "2", "--time", "5", "--output",
+        ["sbatch", "--parsable", "--nodes", "2", "--time", "30", "--output",
          str(tmp_path / "job-%j.out"), str(JOB), *args],
         capture_output=True, text=True, timeout=30, cwd=tmp_path,
         env={**env, "HYBRIDDL_RUN_DIR": str(run_dir), "HYBRIDDL": command,
