@@ -81,6 +81,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its checkpoint; flags left out "
                              "are the checkpoint's")
+    parser.add_argument("--resume-if-exists", metavar="RUN_DIR",
+                        help="for job schedulers that restart the same command: --resume RUN_DIR "
+                             "if it has a checkpoint, nothing (exit 0) if its run finished, "
+                             "else a new run in RUN_DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="also write a checkpoint every N steps (always: every epoch)")
     parser.add_argument("--strategy",
@@ -148,13 +152,17 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybriddl.config import training_config
+    from hybriddl.config import resume_if_exists, training_config
     from hybriddl.hosts.cluster import connect
     from hybriddl.hosts.compression import Compression
     from hybriddl.run import trainer
     from hybriddl.run.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
+    if not resume_if_exists(args):
+        console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 0
     compression = Compression.fp16 if args.fp16_allreduce else Compression.none
     hosts = connect(overlap=args.overlap, compression=compression,
                     bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)

@@ -88,6 +88,24 @@ def given_settings(args: argparse.Namespace) -> dict:
     return given
 
 
+def resume_if_exists(args: argparse.Namespace) -> bool:
+    """Turn --resume-if-exists into --resume or --run-dir; False if its run already finished."""
+    run_dir = args.resume_if_exists
+    if run_dir is None:
+        return True
+    if args.resume is not None or args.run_dir not in (None, run_dir):
+        raise UsageError(f"--resume-if-exists {run_dir} names the run directory already: leave "
+                         "--resume and --run-dir out")
+    state = checkpoint.run_state(run_dir)
+    if state == checkpoint.FINISHED:
+        return False
+    if state == checkpoint.RESUMABLE:
+        args.resume, args.run_dir = run_dir, None
+    else:
+        args.run_dir = run_dir
+    return True
+
+
 def training_config(args: argparse.Namespace):
     """The run's TrainConfig, and with --resume the checkpoint it continues from."""
     settings, resume = given_settings(args), None

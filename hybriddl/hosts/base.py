@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 
@@ -11,6 +10,7 @@ from torch import nn
 from hybriddl.data import GlobalBatch
 from hybriddl.errors import UsageError
 from hybriddl.data.sharding import split_bounds, split_counts
+from hybriddl.hosts.naming import host_name
 
 BALANCE_POLICIES = ("throughput", "even")
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -70,7 +70,7 @@ class Hosts:
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
-        return {"count": self.size, "names": [socket.gethostname()], "balance": self.balance,
+        return {"count": self.size, "names": [host_name()], "balance": self.balance,
                 "weights": self.weights, "notes": self.notes}
 
     def check_same(self, settings: dict) -> None:

@@ -11,6 +11,7 @@ import torch
 import torchvision
 
 from hybriddl import __version__
+from hybriddl.hosts.naming import host_name  # noqa: F401  (re-exported: hostinfo is where users look)
 
 
 def usable_cores() -> int:
@@ -45,7 +46,7 @@ def host_info() -> dict:
 
     memory = psutil.virtual_memory()
     return {
-        "host": socket.gethostname(),
+        "host": host_name(),
         "cpu_model": cpu_model(),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_physical": psutil.cpu_count(logical=False),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import threading
 import time
 
@@ -26,6 +25,7 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.hosts.naming import host_name
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 
@@ -143,7 +143,7 @@ class MPIHosts(Hosts):
         self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.machine.Set_errhandler(MPI.ERRORS_RETURN)
         self.names = ["?"] * self.size
-        self.names[self.rank] = socket.gethostname()
+        self.names[self.rank] = host_name()
         self.names = self.allgather(self.names[self.rank])
         self.cores = self._divide_cores()
         everyone = self.allgather((self.machine.Get_size(), self.cores, self.notes))

@@ -10,9 +10,11 @@ A second signal while the first is being honoured abandons the run at once
 from __future__ import annotations
 
 import signal
-import socket
+
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from hybriddl.hosts.naming import host_name
 
 # SIGUSR1 too, because Open MPI 5's mpirun (PRRTE 3) answers SIGTERM and SIGINT by killing
 # the ranks itself: SIGCONT, 250 ms, SIGTERM, 250 ms, SIGKILL (odls_base_default_fns.c,
@@ -69,5 +71,5 @@ def stop_every_host(hosts, exc: BaseException, show: Callable[[str, BaseExceptio
 
     if isinstance(hosts, SingleHost):
         return
-    show(f"rank {hosts.rank} on {socket.gethostname()}", exc)
+    show(f"rank {hosts.rank} on {host_name()}", exc)
     hosts.abort(failure_exit_code(exc))

@@ -6,7 +6,7 @@ version 1 (``SCHEMA_VERSION``)::
 
     {
       "schema_version": 1,
-      "host": "node07",                       # socket.gethostname() of the measured host
+      "host": "node07",                       # hostinfo.host_name() of the measured host
       "created": "2026-11-21T05:30:00Z",       # UTC, when the tune finished
       "hybriddl": "0.1.0",
       "fingerprint": {                         # a change in any field makes the profile stale
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,7 +54,7 @@ import torch
 
 from hybriddl import __version__
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import cpu_model, gpus, usable_cores
+from hybriddl.hosts.hostinfo import cpu_model, gpus, host_name, usable_cores
 from hybriddl.run.rundir import atomic_write_json
 from hybriddl.strategies import StrategySpec
 
@@ -75,7 +74,7 @@ def profile_dir(given: str | os.PathLike | None = None) -> Path:
 
 
 def this_host() -> str:
-    return socket.gethostname()
+    return host_name()
 
 
 def profile_path(directory: str | os.PathLike, usecase: str, host: str | None = None) -> Path:
