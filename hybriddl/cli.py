@@ -16,6 +16,7 @@ from rich.table import Table
 
 from hybriddl import __version__
 from hybriddl.compare import CONTENDERS, MeasureSettings
+from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
+    add_emulate_parser(commands)
     return parser
 
 

@@ -62,7 +62,7 @@ class NicCounters:
                            self.bytes_received - earlier.bytes_received)
 
     def as_dict(self) -> dict:
-        return {"host": self.host, "bytes_sent": self.bytes_sent,
+        return {"name": self.host, "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received}
 
 
@@ -359,12 +359,22 @@ class EmulatedHosts:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except BaseException:
-            process.kill()
-            process.communicate()
+            stop(process)
             raise
         seconds = time.monotonic() - started
         traffic = [after - early for after, early in zip(self.counters(), before)]
         return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr)
+
+
+def stop(process: subprocess.Popen, grace: float = 10) -> None:
+    """End an mpirun we started: SIGTERM first (mpirun then ends its ranks), then SIGKILL."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.communicate()
 
 
 def _main_thread() -> bool:
