@@ -309,6 +309,15 @@ class EmulatedHosts:
         (started from host 0; `mca` adds or overrides Open MPI parameters)."""
         if ranks_per_host < 1:
             raise UsageError(f"--ranks-per-host {ranks_per_host}: give at least 1")
+        return self.mpirun_options(ranks_per_host, mca, mpirun,
+                                   map_by=f"ppr:{ranks_per_host}:node") + [
+            "-np", str(ranks_per_host * self.count), *command]
+
+    def mpirun_options(self, ranks_per_host: int = 1, mca: dict[str, str] | None = None,
+                       mpirun: str | None = None, map_by: str = "node") -> list[str]:
+        """mpirun and its options for these hosts, without -np: append `-np N COMMAND`
+        (or several `: -np N COMMAND` apps). Ranks go round robin over the hosts: rank r
+        on host r % H."""
         hostfile = self.folder / "hostfile"
         hostfile.write_text("".join(f"{a} slots={ranks_per_host}\n" for a in self.addresses))
         launcher = mpirun or str(Path(sys.executable).parent / "mpirun")
@@ -316,13 +325,12 @@ class EmulatedHosts:
             launcher = shutil.which("mpirun") or launcher
         parameters = {**MPI_TRANSPORT, "plm_rsh_agent": str(self.folder / "agent"),
                       **(mca or {})}
-        argv = [launcher, "--hostfile", str(hostfile), "-npernode", str(ranks_per_host),
-                "-np", str(ranks_per_host * self.count), "--bind-to", "none"]
-        if any(self.cores) and ranks_per_host > len(self.cores[0] or []) or not any(self.cores):
-            argv.append("--oversubscribe")
+        if self.cores[0] is None or ranks_per_host > len(self.cores[0]):
+            map_by += ":oversubscribe"
+        argv = [launcher, "--hostfile", str(hostfile), "--map-by", map_by, "--bind-to", "none"]
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
-        return self.on_host(0, [*argv, *command])
+        return self.on_host(0, argv)
 
     def _write_agent(self) -> None:
         """The rsh agent mpirun uses to start its daemon on host i: no ssh, just `on_host`."""
