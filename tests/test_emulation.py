@@ -127,15 +127,15 @@ def test_the_bandwidth_limit_is_really_applied(tmp_path):
 
 def test_traffic_between_ranks_of_one_host_is_not_counted(tmp_path):
     report = tmp_path / "report.json"
-    worker = [sys.executable, str(BENCH), "--hosts", "1", "--bandwidth", "1gbit", "--mib", "8",
+    worker = [sys.executable, str(BENCH), "--hosts", "1", "--bandwidth", "1gbit", "--mib", "2",
               "--repeats", "1", "--output", str(tmp_path / "unused.json"), "--worker",
               str(tmp_path / "figures.json")]
     done = emulate("--hosts", "1", "--ranks-per-host", "2", "--report", str(report), "--",
                    *worker)
     assert done.returncode == 0, done.stderr[-3000:]
-    # Two ranks averaged 8 MiB twice (warm-up and one repeat): nothing of it left the host.
+    # Two ranks averaged 2 MiB twice (warm-up and one repeat): nothing of it left the host.
     host = json.loads(report.read_text())["hosts"][0]
-    assert host["bytes_sent"] < 0.01 * 8 * MIB and host["bytes_received"] < 0.01 * 8 * MIB
+    assert host["bytes_sent"] < 0.02 * 2 * MIB and host["bytes_received"] < 0.02 * 2 * MIB
 
     done = emulate("--hosts", "2", "--ranks-per-host", "2", "--report", str(report), "--",
                    *worker)
@@ -143,7 +143,7 @@ def test_traffic_between_ranks_of_one_host_is_not_counted(tmp_path):
     # 4 ranks, 2 allreduces of S: at most a flat ring's 2(P-1)/P*S per host NIC each, not
     # the 2 x that a count of every rank's traffic would give.
     for host in json.loads(report.read_text())["hosts"]:
-        assert host["bytes_sent"] <= 1.1 * 2 * (2 * 3 / 4 * 8 * MIB), host
+        assert host["bytes_sent"] <= 1.1 * 2 * (2 * 3 / 4 * 2 * MIB), host
 
 
 def test_without_root_emulate_says_so_in_one_line_and_exits_2():
@@ -162,7 +162,7 @@ def start_sleeping(marker: str) -> subprocess.Popen:
         [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--", sys.executable,
          "-c", f"import time; time.sleep(600)  # {marker}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
-    wait_for(lambda: len([p for p in marked(marker) if "python" in p.name()]) >= 2,
+    wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[1:2] == ["-c"]]) == 2,
              "both ranks running", process)
     return process
 
@@ -175,7 +175,7 @@ def test_ctrl_c_to_emulate_leaves_nothing_behind():
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
-    assert "interrupted" in err
+    assert "emulate interrupted by SIGINT" in err
     assert leftovers(process.pid, marker) == []
     assert root_namespace() == before
 

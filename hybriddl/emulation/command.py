@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,10 +37,6 @@ def add_emulate_parser(commands) -> argparse.ArgumentParser:
 
 def cmd_emulate(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
-
-    from hybriddl.emulation.hosts import EmulatedHosts
-    from hybriddl.rundir import atomic_write_json
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -55,6 +52,34 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     console = Console(stderr=True)
+    # Ctrl-C and SIGTERM (a job scheduler, kill) must tear the hosts down, also when the
+    # shell that started us ignores SIGINT (a background job of a script does).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+    try:
+        return _run(args, command, report, env, console)
+    except Interrupted as stop:
+        console.print(f"hybriddl: emulate interrupted by {signal.Signals(stop.signum).name}; "
+                      "the emulated hosts are torn down", markup=False, highlight=False)
+        return 128 + stop.signum
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _run(args, command, report, env, console) -> int:
+    from rich.table import Table
+
+    from hybriddl.emulation.hosts import EmulatedHosts
+    from hybriddl.rundir import atomic_write_json
+
     with EmulatedHosts(hosts=args.hosts, cores_per_host=args.cores_per_host,
                        bandwidth=args.bandwidth, latency=args.latency) as cluster:
         for note in cluster.notes:

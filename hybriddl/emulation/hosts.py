@@ -265,12 +265,12 @@ class EmulatedHosts:
 
     def close(self) -> None:
         """Stop every process still on the hosts, delete the namespaces (and with them
-        the veths and qdiscs) and the hosts' files. Safe to call twice; Ctrl-C waits."""
+        the veths and qdiscs) and the hosts' files. Safe to call twice."""
         if not self._up:
             return
-        previous = signal.getsignal(signal.SIGINT) if _main_thread() else None
-        if previous is not None:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A second Ctrl-C (or a SIGTERM) must not leave the teardown half done.
+        stoppers = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stoppers}
         try:
             for namespace in [*self.namespaces, self.switch]:
                 if namespace in _namespaces():
@@ -280,8 +280,8 @@ class EmulatedHosts:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self._up = False
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     # ------------------------------------------------------------------ NICs
     def counters(self) -> list[NicCounters]:
