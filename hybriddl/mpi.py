@@ -49,6 +49,11 @@ def _initialise():
     # pending operations fail with MPI_ERR_PROC_FAILED and Comm.Get_failed() names it;
     # without it, the first survivor to notice aborts and mpirun blames that survivor.
     os.environ.setdefault("OMPI_MCA_mpi_ft_enable", "1")
+    # Gradient buckets go through Iallreduce, and Open MPI's libnbc picks a binomial tree
+    # for it below 4 ranks: root receives, then sends, one after the other. Measured on 2
+    # emulated hosts at 1 Gbit/s, 64 MiB: 1.16 s with its choice, 0.60 s with its ring
+    # (bound 0.54 s); on 4 hosts, 32 MiB: 0.67 s against 0.56 s (bound 0.40 s).
+    os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "ring")
     import mpi4py
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = False
