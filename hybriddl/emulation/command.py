@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.emulation.hosts import EmulationFailed
 from hybriddl.errors import UsageError
 
 
@@ -58,6 +59,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         signal.signal(signum, _interrupt)
     try:
         return _run(args, command, report, env, console)
+    except EmulationFailed as exc:
+        console.print(f"hybriddl: emulated hosts failed: {exc}", markup=False, highlight=False,
+                      soft_wrap=True)
+        return 1
     except Interrupted as stop:
         console.print(f"hybriddl: emulate interrupted by {signal.Signals(stop.signum).name}; "
                       "the emulated hosts are torn down", markup=False, highlight=False)

@@ -49,6 +49,10 @@ class EmulationUnavailable(UsageError):
     """This machine (or this user) cannot make network namespaces."""
 
 
+class EmulationFailed(RuntimeError):
+    """Setting up the emulated hosts failed (the message names the command and why)."""
+
+
 @dataclass(frozen=True)
 class NicCounters:
     """Bytes a host's NIC sent and received (since boot of the NIC, or over a span)."""
@@ -99,14 +103,18 @@ def seconds_of(delay: str) -> float:
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+        raise EmulationFailed(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
     return done
 
 
 def _tc(namespace: str, *args: str) -> None:
     done = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True)
+    if done.returncode != 0 and "netem" in args and "unknown" in done.stderr:
+        raise EmulationUnavailable("--latency needs the kernel's netem qdisc (module "
+                                   "sch_netem), which this machine lacks: leave --latency out")
     if done.returncode != 0:
-        raise RuntimeError(f"tc {' '.join(args)} in {namespace} failed: {done.stderr.strip()}")
+        raise EmulationFailed(f"tc {' '.join(args)} in {namespace} failed: "
+                              f"{done.stderr.strip()}")
 
 
 def check_available() -> None:
