@@ -162,7 +162,8 @@ def start_sleeping(marker: str) -> subprocess.Popen:
         [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--", sys.executable,
          "-c", f"import time; time.sleep(600)  # {marker}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
-    wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[1:2] == ["-c"]]) == 2,
+    ranks = [sys.executable, "-c"]
+    wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[:2] == ranks]) == 2,
              "both ranks running", process)
     return process
 
