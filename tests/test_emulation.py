@@ -185,7 +185,9 @@ def test_a_killed_runs_leftovers_are_removed_by_the_next_run():
     marker = f"marker-{uuid.uuid4().hex}"
     process = start_sleeping(marker)
     process.kill()
-    process.communicate()
+    process.wait()  # not communicate: the orphaned ranks still hold its pipes
+    process.stdout.close()
+    process.stderr.close()
     assert leftovers(process.pid, marker)  # killed: nothing could tear down
     done = emulate("--hosts", "1", "--", "true")
     assert done.returncode == 0, done.stderr
