@@ -21,7 +21,7 @@ LOOPBACK = ["--oversubscribe", "--bind-to", "none", "--mca", "btl", "tcp,self",
 
 @dataclass(frozen=True)
 class Launcher:
-    """mpirun and its options (append `-np N COMMAND`); rank r runs on host r % H."""
+    """mpirun and its options (append `-np N COMMAND`); rank r runs on host r."""
 
     argv: list[str]
     hostnames: list[str]  # what a rank's socket.gethostname() says
@@ -33,6 +33,13 @@ class Launcher:
 
     def node(self, rank: int) -> str:
         return self.nodes[rank % len(self.nodes)]
+
+    def place(self, first_rank: int, ranks: int) -> list[str]:
+        """Options of one app (MPMD `:`) putting its ranks on hosts first_rank, ...: mpirun
+        maps each app from the first host again."""
+        if not self.emulated:
+            return []
+        return ["--host", ",".join(self.node(r) for r in range(first_rank, first_rank + ranks))]
 
 
 def can_emulate() -> bool:

@@ -68,10 +68,13 @@ def mpirun(*apps: tuple[int, list[str]], timeout: float = 300,
            launcher=None) -> subprocess.CompletedProcess:
     """mpirun over loopback TCP (or `launcher`'s hosts); each app is (ranks, hybriddl
     arguments) (MPMD with ':')."""
-    command = launcher.argv if launcher else [str(MPIRUN), *LOOPBACK]
+    command = [*launcher.argv] if launcher else [str(MPIRUN), *LOOPBACK]
+    first = 0
     for i, (ranks, args) in enumerate(apps):
-        command += ([":"] if i else []) + ["-np", str(ranks), sys.executable, "-m", "hybriddl",
-                                           *args]
+        place = launcher.place(first, ranks) if launcher else []
+        command += ([":"] if i else []) + ["-np", str(ranks), *place, sys.executable, "-m",
+                                           "hybriddl", *args]
+        first += ranks
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=hybriddl_env())
 

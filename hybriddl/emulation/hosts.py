@@ -317,15 +317,14 @@ class EmulatedHosts:
         (started from host 0; `mca` adds or overrides Open MPI parameters)."""
         if ranks_per_host < 1:
             raise UsageError(f"--ranks-per-host {ranks_per_host}: give at least 1")
-        return self.mpirun_options(ranks_per_host, mca, mpirun,
-                                   map_by=f"ppr:{ranks_per_host}:node") + [
+        return self.mpirun_options(ranks_per_host, mca, mpirun) + [
             "-np", str(ranks_per_host * self.count), *command]
 
     def mpirun_options(self, ranks_per_host: int = 1, mca: dict[str, str] | None = None,
-                       mpirun: str | None = None, map_by: str = "node") -> list[str]:
+                       mpirun: str | None = None) -> list[str]:
         """mpirun and its options for these hosts, without -np: append `-np N COMMAND`
-        (or several `: -np N COMMAND` apps). Ranks go round robin over the hosts: rank r
-        on host r % H."""
+        (or several `: -np N COMMAND` apps). Each host has `ranks_per_host` slots, filled
+        in order (also across apps): rank r runs on host r // ranks_per_host."""
         hostfile = self.folder / "hostfile"
         hostfile.write_text("".join(f"{a} slots={ranks_per_host}\n" for a in self.addresses))
         launcher = mpirun or str(Path(sys.executable).parent / "mpirun")
@@ -333,6 +332,7 @@ class EmulatedHosts:
             launcher = shutil.which("mpirun") or launcher
         parameters = {**MPI_TRANSPORT, "plm_rsh_agent": str(self.folder / "agent"),
                       **(mca or {})}
+        map_by = "slot"
         if self.cores[0] is None or ranks_per_host > len(self.cores[0]):
             map_by += ":oversubscribe"
         argv = [launcher, "--hostfile", str(hostfile), "--map-by", map_by, "--bind-to", "none"]
