@@ -12,6 +12,7 @@ from hybriddl.compare.compare import CONTENDERS, MeasureSettings
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
+from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, Processes
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
+    add_emulate_parser(commands)
     return parser
 
 

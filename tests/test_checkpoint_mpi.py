@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from conftest import REPO, hybriddl_env
+from emulated import hosts_launcher
 from held_run import Held, kill_leftovers
 from sample_data import write_tinted_classes
 from hybriddl.run import checkpoint
@@ -74,8 +75,9 @@ def uninterrupted(images, tmp_path_factory) -> Path:
     return run_dir
 
 
-def held_ranks(tmp_path: Path, images: Path, run_dir: Path, **hold) -> tuple[Held, list]:
-    held = Held(tmp_path, train_args(images, run_dir), launcher=LAUNCH, ranks=2,
+def held_ranks(tmp_path: Path, images: Path, run_dir: Path, launch: list[str] = LAUNCH,
+               **hold) -> tuple[Held, list]:
+    held = Held(tmp_path, train_args(images, run_dir), launcher=launch, ranks=2,
                 env=hybriddl_env(), **hold)
     everything = psutil.Process(held.process.pid).children(recursive=True)
     assert {held.pid(0), held.pid(1)} <= {p.pid for p in everything}
@@ -107,16 +109,17 @@ def resume_under_mpirun(run_dir: Path) -> None:
 def test_sigusr1_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint(images, tmp_path,
                                                                           uninterrupted):
     run_dir = tmp_path / "run"
-    held, processes = held_ranks(tmp_path, images, run_dir, pause_at=STEPS_PER_EPOCH + 1,
-                                 where="step")
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
-    held.process.send_signal(signal.SIGUSR1)
-    held.release()
-    code, err = held.finish()
+    with hosts_launcher(2) as launcher:  # two emulated hosts where this machine allows
+        held, processes = held_ranks(tmp_path, images, run_dir, [*launcher.argv, "-np", "2"],
+                                     pause_at=STEPS_PER_EPOCH + 1, where="step")
+        assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+        held.process.send_signal(signal.SIGUSR1)
+        held.release()
+        code, err = held.finish()
+        assert_all_gone(processes)  # before the emulated hosts' teardown could end them
     assert code != 0
     assert f"hybriddl train --resume {run_dir}" in err
     assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
-    assert_all_gone(processes)
 
     resume_under_mpirun(run_dir)
     assert_same_model(run_dir, uninterrupted)
