@@ -34,7 +34,8 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.data import load_data, render_synthetic  # noqa: E402
+from hybriddl.data import render_synthetic  # noqa: E402
+from hybriddl.data.loading import load_data  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 TARGETS = {"rss_growth_mib": 150, "images_per_second_spread_pct": 10, "data_wait_pct": 5}

@@ -9,9 +9,11 @@ import pytest
 import torch
 from sample_data import CIFAR_FOLDER, write_cifar10, write_image, write_imagefolder
 
-from hybriddl import data, datacache
+from hybriddl import data
+from hybriddl.data.loading import load_data
+from hybriddl.data import cache as datacache
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
 
 
 class Calls(list):
@@ -23,7 +25,7 @@ class Calls(list):
 
 def load(spec, cache, image_size=16, **options):
     progress = Calls()
-    split = data.load_data(spec, variant="small", image_size=image_size, cache_dir=str(cache),
+    split = load_data(spec, variant="small", image_size=image_size, cache_dir=str(cache),
                            progress=progress, **options)
     return split, progress
 
@@ -287,7 +289,7 @@ def test_cifar10_goes_through_the_cache_once(tmp_path):
 
 def test_an_imagefolder_bigger_than_the_old_memory_limit_trains(tmp_path, monkeypatch):
     """The old loader refused a folder whose decoded size exceeded half the free RAM."""
-    from hybriddl import trainer
+    from hybriddl.run import trainer
     from hybriddl.strategies import StrategyOptions
 
     root = write_imagefolder(tmp_path / "images", per_class=6,

@@ -2,7 +2,7 @@
 
 Every source ends up as an `ImageSet`: uint8 images plus labels. The embedded set is
 held in memory; every other source is streamed from its cache file on disk
-(hybriddl.datacache), so its size is bounded by the disk, not by RAM. The
+(hybriddl.data.cache), so its size is bounded by the disk, not by RAM. The
 paper's preprocessing is applied per batch by `BatchTransform` (scale to the model's
 size, horizontal flip, normalisation, float tensor). The flip of each sample is drawn
 from the seed and the epoch *before* a global batch is cut into host or worker
@@ -56,34 +56,6 @@ class DataSplit:
 
 
 # --------------------------------------------------------------------------- sources
-
-def load_data(spec: str, *, variant: str, image_size: int, classes: int | None = None,
-              val_fraction: float = 0.2, progress: Progress | None = None,
-              cache_dir: str | None = None,
-              stop_signal: Callable[[], int | None] = lambda: None) -> DataSplit:
-    """Load `--data SPEC`: "synthetic", "synthetic:N", "cifar10:DIR" or an ImageFolder.
-
-    All but the embedded "synthetic" are streamed from a cache in `cache_dir` (built
-    first when needed; see hybriddl.datacache for `stop_signal`).
-    """
-    if spec == "synthetic":
-        if classes is not None:
-            raise UsageError("--classes applies to cifar10: data only; leave it out")
-        split = synthetic_split(variant, progress=progress)
-    else:
-        from hybriddl.datacache import streamed_split  # it builds on this module
-
-        split = streamed_split(spec, image_size=image_size, classes=classes,
-                               val_fraction=val_fraction, cache_dir=cache_dir,
-                               progress=progress, stop_signal=stop_signal)
-    if len(split.classes) < 2:
-        raise UsageError(f"{split.source} has {len(split.classes)} class; a classifier needs "
-                         "at least 2 classes: add a subfolder of images for each class")
-    if len(split.train) == 0 or len(split.val) == 0:
-        raise UsageError(f"{split.source} has too few images for a train/validation split: "
-                         "add images or lower --val-fraction")
-    return split
-
 
 def synthetic_split(variant: str, *, progress: Progress | None = None) -> DataSplit:
     """The embedded, procedurally generated 3-class set (fire / smoke / clear scenes).

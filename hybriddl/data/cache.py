@@ -42,7 +42,7 @@ from torchvision.transforms import v2
 from hybriddl.data import (SYNTHETIC_CLASSES, DataSplit, ImageSet, Progress, render_synthetic,
                            stratified_split)
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
-from hybriddl.rundir import atomic_write_json
+from hybriddl.run.rundir import atomic_write_json
 
 MAGIC = b"HYBRIDDL-CACHE1\n"
 FORMAT_VERSION = 1
