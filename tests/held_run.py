@@ -110,7 +110,7 @@ def _hold_at_call(owner, name: str, pause_at: int, hold, counts=lambda *a: True,
 
 
 def _main(argv: list[str]) -> int:
-    import hybriddl.checkpoint
+    import hybriddl.run.checkpoint
     import hybriddl.strategies.sequential
     from hybriddl.cli import main
 
@@ -125,7 +125,7 @@ def _main(argv: list[str]) -> int:
             time.sleep(0.01)
 
     if where == "after-write":
-        _hold_at_call(hybriddl.checkpoint, "atomic_torch_save", pause_at, hold, after=True)
+        _hold_at_call(hybriddl.run.checkpoint, "atomic_torch_save", pause_at, hold, after=True)
     elif where == "inside-write":
         _hold_at_call(os, "fsync", pause_at, hold,
                       lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))

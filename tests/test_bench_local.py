@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO, hybriddl_env
-from hybriddl.benchmark import StepTiming
+from hybriddl.tuning.benchmark import StepTiming
 
 
 def load_bench_local():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybriddl.benchmark import StepTiming
+from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.strategies.layerwise import split_at_classifier
@@ -75,8 +75,8 @@ def test_layerwise_cut_keeps_every_parameter():
 
 
 def test_tuner_tries_layerwise_only_on_models_with_the_cut(monkeypatch):
-    from hybriddl import tuner
-    from hybriddl.profiles import Settings
+    from hybriddl.tuning import tuner
+    from hybriddl.tuning.profiles import Settings
     from test_tuner import tiny_images
 
     tried = []

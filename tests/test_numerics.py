@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.profiles import StrategyChoice
+from hybriddl.strategies import StrategySpec
 from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.tuner import HostResources, enumerate_candidates
+from hybriddl.strategies import HostResources
+from hybriddl.tuning.tuner import enumerate_candidates
 from test_strategies import sequential_parameters, train
 
 # channels_last runs oneDNN's NHWC convolution kernels, which may sum in another order:
@@ -86,7 +87,7 @@ def test_tuner_tries_bf16_only_when_allowed():
     fp32 = enumerate_candidates(HostResources(cores=2), 16)
     auto = enumerate_candidates(HostResources(cores=2), 16, precision="auto")
     assert all(c.precision == "fp32" for c in fp32)
-    assert StrategyChoice("layerwise", workers=2) in fp32
+    assert StrategySpec("layerwise", workers=2) in fp32
     bf16 = [c for c in auto if c.precision == "bf16"]
     assert [c.label for c in bf16] == [
         "intraop K=2 bf16 channels_last", "threads K=2 bf16 channels_last",
@@ -95,7 +96,7 @@ def test_tuner_tries_bf16_only_when_allowed():
 
 
 def test_bf16_choice_round_trips_and_gives_its_options():
-    choice = StrategyChoice("layerwise", workers=2, precision="bf16", channels_last=True)
-    assert StrategyChoice.from_dict(choice.to_dict()) == choice
+    choice = StrategySpec("layerwise", workers=2, precision="bf16", channels_last=True)
+    assert StrategySpec.from_dict(choice.to_dict()) == choice
     options = choice.options()
     assert (options.precision, options.channels_last) == ("bf16", True)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import (PRECISIONS, LocalStrategy, StepStats, StrategyOptions,
-                                      check_numerics, criterion)
+from hybriddl.strategies.base import LocalStrategy, StepStats, check_numerics, criterion
 from hybriddl.strategies.flat import Flat
 from hybriddl.strategies.gpu import Gpu
 from hybriddl.strategies.gpu_threads import GpuThreads
@@ -12,20 +11,22 @@ from hybriddl.strategies.intraop import IntraOp
 from hybriddl.strategies.layerwise import LayerWise
 from hybriddl.strategies.pipeline import Pipeline
 from hybriddl.strategies.processes import Processes
+from hybriddl.strategies.resources import HostResources
 from hybriddl.strategies.sequential import Sequential
+from hybriddl.strategies.spec import PRECISIONS, STRATEGIES, StrategyOptions, StrategySpec
 from hybriddl.strategies.threads import Threads
 
-STRATEGIES: dict[str, type[LocalStrategy]] = {
-    Sequential.name: Sequential,
-    IntraOp.name: IntraOp,
-    Threads.name: Threads,
-    Processes.name: Processes,
-    LayerWise.name: LayerWise,
-    Gpu.name: Gpu,
-    Pipeline.name: Pipeline,
-    GpuThreads.name: GpuThreads,
-    Flat.name: Flat,
-}
+STRATEGIES.update({cls.name: cls for cls in (
+    Sequential,
+    IntraOp,
+    Threads,
+    Processes,
+    LayerWise,
+    Gpu,
+    Pipeline,
+    GpuThreads,
+    Flat,
+)})
 
 
 def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
@@ -40,5 +41,6 @@ def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> Lo
     return cls(options)
 
 
-__all__ = ["PRECISIONS", "LocalStrategy", "StepStats", "StrategyOptions", "STRATEGIES", "criterion",
-           "make_strategy"]
+__all__ = ["PRECISIONS", "Flat", "Gpu", "GpuThreads", "HostResources", "IntraOp", "LayerWise", "LocalStrategy", "Pipeline",
+           "Processes", "STRATEGIES", "Sequential", "StepStats", "StrategyOptions", "StrategySpec",
+           "Threads", "criterion", "make_strategy"]

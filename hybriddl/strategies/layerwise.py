@@ -38,10 +38,11 @@ import torch
 from torch import nn
 
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, StrategyOptions,
-                                      criterion, run_forward)
+from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, criterion,
+                                      run_forward, sub_batches)
+from hybriddl.strategies.spec import StrategyOptions
 
 
 class LayerWise(CoreWorkersStrategy):
@@ -72,10 +73,10 @@ class LayerWise(CoreWorkersStrategy):
         if not self.cut_checked:
             self._check_cut(x[:1])
         n = len(y)
-        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        parts = sub_batches(n, self.workers)
         conv_params = [p for p in self.convolutions.parameters() if p.requires_grad]
 
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         futures = [self.pool.submit(_convolutions_forward, self.convolutions, x[a:b], self.options)
                    for a, b in parts[1:]]
         try:
@@ -85,7 +86,7 @@ class LayerWise(CoreWorkersStrategy):
             wait(futures)  # no worker may still run when this step ends, even on error
         outputs += [future.result() for future in futures]
 
-        torch.set_num_threads(self.classifier_threads)
+        set_torch_threads(self.classifier_threads)
         classifier_started = time.perf_counter()
         features = torch.cat([out.detach() for out in outputs]).requires_grad_()
         loss = criterion(run_forward(self.classifier, features, self.options), y)
@@ -93,7 +94,7 @@ class LayerWise(CoreWorkersStrategy):
         features_grad = features.grad
         classifier_seconds = time.perf_counter() - classifier_started
 
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         futures = [self.pool.submit(_convolutions_backward, out, conv_params, features_grad[a:b])
                    for out, (a, b) in zip(outputs[1:], parts[1:])]
         try:
@@ -101,17 +102,11 @@ class LayerWise(CoreWorkersStrategy):
             outputs[0].backward(features_grad[a:b])
         finally:
             wait(futures)
-        torch.set_num_threads(self.classifier_threads)
+        set_torch_threads(self.classifier_threads)
         reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
-                for p, g in zip(conv_params, future.result()):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+                add_gradients(conv_params, future.result())
         done = time.perf_counter()
         return StepStats(n, loss.item() * n, done - started,
                          {"parts": len(parts), "classifier_seconds": classifier_seconds,
@@ -152,14 +147,14 @@ def split_at_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     (AlexNet, VGG, MobileNetV3, EfficientNet); UsageError for any other."""
     parts = [getattr(model, name, None) for name in ("features", "avgpool", "classifier")]
     if not all(isinstance(part, nn.Module) for part in parts):
-        raise UsageError(f"strategy 'layerwise' needs a model made of {_MODEL_SHAPE} (AlexNet, "
+        raise UsageError(f"strategy {LayerWise.name!r} needs a model made of {_MODEL_SHAPE} (AlexNet, "
                          f"VGG, ...); {type(model).__name__} is not: use another --strategy")
     features, avgpool, classifier = parts
     return nn.Sequential(features, avgpool, nn.Flatten(1)), classifier
 
 
 def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options) -> torch.Tensor:
-    torch.set_num_threads(1)  # OpenMP thread counts are per calling thread
+    set_torch_threads(1)  # OpenMP thread counts are per calling thread
     if options.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     # Autocast is thread-local, so each worker enters it; the output stays bfloat16
@@ -170,5 +165,5 @@ def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options) -> 
 
 def _convolutions_backward(output: torch.Tensor, params: list[torch.Tensor],
                            output_grad: torch.Tensor):
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     return torch.autograd.grad(output, params, output_grad, allow_unused=True)
