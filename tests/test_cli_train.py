@@ -106,6 +106,18 @@ def test_max_steps_stops_across_epochs(cli, tmp_path):
     model.load_state_dict(torch.load(run_dir / MODEL, weights_only=True), strict=True)
 
 
+def test_train_records_the_numerics_it_ran_in(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    done = cli("train", "--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "4",
+               "--max-steps", "1", "--strategy", "layerwise", "--workers", "2", "--oversubscribe",
+               "--precision", "bf16", "--channels-last", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    strategy = json.loads((run_dir / METRICS).read_text())["config"]["strategy"]
+    assert (strategy["precision"], strategy["channels_last"]) == ("bf16", True)
+    state = torch.load(run_dir / MODEL, weights_only=True)
+    assert all(t.dtype != torch.bfloat16 for t in state.values())  # float32 master weights
+
+
 def test_train_on_an_imagefolder(cli, tmp_path):
     root = write_imagefolder(tmp_path / "images", per_class=6,
                              classes={"fire": (230, 80, 10), "smoke": (150, 150, 150),
@@ -169,6 +181,6 @@ def test_python_m_hybriddl_help_lists_the_subcommands(cli):
     train_help = cli("train", "--help")
     for flag in ("--usecase", "--model", "--image-size", "--batch-size", "--epochs", "--lr",
                  "--momentum", "--dropout", "--seed", "--max-steps", "--data", "--run-dir",
-                 "--classes"):
+                 "--classes", "--precision", "--channels-last"):
         assert flag in train_help.stdout
 

@@ -88,11 +88,18 @@ def test_tuner_tries_bf16_only_when_allowed():
     auto = enumerate_candidates(HostResources(cores=2), 16, precision="auto")
     assert all(c.precision == "fp32" for c in fp32)
     assert StrategySpec("layerwise", workers=2) in fp32
+    assert StrategySpec("layerwise", workers=2, channels_last=True) in fp32  # fp32 NHWC too
     bf16 = [c for c in auto if c.precision == "bf16"]
     assert [c.label for c in bf16] == [
         "intraop K=2 bf16 channels_last", "threads K=2 bf16 channels_last",
         "processes K=2 bf16 channels_last", "layerwise K=2 bf16 channels_last"]
     assert set(auto) - set(bf16) == set(fp32)  # the baseline stays sequential in float32
+
+
+def test_default_numerics_are_left_out_of_profiles_so_old_profiles_read_the_same():
+    old = {"name": "threads", "workers": 2, "micro_batches": None, "devices": []}
+    assert StrategySpec.from_dict(old) == StrategySpec("threads", workers=2)
+    assert StrategySpec("threads", workers=2).to_dict() == old
 
 
 def test_bf16_choice_round_trips_and_gives_its_options():

@@ -84,6 +84,8 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
+    if strategy is not None:
+        strategy.check_model(model)  # before the run directory exists
     choice = None
     if auto:
         # Tuning draws random numbers of its own; the run's stream must not see them.
