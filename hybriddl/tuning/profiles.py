@@ -13,8 +13,9 @@ version 1 (``SCHEMA_VERSION``)::
         "cpu_model": "Intel(R) Xeon(R) ...", "cores_usable": 2, "ram_gib": 7.8,
         "gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.14.1"
       },
-      "settings": {                            # what was measured; train matches all four
-        "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16
+      "settings": {                            # what was measured; train matches all five
+        "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16,
+        "precision": "fp32"                    # --precision: fp32, bf16 or auto
       },
       "measurement": {"warmup_steps": 1, "timed_steps": 5, "budget_seconds": 600.0,
                       "seconds_spent": 312.5},
@@ -33,6 +34,8 @@ version 1 (``SCHEMA_VERSION``)::
         }
       ],
       "pick": {"name": "threads", "workers": 2, "micro_batches": null, "devices": []}
+      # A strategy dict carries "precision": "bf16" and/or "channels_last": true only where
+      # they differ from float32 / the default memory format, so older profiles read the same.
     }
 
 ``pick`` is the strategy of the measured candidate with the lowest seconds per step.
