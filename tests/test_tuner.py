@@ -425,5 +425,5 @@ def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
 
 def test_train_auto_refuses_workers_and_devices(capsys, tmp_path):
     assert main(["train", "--strategy", "auto", "--workers", "2", "--run-dir", str(tmp_path / "r")]) == 2
-    assert "--workers and --devices go with a named --strategy" in capsys.readouterr().err
+    assert "--workers, --devices and --channels-last go with a named --strategy" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
