@@ -16,7 +16,7 @@ from rich.table import Table
 
 from hybriddl import __version__
 from hybriddl.compare import CONTENDERS, MeasureSettings
-from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
+from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
 from hybriddl.usecases import USECASES
@@ -522,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         console.print(f"hybriddl: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 2
+    except StorageError as exc:  # also from tune and compare, which train nothing
+        console.print(f"hybriddl: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 1
     except TrainingError as exc:
         console.print(f"hybriddl: training stopped: {exc}", markup=False, highlight=False,
                       soft_wrap=True)
