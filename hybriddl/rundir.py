@@ -65,7 +65,10 @@ def remove_partial_writes(run_dir: Path) -> list[Path]:
     """Delete the temporary files a killed run left behind (never complete, never loaded)."""
     removed = []
     for partial in Path(run_dir).glob(PARTIAL_GLOB):
-        partial.unlink(missing_ok=True)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            continue  # a read-only run directory: check_storage says so next
         removed.append(partial)
     return removed
 
