@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,10 +41,22 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(directory)
         finally:
             os.close(directory)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StorageError(f"writing {path} failed: {exc.strerror or exc} "
+    except Exception as exc:
+        with contextlib.suppress(OSError):  # on a read-only file system even a no-op fails
+            tmp.unlink(missing_ok=True)
+        cause = os_error(exc)
+        if cause is None:
+            raise
+        raise StorageError(f"writing {path} failed: {cause.strerror or cause} "
                            f"({describe_free_space(path.parent)})") from None
+
+
+def os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind `exc`: torch.save reports a full disk as the RuntimeError its
+    zip writer raises while closing, with the OSError as its context."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -56,8 +69,8 @@ def atomic_write_json(path: Path, payload: dict) -> None:
 
 def atomic_torch_save(path: Path, obj) -> None:
     # Straight into the file: a BytesIO first would hold a second copy of a 1 GB checkpoint.
-    # A file object rather than a name: torch's own file writer reports a full disk as an
-    # opaque RuntimeError, Python's as OSError(ENOSPC).
+    # A file object rather than a name: through Python's file the OSError (ENOSPC, EROFS)
+    # survives as the context of torch's error; torch's own file writer loses it.
     write_atomically(path, lambda handle: torch.save(obj, handle))
 
 
