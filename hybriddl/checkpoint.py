@@ -14,8 +14,9 @@ pauses only to copy the state into staging buffers (a memory copy), and a backgr
 thread serialises and fsyncs that copy while the next steps run. One write at a time:
 the next checkpoint, the end of the run, a stop and an error all wait for the one
 under way, so a run never leaves without its last checkpoint complete. Parameters that
-are not finite are never written, so the last good checkpoint survives a diverging run. On resume every rank reads the same file, which therefore has to lie on
-a filesystem all hosts see (as SLURM clusters provide).
+are not finite are never written, so the last good checkpoint survives a diverging run.
+On resume every rank reads the same file, which therefore has to lie on a filesystem all
+hosts see (as SLURM clusters provide).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from torch import nn
 
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 from hybriddl.rundir import CHECKPOINT, atomic_torch_save, check_storage
-from hybriddl.usecases import build_model
 from hybriddl.shutdown import StopRequest
+from hybriddl.usecases import build_model
 
 FORMAT = 1
 

@@ -7,8 +7,8 @@ written while training waits (what hybriddl did before background checkpoints).
 Each round runs `train` in child processes, once per mode, the order rotating between
 rounds: a full epoch, then a few steps of the next. Modes: "background" (this code),
 "wait" (this code, waiting for each write inside the checkpoint call) and, with
---before REV, "before": the hybriddl of that git revision, run from a copy of it. The pause is measured from
-the trainer's own events: from the end of epoch 1 (validated, recorded) to the start of
+--before REV, "before": the hybriddl of that git revision, run from a copy of it.
+The pause is measured from the trainer's own events: from the end of epoch 1 (validated, recorded) to the start of
 epoch 2, which is the checkpoint and nothing else. "wait" reproduces the old behaviour by
 waiting for each write to finish inside the checkpoint call. Also reported: the steps of
 epoch 2 that ran while the write was under way, against epoch 1's steps (the write
@@ -66,7 +66,8 @@ def child(args: argparse.Namespace) -> None:
         def on_epoch_end(self, record):
             events["epoch_end"][record["epoch"] - 1] = time.perf_counter()
 
-    config = trainer.TrainConfig(usecase=args.usecase, model=args.model, image_size=args.image_size, epochs=2,
+    config = trainer.TrainConfig(usecase=args.usecase, model=args.model,
+                                 image_size=args.image_size, epochs=2,
                                  strategy=args.strategy, run_dir=args.run_dir,
                                  strategy_options=StrategyOptions(workers=args.workers),
                                  monitor_interval=0)
@@ -134,7 +135,8 @@ def main() -> None:
 
     result = {
         "command": " ".join(["python", "scripts/bench_checkpoint.py", *sys.argv[1:]]),
-        "usecase": args.usecase, "model": args.model, "image_size": args.image_size, "strategy": args.strategy,
+        "usecase": args.usecase, "model": args.model, "image_size": args.image_size,
+        "strategy": args.strategy,
         "workers": args.workers, "rounds": args.rounds,
         "checkpoint_bytes": runs["background"][0]["checkpoint_bytes"],
         "before": args.before,
