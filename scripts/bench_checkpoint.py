@@ -8,11 +8,11 @@ Each round runs `train` in child processes, once per mode, the order rotating be
 rounds: a full epoch, then a few steps of the next. Modes: "background" (this code),
 "wait" (this code, waiting for each write inside the checkpoint call) and, with
 --before REV, "before": the hybriddl of that git revision, run from a copy of it.
-The pause is measured from the trainer's own events: from the end of epoch 1 (validated, recorded) to the start of
-epoch 2, which is the checkpoint and nothing else. "wait" reproduces the old behaviour by
-waiting for each write to finish inside the checkpoint call. Also reported: the steps of
-epoch 2 that ran while the write was under way, against epoch 1's steps (the write
-competes for memory bandwidth and a core). The image size changes the step time, not the
+The pause is measured from the trainer's own events: from the end of epoch 1
+(validated, recorded) to the start of epoch 2, which is the checkpoint and nothing else.
+Also reported: the steps of epoch 2 that ran while the write was under way, against
+epoch 1's steps (the write competes for memory bandwidth and a core). The image size
+changes the step time, not the
 checkpoint: VGG16's is ~1 GB (parameters and momentum) at any size.
 """
 
