@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
-import traceback
-
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
-from rich.table import Table
 
 from hybriddl import __version__
-from hybriddl.compare import CONTENDERS, MeasureSettings
+from hybriddl.compare.compare import CONTENDERS, MeasureSettings
+from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
+                              files_table, host_table, out, show_error, show_host_failure,
+                              show_pick)
+from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.strategies import STRATEGIES, StrategyOptions
-from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver
+from hybriddl.strategies import STRATEGIES, Processes
+from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import USECASES
-
-console = Console(stderr=True)
-out = Console()
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -60,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
+    add_emulate_parser(commands)
     return parser
 
 
@@ -70,7 +65,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usecase", help=f"one of {names} (default: ComplexSmall)")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
     parser.add_argument("--data",
-                        help="'synthetic' (embedded, default), an ImageFolder DIR, or cifar10:DIR")
+                        help="'synthetic' (embedded, default), synthetic:N (N generated images), "
+                             "an ImageFolder DIR, or cifar10:DIR; all but 'synthetic' are "
+                             "streamed from a cache file built once")
+    parser.add_argument("--data-cache", metavar="DIR",
+                        help="where decoded data are cached for every later run and tune "
+                             "(default: $XDG_CACHE_HOME/hybriddl or ~/.cache/hybriddl)")
     parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
     parser.add_argument("--val-fraction", type=float,
                         help="share of each class held out for validation (default: 0.2)")
@@ -88,6 +88,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its checkpoint; flags left out "
                              "are the checkpoint's")
+    parser.add_argument("--resume-if-exists", metavar="RUN_DIR",
+                        help="for job schedulers that restart the same command: --resume RUN_DIR "
+                             "if it has a checkpoint, nothing (exit 0) if its run finished, "
+                             "else a new run in RUN_DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="also write a checkpoint every N steps (always: every epoch)")
     parser.add_argument("--strategy",
@@ -112,48 +116,11 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=2, help="H hosts (MPI ranks) of the hybrid")
     parser.add_argument("--workers-per-host", type=int, default=2,
                         help="K local workers per host; flat and DDP run H x K ranks")
-    parser.add_argument("--local-strategy", default="processes",
-                        help="the hybrid hosts' local strategy (default: processes)")
+    parser.add_argument("--local-strategy", default=Processes.name,
+                        help=f"the hybrid hosts' local strategy (default: {Processes.name})")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
-
-
-TRAINING_FLAGS = ("usecase", "model", "data", "classes", "val_fraction", "image_size",
-                  "batch_size", "epochs", "lr", "momentum", "dropout", "seed", "max_steps",
-                  "run_dir", "checkpoint_every", "strategy", "profile_dir", "tune_budget",
-                  "monitor_interval", "balance", "throughput")
-
-
-def given_settings(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields the user typed; strategy_options holds the typed options."""
-    given = {name: getattr(args, name) for name in TRAINING_FLAGS
-             if getattr(args, name) is not None}
-    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
-    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
-               "oversubscribe": args.oversubscribe or None}
-    given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
-    return given
-
-
-def training_config(args: argparse.Namespace):
-    """The run's TrainConfig, and with --resume the checkpoint it continues from."""
-    from hybriddl import checkpoint
-    from hybriddl.trainer import TrainConfig
-
-    settings, resume = given_settings(args), None
-    if args.resume is not None:
-        if args.run_dir is not None and args.run_dir != args.resume:
-            raise UsageError(f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed "
-                             "run continues in its own directory; leave --run-dir out")
-        resume = checkpoint.load(args.resume)
-        settings = checkpoint.resumed_settings(resume, settings, args.resume)
-    else:
-        settings.setdefault("strategy", AUTO)
-    options = StrategyOptions(**settings.pop("strategy_options"))
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    settings = {name: value for name, value in settings.items() if name in known}
-    return TrainConfig(**settings, strategy_options=options), resume
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
@@ -167,80 +134,14 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (default: 5)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per candidate (default: 1)")
     parser.add_argument("--output", help="profile file (default: PROFILE_DIR/<host>-<usecase>.json)")
+    parser.add_argument("--data", help="measure on batches of this data, as train's --data "
+                        "(default: the use case's embedded set)")
+    parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
     parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
 
 
-class TuneDisplay(TuneObserver):
-    """rich progress over the candidates: which one runs, its steps, what came of it."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.progress = Progress(TextColumn("[bold]Tuning"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("candidates"), TimeElapsedColumn(),
-                                 TextColumn("{task.description}"), console=console,
-                                 disable=not enabled)
-        self.task = None
-        self.candidates = []
-
-    def on_tune_start(self, candidates, reason) -> None:
-        self.candidates = candidates
-        if not self.enabled:
-            return
-        if reason:
-            console.print(f"hybriddl: {reason}", markup=False, highlight=False)
-        self.progress.start()
-        self.task = self.progress.add_task("", total=len(candidates))
-
-    def on_candidate_start(self, index, choice, share_seconds) -> None:
-        if self.task is not None:
-            self.progress.update(self.task, description=f"{choice.label} "
-                                 f"(share {share_seconds:.0f} s)")
-
-    def on_candidate_step(self, index, step, seconds) -> None:
-        if self.task is not None:
-            choice = self.candidates[index]
-            self.progress.update(self.task, description=f"{choice.label}: step {step + 1}, "
-                                 f"{seconds:.2f} s")
-
-    def on_candidate_end(self, index, result) -> None:
-        if self.task is None:
-            return
-        self.progress.update(self.task, advance=1,
-                             description=f"{result.choice.label}: {result.status}")
-        if index + 1 == len(self.candidates):
-            self.progress.stop()
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-
-def tune_table(profile) -> Table:
-    """The profile's candidates, fastest first, dropped ones last with their note."""
-    s = profile.settings
-    table = Table(title=f"{profile.host}: {s.usecase} ({s.model}), {s.image_size} px, "
-                        f"batch {s.batch_size}")
-    with_gpu = any(c.speedup_over_gpu is not None for c in profile.candidates)
-    columns = ["", "strategy", "s/step", "images/s", "speedup"]
-    columns += ["vs 1 GPU"] if with_gpu else []
-    columns += ["peak RSS MiB", "note"]
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("strategy", "note") else "right",
-                         no_wrap=column != "note")
-    order = sorted(profile.candidates, key=lambda c: (not c.measured, c.seconds_per_step or 0.0))
-    for c in order:
-        picked = c.measured and c.choice == profile.pick
-        figures = [f"{c.seconds_per_step:.3f}", f"{c.images_per_second:.1f}",
-                   f"{c.speedup:.2f}x" if c.speedup is not None else "-"] if c.measured else ["-"] * 3
-        if with_gpu:
-            figures.append(f"{c.speedup_over_gpu:.2f}x" if c.speedup_over_gpu is not None else "-")
-        rss = f"{c.peak_rss_bytes / 2**20:.0f}" if c.peak_rss_bytes else "-"
-        table.add_row("[bold green]pick[/]" if picked else ("dropped" if not c.measured else ""),
-                      c.choice.label, *figures, rss, c.note,
-                      style="bold" if picked else ("dim" if not c.measured else None))
-    return table
-
 def add_hosts_args(parser: argparse.ArgumentParser) -> None:
-    from hybriddl.cluster import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+    from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
 
     group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
     group.add_argument("--overlap", action="store_true",
@@ -260,122 +161,20 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
 
 
 
-class TrainDisplay:
-    """rich progress bar per epoch (batch, ETA, img/s, loss) and the epoch table."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.tuning = TuneDisplay(enabled)  # shown when --strategy auto has to tune first
-        self.progress = self._new_progress()
-        self.task = None
-        self.epochs = 0
-        self.records: list[dict] = []
-        self._samples = 0
-        self._seconds = 0.0
-
-    def _new_progress(self) -> Progress:
-        return Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("batches"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            TextColumn("{task.fields[rate]:>7.1f} img/s  loss {task.fields[loss]:.4f}"),
-            console=console, disable=not self.enabled, transient=False)
-
-    def on_data_progress(self, done: int, total: int) -> None:
-        if self.task is None and self.enabled:
-            # Transient: once the data are ready the bar goes, and if they are bad the
-            # error stays the only line on stderr (no bar is left behind in a log).
-            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TextColumn("images"),
-                                     TimeElapsedColumn(), console=console, transient=True)
-            self.progress.start()
-            self.task = self.progress.add_task("Preparing data", total=total)
-        if self.task is not None:
-            self.progress.update(self.task, completed=done)
-
-    def on_tune_start(self, candidates, reason) -> None:
-        self.progress.stop()
-        self.task = None
-        self.tuning.on_tune_start(candidates, reason)
-
-    def on_candidate_start(self, index, choice, share_seconds) -> None:
-        self.tuning.on_candidate_start(index, choice, share_seconds)
-
-    def on_candidate_step(self, index, step, seconds) -> None:
-        self.tuning.on_candidate_step(index, step, seconds)
-
-    def on_candidate_end(self, index, result) -> None:
-        self.tuning.on_candidate_end(index, result)
-
-    def on_start(self, info: dict) -> None:
-        self.epochs = info["epochs"]
-        self.progress.stop()
-        self.tuning.stop()
-        self.task = None
-        if self.enabled and info.get("strategy_choice"):
-            console.print(info["strategy_choice"]["message"], markup=False, highlight=False)
-        if self.enabled:
-            strategy = ", ".join(f"{k}={v}" for k, v in info["strategy"].items() if k != "name")
-            console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
-                          f"({info['data']['train_images']} train / {info['data']['val_images']} val "
-                          f"images, {len(info['data']['classes'])} classes), {info['image_size']} px, "
-                          f"global batch {info['global_batch']}, strategy "
-                          f"[bold]{info['strategy']['name']}[/] {strategy}".rstrip())
-            hosts = info["hosts"]
-            if hosts["count"] > 1:
-                console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
-                              f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
-                              "on the wire")
-            for note in hosts.get("notes", []):
-                console.print(f"[yellow]note:[/] {note}", highlight=False)
-
-    def on_epoch_start(self, epoch: int, steps: int) -> None:
-        if not self.enabled:
-            return
-        self.progress = self._new_progress()
-        self.progress.start()
-        self._samples, self._seconds = 0, 0.0
-        self.task = self.progress.add_task(f"Epoch {epoch + 1}/{self.epochs}", total=steps,
-                                           rate=0.0, loss=0.0)
-
-    def on_step(self, epoch: int, step: int, samples: int, seconds: float, loss: float) -> None:
-        if not self.enabled:
-            return
-        self._samples += samples
-        self._seconds += seconds
-        self.progress.update(self.task, advance=1, rate=self._samples / max(self._seconds, 1e-9),
-                             loss=loss)
-
-    def on_epoch_end(self, record: dict) -> None:
-        self.records.append(record)
-        if self.enabled:
-            self.progress.stop()
-            console.print(f"  epoch {record['epoch']}: {record['seconds']:.1f} s, "
-                          f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
-                          f"val accuracy {record['val_accuracy']:.3f}")
-
-    def stop(self) -> None:
-        self.progress.stop()
-        self.tuning.stop()
-
-
-def epoch_table(records: list[dict]) -> Table:
-    table = Table(title="Epochs")
-    for column in ("epoch", "seconds", "images/s", "train loss", "val accuracy", "data wait %"):
-        table.add_column(column, justify="right")
-    for r in records:
-        table.add_row(str(r["epoch"]), f"{r['seconds']:.1f}", f"{r['images_per_second']:.1f}",
-                      f"{r['train_loss']:.4f}", f"{r['val_accuracy']:.3f}",
-                      f"{100 * r['data_wait_seconds'] / r['seconds']:.1f}")
-    return table
-
-
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybriddl import trainer
-    from hybriddl.cluster import connect
-    from hybriddl.rundir import default_run_dir
-    from hybriddl.shutdown import StopRequest
+    from hybriddl.config import resume_if_exists, training_config
+    from hybriddl.hosts.cluster import connect
+    from hybriddl.hosts.compression import Compression
+    from hybriddl.run import trainer
+    from hybriddl.run.rundir import default_run_dir
+    from hybriddl.run.shutdown import StopRequest, stop_every_host
 
-    hosts = connect(overlap=args.overlap, fp16_allreduce=args.fp16_allreduce,
+    if not resume_if_exists(args):
+        console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 0
+    compression = Compression.fp16 if args.fp16_allreduce else Compression.none
+    hosts = connect(overlap=args.overlap, compression=compression,
                     bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     stop = StopRequest()
@@ -386,7 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 # Every rank names rank 0's run directory (its monitors write there too).
                 config.run_dir = hosts.broadcast_object(
                     str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
-            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size)
+            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
             metrics = trainer.run(prepared, display, hosts, stop=stop)
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
@@ -395,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     except (Exception, KeyboardInterrupt) as exc:
         display.stop()
-        stop_every_host(hosts, exc)
+        stop_every_host(hosts, exc, show_host_failure)
         raise
     finally:
         display.stop()
@@ -407,7 +206,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hybriddl import compare
+    from hybriddl.compare import compare
 
     config = compare.CompareConfig(
         settings=MeasureSettings.from_args(args), hosts=args.hosts,
@@ -426,12 +225,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             status.update(f"running {contender.name} ({contender.ranks} ranks)")
 
         comparison = compare.run_comparison(config, output, announce)
-    table = Table(title="Hybrid vs Horovod's model vs PyTorch DDP")
-    for key, header, _ in compare.COLUMNS:
-        table.add_column(header, justify="left" if key == "name" else "right")
-    for cells in compare.table_cells(comparison):
-        table.add_row(*cells)
-    out.print(table)
+    out.print(comparison_table(comparison, compare.COLUMNS, compare.table_cells(comparison)))
     for line in compare.notes(comparison):
         out.print(f"- {line}", highlight=False)
     out.print(f"written: {output / compare.RESULT}, {output / compare.REPORT}, charts in {output}")
@@ -439,7 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from hybriddl import profiles, tuner
+    from hybriddl.tuning import profiles, tuner
 
     settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
     output = (Path(args.output) if args.output
@@ -447,71 +241,38 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "
                          f"{profiles.profile_path(output, settings.usecase)}")
+    loading = TrainDisplay()
+    try:
+        images = tuner.tune_images(settings, args.data, args.data_cache, loading.on_data_progress)
+    finally:
+        loading.stop()
     display = TuneDisplay()
     try:
-        profile = tuner.tune_host(settings, tuner.embedded_images(settings), budget=args.budget,
+        profile = tuner.tune_host(settings, images, budget=args.budget,
                                   warmup=args.warmup, steps=args.steps, observer=display)
     finally:
         display.stop()
     profiles.save_profile(profile, output)
-    out.print(tune_table(profile))
-    pick = profile.pick_result
-    speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
-    out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
+    show_pick(profile, output)
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from hybriddl.report import write_report
+    from hybriddl.monitoring.report import write_report
 
     written = write_report(args.run_dirs, args.output)
-    table = Table(title=f"Report of {len(args.run_dirs)} run(s)")
-    table.add_column("file")
-    for path in written:
-        table.add_row(str(path))
-    out.print(table)
+    out.print(files_table(f"Report of {len(args.run_dirs)} run(s)", written))
     return 0
 
 
-def stop_every_host(hosts, exc: BaseException) -> None:
-    """Under mpirun, say which rank failed and why, then take every other rank down.
-
-    Returns only for a single host, where main() reports the error as usual.
-    """
-    from hybriddl.cluster import SingleHost
-
-    if isinstance(hosts, SingleHost):
-        return
-    import socket
-
-    where = f"rank {hosts.rank} on {socket.gethostname()}"
-    if isinstance(exc, (UsageError, TrainingError)):
-        console.print(f"hybriddl: {where}: {exc}", markup=False, highlight=False, soft_wrap=True)
-    elif isinstance(exc, KeyboardInterrupt):
-        console.print(f"hybriddl: {where}: interrupted", markup=False)
-    else:
-        console.print(f"hybriddl: {where} failed:\n"
-                      + "".join(traceback.format_exception(exc)).rstrip(),
-                      markup=False, highlight=False, soft_wrap=True)
-    code = 2 if isinstance(exc, UsageError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
-    hosts.abort(code)
-
-
 def cmd_info(args: argparse.Namespace) -> int:
-    from hybriddl.hostinfo import host_info
+    from hybriddl.hosts.hostinfo import host_info
 
     info = host_info()
     if args.json:
         out.print_json(json.dumps(info))
         return 0
-    table = Table(title="This host", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
-    for key, value in info.items():
-        if key == "gpus":
-            value = "; ".join(f"{g['index']}: {g['name']} ({g['memory_gib']} GiB)" for g in value) or "none"
-        table.add_row(key.replace("_", " "), str(value))
-    out.print(table)
+    out.print(host_table(info))
     return 0
 
 
@@ -520,17 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UsageError as exc:
-        console.print(f"hybriddl: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        show_error("error: ", exc)
         return 2
     except StorageError as exc:  # also from tune and compare, which train nothing
         console.print(f"hybriddl: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1
     except TrainingError as exc:
-        console.print(f"hybriddl: training stopped: {exc}", markup=False, highlight=False,
-                      soft_wrap=True)
+        show_error("training stopped: ", exc)
         return 1
     except TrainingInterrupted as exc:
-        console.print(f"hybriddl: {exc}", markup=False, highlight=False, soft_wrap=True)
+        show_error("", exc)
         return exc.exit_code
     except KeyboardInterrupt:
         console.print("hybriddl: interrupted", markup=False)

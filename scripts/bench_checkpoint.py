@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # "before" runs another revision's hybriddl: its copy goes first on the path.
 sys.path.insert(0, os.environ.get("BENCH_CHECKPOINT_CODE", str(REPO)))
 
-from hybriddl.rundir import CHECKPOINT, atomic_write_json  # noqa: E402
+from hybriddl.run.rundir import CHECKPOINT, atomic_write_json  # noqa: E402
 
 MODES = ("before", "wait", "background")
 EPOCH_2_STEPS = 6
@@ -42,7 +42,7 @@ EPOCH_2_STEPS = 6
 
 def child(args: argparse.Namespace) -> None:
     """One run; prints its events as one JSON line."""
-    from hybriddl import checkpoint, trainer
+    from hybriddl.run import checkpoint, trainer
     from hybriddl.strategies import StrategyOptions
 
     if args.child == "wait":

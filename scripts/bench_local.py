@@ -23,12 +23,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from hybriddl.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
+from hybriddl.tuning.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
                                 sample_batch)
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import host_info, usable_cores
-from hybriddl.rundir import atomic_write_json
+from hybriddl.hosts.hostinfo import host_info, usable_cores
+from hybriddl.run.rundir import atomic_write_json
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import USECASES, build_model, check_image_size, get_usecase
 

@@ -27,10 +27,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybriddl.benchmark import sample_batch  # noqa: E402
-from hybriddl.data import load_data  # noqa: E402
+from hybriddl.tuning.benchmark import sample_batch  # noqa: E402
+from hybriddl.data.loading import load_data  # noqa: E402
 from hybriddl.errors import UsageError  # noqa: E402
-from hybriddl.monitor import Monitor  # noqa: E402
+from hybriddl.monitoring.monitor import Monitor  # noqa: E402
 from hybriddl.strategies import StrategyOptions, make_strategy  # noqa: E402
 from hybriddl.usecases import build_model, get_usecase  # noqa: E402
 

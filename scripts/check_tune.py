@@ -22,10 +22,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hybriddl import profiles, tuner
-from hybriddl.benchmark import measure_strategy, sample_batch
+from hybriddl.tuning import profiles, tuner
+from hybriddl.tuning.benchmark import measure_strategy, sample_batch
 from hybriddl.errors import UsageError
-from hybriddl.rundir import atomic_write_json
+from hybriddl.run.rundir import atomic_write_json
 
 console = Console(stderr=True)
 out = Console()

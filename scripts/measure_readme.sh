@@ -29,6 +29,9 @@ $PY scripts/bench_mpi.py --usecase ComplexSmall --image-size 64 --output $out/be
 step "monitor overhead"
 $PY scripts/bench_monitor.py --usecase ComplexSmall --image-size 64 --output $out/bench_monitor.json
 
+step "streamed data at 2,000 / 20,000 / 100,000 images (generated under /tmp, ~10 min)"
+$PY scripts/bench_data.py --output $out/bench_data.json
+
 step "hybrid vs Horovod model vs DDP, H=2 K=2 (oversubscribed on 2 cores)"
 for case in ComplexSmall SimpleBig; do
   $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --output $out/compare-$case

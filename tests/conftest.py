@@ -43,3 +43,13 @@ def profile_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HYBRIDDL_PROFILES", str(path))
         yield path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache_dir(tmp_path_factory):
+    """Where streamed data are cached during the tests (the default cache directory
+    follows $XDG_CACHE_HOME): never the user's own ~/.cache."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(path))
+        yield path / "hybriddl"

@@ -17,10 +17,10 @@ from torch import nn
 
 from held_run import Held, kill_leftovers, wait_for
 from sample_data import write_tinted_classes
-from hybriddl import checkpoint
-from hybriddl.checkpoint import Position, stage
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position, stage
 from hybriddl.cli import main
-from hybriddl.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
+from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
 
 STEPS_PER_EPOCH = 3
 

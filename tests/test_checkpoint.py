@@ -21,13 +21,13 @@ from torch import nn
 
 from held_run import Held, kill_leftovers
 from sample_data import write_tinted_classes
-from hybriddl import checkpoint
-from hybriddl.checkpoint import Checkpointer, EpochProgress, Position
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
-from hybriddl.cluster import SingleHost
+from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError
-from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
-from hybriddl.shutdown import StopRequest
+from hybriddl.run.rundir import CHECKPOINT, METRICS, MODEL
+from hybriddl.run.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
 
 STEPS_PER_EPOCH = 3

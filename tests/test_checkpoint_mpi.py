@@ -8,7 +8,7 @@ step; it forwards SIGUSR1 instead, so SIGUSR1 is how a job under mpirun is stopp
 checkpoint (SLURM: `#SBATCH --signal=B:USR1@300` with `exec mpirun ...`), and a SIGTERM
 to mpirun must at least keep the last checkpoint and leave no rank behind.
 
-These tests need hybriddl.mpi.MPIHosts (branch `mpi`) with `any_true`; they are skipped
+These tests need hybriddl.hosts.mpi.MPIHosts (branch `mpi`) with `any_true`; they are skipped
 until it is there.
 """
 
@@ -26,12 +26,13 @@ import pytest
 import torch
 
 from conftest import REPO, hybriddl_env
+from emulated import hosts_launcher
 from held_run import Held, kill_leftovers
 from sample_data import write_tinted_classes
-from hybriddl import checkpoint
-from hybriddl.checkpoint import Position
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position
 from hybriddl.cli import main
-from hybriddl.rundir import METRICS, MODEL
+from hybriddl.run.rundir import METRICS, MODEL
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LAUNCH = [str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "btl", "tcp,self",
@@ -40,12 +41,12 @@ STEPS_PER_EPOCH = 3
 
 
 def has_mpi_hosts() -> bool:
-    tree = ast.parse((REPO / "hybriddl" / "mpi.py").read_text())
+    tree = ast.parse((REPO / "hybriddl" / "hosts" / "mpi.py").read_text())
     return any(isinstance(node, ast.ClassDef) and node.name == "MPIHosts" for node in tree.body)
 
 
 pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
-                                reason="needs mpirun and hybriddl.mpi.MPIHosts (branch mpi)")
+                                reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)")
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +75,9 @@ def uninterrupted(images, tmp_path_factory) -> Path:
     return run_dir
 
 
-def held_ranks(tmp_path: Path, images: Path, run_dir: Path, **hold) -> tuple[Held, list]:
-    held = Held(tmp_path, train_args(images, run_dir), launcher=LAUNCH, ranks=2,
+def held_ranks(tmp_path: Path, images: Path, run_dir: Path, launch: list[str] = LAUNCH,
+               **hold) -> tuple[Held, list]:
+    held = Held(tmp_path, train_args(images, run_dir), launcher=launch, ranks=2,
                 env=hybriddl_env(), **hold)
     everything = psutil.Process(held.process.pid).children(recursive=True)
     assert {held.pid(0), held.pid(1)} <= {p.pid for p in everything}
@@ -107,16 +109,17 @@ def resume_under_mpirun(run_dir: Path) -> None:
 def test_sigusr1_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint(images, tmp_path,
                                                                           uninterrupted):
     run_dir = tmp_path / "run"
-    held, processes = held_ranks(tmp_path, images, run_dir, pause_at=STEPS_PER_EPOCH + 1,
-                                 where="step")
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
-    held.process.send_signal(signal.SIGUSR1)
-    held.release()
-    code, err = held.finish()
+    with hosts_launcher(2) as launcher:  # two emulated hosts where this machine allows
+        held, processes = held_ranks(tmp_path, images, run_dir, [*launcher.argv, "-np", "2"],
+                                     pause_at=STEPS_PER_EPOCH + 1, where="step")
+        assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+        held.process.send_signal(signal.SIGUSR1)
+        held.release()
+        code, err = held.finish()
+        assert_all_gone(processes)  # before the emulated hosts' teardown could end them
     assert code != 0
     assert f"hybriddl train --resume {run_dir}" in err
     assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
-    assert_all_gone(processes)
 
     resume_under_mpirun(run_dir)
     assert_same_model(run_dir, uninterrupted)

@@ -8,17 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from hybriddl.cluster import LAUNCHER_VARIABLES, SingleHost, connect, host_weights
-from hybriddl.compression import FP16Compression, NoCompression
+from hybriddl.hosts.base import host_weights
+from hybriddl.hosts.cluster import LAUNCHER_VARIABLES, SingleHost, connect
+from hybriddl.hosts.compression import Compression, FP16Compression, NoCompression
 from hybriddl.data import epoch_batches
 from hybriddl.errors import UsageError
-from hybriddl.fusion import GradientBuckets
+from hybriddl.hosts.fusion import GradientBuckets
 
 
 def test_connect_without_mpirun_gives_a_single_host_and_leaves_mpi_alone(monkeypatch):
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    hosts = connect(overlap=True, fp16_allreduce=True)
+    hosts = connect(overlap=True, compression=Compression.fp16)
     assert isinstance(hosts, SingleHost)
     assert (hosts.rank, hosts.size) == (0, 1)
     if "mpi4py.MPI" in sys.modules:

@@ -8,9 +8,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hybriddl.compare import REPORT, RESULT, ring_allreduce_wire_bytes
+from hybriddl.compare.compare import REPORT, RESULT, ring_allreduce_wire_bytes
 from hybriddl.errors import UsageError
-from hybriddl.stepmeter import StepMeter
+from hybriddl.run.stepmeter import StepMeter
 from hybriddl.strategies import StrategyOptions, make_strategy
 
 # squeezenet1_1 has 0.7 M parameters and takes 32 px images: seconds per run, not minutes.

@@ -9,6 +9,7 @@ from sample_data import (CIFAR_CLASSES, CIFAR_FOLDER, write_cifar10, write_image
                          write_imagefolder)
 
 from hybriddl import data
+from hybriddl.data.loading import load_data
 from hybriddl.errors import UsageError
 from hybriddl.usecases import RGB_MEAN, RGB_STD
 
@@ -22,7 +23,7 @@ def pixel(image: torch.Tensor, y: int, x: int) -> list[int]:
 @pytest.mark.parametrize("variant", ["small", "big"])
 def test_synthetic_variant_has_the_declared_sizes_and_balanced_classes(variant):
     per_class_train, per_class_val, size = data.SYNTHETIC_VARIANTS[variant]
-    split = data.load_data("synthetic", variant=variant, image_size=32)
+    split = load_data("synthetic", variant=variant, image_size=32)
     assert split.classes == ["fire", "smoke", "clear"]
     assert split.train.images.shape == (3 * per_class_train, 3, size, size)
     assert split.val.images.shape == (3 * per_class_val, 3, size, size)
@@ -59,7 +60,7 @@ def test_synthetic_validation_images_are_not_training_images():
 
 def test_classes_option_is_refused_for_synthetic_data():
     with pytest.raises(UsageError, match="--classes"):
-        data.load_data("synthetic", variant="small", image_size=32, classes=2)
+        load_data("synthetic", variant="small", image_size=32, classes=2)
 
 
 def test_unknown_synthetic_variant_is_a_usage_error():
@@ -79,7 +80,7 @@ def test_data_progress_is_reported_up_to_the_total():
 
 def test_imagefolder_scales_and_crops_every_file_to_the_image_size(tmp_path):
     root = write_imagefolder(tmp_path / "images", per_class=5)
-    split = data.load_data(str(root), variant="small", image_size=16, val_fraction=0.2)
+    split = load_data(str(root), variant="small", image_size=16, val_fraction=0.2)
     assert split.classes == ["fire", "smoke"]
     assert split.source == f"imagefolder:{root}"
     assert len(split.train) == 8 and len(split.val) == 2
@@ -102,7 +103,7 @@ def test_imagefolder_keeps_the_centre_of_a_wide_image(tmp_path):
         (tmp_path / name).mkdir()
         image.save(tmp_path / name / "wide.png")
         image.save(tmp_path / name / "wide2.png")
-    split = data.load_data(str(tmp_path), variant="small", image_size=16)
+    split = load_data(str(tmp_path), variant="small", image_size=16)
     # 100x20 -> 80x16 -> centre 16 columns (32..47) are all inside the red band.
     assert torch.equal(split.train.images[0], torch.tensor([255, 0, 0], dtype=torch.uint8)
                        .view(3, 1, 1).expand(3, 16, 16))
@@ -113,8 +114,8 @@ def test_imagefolder_turns_grey_and_transparent_images_into_rgb(tmp_path):
     write_image(tmp_path / "grey" / "1.png", (20, 20), 77, mode="L")
     write_image(tmp_path / "alpha" / "0.png", (20, 20), (10, 20, 30, 128), mode="RGBA")
     write_image(tmp_path / "alpha" / "1.png", (20, 20), (10, 20, 30, 128), mode="RGBA")
-    split = data.load_data(str(tmp_path), variant="small", image_size=8, val_fraction=0.5)
-    every = torch.cat([split.train.images, split.val.images])
+    split = load_data(str(tmp_path), variant="small", image_size=8, val_fraction=0.5)
+    every = torch.cat([split.train.images[:], split.val.images[:]])  # read from the cache
     labels = torch.cat([split.train.labels, split.val.labels])
     grey = split.classes.index("grey")
     assert every.shape[1] == 3
@@ -126,7 +127,7 @@ def test_imagefolder_turns_grey_and_transparent_images_into_rgb(tmp_path):
 
 def test_cifar10_reads_the_python_batches_through_torchvision(tmp_path):
     batches = write_cifar10(tmp_path, train_batches=2, per_batch=30, test=20)
-    split = data.load_data(f"cifar10:{tmp_path}", variant="small", image_size=32)
+    split = load_data(f"cifar10:{tmp_path}", variant="small", image_size=32)
     assert split.classes == CIFAR_CLASSES
     assert split.source == f"cifar10:{tmp_path}"
     assert split.train.images.shape == (60, 3, 32, 32)
@@ -145,13 +146,13 @@ def test_cifar10_reads_the_python_batches_through_torchvision(tmp_path):
 
 def test_cifar10_accepts_the_extracted_folder_itself(tmp_path):
     write_cifar10(tmp_path, train_batches=1)
-    split = data.load_data(f"cifar10:{tmp_path / CIFAR_FOLDER}", variant="small", image_size=32)
+    split = load_data(f"cifar10:{tmp_path / CIFAR_FOLDER}", variant="small", image_size=32)
     assert len(split.train) == 30 and len(split.val) == 20
 
 
 def test_cifar10_classes_keeps_the_first_n_classes(tmp_path):
     write_cifar10(tmp_path, train_batches=2, per_batch=30, test=20)
-    split = data.load_data(f"cifar10:{tmp_path}", variant="small", image_size=32, classes=3)
+    split = load_data(f"cifar10:{tmp_path}", variant="small", image_size=32, classes=3)
     assert split.classes == CIFAR_CLASSES[:3]
     assert set(split.train.labels.tolist()) == {0, 1, 2}
     assert set(split.val.labels.tolist()) == {0, 1, 2}
@@ -162,12 +163,12 @@ def test_cifar10_classes_keeps_the_first_n_classes(tmp_path):
 def test_cifar10_classes_out_of_range_is_a_usage_error(tmp_path, classes):
     write_cifar10(tmp_path, train_batches=1)
     with pytest.raises(UsageError, match=f"--classes {classes}"):
-        data.load_data(f"cifar10:{tmp_path}", variant="small", image_size=32, classes=classes)
+        load_data(f"cifar10:{tmp_path}", variant="small", image_size=32, classes=classes)
 
 
 def test_cifar10_without_test_batch_holds_out_part_of_the_training_batches(tmp_path):
     write_cifar10(tmp_path, train_batches=2, per_batch=30, with_test=False)
-    split = data.load_data(f"cifar10:{tmp_path}", variant="small", image_size=32,
+    split = load_data(f"cifar10:{tmp_path}", variant="small", image_size=32,
                            val_fraction=0.5)
     assert len(split.train) == 30 and len(split.val) == 30
     assert torch.bincount(split.val.labels).tolist() == [3] * 10

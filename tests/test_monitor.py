@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from hybriddl.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.rundir import METRICS
+from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
+from hybriddl.run.rundir import METRICS
 
 INTERVAL = 0.1
 
@@ -189,13 +189,14 @@ def test_negative_monitor_interval_is_refused(tmp_path, capsys):
 
 
 def test_training_that_fails_still_stops_its_monitor(tmp_path):
-    from hybriddl import trainer
+    from hybriddl.run import trainer
+    from hybriddl.config import TrainConfig
 
     class FailingObserver(trainer.TrainingObserver):
         def on_step(self, epoch, step, samples, seconds, loss):
             raise RuntimeError("a step failed")
 
-    config = trainer.TrainConfig(model="resnet18", image_size=32, batch_size=8, max_steps=3,
+    config = TrainConfig(strategy="sequential", model="resnet18", image_size=32, batch_size=8, max_steps=3,
                                  run_dir=str(tmp_path / "run"), monitor_interval=0.05)
     prepared = trainer.prepare(config)
     with pytest.raises(RuntimeError, match="a step failed"):

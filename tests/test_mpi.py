@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ import torch
 from PIL import Image
 
 from conftest import hybriddl_env
-from hybriddl.rundir import METRICS, MODEL
+from emulated import hosts_launcher
+from hybriddl.run.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -29,6 +29,13 @@ TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--dropout",
 PARAMETERS = 724_035
 
 pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    """Three emulated hosts where this machine allows (ranks 0..2 on h0..h2), else lo."""
+    with hosts_launcher(3) as launcher:
+        yield launcher
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +64,17 @@ def sequential(images, tmp_path_factory) -> Path:
     return run_dir
 
 
-def mpirun(*apps: tuple[int, list[str]], timeout: float = 300) -> subprocess.CompletedProcess:
-    """mpirun over loopback TCP; each app is (ranks, hybriddl arguments) (MPMD with ':')."""
-    command = [str(MPIRUN), *LOOPBACK]
+def mpirun(*apps: tuple[int, list[str]], timeout: float = 300,
+           launcher=None) -> subprocess.CompletedProcess:
+    """mpirun over loopback TCP (or `launcher`'s hosts); each app is (ranks, hybriddl
+    arguments) (MPMD with ':')."""
+    command = [*launcher.argv] if launcher else [str(MPIRUN), *LOOPBACK]
+    first = 0
     for i, (ranks, args) in enumerate(apps):
-        command += ([":"] if i else []) + ["-np", str(ranks), sys.executable, "-m", "hybriddl",
-                                           *args]
+        place = launcher.place(first, ranks) if launcher else []
+        command += ([":"] if i else []) + ["-np", str(ranks), *place, sys.executable, "-m",
+                                           "hybriddl", *args]
+        first += ranks
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=hybriddl_env())
 
@@ -103,11 +115,11 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
 
 
 def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,
-                                                                     tmp_path):
+                                                                     tmp_path, launcher):
     """8 = 3 + 3 + 2, and the last batch of 2 leaves rank 2 with no sample at all."""
     run_dir = tmp_path / "run"
     done = mpirun((3, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir), "--overlap",
-                       "--fusion-mib", "0.5"]))
+                       "--fusion-mib", "0.5"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
     config, epoch = epoch_of(run_dir)
@@ -122,12 +134,12 @@ def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, seq
 
 
 def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequential,
-                                                                    tmp_path):
+                                                                    tmp_path, launcher):
     run_dir = tmp_path / "run"
     common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir), "--balance",
               "throughput", "--fusion-mib", "0.5"]
     done = mpirun((1, [*common, "--throughput", "30", "--overlap"]),
-                  (1, [*common, "--throughput", "10"]))
+                  (1, [*common, "--throughput", "10"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
     config, epoch = epoch_of(run_dir)
@@ -139,21 +151,21 @@ def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequ
 
 
 @pytest.mark.skipif("threads" not in STRATEGIES, reason="the threads strategy is not here yet")
-def test_threads_and_sequential_hosts_match_sequential(images, sequential, tmp_path):
+def test_threads_and_sequential_hosts_match_sequential(images, sequential, tmp_path, launcher):
     run_dir = tmp_path / "run"
     common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
     done = mpirun((1, [*common, "--strategy", "threads", "--workers", "2", "--oversubscribe"]),
-                  (1, [*common, "--strategy", "sequential"]))
+                  (1, [*common, "--strategy", "sequential"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
     config, _ = epoch_of(run_dir)
     assert config["strategy"]["name"] == "threads"  # rank 0's record
 
 
-def test_fp16_allreduce_hands_half_the_bytes_to_mpi(images, sequential, tmp_path):
+def test_fp16_allreduce_hands_half_the_bytes_to_mpi(images, sequential, tmp_path, launcher):
     run_dir = tmp_path / "run"
     done = mpirun((2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
-                       "--fp16-allreduce"]))
+                       "--fp16-allreduce"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     config, epoch = epoch_of(run_dir)
     assert config["hosts"]["compression"] == "fp16"
@@ -161,19 +173,20 @@ def test_fp16_allreduce_hands_half_the_bytes_to_mpi(images, sequential, tmp_path
     assert_same_model(run_dir, sequential, rtol=1e-2)
 
 
-def test_a_rank_that_fails_stops_every_rank_and_names_itself(images, tmp_path):
+def test_a_rank_that_fails_stops_every_rank_and_names_itself(images, tmp_path, launcher):
     run_dir = tmp_path / "run"
     common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
-    done = mpirun((1, common), (1, [*common, "--strategy", "no-such-strategy"]), timeout=120)
+    done = mpirun((1, common), (1, [*common, "--strategy", "no-such-strategy"]), timeout=120,
+                  launcher=launcher)
     assert done.returncode == 2
-    assert re.search(rf"rank 1 on {re.escape(socket.gethostname())}: unknown strategy",
+    assert re.search(rf"rank 1 on {re.escape(launcher.hostname(1))}: unknown strategy",
                      done.stderr + done.stdout)
     assert not run_dir.exists()
 
 
-def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_path):
+def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_path, launcher):
     run_dir = tmp_path / "run"
-    command = [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+    command = [*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
                "--epochs", "3", "--run-dir", str(run_dir)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=hybriddl_env())
@@ -189,17 +202,17 @@ def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_p
             launcher.kill()
     assert launcher.returncode != 0
     assert ended_after < 60
-    host = re.escape(socket.gethostname())
+    host, node = re.escape(launcher.hostname(1)), re.escape(launcher.node(1))
     # Either a survivor names it, or mpirun does (whichever notices first).
     assert re.search(rf"rank 1 on host {host} failed|process rank 1 with PID \d+ on node "
-                     rf"{host}", output), output
+                     rf"{node}", output), output
     psutil.wait_procs(list(ranks.values()), timeout=10)
     assert not [p for p in ranks.values() if p.is_running() and p.status() != "zombie"]
 
 
-def test_a_hung_rank_ends_the_run_at_the_host_timeout(tmp_path):
+def test_a_hung_rank_ends_the_run_at_the_host_timeout(tmp_path, launcher):
     run_dir = tmp_path / "run"
-    command = [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+    command = [*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
                "--epochs", "3", "--host-timeout", "20", "--run-dir", str(run_dir)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=hybriddl_env())

@@ -2,23 +2,24 @@ import json
 
 import pytest
 
-from hybriddl import profiles
+from hybriddl.tuning import profiles
 from hybriddl.errors import UsageError
-from hybriddl.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
-                               ProfileError, Settings, StrategyChoice, find_profile,
+from hybriddl.strategies import StrategySpec
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
+                               ProfileError, Settings, find_profile,
                                fingerprint_changes, load_profile, profile_path, save_profile)
 
 SETTINGS = Settings(usecase="ComplexSmall", model="vgg16", image_size=32, batch_size=4)
 FINGERPRINT = {"cpu_model": "Test CPU", "cores_usable": 2, "ram_gib": 8.0, "gpus": [],
                "torch": "2.0"}
-SEQUENTIAL = StrategyChoice("sequential")
+SEQUENTIAL = StrategySpec("sequential")
 
 
 def a_profile(pick=SEQUENTIAL, settings=SETTINGS, host="node1", fp=FINGERPRINT) -> Profile:
     candidates = [
         CandidateResult(SEQUENTIAL, MEASURED, seconds_per_step=2.0, timed_steps=5,
                         images_per_second=2.0, speedup=1.0, peak_rss_bytes=1000),
-        CandidateResult(StrategyChoice("threads", workers=2), DROPPED,
+        CandidateResult(StrategySpec("threads", workers=2), DROPPED,
                         note="a step took 9.00 s: a timed one would overrun its 3.0 s share of the budget"),
     ]
     if pick != SEQUENTIAL:
@@ -33,7 +34,7 @@ def lookup(directory, settings=SETTINGS, host="node1", fp=FINGERPRINT):
 
 
 def test_profile_round_trips_through_its_file(tmp_path):
-    pick = StrategyChoice("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
+    pick = StrategySpec("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
     original = a_profile(pick=pick)
     path = save_profile(original, tmp_path / "new" / "node1-ComplexSmall.json")
     assert load_profile(path) == original
@@ -58,12 +59,12 @@ def test_profile_dir_comes_from_flag_then_environment_then_default(monkeypatch):
 
 
 def test_strategy_choice_gives_the_strategy_options():
-    choice = StrategyChoice("pipeline", micro_batches=8, devices=("cuda:0", "cuda:0"))
+    choice = StrategySpec("pipeline", micro_batches=8, devices=("cuda:0", "cuda:0"))
     options = choice.options()
     assert (options.micro_batches, options.devices, options.workers) == (8, ("cuda:0", "cuda:0"), None)
     assert choice.label == "pipeline cuda:0,cuda:0 M=8"
-    assert StrategyChoice("threads", workers=3).options(oversubscribe=True).oversubscribe
-    assert StrategyChoice.from_dict(choice.to_dict()) == choice
+    assert StrategySpec("threads", workers=3).options(oversubscribe=True).oversubscribe
+    assert StrategySpec.from_dict(choice.to_dict()) == choice
 
 
 def test_matching_profile_is_usable(tmp_path):
@@ -159,8 +160,8 @@ def test_profile_that_is_not_an_object_is_a_clear_problem(tmp_path):
 
 
 @pytest.mark.parametrize("pick", [
-    StrategyChoice("warp-drive", workers=2),
-    StrategyChoice("gpu", devices=("cuda:99",)),
+    StrategySpec("warp-drive", workers=2),
+    StrategySpec("gpu", devices=("cuda:99",)),
 ])
 def test_pick_this_host_cannot_run_makes_the_profile_unusable(tmp_path, pick):
     save_profile(a_profile(pick=pick), profile_path(tmp_path, "ComplexSmall", host="node1"))

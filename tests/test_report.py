@@ -6,10 +6,10 @@ import pytest
 from matplotlib.image import imread
 
 from hybriddl.errors import UsageError
-from hybriddl.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
+from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
+from hybriddl.monitoring.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
                              write_report)
-from hybriddl.rundir import METRICS
+from hybriddl.run.rundir import METRICS
 
 T0 = 1_700_000_000.0
 

@@ -18,9 +18,9 @@ import pytest
 
 from held_run import Held, kill_leftovers
 from sample_data import write_tinted_classes
-from hybriddl import checkpoint
-from hybriddl.checkpoint import Position
-from hybriddl.rundir import CHECKPOINT, PARTIAL_GLOB
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position
+from hybriddl.run.rundir import CHECKPOINT, PARTIAL_GLOB
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="mounting a tmpfs or a read-only bind mount needs root")

@@ -270,6 +270,31 @@ def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
     assert not (tmp_path / "run").exists()
 
 
+# One equivalence case per registered strategy: a strategy added to the registry fails
+# test_every_registered_strategy_matches_sequential until it has its case here.
+EQUIVALENCE_CASES = {
+    "sequential": StrategyOptions(),
+    "flat": StrategyOptions(),
+    "intraop": StrategyOptions(workers=2, oversubscribe=True),
+    "threads": StrategyOptions(workers=2, oversubscribe=True),
+    "processes": StrategyOptions(workers=2, oversubscribe=True),
+    "gpu": StrategyOptions(),
+    "pipeline": StrategyOptions(micro_batches=2, devices=("cpu", "cpu")),
+    "gpu-threads": StrategyOptions(devices=("cpu", "cpu")),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_registered_strategy_matches_sequential(name):
+    assert name in EQUIVALENCE_CASES, f"give {name} an equivalence case"
+    options = EQUIVALENCE_CASES[name]
+    try:
+        STRATEGIES[name].check_feasible(options)
+    except UsageError as exc:
+        pytest.skip(f"{name} cannot run on this host: {exc}")
+    assert_matches_sequential(name, options, "alexnet")
+
+
 def test_every_strategy_is_registered():
     assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "gpu", "pipeline",
                                "gpu-threads", "flat"}

@@ -4,28 +4,29 @@ import statistics
 
 import pytest
 
-from hybriddl import profiles, tuner
-from hybriddl.benchmark import StepTiming
+from hybriddl.tuning import profiles, tuner
+from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
-from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
-                               StrategyChoice, load_profile, profile_path, save_profile)
-from hybriddl.rundir import METRICS
-from hybriddl.tuner import (BASELINE, HostResources, enumerate_candidates, measure_candidates,
-                            select_pick, worker_counts)
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
+                                      load_profile, profile_path, save_profile)
+from hybriddl.run.rundir import METRICS
+from hybriddl.strategies import STRATEGIES, StrategySpec
+from hybriddl.strategies.resources import HostResources, worker_counts
+from hybriddl.tuning.tuner import BASELINE, enumerate_candidates, measure_candidates, select_pick
 
-THREADS2 = StrategyChoice("threads", workers=2)
-PROCESSES2 = StrategyChoice("processes", workers=2)
-INTRAOP2 = StrategyChoice("intraop", workers=2)
-
-
-class Feasible:
-    @classmethod
-    def check_feasible(cls, options):
-        pass
+THREADS2 = StrategySpec("threads", workers=2)
+PROCESSES2 = StrategySpec("processes", workers=2)
+INTRAOP2 = StrategySpec("intraop", workers=2)
 
 
-class NeedsOversubscribe:
+def feasible(name: str) -> type:
+    """The registry's strategy, with its candidates, on a host that can run every one."""
+    return type(f"Feasible{STRATEGIES[name].__name__}", (STRATEGIES[name],),
+                {"check_feasible": classmethod(lambda cls, options: None)})
+
+
+class NeedsOversubscribe(STRATEGIES["processes"]):
     """Like a CPU strategy on a 3-core host: K above 3 is refused."""
 
     @classmethod
@@ -34,7 +35,7 @@ class NeedsOversubscribe:
             raise UsageError("K above the usable cores")
 
 
-ALL = {name: Feasible for name in tuner.CANDIDATE_GENERATORS}
+ALL = {name: feasible(name) for name in STRATEGIES}
 
 
 class FakeClock:
@@ -82,12 +83,12 @@ def test_cpu_host_candidates_are_baseline_then_every_k():
 
 
 def test_strategies_this_hybriddl_lacks_are_skipped():
-    present = {"sequential": Feasible, "threads": Feasible}
+    present = {"sequential": feasible("sequential"), "threads": feasible("threads")}
     assert enumerate_candidates(HostResources(cores=2, cuda_devices=2), 8, present) == [BASELINE, THREADS2]
 
 
 def test_candidates_whose_check_feasible_raises_are_skipped():
-    present = {"sequential": Feasible, "processes": NeedsOversubscribe}
+    present = {"sequential": feasible("sequential"), "processes": NeedsOversubscribe}
     labels = [c.label for c in enumerate_candidates(HostResources(cores=5), 16, present)]
     assert labels == ["sequential", "processes K=2", "processes K=3"]
 
@@ -138,8 +139,8 @@ def test_tie_goes_to_the_earlier_simpler_candidate():
 
 def test_speedup_over_one_gpu_on_gpu_hosts():
     clock = FakeClock()
-    gpu = StrategyChoice("gpu", devices=("cuda:0",))
-    pipe = StrategyChoice("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
+    gpu = StrategySpec("gpu", devices=("cuda:0",))
+    pipe = StrategySpec("pipeline", micro_batches=4, devices=("cuda:0", "cuda:1"))
     costs = {"sequential": 8.0, gpu.label: 0.5, pipe.label: 0.25}
     results = measure_candidates([BASELINE, gpu, pipe], cost_measure(clock, by_label(costs)),
                                  budget=1000, clock=clock)
@@ -335,7 +336,7 @@ def damage_fingerprint(path):
 
 
 def damage_pick(path):
-    save_profile(matching_profile(pick=StrategyChoice("warp-drive", workers=2)), path)
+    save_profile(matching_profile(pick=StrategySpec("warp-drive", workers=2)), path)
 
 
 def damage_settings(path):

@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import LocalStrategy, StepStats, StrategyOptions, criterion
+from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.flat import Flat
 from hybriddl.strategies.gpu import Gpu
 from hybriddl.strategies.gpu_threads import GpuThreads
 from hybriddl.strategies.intraop import IntraOp
 from hybriddl.strategies.pipeline import Pipeline
 from hybriddl.strategies.processes import Processes
+from hybriddl.strategies.resources import HostResources
 from hybriddl.strategies.sequential import Sequential
+from hybriddl.strategies.spec import STRATEGIES, StrategyOptions, StrategySpec
 from hybriddl.strategies.threads import Threads
 
-STRATEGIES: dict[str, type[LocalStrategy]] = {
-    Sequential.name: Sequential,
-    IntraOp.name: IntraOp,
-    Threads.name: Threads,
-    Processes.name: Processes,
-    Gpu.name: Gpu,
-    Pipeline.name: Pipeline,
-    GpuThreads.name: GpuThreads,
-    Flat.name: Flat,
-}
+STRATEGIES.update({cls.name: cls for cls in (
+    Sequential,
+    IntraOp,
+    Threads,
+    Processes,
+    Gpu,
+    Pipeline,
+    GpuThreads,
+    Flat,
+)})
 
 
 def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
@@ -36,5 +38,6 @@ def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> Lo
     return cls(options)
 
 
-__all__ = ["LocalStrategy", "StepStats", "StrategyOptions", "STRATEGIES", "criterion",
-           "make_strategy"]
+__all__ = ["Flat", "Gpu", "GpuThreads", "HostResources", "IntraOp", "LocalStrategy", "Pipeline",
+           "Processes", "STRATEGIES", "Sequential", "StepStats", "StrategyOptions", "StrategySpec",
+           "Threads", "criterion", "make_strategy"]

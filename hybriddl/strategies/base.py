@@ -1,4 +1,4 @@
-"""The one contract every local strategy keeps (DESIGN.md, "Local strategies").
+"""The one contract every local strategy keeps (ARCHITECTURE.md).
 
 After `compute_gradients(x, y)` the master model's `.grad` fields hold the **mean
 gradient over the host's batch**, exactly what sequential SGD would have. The
@@ -15,15 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class StrategyOptions:
-    """What the command line can say about a local strategy."""
-
-    workers: int | None = None  # K local workers; None: the strategy's default
-    micro_batches: int = 4  # pipeline only
-    devices: tuple[str, ...] = ()  # gpu / pipeline / gpu-threads; () = the strategy's default
-    oversubscribe: bool = False  # allow more workers than usable cores
+from hybriddl.data.sharding import split_bounds
+from hybriddl.strategies.resources import HostResources, local_workers, worker_counts
+from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 
 
 @dataclass
@@ -60,6 +54,11 @@ class LocalStrategy(ABC):
     @classmethod
     def check_feasible(cls, options: StrategyOptions) -> None:
         """Raise UsageError, before anything starts, when this host cannot run it."""
+
+    @classmethod
+    def tuning_candidates(cls, host: HostResources, batch_size: int) -> list[StrategySpec]:
+        """The variants of this strategy the tuner measures on `host` for a host batch."""
+        return []
 
     def describe(self) -> dict:
         """The strategy and its parameters, as recorded in metrics.json and profiles."""
@@ -100,15 +99,20 @@ class LocalStrategy(ABC):
 class CoreWorkersStrategy(LocalStrategy):
     """A strategy with K local workers on CPU cores (K = --workers, checked up front)."""
 
+    # True when each worker takes a slice of the batch: a worker without a sample of
+    # the batch only adds overhead, so no candidate has more workers than samples.
+    splits_batch: bool = True
+
+    @classmethod
+    def tuning_candidates(cls, host: HostResources, batch_size: int) -> list[StrategySpec]:
+        return [StrategySpec(cls.name, workers=k) for k in worker_counts(host.cores)
+                if not cls.splits_batch or k <= batch_size]
+
     @classmethod
     def check_feasible(cls, options: StrategyOptions) -> None:
-        from hybriddl.strategies.resources import local_workers
-
         local_workers(options)
 
     def __init__(self, options: StrategyOptions = StrategyOptions()):
-        from hybriddl.strategies.resources import local_workers
-
         super().__init__(options)
         self.workers = local_workers(options)
 
@@ -122,3 +126,42 @@ def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> StepStats:
     loss = criterion(model(x), y)
     loss.backward()
     return StepStats(len(y), loss.item() * len(y), time.perf_counter() - started)
+
+
+# The sub-batch data parallelism of threads, processes and gpu-threads, written once: the
+# batch is cut into equal sub-batches, each worker's loss is weighted by its share of the
+# batch, so the sum of the workers' gradients is the batch's mean gradient.
+
+def sub_batches(n: int, workers: int) -> list[tuple[int, int]]:
+    """Each worker's [start, stop) of a batch of n samples; empty sub-batches left out."""
+    return [(a, b) for a, b in split_bounds(n, [1.0] * workers) if b > a]
+
+
+def worker_gradients(model: nn.Module, params, x: torch.Tensor, y: torch.Tensor,
+                     n: int) -> tuple[float, tuple]:
+    """A local worker's sub-batch: its sum of losses and its weighted gradients (not in .grad)."""
+    loss = criterion(model(x), y)
+    grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
+    return loss.item() * len(y), grads
+
+
+def master_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> float:
+    """Backward of the master's own sub-batch into .grad; returns its sum of losses."""
+    loss = criterion(model(x), y)
+    (loss * (len(y) / n)).backward()
+    return loss.item() * len(y)
+
+
+def add_gradients(params, grads) -> None:
+    """Add one worker's gradients into the master parameters' .grad (call under no_grad).
+
+    A parameter the worker's sub-batch did not reach (None) adds nothing; a master
+    parameter without .grad yet gets a copy, never the worker's own tensor.
+    """
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.to(p.device, copy=True)
+        else:
+            p.grad.add_(g.to(p.device))

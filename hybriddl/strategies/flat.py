@@ -2,7 +2,7 @@
 
 Started as `mpirun -np (hosts x workers)`, every rank is its own "host" to the MPI
 layer, so all gradients are fused and allreduced across all ranks by the same code
-the hybrid uses (DESIGN.md, "Baselines to compare against"). Horovod 0.28.1 itself
+the hybrid uses (ARCHITECTURE.md, "Layers": comparison). Horovod 0.28.1 itself
 does not build against current PyTorch; its execution model is what the comparison
 needs, not its C++ background loop.
 """
@@ -15,6 +15,10 @@ from hybriddl.strategies.sequential import Sequential
 
 class Flat(Sequential):
     name = "flat"
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size: int) -> list:
+        return []  # a launch model for `compare`, not a way for one host to compute
 
     @classmethod
     def check_feasible(cls, options) -> None:

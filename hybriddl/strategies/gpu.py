@@ -9,10 +9,15 @@ import torch
 from hybriddl.errors import UsageError
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import parse_devices, require_cuda
+from hybriddl.strategies.spec import StrategySpec
 
 
 class Gpu(LocalStrategy):
     name = "gpu"
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:
+        return [StrategySpec(cls.name, devices=(device,)) for device in host.gpus]
     writes_gradients_once = True  # one backward pass: buckets may leave during it
 
     @classmethod

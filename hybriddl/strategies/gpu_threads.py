@@ -16,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.base import (LocalStrategy, StepStats, add_gradients, master_backward,
+                                      sub_batches, worker_gradients)
 from hybriddl.strategies.resources import parse_devices
+from hybriddl.strategies.spec import StrategySpec
 
 
 def _default_devices() -> tuple[str, ...]:
@@ -27,6 +28,10 @@ def _default_devices() -> tuple[str, ...]:
 
 class GpuThreads(LocalStrategy):
     name = "gpu-threads"
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:
+        return [StrategySpec(cls.name, devices=tuple(host.gpus))] if host.cuda_devices >= 2 else []
 
     @classmethod
     def check_feasible(cls, options) -> None:
@@ -57,24 +62,20 @@ class GpuThreads(LocalStrategy):
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         n = len(y)
-        parts = [(a, b) for a, b in split_bounds(n, [1.0] * len(self.devices)) if b > a]
+        parts = sub_batches(n, len(self.devices))
         futures = [self.pool.submit(_replica_gradients, replica, device, x[a:b], y[a:b], n)
                    for replica, device, (a, b) in zip(self.replicas, self.devices[1:], parts[1:])]
         try:
             a, b = parts[0]
             device = self.devices[0]
-            loss = criterion(self.model(x[a:b].to(device)), y[a:b].to(device))
-            (loss * ((b - a) / n)).backward()
-            loss_sum = loss.item() * (b - a)
+            loss_sum = master_backward(self.model, x[a:b].to(device), y[a:b].to(device), n)
         finally:
             wait(futures)
         with torch.no_grad():
             for future in futures:
                 replica_loss_sum, grads = future.result()
                 loss_sum += replica_loss_sum
-                for p, g in zip(self.model.parameters(), grads):
-                    if g is not None:
-                        p.grad.add_(g.to(p.device))
+                add_gradients(self.model.parameters(), grads)
         return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
 
     def after_step(self) -> None:
@@ -92,6 +93,4 @@ class GpuThreads(LocalStrategy):
 
 
 def _replica_gradients(replica, device, x, y, n):
-    loss = criterion(replica(x.to(device)), y.to(device))
-    grads = torch.autograd.grad(loss * (len(y) / n), list(replica.parameters()), allow_unused=True)
-    return loss.item() * len(y), grads
+    return worker_gradients(replica, list(replica.parameters()), x.to(device), y.to(device), n)

@@ -5,17 +5,17 @@ What a PyTorch user gets without doing anything (the default is one thread per c
 
 from __future__ import annotations
 
-import torch
-
 from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, plain_step
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
 class IntraOp(CoreWorkersStrategy):
     name = "intraop"
+    splits_batch = False  # its K threads share every operator, not the batch
     writes_gradients_once = True  # one backward pass: buckets may leave during it
 
     def setup(self, model) -> None:
-        torch.set_num_threads(self.workers)
+        set_torch_threads(self.workers)
         super().setup(model)
 
     def compute_gradients(self, x, y) -> StepStats:

@@ -22,10 +22,13 @@ import torchvision
 from torch import nn
 
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import parse_devices
+from hybriddl.strategies.spec import StrategySpec
 from hybriddl.usecases import PIPELINE_SPLITS
+
+MICRO_BATCHES = (1, 2, 4, 8)  # M the tuner tries
 
 DEFAULT_DEVICES = ("cuda:0", "cuda:1")
 
@@ -51,6 +54,15 @@ def split_stages(model: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
 
 class Pipeline(LocalStrategy):
     name = "pipeline"
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:
+        # One GPU: both stages on it still overlap the stages' kernels.
+        stages = tuple(host.gpus[:2]) if len(host.gpus) >= 2 else tuple(host.gpus * 2)
+        if not stages:
+            return []
+        return [StrategySpec(cls.name, micro_batches=m, devices=stages)
+                for m in MICRO_BATCHES if m <= batch_size]
 
     @classmethod
     def check_feasible(cls, options) -> None:

@@ -25,9 +25,10 @@ import torch
 import torch.multiprocessing as mp
 
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, criterion,
+                                      master_backward, sub_batches)
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
 SHARED_MEMORY = "/dev/shm"
@@ -49,7 +50,7 @@ class Processes(CoreWorkersStrategy):
         # are pinned to their own cores): oversubscribed reductions crawl.
         self.reduce_threads = max(1, min(self.workers, usable_cores()))
         super().setup(model)
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         numel = sum(p.numel() for p in _trained(model))
         _check_shared_memory(model, numel * 4 * (self.workers - 1))
         model.share_memory()
@@ -77,19 +78,17 @@ class Processes(CoreWorkersStrategy):
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         n = len(y)
-        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        parts = sub_batches(n, self.workers)
         busy = list(range(1, len(parts)))  # ranks of the workers with a sub-batch
         if busy:
             self._share_inputs(x, y)
         for rank in busy:
             a, b = parts[rank]
             self.connections[rank - 1].send(("step", a, b, (b - a) / n))
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         try:
             a, b = parts[0]
-            loss = criterion(self.model(x[a:b]), y[a:b])
-            (loss * ((b - a) / n)).backward()
-            loss_sum = loss.item() * (b - a)
+            loss_sum = master_backward(self.model, x[a:b], y[a:b], n)
         finally:
             # Every reply is read, even when the master's share failed: none is left
             # behind in a pipe to be mistaken for the next step's.
@@ -99,15 +98,11 @@ class Processes(CoreWorkersStrategy):
             raise failures[0]
         loss_sum += sum(replies)
         # The workers idle now: the reduction and the optimizer step may use every core.
-        torch.set_num_threads(self.reduce_threads)
+        set_torch_threads(self.reduce_threads)
         reduce_started = time.perf_counter()
         with torch.no_grad():
             for rank in busy:
-                for p, g in zip(_trained(self.model), self.grad_views[rank - 1]):
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.add_(g)
+                add_gradients(_trained(self.model), self.grad_views[rank - 1])
         done = time.perf_counter()
         return StepStats(n, loss_sum, done - started,
                          {"parts": len(parts), "reduce_seconds": done - reduce_started})
@@ -188,7 +183,7 @@ def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
 def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor) -> None:
     """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     torch.manual_seed(rank)  # dropout differs per worker, as it would between sub-batches
     for p, g in zip(_trained(model), _views(grad_buffer, model)):
         p.grad = g

@@ -6,11 +6,13 @@ impossible request ends with one line of advice instead of a half-started run.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.strategies.base import StrategyOptions
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.strategies.spec import StrategyOptions
 
 
 def local_workers(options: StrategyOptions) -> int:
@@ -54,3 +56,31 @@ def require_cuda(strategy: str) -> None:
     if not torch.cuda.is_available():
         raise UsageError(f"no CUDA device: strategy {strategy!r} needs one; "
                          "use --strategy sequential/threads/processes")
+
+
+@dataclass(frozen=True)
+class HostResources:
+    """What tuning candidates are drawn from: usable CPU cores and CUDA devices."""
+
+    cores: int
+    cuda_devices: int = 0
+
+    @classmethod
+    def here(cls) -> HostResources:
+        return cls(usable_cores(), torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+    @property
+    def gpus(self) -> list[str]:
+        return [f"cuda:{i}" for i in range(self.cuda_devices)]
+
+
+def worker_counts(cores: int) -> list[int]:
+    """K = 2 .. cores; past 8, only doublings and the full count, each K costing a measurement."""
+    counts = list(range(2, min(cores, 8) + 1))
+    k = 16
+    while k < cores:
+        counts.append(k)
+        k *= 2
+    if cores > 8:
+        counts.append(cores)
+    return counts

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import torch
-
 from hybriddl.strategies.base import LocalStrategy, StepStats, plain_step
+from hybriddl.strategies.spec import StrategySpec
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
 class Sequential(LocalStrategy):
     name = "sequential"
     writes_gradients_once = True
 
+    @classmethod
+    def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:
+        return [StrategySpec(cls.name)]  # one CPU core: the paper's reference
+
     def setup(self, model) -> None:
         # One core, so the speedup of every other strategy is measured against it.
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         super().setup(model)
 
     def compute_gradients(self, x, y) -> StepStats:

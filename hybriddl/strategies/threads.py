@@ -22,9 +22,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from hybriddl.hostinfo import usable_cores
-from hybriddl.sharding import split_bounds
-from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, criterion
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, master_backward,
+                                      sub_batches, worker_gradients)
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
 class Threads(CoreWorkersStrategy):
@@ -45,34 +46,26 @@ class Threads(CoreWorkersStrategy):
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         n = len(y)
-        parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.workers) if b > a]
+        parts = sub_batches(n, self.workers)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # One core per local worker: an intra-op pool on top would fight the workers.
-        torch.set_num_threads(1)
+        set_torch_threads(1)
         futures = [self.pool.submit(_sub_batch_gradients, self.model, params, x[a:b], y[a:b], n)
                    for a, b in parts[1:]]
         try:
             (a, b) = parts[0]
-            loss = criterion(self.model(x[a:b]), y[a:b])
-            (loss * ((b - a) / n)).backward()
-            loss_sum = loss.item() * (b - a)
+            loss_sum = master_backward(self.model, x[a:b], y[a:b], n)
         finally:
             wait(futures)  # no worker may still run when this step ends, even on error
         # The reduction (and the optimizer step after it) runs while the workers idle,
         # so it may use every core.
-        torch.set_num_threads(self.reduce_threads)
+        set_torch_threads(self.reduce_threads)
         reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
                 worker_loss_sum, grads = future.result()
                 loss_sum += worker_loss_sum
-                for p, g in zip(params, grads):
-                    if g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad.add_(g)
+                add_gradients(params, grads)
         done = time.perf_counter()
         return StepStats(n, loss_sum, done - started,
                          {"parts": len(parts), "reduce_seconds": done - reduce_started})
@@ -84,7 +77,5 @@ class Threads(CoreWorkersStrategy):
 
 
 def _sub_batch_gradients(model, params, x, y, n):
-    torch.set_num_threads(1)  # OpenMP thread counts are per calling thread
-    loss = criterion(model(x), y)
-    grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
-    return loss.item() * len(y), grads
+    set_torch_threads(1)  # OpenMP thread counts are per calling thread
+    return worker_gradients(model, params, x, y, n)

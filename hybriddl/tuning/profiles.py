@@ -6,7 +6,7 @@ version 1 (``SCHEMA_VERSION``)::
 
     {
       "schema_version": 1,
-      "host": "node07",                       # socket.gethostname() of the measured host
+      "host": "node07",                       # hostinfo.host_name() of the measured host
       "created": "2026-11-21T05:30:00Z",       # UTC, when the tune finished
       "hybriddl": "0.1.0",
       "fingerprint": {                         # a change in any field makes the profile stale
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,9 +54,9 @@ import torch
 
 from hybriddl import __version__
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import cpu_model, gpus, usable_cores
-from hybriddl.rundir import atomic_write_json
-from hybriddl.strategies import STRATEGIES, StrategyOptions
+from hybriddl.hosts.hostinfo import cpu_model, gpus, host_name, usable_cores
+from hybriddl.run.rundir import atomic_write_json
+from hybriddl.strategies import StrategySpec
 
 SCHEMA_VERSION = 1
 DEFAULT_DIR = "profiles"
@@ -75,7 +74,7 @@ def profile_dir(given: str | os.PathLike | None = None) -> Path:
 
 
 def this_host() -> str:
-    return socket.gethostname()
+    return host_name()
 
 
 def profile_path(directory: str | os.PathLike, usecase: str, host: str | None = None) -> Path:
@@ -107,56 +106,9 @@ class Settings:
         return f"{self.usecase} ({self.model}), {self.image_size} px, batch {self.batch_size}"
 
 
-@dataclass(frozen=True)
-class StrategyChoice:
-    """One strategy with its parameters: a tuner candidate, a profile's pick."""
-
-    name: str
-    workers: int | None = None
-    micro_batches: int | None = None  # pipeline only
-    devices: tuple[str, ...] = ()
-
-    def options(self, oversubscribe: bool = False) -> StrategyOptions:
-        default = StrategyOptions()
-        return StrategyOptions(workers=self.workers,
-                               micro_batches=self.micro_batches or default.micro_batches,
-                               devices=self.devices, oversubscribe=oversubscribe)
-
-    @property
-    def label(self) -> str:
-        parts = [self.name]
-        if self.devices:
-            parts.append(",".join(self.devices))
-        if self.workers is not None:
-            parts.append(f"K={self.workers}")
-        if self.micro_batches is not None:
-            parts.append(f"M={self.micro_batches}")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "workers": self.workers, "micro_batches": self.micro_batches,
-                "devices": list(self.devices)}
-
-    @classmethod
-    def from_dict(cls, record: dict) -> StrategyChoice:
-        return cls(name=str(record["name"]), workers=_optional_int(record.get("workers")),
-                   micro_batches=_optional_int(record.get("micro_batches")),
-                   devices=tuple(str(d) for d in record.get("devices") or ()))
-
-    def infeasibility(self) -> str | None:
-        """Why this host cannot run it, or None when it can."""
-        if self.name not in STRATEGIES:
-            return f"strategy {self.name!r} is not one this hybriddl has"
-        try:
-            STRATEGIES[self.name].check_feasible(self.options())
-        except UsageError as exc:
-            return str(exc)
-        return None
-
-
 @dataclass
 class CandidateResult:
-    choice: StrategyChoice
+    choice: StrategySpec
     status: str  # MEASURED or DROPPED
     seconds_per_step: float | None = None
     timed_steps: int = 0
@@ -182,7 +134,7 @@ class CandidateResult:
         status = record["status"]
         if status not in (MEASURED, DROPPED):
             raise ValueError(f"candidate status {status!r}")
-        result = cls(choice=StrategyChoice.from_dict(record["strategy"]), status=status,
+        result = cls(choice=StrategySpec.from_dict(record["strategy"]), status=status,
                      seconds_per_step=_optional_float(record.get("seconds_per_step")),
                      timed_steps=int(record.get("timed_steps") or 0),
                      images_per_second=_optional_float(record.get("images_per_second")),
@@ -201,7 +153,7 @@ class Profile:
     fingerprint: dict
     settings: Settings
     candidates: list[CandidateResult]
-    pick: StrategyChoice
+    pick: StrategySpec
     measurement: dict = field(default_factory=dict)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     hybriddl: str = __version__
@@ -239,7 +191,7 @@ class Profile:
             profile = cls(host=str(record["host"]), fingerprint=dict(record["fingerprint"]),
                           settings=Settings(**record["settings"]),
                           candidates=[CandidateResult.from_dict(c) for c in record["candidates"]],
-                          pick=StrategyChoice.from_dict(record["pick"]),
+                          pick=StrategySpec.from_dict(record["pick"]),
                           measurement=dict(record.get("measurement") or {}),
                           created=str(record.get("created", "")),
                           hybriddl=str(record.get("hybriddl", "")))

@@ -11,79 +11,33 @@ from __future__ import annotations
 import contextlib
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from hybriddl import checkpoint as ckpt
 from hybriddl import data as datamod
-from hybriddl.cluster import SingleHost
-from hybriddl.errors import TrainingError, UsageError
-from hybriddl.monitor import Monitor
-from hybriddl.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
+from hybriddl.data.loading import load_data
+from hybriddl.config import AUTO, TrainConfig, auto_pick
+from hybriddl.run import checkpoint as ckpt
+from hybriddl.hosts.cluster import SingleHost
+from hybriddl.errors import TrainingError
+from hybriddl.monitoring.monitor import Monitor
+from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir, remove_partial_writes)
-from hybriddl.shutdown import StopRequest
-from hybriddl.strategies import LocalStrategy, StepStats, StrategyOptions, make_strategy
-from hybriddl.tuner import AUTO, AUTO_BUDGET_SECONDS, TuneObserver, auto_strategy, tune_settings
+from hybriddl.run.shutdown import StopRequest
+from hybriddl.run.step import optimizer_step
+from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
-@dataclass
-class TrainConfig:
-    usecase: str = "ComplexSmall"
-    model: str | None = None  # None: the use case's model
-    data: str = "synthetic"
-    classes: int | None = None
-    val_fraction: float = 0.2
-    image_size: int | None = None
-    batch_size: int | None = None  # the global batch
-    epochs: int | None = None
-    lr: float | None = None
-    momentum: float | None = None
-    dropout: float | None = None  # None: torchvision's default
-    seed: int = 0
-    max_steps: int | None = None
-    run_dir: str | None = None
-    checkpoint_every: int | None = None  # steps; a checkpoint ends every epoch regardless
-    strategy: str = "sequential"  # or "auto": this host's profiled pick (hybriddl/tuner.py)
-    strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
-    profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
-    tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
-    monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
-    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (cluster.py)
-    throughput: float | None = None  # this host's images/s (its profile's) for --balance
-
-    def resolved(self) -> TrainConfig:
-        """Fill what was left out from the use case, and check every number."""
-        case = get_usecase(self.usecase)
-        filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
-        filled.model = self.model or case.model
-        filled.image_size = self.image_size if self.image_size is not None else case.image_size
-        filled.batch_size = self.batch_size if self.batch_size is not None else case.batch_size
-        filled.epochs = self.epochs if self.epochs is not None else case.epochs
-        filled.lr = self.lr if self.lr is not None else case.lr
-        filled.momentum = self.momentum if self.momentum is not None else case.momentum
-        for flag, value, low in (("--batch-size", filled.batch_size, 1), ("--epochs", filled.epochs, 1),
-                                 ("--image-size", filled.image_size, 1)):
-            if value < low:
-                raise UsageError(f"{flag} {value}: give at least {low}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
-        if not 0 <= self.monitor_interval < float("inf"):
-            raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
-                             "(0 disables monitoring)")
-        if filled.lr <= 0:
-            raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
-        if not 0 <= filled.momentum < 1:
-            raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
-        return filled
-
-
-class TrainingObserver(TuneObserver):
+class TrainingObserver:
     """What the trainer reports while it runs (and tunes, for auto); the CLI draws it."""
+
+    def on_tune_start(self, candidates, reason) -> None: ...
+    def on_candidate_start(self, index, choice, share_seconds) -> None: ...
+    def on_candidate_step(self, index, step, seconds) -> None: ...
+    def on_candidate_end(self, index, result) -> None: ...
 
     def on_data_progress(self, done: int, total: int) -> None: ...
     def on_start(self, info: dict) -> None: ...
@@ -106,12 +60,14 @@ class PreparedRun:
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
-            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1) -> PreparedRun:
+            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1,
+            stop: StopRequest | None = None) -> PreparedRun:
     """Validate the whole configuration and load the data before any file is written.
 
     With `resume`, the run goes on in config.run_dir from that checkpoint (see
     checkpoint.resumed_settings for how its settings and the flags given combine).
     `hosts_count` hosts share each global batch: auto profiles this host's share of it.
+    A `stop` requested while a data cache is built ends the build, resumable.
     """
     observer = observer or TrainingObserver()
     config = config.resolved()
@@ -123,30 +79,22 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         remove_partial_writes(run_dir)  # what a kill -9 during a write left
     ckpt.check_run_storage(run_dir, config.model, config.classes)
     auto = config.strategy == AUTO
-    if auto and (config.strategy_options.workers is not None or config.strategy_options.devices):
-        raise UsageError("--workers and --devices go with a named --strategy; with auto the "
-                         "profile decides (or name the strategy)")
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
-    split = datamod.load_data(config.data, variant=case.dataset, image_size=config.image_size,
+    split = load_data(config.data, variant=case.dataset, image_size=config.image_size,
                               classes=config.classes, val_fraction=config.val_fraction,
-                              progress=observer.on_data_progress)
+                              progress=observer.on_data_progress, cache_dir=config.data_cache,
+                              stop_signal=lambda: stop.signum if stop else None)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
     choice = None
     if auto:
-        host_batch = -(-config.batch_size // hosts_count)
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
-            decision = auto_strategy(tune_settings(config.usecase, config.model,
-                                                   config.image_size, host_batch),
-                                     split.train, directory=config.profile_dir,
-                                     budget=config.tune_budget, observer=observer)
-        strategy = make_strategy(decision.choice.name, decision.choice.options(
-            config.strategy_options.oversubscribe))
-        choice = {**decision.describe(), "message": decision.message()}
-        if config.throughput is None:  # the host's weight for --balance throughput
-            config.throughput = decision.profile.pick_result.images_per_second
+            picked, choice = auto_pick(config, split.train, observer, hosts_count)
+        strategy = make_strategy(picked.strategy, picked.strategy_options)
+        # The run stays "auto" (a resume picks again); the host's weight is the pick's.
+        config = replace(config, throughput=picked.throughput)
     if resume is not None:
         ckpt.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
@@ -157,7 +105,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         hosts=None, stop: StopRequest | None = None) -> dict:
     """Train; returns the metrics dict that is also written to metrics.json.
 
-    Between steps, a `stop` requested on any host (a signal, see hybriddl.shutdown)
+    Between steps, a `stop` requested on any host (a signal, see hybriddl.run.shutdown)
     writes a checkpoint and raises TrainingInterrupted.
     """
     observer = observer or TrainingObserver()
@@ -227,16 +175,15 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     with datamod.BatchPrefetcher(split.train, batches, transform, part=host_part) as prefetch:
         for batch, x, y in prefetch:
             step_started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=False)
+
+            def average(stats: StepStats) -> None:
+                if not torch.isfinite(torch.tensor(stats.loss)):
+                    raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
+                                        f"{batch.step + 1}: lower --lr; {keeper.kept()}")
+                hosts.average_gradients(model, stats.samples)
+
             hosts.begin_step(batch)
-            # A host whose share of a short batch is empty contributes a zero gradient.
-            stats = strategy.compute_gradients(x, y) if len(y) else StepStats(0, 0.0)
-            if not torch.isfinite(torch.tensor(stats.loss)):
-                raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
-                                    f"{batch.step + 1}: lower --lr; {keeper.kept()}")
-            hosts.average_gradients(model, stats.samples)
-            optimizer.step()
-            strategy.after_step()
+            stats = optimizer_step(strategy, optimizer, x, y, average)
             now = time.perf_counter()
             progress.add_step(len(batch.indices), stats.samples, stats.loss_sum, now - last)
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds

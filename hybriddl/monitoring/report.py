@@ -25,8 +25,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from hybriddl.errors import UsageError
-from hybriddl.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
-from hybriddl.rundir import METRICS, load_metrics
+from hybriddl.monitoring.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
+from hybriddl.run.rundir import METRICS, load_metrics
+from hybriddl.strategies import Pipeline, Sequential
 
 REPORT = "report.md"
 EPOCH_TIME_PNG = "epoch_time.png"
@@ -149,14 +150,14 @@ def configuration_label(config: dict) -> str:
     parts = [strategy["name"]]
     if strategy.get("workers"):
         parts.append(f"K={strategy['workers']}")
-    if strategy.get("micro_batches") and strategy["name"] == "pipeline":
+    if strategy.get("micro_batches") and strategy["name"] == Pipeline.name:
         parts.append(f"M={strategy['micro_batches']}")
     hosts = host_count(config)
     return f"{' '.join(parts)}, {hosts} host{'s' if hosts != 1 else ''}"
 
 
 def is_sequential_baseline(config: dict) -> bool:
-    return config["strategy"]["name"] == "sequential" and host_count(config) == 1
+    return config["strategy"]["name"] == Sequential.name and host_count(config) == 1
 
 
 def scaling_rows(runs: list[RecordedRun]) -> tuple[list[dict], str]:

@@ -1,4 +1,4 @@
-"""The run directory contract (DESIGN.md, "Outputs a run leaves")."""
+"""The run directory contract (ARCHITECTURE.md, "Contracts")."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 
 import psutil
 import torch
 import torchvision
 
 from hybriddl import __version__
+from hybriddl.hosts.naming import host_name  # noqa: F401  (re-exported: hostinfo is where users look)
 
 
 def usable_cores() -> int:
@@ -41,11 +41,11 @@ def gpus() -> list[dict]:
 
 
 def host_info() -> dict:
-    from hybriddl.mpi import library_versions
+    from hybriddl.hosts.mpi import library_versions
 
     memory = psutil.virtual_memory()
     return {
-        "host": socket.gethostname(),
+        "host": host_name(),
         "cpu_model": cpu_model(),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_physical": psutil.cpu_count(logical=False),

@@ -10,8 +10,11 @@ A second signal while the first is being honoured abandons the run at once
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from hybriddl.hosts.naming import host_name
 
 # SIGUSR1 too, because Open MPI 5's mpirun (PRRTE 3) answers SIGTERM and SIGINT by killing
 # the ranks itself: SIGCONT, 250 ms, SIGTERM, 250 ms, SIGKILL (odls_base_default_fns.c,
@@ -49,3 +52,24 @@ class StopRequest:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
+
+
+def failure_exit_code(exc: BaseException) -> int:
+    """The exit code of a run that ended with `exc`: 2 bad input, 130 interrupted, 1 else."""
+    from hybriddl.errors import UsageError
+
+    return 2 if isinstance(exc, UsageError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+
+def stop_every_host(hosts, exc: BaseException, show: Callable[[str, BaseException], None]) -> None:
+    """Under mpirun, have `show` say which rank failed and why, then take every rank down.
+
+    One rank's failure must not leave the others waiting in a collective. Returns only
+    for a single host, where the caller reports the error as usual.
+    """
+    from hybriddl.hosts.cluster import SingleHost
+
+    if isinstance(hosts, SingleHost):
+        return
+    show(f"rank {hosts.rank} on {host_name()}", exc)
+    hosts.abort(failure_exit_code(exc))

@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.rundir import CHECKPOINT, atomic_torch_save, check_storage
-from hybriddl.shutdown import StopRequest
+from hybriddl.run.rundir import CHECKPOINT, MODEL, atomic_torch_save, check_storage
+from hybriddl.run.shutdown import StopRequest
 from hybriddl.usecases import build_model
 
 FORMAT = 1
@@ -147,6 +147,25 @@ def load(run_dir: str | Path) -> Checkpoint:
                          f"this hybriddl reads format {FORMAT}: resume it with the version "
                          "that wrote it")
     return checkpoint
+
+
+# What `train --resume-if-exists RUN_DIR` finds there (a job scheduler restarts the same
+# command after a requeue, so one command must start, continue or leave alone a run).
+FRESH, RESUMABLE, FINISHED = "fresh", "resumable", "finished"
+
+
+def run_state(run_dir: str | Path) -> str:
+    """FRESH (no checkpoint yet), RESUMABLE (a checkpoint to continue from), or FINISHED.
+
+    A run has finished when its model.pt is at least as new as its checkpoint: the
+    trainer writes model.pt once, after the last checkpoint of a complete run, and a
+    finished run resumed to extend it writes newer checkpoints before a newer model.pt.
+    """
+    checkpoint, model = Path(run_dir) / CHECKPOINT, Path(run_dir) / MODEL
+    if model.is_file() and (not checkpoint.is_file()
+                            or model.stat().st_mtime_ns >= checkpoint.stat().st_mtime_ns):
+        return FINISHED
+    return RESUMABLE if checkpoint.is_file() else FRESH
 
 
 def resumed_settings(checkpoint: Checkpoint, given: dict, run_dir: str | Path) -> dict:

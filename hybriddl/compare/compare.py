@@ -27,12 +27,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
-from hybriddl.stepmeter import read_rank_results
-from hybriddl.strategies import STRATEGIES, StrategyOptions
+from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
+from hybriddl.run.stepmeter import read_rank_results
+from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
 
-CONTENDERS = ("hybrid", "flat", "ddp")
+# "flat" is Horovod's model: the flat strategy on every one of H x K ranks.
+FLAT = Flat.name
+CONTENDERS = ("hybrid", FLAT, "ddp")
 RESULT = "comparison.json"
 REPORT = "comparison.md"
 
@@ -90,7 +92,7 @@ class MeasureSettings:
 
     def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()):
         """The trainer's configuration for one contender's ranks (no run directory is written)."""
-        from hybriddl.trainer import TrainConfig
+        from hybriddl.config import TrainConfig
 
         return TrainConfig(usecase=self.usecase, model=self.model, data=self.data,
                            image_size=self.image_size, batch_size=self.batch_size,
@@ -102,7 +104,7 @@ class CompareConfig:
     settings: MeasureSettings = field(default_factory=MeasureSettings)
     hosts: int = 2  # H
     workers_per_host: int = 2  # K
-    local_strategy: str = "processes"  # the hybrid hosts' strategy; the paper's fastest on CPU
+    local_strategy: str = Processes.name  # the hybrid hosts' strategy; the paper's fastest on CPU
     contenders: tuple[str, ...] = CONTENDERS
     output: str | None = None
 
@@ -134,7 +136,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     Returns the configuration with the use case's defaults filled in and the output folder;
     `observer` (a trainer.TrainingObserver) sees the data loading.
     """
-    from hybriddl import trainer
+    from hybriddl.run import trainer
 
     if config.hosts < 1 or config.workers_per_host < 1:
         raise UsageError(f"--hosts {config.hosts} --workers-per-host {config.workers_per_host}: "
@@ -143,14 +145,14 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     if unknown or not config.contenders:
         raise UsageError(f"--contenders {','.join(config.contenders)}: choose among "
                          f"{', '.join(CONTENDERS)}")
-    if config.local_strategy not in STRATEGIES or config.local_strategy == "flat":
-        choices = ", ".join(name for name in STRATEGIES if name != "flat")
+    if config.local_strategy not in STRATEGIES or config.local_strategy == Flat.name:
+        choices = ", ".join(name for name in STRATEGIES if name != Flat.name)
         raise UsageError(f"--local-strategy {config.local_strategy!r}: choose one of {choices}")
     settings = config.settings
     if settings.steps < 1 or settings.warmup < 0:
         raise UsageError(f"--steps {settings.steps} --warmup {settings.warmup}: "
                          "give at least 1 timed step and no negative warm-up")
-    workers = None if config.local_strategy == "sequential" else config.workers_per_host
+    workers = None if config.local_strategy == Sequential.name else config.workers_per_host
     if workers is None and config.workers_per_host != 1 and "hybrid" in config.contenders:
         raise UsageError("--local-strategy sequential has one worker per host: give "
                          "--workers-per-host 1 or a parallel local strategy")
@@ -161,7 +163,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError(f"--batch-size {resolved.batch_size} is smaller than the "
                          f"{config.workers} workers: give at least one sample per worker")
     trainer.prepare(train_config, observer)
-    if {"hybrid", "flat"} & set(config.contenders):
+    if {"hybrid", FLAT} & set(config.contenders):
         mpi_launcher()
     output = Path(config.output) if config.output else default_run_dir(
         f"compare-{settings.usecase}")
@@ -211,17 +213,17 @@ def plan(config: CompareConfig, result_root: Path, as_root: bool) -> list[Conten
         root = ["--allow-run-as-root"] if as_root else []
         return [mpi_launcher(), "-np", str(ranks), "--oversubscribe", *root, *MPI_OVER_LOOPBACK_TCP]
 
-    workers = [] if config.local_strategy == "sequential" else [
+    workers = [] if config.local_strategy == Sequential.name else [
         "--workers", str(config.workers_per_host)]
     launches = {
         "hybrid": lambda: mpirun(config.hosts) + python + [
-            "hybriddl.compare_worker", "--strategy", config.local_strategy, *workers,
+            "hybriddl.compare.worker", "--strategy", config.local_strategy, *workers,
             "--oversubscribe"],
-        "flat": lambda: mpirun(config.workers) + python + [
-            "hybriddl.compare_worker", "--strategy", "flat"],
-        "ddp": lambda: python + ["hybriddl.ddp_peer", "--processes", str(config.workers)],
+        FLAT: lambda: mpirun(config.workers) + python + [
+            "hybriddl.compare.worker", "--strategy", Flat.name],
+        "ddp": lambda: python + ["hybriddl.compare.ddp", "--processes", str(config.workers)],
     }
-    ranks = {"hybrid": config.hosts, "flat": config.workers, "ddp": config.workers}
+    ranks = {"hybrid": config.hosts, FLAT: config.workers, "ddp": config.workers}
     return [Contender(name, ranks[name], launches[name]() + common + [
         "--result-dir", str(result_root / name)]) for name in config.contenders]
 
@@ -363,7 +365,7 @@ def notes(comparison: dict) -> list[str]:
 
 
 def markdown(comparison: dict) -> str:
-    from hybriddl import report
+    from hybriddl.monitoring import report
 
     return (report.markdown_table(display_rows(comparison), COLUMNS) + "\n"
             + "".join(f"- {line}\n" for line in notes(comparison)))
@@ -377,7 +379,7 @@ def write_outputs(comparison: dict, output: Path) -> list[Path]:
 
 def comparison_charts(comparison: dict, output: Path) -> list[Path]:
     """Speed and bytes on the wire per contender, the hybrid's bar set apart."""
-    from hybriddl import report
+    from hybriddl.monitoring import report
 
     rows = display_rows(comparison)
     common = {"label_key": "name", "xlabel": "contender", "highlight": "hybrid",

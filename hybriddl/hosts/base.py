@@ -1,14 +1,7 @@
-"""The hosts of a run, as the trainer sees them. One host needs no MPI at all.
-
-`connect()` gives `SingleHost` when the process was not started by mpirun, and
-`hybriddl.mpi.MPIHosts` (one rank per host) when it was. Both keep the same small
-surface, so the trainer never imports mpi4py and never asks which one it holds.
-"""
+"""What the trainer asks of the hosts of a run, whichever they are (see cluster.connect)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 
@@ -16,33 +9,11 @@ from torch import nn
 
 from hybriddl.data import GlobalBatch
 from hybriddl.errors import UsageError
-from hybriddl.fusion import DEFAULT_BUCKET_BYTES
-from hybriddl.sharding import split_bounds, split_counts
+from hybriddl.data.sharding import split_bounds, split_counts
+from hybriddl.hosts.naming import host_name
 
 BALANCE_POLICIES = ("throughput", "even")
 DEFAULT_TIMEOUT_SECONDS = 600.0
-# Set by Open MPI (mpirun/prterun), PMIx launchers (srun --mpi=pmix) and MPICH's hydra.
-LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
-
-
-def launched_by_mpirun(environ=os.environ) -> bool:
-    return any(name in environ for name in LAUNCHER_VARIABLES)
-
-
-def connect(*, overlap: bool = False, fp16_allreduce: bool = False,
-            bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            timeout: float = DEFAULT_TIMEOUT_SECONDS) -> Hosts:
-    """The hosts of this run. MPI is initialised only when a launcher started us.
-
-    Without mpirun nothing touches MPI, so `hybriddl train` on one machine (and the
-    worker processes that strategies spawn) never pays for it or depends on it.
-    """
-    if not launched_by_mpirun():
-        return SingleHost()
-    from hybriddl.mpi import MPIHosts
-
-    return MPIHosts(overlap=overlap, fp16_allreduce=fp16_allreduce, bucket_bytes=bucket_bytes,
-                    timeout=timeout)
 
 
 def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[list[float], str, str | None]:
@@ -99,7 +70,7 @@ class Hosts:
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
-        return {"count": self.size, "names": [socket.gethostname()], "balance": self.balance,
+        return {"count": self.size, "names": [host_name()], "balance": self.balance,
                 "weights": self.weights, "notes": self.notes}
 
     def check_same(self, settings: dict) -> None:
@@ -205,7 +176,3 @@ class Hosts:
     def abort(self, exit_code: int) -> None:
         """Stop every host now (after a failure on this one)."""
         raise SystemExit(exit_code)
-
-
-class SingleHost(Hosts):
-    """A run on one host: every global batch is this host's, nothing to average."""

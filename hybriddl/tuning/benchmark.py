@@ -19,9 +19,11 @@ import torch
 
 from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
-from hybriddl.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds
+from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.usecases import build_model
+from hybriddl.hosts.cpu_threads import set_torch_threads, torch_threads
 
 
 @dataclass
@@ -88,29 +90,23 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
     """
     torch.manual_seed(seed)
     model = timing_model(model_name, num_classes)
-    threads = torch.get_num_threads()
-    try:
-        with make_strategy(name, options) as strategy:
-            strategy.setup(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-            warm, seconds, peak = [], [], tree_memory()
-            for step in range(warmup + steps):
-                started = time.perf_counter()
-                optimizer.zero_grad(set_to_none=False)
-                strategy.compute_gradients(x, y)
-                optimizer.step()
-                strategy.after_step()
-                elapsed = time.perf_counter() - started
-                peak = tuple(map(max, peak, tree_memory()))
-                if step >= warmup:
-                    seconds.append(elapsed)
-                else:
-                    warm.append(elapsed)
-                if keep_going is not None and not keep_going(step, elapsed):
-                    break
-            description = strategy.describe()
-    finally:
-        torch.set_num_threads(threads)  # strategies pin threads; leave the caller as it was
+    # Strategies pin threads; leave the caller as it was.
+    with torch_threads(), make_strategy(name, options) as strategy:
+        strategy.setup(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        warm, seconds, peak = [], [], tree_memory()
+        for step in range(warmup + steps):
+            started = time.perf_counter()
+            optimizer_step(strategy, optimizer, x, y)
+            elapsed = time.perf_counter() - started
+            peak = tuple(map(max, peak, tree_memory()))
+            if step >= warmup:
+                seconds.append(elapsed)
+            else:
+                warm.append(elapsed)
+            if keep_going is not None and not keep_going(step, elapsed):
+                break
+        description = strategy.describe()
     median = statistics.median(seconds) if seconds else math.inf
     return StepTiming(description, len(y), median, seconds, peak[0], warmup_seconds=warm,
                       peak_pss_bytes=peak[1])
@@ -120,15 +116,11 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
                     y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
                     momentum: float = 0.9, seed: int = 0) -> StepTiming:
     """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         torch.manual_seed(seed)
         model = build_model(model_name, num_classes, dropout=0.0)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         seconds, peak = _timed_steps(model, optimizer, x, y, warmup, steps)
-    finally:
-        torch.set_num_threads(previous)
     return StepTiming({"name": "pytorch", "threads": threads}, len(y), statistics.median(seconds),
                       seconds, peak[0], peak_pss_bytes=peak[1])
 
@@ -160,7 +152,7 @@ def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

@@ -44,5 +44,8 @@ class FP16Compression:
         flat.copy_(wire)
 
 
-def make_compression(fp16: bool) -> NoCompression | FP16Compression:
-    return FP16Compression() if fp16 else NoCompression()
+class Compression:
+    """The choices, as Horovod spells them: `connect(compression=Compression.fp16)`."""
+
+    none = NoCompression()
+    fp16 = FP16Compression()

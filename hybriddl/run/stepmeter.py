@@ -13,9 +13,9 @@ from pathlib import Path
 
 import psutil
 
-from hybriddl.benchmark import tree_rss_bytes
-from hybriddl.rundir import atomic_write_json
-from hybriddl.trainer import TrainingObserver
+from hybriddl.tuning.benchmark import tree_rss_bytes
+from hybriddl.run.rundir import atomic_write_json
+from hybriddl.run.trainer import TrainingObserver
 
 WIRE_INTERFACE = "lo"
 

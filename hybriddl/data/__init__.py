@@ -1,6 +1,8 @@
 """Data sources, the train/validation split, and the deterministic batch stream.
 
-Every source ends up as an `ImageSet`: uint8 images held in memory plus labels. The
+Every source ends up as an `ImageSet`: uint8 images plus labels. The embedded set is
+held in memory; every other source is streamed from its cache file on disk
+(hybriddl.data.cache), so its size is bounded by the disk, not by RAM. The
 paper's preprocessing is applied per batch by `BatchTransform` (scale to the model's
 size, horizontal flip, normalisation, float tensor). The flip of each sample is drawn
 from the seed and the epoch *before* a global batch is cut into host or worker
@@ -9,18 +11,14 @@ parts, so no strategy and no host count can change what a step sees.
 
 from __future__ import annotations
 
-import pickle
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
-import torchvision
 from torchvision.transforms import v2
 
 from hybriddl.errors import UsageError
@@ -31,8 +29,6 @@ Progress = Callable[[int, int], None]  # (done, total)
 # Embedded data: (train images per class, validation images per class, native pixels).
 SYNTHETIC_VARIANTS = {"small": (160, 40, 64), "big": (800, 100, 64)}
 SYNTHETIC_CLASSES = ["fire", "smoke", "clear"]
-# Never more than this fraction of available RAM for an in-memory image set.
-MEMORY_FRACTION = 0.5
 
 
 @dataclass
@@ -60,29 +56,6 @@ class DataSplit:
 
 
 # --------------------------------------------------------------------------- sources
-
-def load_data(spec: str, *, variant: str, image_size: int, classes: int | None = None,
-              val_fraction: float = 0.2, progress: Progress | None = None) -> DataSplit:
-    """Load `--data SPEC`: "synthetic", "cifar10:DIR" or an ImageFolder directory."""
-    if spec == "synthetic":
-        if classes is not None:
-            raise UsageError("--classes applies to cifar10: data only; leave it out")
-        split = synthetic_split(variant, progress=progress)
-    elif spec.startswith("cifar10:"):
-        split = cifar10_split(spec[len("cifar10:"):], classes=classes, val_fraction=val_fraction)
-    else:
-        if classes is not None:
-            raise UsageError("--classes applies to cifar10: data only; leave it out")
-        split = imagefolder_split(spec, image_size=image_size, val_fraction=val_fraction,
-                                  progress=progress)
-    if len(split.classes) < 2:
-        raise UsageError(f"{split.source} has {len(split.classes)} class; a classifier needs "
-                         "at least 2 classes: add a subfolder of images for each class")
-    if len(split.train) == 0 or len(split.val) == 0:
-        raise UsageError(f"{split.source} has too few images for a train/validation split: "
-                         "add images or lower --val-fraction")
-    return split
-
 
 def synthetic_split(variant: str, *, progress: Progress | None = None) -> DataSplit:
     """The embedded, procedurally generated 3-class set (fire / smoke / clear scenes).
@@ -138,131 +111,6 @@ def render_synthetic(label: int, index: int, size: int) -> np.ndarray:
     return (np.clip(image, 0, 1) * 255).astype(np.uint8)
 
 
-def imagefolder_split(root: str, *, image_size: int, val_fraction: float,
-                      progress: Progress | None = None) -> DataSplit:
-    """An ImageFolder tree (one subfolder per class), scaled and centre-cropped once."""
-    path = Path(root)
-    if not path.is_dir():
-        raise UsageError(f"--data {root}: no such directory; give a folder with one "
-                         "subfolder of images per class, 'synthetic' or 'cifar10:DIR'")
-    try:
-        folder = torchvision.datasets.ImageFolder(str(path), allow_empty=False)
-    except FileNotFoundError as exc:
-        raise UsageError(f"--data {root}: {exc}; put the images of each class in its own "
-                         "subfolder") from None
-    _check_fits_in_memory(len(folder) * 3 * image_size * image_size, root)
-    scale = v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True),
-                        v2.CenterCrop(image_size)])
-    images = torch.empty(len(folder), 3, image_size, image_size, dtype=torch.uint8)
-    for index, (file, _) in enumerate(folder.samples):
-        try:
-            image = folder.loader(file)
-        except Exception as exc:  # PIL raises several types for broken files
-            raise UsageError(f"cannot read image {file} ({type(exc).__name__}): "
-                             "remove or replace the file") from None
-        images[index] = scale(image)
-        if progress and ((index + 1) % 64 == 0 or index + 1 == len(folder)):
-            progress(index + 1, len(folder))
-    every = ImageSet(images, torch.tensor(folder.targets, dtype=torch.int64),
-                     list(folder.classes))
-    train_idx, val_idx = stratified_split(every.labels, val_fraction)
-    return DataSplit(every.subset(train_idx), every.subset(val_idx), f"imagefolder:{root}")
-
-
-# What reading a damaged or foreign pickle can raise, besides a clean UnpicklingError.
-_PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError,
-                  AttributeError, ImportError, RuntimeError, OSError)
-
-
-class _CIFAR10Files(torchvision.datasets.CIFAR10):
-    """torchvision's CIFAR-10 reader for some python batch files of ROOT/cifar-10-batches-py.
-
-    torchvision checks every file's MD5 against the full download; users with a trimmed
-    or re-packed copy (and the tests) have valid files with other sums, so only their
-    presence is checked.
-    """
-
-    def __init__(self, root: str, files: list[str]):
-        self.train_list = [[name, None] for name in files]
-        self.test_list = []
-        super().__init__(root, train=True, download=False)
-
-    def _check_integrity(self) -> bool:
-        folder = Path(self.root) / self.base_folder
-        return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
-
-    def _load_meta(self) -> None:
-        meta = Path(self.root) / self.base_folder / self.meta["filename"]
-        with open(meta, "rb") as handle:
-            self.classes = list(pickle.load(handle, encoding="latin1")[self.meta["key"]])
-        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
-
-
-def cifar10_split(root: str, *, classes: int | None, val_fraction: float) -> DataSplit:
-    """CIFAR-10's python batches: DIR or DIR/cifar-10-batches-py holding data_batch_*.
-
-    The test_batch, when present, is the validation set; otherwise a stratified share
-    of the training batches is held out.
-    """
-    path = Path(root)
-    base = _CIFAR10Files.base_folder
-    if path.name == base:
-        path = path.parent
-    folder = path / base
-    if not folder.is_dir():
-        raise UsageError(f"--data cifar10:{root}: no {base} folder there; extract "
-                         "cifar-10-python.tar.gz and give the folder that holds it")
-    train_files = sorted(p.name for p in folder.glob("data_batch_*"))
-    if not train_files or not (folder / "batches.meta").is_file():
-        raise UsageError(f"--data cifar10:{root}: {folder} needs data_batch_* files and "
-                         "batches.meta; re-extract cifar-10-python.tar.gz")
-
-    def read(name: str) -> ImageSet:
-        # One file at a time, so that an error names the file that is damaged.
-        try:
-            reader = _CIFAR10Files(str(path), [name])
-        except _PICKLE_ERRORS as exc:
-            raise UsageError(f"--data cifar10:{root}: {name} or batches.meta is not a CIFAR-10 "
-                             f"python batch ({type(exc).__name__}: {_first_line(exc)}); "
-                             "re-extract cifar-10-python.tar.gz") from None
-        labels = torch.tensor(reader.targets, dtype=torch.int64)
-        if len(labels) != len(reader.data) or (
-                len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) < len(reader.classes)):
-            raise UsageError(f"--data cifar10:{root}: {name} has {len(reader.data)} images and "
-                             f"{len(labels)} labels for {len(reader.classes)} classes; "
-                             "re-extract cifar-10-python.tar.gz")
-        images = torch.from_numpy(np.ascontiguousarray(reader.data.transpose(0, 3, 1, 2)))
-        return ImageSet(images, labels, [str(c) for c in reader.classes])
-
-    def read_all(names: list[str]) -> ImageSet:
-        sets = [read(name) for name in names]
-        return ImageSet(torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets]),
-                        sets[0].classes)
-
-    train = read_all(train_files)
-    val = read_all(["test_batch"]) if (folder / "test_batch").is_file() else None
-    if classes is not None:
-        if not 2 <= classes <= len(train.classes):
-            raise UsageError(f"--classes {classes}: give a number from 2 to {len(train.classes)}")
-        train = _first_classes(train, classes)
-        val = _first_classes(val, classes) if val is not None else None
-    if val is None:
-        train_idx, val_idx = stratified_split(train.labels, val_fraction)
-        train, val = train.subset(train_idx), train.subset(val_idx)
-    return DataSplit(train, val, f"cifar10:{root}")
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:120] if text else "no message"
-
-
-def _first_classes(images: ImageSet, n: int) -> ImageSet:
-    keep = torch.nonzero(images.labels < n).flatten()
-    kept = images.subset(keep)
-    return ImageSet(kept.images, kept.labels, images.classes[:n])
-
-
 def stratified_split(labels: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Same validation share from every class; fixed generator so the split never moves."""
     if not 0.0 < val_fraction < 1.0:
@@ -278,13 +126,6 @@ def stratified_split(labels: torch.Tensor, val_fraction: float) -> tuple[torch.T
         val.append(members[:n_val])
         train.append(members[n_val:])
     return torch.cat(train).sort().values, torch.cat(val).sort().values
-
-
-def _check_fits_in_memory(n_bytes: int, source: str) -> None:
-    available = psutil.virtual_memory().available
-    if n_bytes > MEMORY_FRACTION * available:
-        raise UsageError(f"{source} needs {n_bytes / 2**30:.1f} GiB in memory at this image "
-                         f"size but only {available / 2**30:.1f} GiB is free: lower --image-size")
 
 
 # --------------------------------------------------------------------------- batches

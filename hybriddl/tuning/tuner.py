@@ -5,7 +5,7 @@ speedup, because which one wins depends on the model and the hardware (threads o
 machine, processes on another, a two-GPU pipeline on a third). The tuner enumerates the
 candidates this host can run, times each on a real batch of the use case through
 `benchmark.measure_strategy` (warm-up, then the median of timed steps), and keeps the
-table and its pick as a profile (hybriddl/profiles.py).
+table and its pick as a profile (hybriddl/tuning/profiles.py).
 
 Budget: every candidate gets an equal share of what is left of the budget. After each
 step the tuner predicts the next from the fastest step so far; a candidate whose next
@@ -21,118 +21,50 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from hybriddl.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
+from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
-from hybriddl.hostinfo import usable_cores
-from hybriddl.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
-                               StrategyChoice, find_profile, fingerprint, profile_dir,
+from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
+                               find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
-from hybriddl.strategies import STRATEGIES
+from hybriddl.strategies import STRATEGIES, Gpu, HostResources, Sequential, StrategySpec
 from hybriddl.usecases import check_image_size, get_usecase
 
 AUTO = "auto"
-BASELINE = StrategyChoice("sequential")  # one CPU core: the paper's reference
-MICRO_BATCHES = (1, 2, 4, 8)
+BASELINE = StrategySpec(Sequential.name)  # one CPU core: the paper's reference
 # Training tunes first when no profile fits; this keeps that detour short.
 AUTO_BUDGET_SECONDS = 120.0
 AUTO_TIMED_STEPS = 3
 
 # (step index, seconds of that step) -> take another step?
 KeepGoing = Callable[[int, float], bool]
-Measure = Callable[[StrategyChoice, KeepGoing], StepTiming]
-
-
-@dataclass(frozen=True)
-class HostResources:
-    """What candidates are drawn from: usable CPU cores and CUDA devices."""
-
-    cores: int
-    cuda_devices: int = 0
-
-    @classmethod
-    def here(cls) -> HostResources:
-        return cls(usable_cores(), torch.cuda.device_count() if torch.cuda.is_available() else 0)
-
-
-def worker_counts(cores: int) -> list[int]:
-    """K = 2 .. cores; past 8, only doublings and the full count, each K costing a measurement."""
-    counts = list(range(2, min(cores, 8) + 1))
-    k = 16
-    while k < cores:
-        counts.append(k)
-        k *= 2
-    if cores > 8:
-        counts.append(cores)
-    return counts
-
-
-def _cpu_workers(name: str, splits_batch: bool):
-    def generate(host: HostResources, batch_size: int) -> list[StrategyChoice]:
-        # A worker without a sample of the batch only adds overhead.
-        return [StrategyChoice(name, workers=k) for k in worker_counts(host.cores)
-                if not splits_batch or k <= batch_size]
-    return generate
-
-
-def _gpus(host: HostResources) -> list[str]:
-    return [f"cuda:{i}" for i in range(host.cuda_devices)]
-
-
-def _pipeline(host: HostResources, batch_size: int) -> list[StrategyChoice]:
-    gpus = _gpus(host)
-    # One GPU: both stages on it still overlap the stages' kernels (DESIGN.md allows it).
-    stages = tuple(gpus[:2]) if len(gpus) >= 2 else tuple(gpus * 2)
-    if not stages:
-        return []
-    return [StrategyChoice("pipeline", micro_batches=m, devices=stages)
-            for m in MICRO_BATCHES if m <= batch_size]
-
-
-CandidateGenerator = Callable[[HostResources, int], list[StrategyChoice]]
-
-# Strategy name -> its candidates on a host, for a host batch. Names this hybriddl does
-# not have are skipped, so a strategy is tuned as soon as it is in STRATEGIES.
-CANDIDATE_GENERATORS: dict[str, CandidateGenerator] = {
-    "sequential": lambda host, batch: [BASELINE],
-    "intraop": _cpu_workers("intraop", splits_batch=False),
-    "threads": _cpu_workers("threads", splits_batch=True),
-    "processes": _cpu_workers("processes", splits_batch=True),
-    "gpu": lambda host, batch: [StrategyChoice("gpu", devices=(d,)) for d in _gpus(host)],
-    "pipeline": _pipeline,
-    "gpu-threads": lambda host, batch: ([StrategyChoice("gpu-threads", devices=tuple(_gpus(host)))]
-                                        if host.cuda_devices >= 2 else []),
-}
+Measure = Callable[[StrategySpec, KeepGoing], StepTiming]
 
 
 def enumerate_candidates(host: HostResources, batch_size: int,
-                         strategies: dict = STRATEGIES) -> list[StrategyChoice]:
-    """Every candidate this host can run, the baseline first."""
+                         strategies: dict = STRATEGIES) -> list[StrategySpec]:
+    """Every candidate this host can run, the baseline first: each strategy names its own."""
     candidates = []
-    for name, generate in CANDIDATE_GENERATORS.items():
-        if name not in strategies:
-            continue
-        for choice in generate(host, batch_size):
+    for cls in strategies.values():
+        for spec in cls.tuning_candidates(host, batch_size):
             try:
-                strategies[name].check_feasible(choice.options())
+                cls.check_feasible(spec.options())
             except UsageError:
                 continue
-            candidates.append(choice)
+            candidates.append(spec)
     return candidates
 
 
 class TuneObserver:
     """What the tuner reports while it measures; the CLI draws a progress bar from it."""
 
-    def on_tune_start(self, candidates: list[StrategyChoice], reason: str | None) -> None: ...
-    def on_candidate_start(self, index: int, choice: StrategyChoice, share_seconds: float) -> None: ...
+    def on_tune_start(self, candidates: list[StrategySpec], reason: str | None) -> None: ...
+    def on_candidate_start(self, index: int, choice: StrategySpec, share_seconds: float) -> None: ...
     def on_candidate_step(self, index: int, step: int, seconds: float) -> None: ...
     def on_candidate_end(self, index: int, result: CandidateResult) -> None: ...
 
 
-def measure_candidates(candidates: list[StrategyChoice], measure: Measure, *, budget: float,
+def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budget: float,
                        warmup: int = 1, steps: int = 5, clock: Callable[[], float] = time.monotonic,
                        observer: TuneObserver | None = None) -> list[CandidateResult]:
     """Measure each candidate within its share of the budget (see the module docstring)."""
@@ -193,13 +125,13 @@ def add_speedups(results: list[CandidateResult]) -> None:
     """Speedup = t_baseline / t_candidate (the paper's definition), over one core and one GPU."""
     measured = [r for r in results if r.measured]
     cpu = next((r for r in measured if r.choice == BASELINE), None)
-    gpu = next((r for r in measured if r.choice.name == "gpu"), None)
+    gpu = next((r for r in measured if r.choice.name == Gpu.name), None)
     for r in measured:
         r.speedup = cpu.seconds_per_step / r.seconds_per_step if cpu else None
         r.speedup_over_gpu = gpu.seconds_per_step / r.seconds_per_step if gpu else None
 
 
-def select_pick(results: list[CandidateResult]) -> StrategyChoice:
+def select_pick(results: list[CandidateResult]) -> StrategySpec:
     """The measured candidate with the lowest seconds per step; the earlier one on a tie."""
     measured = [r for r in results if r.measured]
     if not measured:
@@ -226,6 +158,18 @@ def embedded_images(settings: Settings) -> ImageSet:
     return synthetic_split(get_usecase(settings.usecase).dataset).train
 
 
+def tune_images(settings: Settings, data: str | None, cache_dir: str | None = None,
+                progress=None) -> ImageSet:
+    """The training images `hybriddl tune` measures on: `data` as train's --data, or the
+    use case's embedded set when None (streamed sources go through the data cache)."""
+    if data is None:
+        return embedded_images(settings)
+    from hybriddl.data.loading import load_data
+
+    return load_data(data, variant=get_usecase(settings.usecase).dataset,
+                     image_size=settings.image_size, cache_dir=cache_dir, progress=progress).train
+
+
 def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: int = 1,
               steps: int = 5, observer: TuneObserver | None = None, reason: str | None = None,
               host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
@@ -241,7 +185,7 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
     candidates = enumerate_candidates(host or HostResources.here(), settings.batch_size)
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
 
-    def measure(choice: StrategyChoice, keep_going: KeepGoing) -> StepTiming:
+    def measure(choice: StrategySpec, keep_going: KeepGoing) -> StepTiming:
         return measure_strategy(choice.name, choice.options(), settings.model, num_classes, x, y,
                                 warmup=warmup, steps=steps, keep_going=keep_going)
 
@@ -265,7 +209,7 @@ class AutoDecision:
     tuned_because: str | None = None  # None: an existing profile matched
 
     @property
-    def choice(self) -> StrategyChoice:
+    def choice(self) -> StrategySpec:
         return self.profile.pick
 
     def describe(self) -> dict:

@@ -1,6 +1,6 @@
 """One rank of an MPI contender of `hybriddl compare` (hybrid or flat).
 
-    mpirun -np N python -m hybriddl.compare_worker --strategy S [--workers K] ... --result-dir D
+    mpirun -np N python -m hybriddl.compare.worker --strategy S [--workers K] ... --result-dir D
 
 Each rank is a host to the MPI layer and runs `trainer.run` itself (its local
 strategy, the fused allreduce, SGD), so the comparison times exactly what
@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from hybriddl import cluster, trainer
-from hybriddl.compare import MeasureSettings
-from hybriddl.rundir import CHECKPOINT, MODEL
-from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.hosts import cluster
+from hybriddl.hosts.compression import Compression
+from hybriddl.run import trainer
+from hybriddl.compare.compare import MeasureSettings
+from hybriddl.display import show_host_failure
+from hybriddl.run.rundir import CHECKPOINT, MODEL
+from hybriddl.run.shutdown import stop_every_host
+from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
 
@@ -44,7 +47,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare_worker",
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.worker",
                                      description=__doc__.splitlines()[0])
     MeasureSettings.add_arguments(parser)
     parser.add_argument("--strategy", required=True, help="the local strategy of every rank")
@@ -58,16 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = MeasureSettings.from_args(args)
     options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
-    hosts = cluster.connect(fp16_allreduce=settings.fp16_allreduce)
+    hosts = cluster.connect(compression=Compression.fp16 if settings.fp16_allreduce
+                            else Compression.none)
     try:
         record = measure_training(settings, args.strategy, options, hosts,
                                   Path(args.result_dir) / "run")
         write_rank_result(args.result_dir, hosts.rank, record)
-    except BaseException:
-        # One rank's failure must not leave the others waiting in an allreduce.
-        if hosts.size > 1:
-            traceback.print_exc()
-            hosts.abort(1)
+    except BaseException as exc:
+        stop_every_host(hosts, exc, show_host_failure)
         raise
     hosts.close()
     return 0

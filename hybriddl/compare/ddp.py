@@ -1,6 +1,6 @@
 """The PyTorch DDP contender of `hybriddl compare`: what a PyTorch user would pick instead.
 
-    python -m hybriddl.ddp_peer --processes P ... --result-dir D
+    python -m hybriddl.compare.ddp --processes P ... --result-dir D
 
 P spawned processes, one CPU thread each, gloo over 127.0.0.1; each takes its 1/P of
 every global batch (the same batches, flips and model as the other contenders) and
@@ -25,13 +25,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from hybriddl.compare import MeasureSettings
-from hybriddl.data import BatchTransform, epoch_batches, load_data
-from hybriddl.monitor import Monitor
-from hybriddl.sharding import split_bounds
-from hybriddl.stepmeter import StepMeter, gradient_bytes, write_rank_result
-from hybriddl.strategies import criterion
+from hybriddl.compare.compare import MeasureSettings
+from hybriddl.data import BatchTransform, epoch_batches
+from hybriddl.data.loading import load_data
+from hybriddl.monitoring.monitor import Monitor
+from hybriddl.data.sharding import split_bounds
+from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model, get_usecase
+from hybriddl.hosts.cpu_threads import set_torch_threads
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
 # and so must this one. (Newer torch renamed the switch.)
@@ -73,7 +75,7 @@ def free_port() -> int:
 
 def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir: str) -> None:
     """One DDP process: join the group, run the steps, write rank<rank>.json."""
-    torch.set_num_threads(1)
+    set_torch_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
@@ -89,7 +91,7 @@ def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir
 
 
 def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
-    config = settings.train_config("sequential").resolved()
+    config = settings.train_config(Sequential.name).resolved()
     case = get_usecase(config.usecase)
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
@@ -122,7 +124,7 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybriddl.ddp_peer",
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.ddp",
                                      description=__doc__.splitlines()[0])
     MeasureSettings.add_arguments(parser)
     parser.add_argument("--processes", type=int, required=True, help="DDP processes P")

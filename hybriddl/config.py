@@ -1,0 +1,143 @@
+"""A run's settings, settled before anything starts: use-case defaults, checks, --resume.
+
+`train`, `tune` and `compare` all read their settings through here, so a default or a
+check lives in one place; the trainer receives a finished TrainConfig and never changes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from hybriddl.errors import UsageError
+from hybriddl.run import checkpoint
+from hybriddl.strategies import StrategyOptions
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, auto_strategy, tune_settings
+from hybriddl.usecases import get_usecase
+
+
+@dataclass
+class TrainConfig:
+    usecase: str = "ComplexSmall"
+    model: str | None = None  # None: the use case's model
+    data: str = "synthetic"
+    data_cache: str | None = None  # None: hybriddl.data.cache.default_cache_dir()
+    classes: int | None = None
+    val_fraction: float = 0.2
+    image_size: int | None = None
+    batch_size: int | None = None  # the global batch
+    epochs: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    dropout: float | None = None  # None: torchvision's default
+    seed: int = 0
+    max_steps: int | None = None
+    run_dir: str | None = None
+    checkpoint_every: int | None = None  # steps; a checkpoint ends every epoch regardless
+    strategy: str = AUTO  # this host's profiled pick (tuning/tuner.py), or a strategy's name
+    strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
+    tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
+    monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
+    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (hosts/base.py)
+    throughput: float | None = None  # this host's images/s (its profile's) for --balance
+
+    def resolved(self) -> TrainConfig:
+        """Fill what was left out from the use case, and check every number."""
+        case = get_usecase(self.usecase)
+        filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
+        filled.model = self.model or case.model
+        filled.image_size = self.image_size if self.image_size is not None else case.image_size
+        filled.batch_size = self.batch_size if self.batch_size is not None else case.batch_size
+        filled.epochs = self.epochs if self.epochs is not None else case.epochs
+        filled.lr = self.lr if self.lr is not None else case.lr
+        filled.momentum = self.momentum if self.momentum is not None else case.momentum
+        for flag, value, low in (("--batch-size", filled.batch_size, 1), ("--epochs", filled.epochs, 1),
+                                 ("--image-size", filled.image_size, 1)):
+            if value < low:
+                raise UsageError(f"{flag} {value}: give at least {low}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
+        if not 0 <= self.monitor_interval < float("inf"):
+            raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
+                             "(0 disables monitoring)")
+        if self.strategy == AUTO and (self.strategy_options.workers is not None
+                                      or self.strategy_options.devices):
+            raise UsageError("--workers and --devices go with a named --strategy; with auto the "
+                             "profile decides (or name the strategy)")
+        if filled.lr <= 0:
+            raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
+        if not 0 <= filled.momentum < 1:
+            raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
+        return filled
+
+
+# The command line's training flags are TrainConfig's fields, under the same names.
+TRAINING_FLAGS = tuple(f.name for f in fields(TrainConfig) if f.name != "strategy_options")
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields the user typed; strategy_options holds the typed options."""
+    given = {name: getattr(args, name) for name in TRAINING_FLAGS
+             if getattr(args, name) is not None}
+    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
+    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
+               "oversubscribe": args.oversubscribe or None}
+    given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
+    return given
+
+
+def resume_if_exists(args: argparse.Namespace) -> bool:
+    """Turn --resume-if-exists into --resume or --run-dir; False if its run already finished."""
+    run_dir = args.resume_if_exists
+    if run_dir is None:
+        return True
+    if args.resume is not None or args.run_dir not in (None, run_dir):
+        raise UsageError(f"--resume-if-exists {run_dir} names the run directory already: leave "
+                         "--resume and --run-dir out")
+    state = checkpoint.run_state(run_dir)
+    if state == checkpoint.FINISHED:
+        return False
+    if state == checkpoint.RESUMABLE:
+        args.resume, args.run_dir = run_dir, None
+    else:
+        args.run_dir = run_dir
+    return True
+
+
+def training_config(args: argparse.Namespace):
+    """The run's TrainConfig, and with --resume the checkpoint it continues from."""
+    settings, resume = given_settings(args), None
+    if args.resume is not None:
+        if args.run_dir is not None and args.run_dir != args.resume:
+            raise UsageError(f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed "
+                             "run continues in its own directory; leave --run-dir out")
+        resume = checkpoint.load(args.resume)
+        settings = checkpoint.resumed_settings(resume, settings, args.resume)
+    else:
+        settings.setdefault("strategy", AUTO)
+    options = StrategyOptions(**settings.pop("strategy_options"))
+    known = {f.name for f in fields(TrainConfig)}
+    settings = {name: value for name, value in settings.items() if name in known}
+    return TrainConfig(**settings, strategy_options=options), resume
+
+
+def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
+    """`--strategy auto` settled: this host's profiled pick (tuned first when no profile fits).
+
+    The profile is measured at this host's share of the global batch. Returns the
+    config naming the picked strategy (and, unless given, this host's images/s for
+    --balance throughput) and the record of the choice for metrics.json.
+    """
+    host_batch = -(-config.batch_size // hosts_count)
+    decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
+                                           host_batch),
+                             images, directory=config.profile_dir, budget=config.tune_budget,
+                             observer=observer)
+    throughput = (config.throughput if config.throughput is not None
+                  else decision.profile.pick_result.images_per_second)
+    settled = replace(config, strategy=decision.choice.name, throughput=throughput,
+                      strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
+    return settled, {**decision.describe(), "message": decision.message()}

@@ -1,0 +1,248 @@
+"""Everything the command line draws with rich: progress, tables, failure lines."""
+
+from __future__ import annotations
+
+import traceback
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+
+from hybriddl.tuning.tuner import TuneObserver
+
+console = Console(stderr=True)
+out = Console()
+
+
+class TuneDisplay(TuneObserver):
+    """rich progress over the candidates: which one runs, its steps, what came of it."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.progress = Progress(TextColumn("[bold]Tuning"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("candidates"), TimeElapsedColumn(),
+                                 TextColumn("{task.description}"), console=console,
+                                 disable=not enabled)
+        self.task = None
+        self.candidates = []
+
+    def on_tune_start(self, candidates, reason) -> None:
+        self.candidates = candidates
+        if not self.enabled:
+            return
+        if reason:
+            console.print(f"hybriddl: {reason}", markup=False, highlight=False)
+        self.progress.start()
+        self.task = self.progress.add_task("", total=len(candidates))
+
+    def on_candidate_start(self, index, choice, share_seconds) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description=f"{choice.label} "
+                                 f"(share {share_seconds:.0f} s)")
+
+    def on_candidate_step(self, index, step, seconds) -> None:
+        if self.task is not None:
+            choice = self.candidates[index]
+            self.progress.update(self.task, description=f"{choice.label}: step {step + 1}, "
+                                 f"{seconds:.2f} s")
+
+    def on_candidate_end(self, index, result) -> None:
+        if self.task is None:
+            return
+        self.progress.update(self.task, advance=1,
+                             description=f"{result.choice.label}: {result.status}")
+        if index + 1 == len(self.candidates):
+            self.progress.stop()
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def tune_table(profile) -> Table:
+    """The profile's candidates, fastest first, dropped ones last with their note."""
+    s = profile.settings
+    table = Table(title=f"{profile.host}: {s.usecase} ({s.model}), {s.image_size} px, "
+                        f"batch {s.batch_size}")
+    with_gpu = any(c.speedup_over_gpu is not None for c in profile.candidates)
+    columns = ["", "strategy", "s/step", "images/s", "speedup"]
+    columns += ["vs 1 GPU"] if with_gpu else []
+    columns += ["peak RSS MiB", "note"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("strategy", "note") else "right",
+                         no_wrap=column != "note")
+    order = sorted(profile.candidates, key=lambda c: (not c.measured, c.seconds_per_step or 0.0))
+    for c in order:
+        picked = c.measured and c.choice == profile.pick
+        figures = [f"{c.seconds_per_step:.3f}", f"{c.images_per_second:.1f}",
+                   f"{c.speedup:.2f}x" if c.speedup is not None else "-"] if c.measured else ["-"] * 3
+        if with_gpu:
+            figures.append(f"{c.speedup_over_gpu:.2f}x" if c.speedup_over_gpu is not None else "-")
+        rss = f"{c.peak_rss_bytes / 2**20:.0f}" if c.peak_rss_bytes else "-"
+        table.add_row("[bold green]pick[/]" if picked else ("dropped" if not c.measured else ""),
+                      c.choice.label, *figures, rss, c.note,
+                      style="bold" if picked else ("dim" if not c.measured else None))
+    return table
+
+
+class TrainDisplay:
+    """rich progress bar per epoch (batch, ETA, img/s, loss) and the epoch table."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.tuning = TuneDisplay(enabled)  # shown when --strategy auto has to tune first
+        self.progress = self._new_progress()
+        self.task = None
+        self.epochs = 0
+        self.records: list[dict] = []
+        self._samples = 0
+        self._seconds = 0.0
+
+    def _new_progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("batches"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            TextColumn("{task.fields[rate]:>7.1f} img/s  loss {task.fields[loss]:.4f}"),
+            console=console, disable=not self.enabled, transient=False)
+
+    def on_data_progress(self, done: int, total: int) -> None:
+        if self.task is None and self.enabled:
+            # Transient: once the data are ready the bar goes, and if they are bad the
+            # error stays the only line on stderr (no bar is left behind in a log).
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TextColumn("images"),
+                                     TimeElapsedColumn(), TextColumn("ETA"),
+                                     TimeRemainingColumn(), console=console, transient=True)
+            self.progress.start()
+            self.task = self.progress.add_task("Preparing data", total=total)
+        if self.task is not None:
+            self.progress.update(self.task, completed=done)
+
+    def on_tune_start(self, candidates, reason) -> None:
+        self.progress.stop()
+        self.task = None
+        self.tuning.on_tune_start(candidates, reason)
+
+    def on_candidate_start(self, index, choice, share_seconds) -> None:
+        self.tuning.on_candidate_start(index, choice, share_seconds)
+
+    def on_candidate_step(self, index, step, seconds) -> None:
+        self.tuning.on_candidate_step(index, step, seconds)
+
+    def on_candidate_end(self, index, result) -> None:
+        self.tuning.on_candidate_end(index, result)
+
+    def on_start(self, info: dict) -> None:
+        self.epochs = info["epochs"]
+        self.progress.stop()
+        self.tuning.stop()
+        self.task = None
+        if self.enabled and info.get("strategy_choice"):
+            console.print(info["strategy_choice"]["message"], markup=False, highlight=False)
+        if self.enabled:
+            strategy = ", ".join(f"{k}={v}" for k, v in info["strategy"].items() if k != "name")
+            console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
+                          f"({info['data']['train_images']} train / {info['data']['val_images']} val "
+                          f"images, {len(info['data']['classes'])} classes), {info['image_size']} px, "
+                          f"global batch {info['global_batch']}, strategy "
+                          f"[bold]{info['strategy']['name']}[/] {strategy}".rstrip())
+            hosts = info["hosts"]
+            if hosts["count"] > 1:
+                console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
+                              f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
+                              "on the wire")
+            for note in hosts.get("notes", []):
+                console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+    def on_epoch_start(self, epoch: int, steps: int) -> None:
+        if not self.enabled:
+            return
+        self.progress = self._new_progress()
+        self.progress.start()
+        self._samples, self._seconds = 0, 0.0
+        self.task = self.progress.add_task(f"Epoch {epoch + 1}/{self.epochs}", total=steps,
+                                           rate=0.0, loss=0.0)
+
+    def on_step(self, epoch: int, step: int, samples: int, seconds: float, loss: float) -> None:
+        if not self.enabled:
+            return
+        self._samples += samples
+        self._seconds += seconds
+        self.progress.update(self.task, advance=1, rate=self._samples / max(self._seconds, 1e-9),
+                             loss=loss)
+
+    def on_epoch_end(self, record: dict) -> None:
+        self.records.append(record)
+        if self.enabled:
+            self.progress.stop()
+            console.print(f"  epoch {record['epoch']}: {record['seconds']:.1f} s, "
+                          f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
+                          f"val accuracy {record['val_accuracy']:.3f}")
+
+    def stop(self) -> None:
+        self.progress.stop()
+        self.tuning.stop()
+
+
+def epoch_table(records: list[dict]) -> Table:
+    table = Table(title="Epochs")
+    for column in ("epoch", "seconds", "images/s", "train loss", "val accuracy", "data wait %"):
+        table.add_column(column, justify="right")
+    for r in records:
+        table.add_row(str(r["epoch"]), f"{r['seconds']:.1f}", f"{r['images_per_second']:.1f}",
+                      f"{r['train_loss']:.4f}", f"{r['val_accuracy']:.3f}",
+                      f"{100 * r['data_wait_seconds'] / r['seconds']:.1f}")
+    return table
+
+
+def comparison_table(comparison: dict, columns, cells) -> Table:
+    table = Table(title="Hybrid vs Horovod's model vs PyTorch DDP")
+    for key, header, _ in columns:
+        table.add_column(header, justify="left" if key == "name" else "right")
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def files_table(title: str, paths) -> Table:
+    table = Table(title=title)
+    table.add_column("file")
+    for path in paths:
+        table.add_row(str(path))
+    return table
+
+
+def host_table(info: dict) -> Table:
+    table = Table(title="This host", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in info.items():
+        if key == "gpus":
+            value = "; ".join(f"{g['index']}: {g['name']} ({g['memory_gib']} GiB)" for g in value) or "none"
+        table.add_row(key.replace("_", " "), str(value))
+    return table
+
+
+def show_pick(profile, output) -> None:
+    out.print(tune_table(profile))
+    pick = profile.pick_result
+    speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
+    out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
+
+
+def show_host_failure(where: str, exc: BaseException) -> None:
+    """The one line (or, for a bug, the traceback) that says which rank failed and why."""
+    from hybriddl.errors import TrainingError, UsageError
+
+    if isinstance(exc, (UsageError, TrainingError)):
+        console.print(f"hybriddl: {where}: {exc}", markup=False, highlight=False, soft_wrap=True)
+    elif isinstance(exc, KeyboardInterrupt):
+        console.print(f"hybriddl: {where}: interrupted", markup=False)
+    else:
+        console.print(f"hybriddl: {where} failed:\n"
+                      + "".join(traceback.format_exception(exc)).rstrip(),
+                      markup=False, highlight=False, soft_wrap=True)
+
+
+def show_error(prefix: str, exc: BaseException | str) -> None:
+    console.print(f"hybriddl: {prefix}{exc}", markup=False, highlight=False, soft_wrap=True)

@@ -1,0 +1,398 @@
+"""H emulated hosts on this machine: one network namespace each, joined by a switch.
+
+Each host is a network namespace with one NIC (`eth0`, one end of a veth pair whose
+other end sits on a bridge in a switch namespace), an address in the benchmarking range
+198.18.0.0/15, its own hostname (a UTS namespace per launch) and its own TMPDIR, and,
+where the machine has enough cores, its own cores (taskset). Open MPI then sees H
+machines: ranks of one host talk through shared memory, ranks of different hosts through
+TCP over their NICs, so each NIC's counters are exactly what that host put on the
+network. `tc` on both ends of each veth gives every link a rate (full duplex) and a
+one-way latency.
+
+Nothing is created or changed in the root network namespace: the veth pairs are made
+directly inside the namespaces. Every namespace is named `hybriddl-emu-<pid>-...` after
+the process that made it, so a run that was killed before it could tear down is found
+and cleaned by the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from hybriddl.errors import UsageError
+
+PREFIX = "hybriddl-emu-"
+SUBNET = "198.18.0.0/24"
+NIC = "eth0"
+# Open MPI must use only the emulated NICs between hosts, and its shared memory within one.
+MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
+                 "oob_tcp_if_include": SUBNET}
+RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)$", re.IGNORECASE)
+DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+class EmulationUnavailable(UsageError):
+    """This machine (or this user) cannot make network namespaces."""
+
+
+class EmulationFailed(RuntimeError):
+    """Setting up the emulated hosts failed (the message names the command and why)."""
+
+
+@dataclass(frozen=True)
+class NicCounters:
+    """Bytes a host's NIC sent and received (since boot of the NIC, or over a span)."""
+
+    host: str
+    bytes_sent: int
+    bytes_received: int
+
+    def __sub__(self, earlier: "NicCounters") -> "NicCounters":
+        return NicCounters(self.host, self.bytes_sent - earlier.bytes_sent,
+                           self.bytes_received - earlier.bytes_received)
+
+    def as_dict(self) -> dict:
+        return {"name": self.host, "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received}
+
+
+@dataclass(frozen=True)
+class EmulatedRun:
+    """A finished command and what each host's NIC carried while it ran."""
+
+    returncode: int
+    seconds: float
+    traffic: list[NicCounters]
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+def bits_per_second(rate: str) -> float:
+    """'1gbit' -> 1e9, '100mbit' -> 1e8, '125mbps' -> 1e9 (tc's units, decimal prefixes)."""
+    match = RATE.match(rate.strip())
+    if not match:
+        raise UsageError(f"bandwidth {rate!r}: give a rate such as 1gbit, 100mbit or 10gbit")
+    value = float(match[1]) * _UNITS[match[2].lower()] * (8 if match[3].lower() == "bps" else 1)
+    if value <= 0:
+        raise UsageError(f"bandwidth {rate!r}: give a positive rate")
+    return value
+
+
+def seconds_of(delay: str) -> float:
+    """'0.1ms' -> 0.0001 (tc's units)."""
+    match = DELAY.match(delay.strip())
+    if not match:
+        raise UsageError(f"latency {delay!r}: give a delay such as 0.1ms, 50us or 1ms")
+    return float(match[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match[2].lower()]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise EmulationFailed(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+    return done
+
+
+def _tc(namespace: str, *args: str) -> None:
+    done = subprocess.run(["tc", "-n", namespace, *args], capture_output=True, text=True)
+    if done.returncode != 0 and "netem" in args and "unknown" in done.stderr:
+        raise EmulationUnavailable("--latency needs the kernel's netem qdisc (module "
+                                   "sch_netem), which this machine lacks: leave --latency out")
+    if done.returncode != 0:
+        raise EmulationFailed(f"tc {' '.join(args)} in {namespace} failed: "
+                              f"{done.stderr.strip()}")
+
+
+def check_available() -> None:
+    """Raise EmulationUnavailable (one line saying what is missing) unless hosts can be made."""
+    if os.geteuid() != 0:
+        raise EmulationUnavailable("emulated hosts need root (network namespaces, tc): run "
+                                   "as root, e.g. with sudo")
+    for tool in ("ip", "tc", "unshare"):
+        if shutil.which(tool) is None:
+            raise EmulationUnavailable(f"emulated hosts need '{tool}' (iproute2, util-linux): "
+                                       "install it")
+
+
+def _namespaces() -> list[str]:
+    done = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _owner_alive(name: str) -> bool:
+    match = re.match(rf"{re.escape(PREFIX)}(\d+)-", name)
+    return bool(match) and psutil.pid_exists(int(match[1]))
+
+
+def _kill_namespace_processes(namespace: str, grace: float) -> None:
+    pids = [int(p) for p in _ip("netns", "pids", namespace, check=False).stdout.split()]
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces (and their processes, veths, qdiscs) and files of emulations
+    whose process is gone; returns the namespaces removed."""
+    removed = []
+    for name in _namespaces():
+        if name.startswith(PREFIX) and not _owner_alive(name):
+            _kill_namespace_processes(name, grace=0)
+            _ip("netns", "delete", name, check=False)
+            removed.append(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        if not _owner_alive(folder.name + "-"):
+            shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
+class EmulatedHosts:
+    """H hosts with their own network on this machine, for as long as the `with` lasts.
+
+        with EmulatedHosts(hosts=4, bandwidth="1gbit") as cluster:
+            run = cluster.run(["python", "-m", "hybriddl", "train", ...])
+            run.traffic   # one NicCounters per host: bytes its NIC sent/received
+
+    Host i is named `h<i>` and has address 198.18.0.<i+1>. `cores_per_host` cores are
+    pinned to each host when hosts x cores_per_host fits the machine; otherwise every host
+    shares every core (said in `notes`).
+    """
+
+    def __init__(self, hosts: int, cores_per_host: int | None = None,
+                 bandwidth: str | None = None, latency: str | None = None):
+        if hosts < 1 or hosts > 250:
+            raise UsageError(f"--hosts {hosts}: give between 1 and 250 hosts")
+        cores = sorted(os.sched_getaffinity(0))
+        if cores_per_host is None:
+            cores_per_host = max(1, len(cores) // hosts)
+        if cores_per_host < 1:
+            raise UsageError(f"--cores-per-host {cores_per_host}: give at least 1")
+        self.bandwidth, self.latency = bandwidth, latency
+        self.rate = bits_per_second(bandwidth) if bandwidth else None
+        self.delay = seconds_of(latency) if latency else None
+        self.names = [f"h{i}" for i in range(hosts)]
+        self.addresses = [f"198.18.0.{i + 1}" for i in range(hosts)]
+        self.cores_per_host = cores_per_host
+        self.notes: list[str] = []
+        if hosts * cores_per_host <= len(cores):
+            self.cores = [cores[i * cores_per_host:(i + 1) * cores_per_host]
+                          for i in range(hosts)]
+        else:
+            self.cores = [None] * hosts
+            self.notes.append(f"{hosts} hosts x {cores_per_host} cores do not fit this "
+                              f"machine's {len(cores)} cores: the hosts share every core")
+        tag = f"{PREFIX}{os.getpid()}-{id(self) % 100000}"
+        self.switch = f"{tag}-switch"
+        self.namespaces = [f"{tag}-{name}" for name in self.names]
+        self.folder: Path | None = None
+        self._up = False
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> "EmulatedHosts":
+        check_available()
+        remove_leftovers()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        self._up = True
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        done = _ip("netns", "add", self.switch, check=False)
+        if done.returncode != 0:
+            raise EmulationUnavailable(f"cannot create a network namespace "
+                                       f"({done.stderr.strip()}): emulated hosts need them")
+        _ip("-n", self.switch, "link", "add", "switch", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "switch", "up")
+        for name, namespace, address in zip(self.names, self.namespaces, self.addresses):
+            _ip("netns", "add", namespace)
+            # Both ends are born inside their namespaces: the root namespace never sees them.
+            _ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", NIC,
+                "netns", namespace)
+            _ip("-n", self.switch, "link", "set", name, "master", "switch", "up")
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", NIC)
+            _ip("-n", namespace, "link", "set", NIC, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+            self._limit(namespace, NIC, delay=True)
+            self._limit(self.switch, name, delay=False)
+            (self.folder / name).mkdir()
+        self._write_agent()
+
+    def _limit(self, namespace: str, device: str, delay: bool) -> None:
+        """Egress of `device`: the link rate (both directions), latency once per direction."""
+        parent = ["root"]
+        if delay and self.delay:
+            _tc(namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem",
+                "delay", f"{self.delay * 1e6:.0f}us", "limit", "100000")
+            parent = ["parent", "1:1"]
+        if self.rate:
+            # A burst of 1 ms at the link rate (at least a jumbo frame): short enough that
+            # a transfer's time is its bytes over the rate.
+            burst = max(int(self.rate / 8 * 1e-3), 65536)
+            _tc(namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf",
+                "rate", f"{self.rate:.0f}bit", "burst", str(burst), "latency", "100ms")
+
+    def close(self) -> None:
+        """Stop every process still on the hosts, delete the namespaces (and with them
+        the veths and qdiscs) and the hosts' files. Safe to call twice."""
+        if not self._up:
+            return
+        # A second Ctrl-C (or a SIGTERM) must not leave the teardown half done.
+        stoppers = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stoppers}
+        try:
+            for namespace in [*self.namespaces, self.switch]:
+                if namespace in _namespaces():
+                    _kill_namespace_processes(namespace, grace=5)
+                    _ip("netns", "delete", namespace, check=False)
+            if self.folder:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            self._up = False
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    # ------------------------------------------------------------------ NICs
+    def counters(self) -> list[NicCounters]:
+        """Each host's NIC counters now (bytes since the host was made)."""
+        result = []
+        for name, namespace in zip(self.names, self.namespaces):
+            stats = json.loads(_ip("-n", namespace, "-s", "-j", "link", "show", "dev",
+                                   NIC).stdout)[0]["stats64"]
+            result.append(NicCounters(name, stats["tx"]["bytes"], stats["rx"]["bytes"]))
+        return result
+
+    # ------------------------------------------------------------------ commands
+    def on_host(self, index: int, command: list[str]) -> list[str]:
+        """argv that runs `command` on host `index` (its namespace, hostname, TMPDIR, cores)."""
+        folder = self.folder / self.names[index]
+        pin = f"taskset -c {','.join(map(str, self.cores[index]))} " if self.cores[index] else ""
+        setup = (f"hostname {self.names[index]} && export TMPDIR={shlex.quote(str(folder))} "
+                 f'&& exec {pin}"$@"')
+        return ["ip", "netns", "exec", self.namespaces[index], "unshare", "--uts", "sh", "-c",
+                setup, "sh", *command]
+
+    def mpirun(self, command: list[str], ranks_per_host: int = 1,
+               mca: dict[str, str] | None = None, mpirun: str | None = None) -> list[str]:
+        """argv that runs `command` under mpirun with `ranks_per_host` ranks on every host
+        (started from host 0; `mca` adds or overrides Open MPI parameters)."""
+        if ranks_per_host < 1:
+            raise UsageError(f"--ranks-per-host {ranks_per_host}: give at least 1")
+        return self.mpirun_options(ranks_per_host, mca, mpirun) + [
+            "-np", str(ranks_per_host * self.count), *command]
+
+    def mpirun_options(self, ranks_per_host: int = 1, mca: dict[str, str] | None = None,
+                       mpirun: str | None = None) -> list[str]:
+        """mpirun and its options for these hosts, without -np: append `-np N COMMAND`
+        (or several `: -np N COMMAND` apps). Each host has `ranks_per_host` slots, filled
+        in order (also across apps): rank r runs on host r // ranks_per_host."""
+        hostfile = self.folder / "hostfile"
+        hostfile.write_text("".join(f"{a} slots={ranks_per_host}\n" for a in self.addresses))
+        launcher = mpirun or str(Path(sys.executable).parent / "mpirun")
+        if not Path(launcher).exists():
+            launcher = shutil.which("mpirun") or launcher
+        parameters = {**MPI_TRANSPORT, "plm_rsh_agent": str(self.folder / "agent"),
+                      **(mca or {})}
+        map_by = "slot"
+        if self.cores[0] is None or ranks_per_host > len(self.cores[0]):
+            map_by += ":oversubscribe"
+        argv = [launcher, "--hostfile", str(hostfile), "--map-by", map_by, "--bind-to", "none"]
+        for key, value in parameters.items():
+            argv += ["--mca", key, str(value)]
+        return self.on_host(0, argv)
+
+    def _write_agent(self) -> None:
+        """The rsh agent mpirun uses to start its daemon on host i: no ssh, just `on_host`."""
+        table = {address: self.on_host(i, []) for i, address in enumerate(self.addresses)}
+        agent = self.folder / "agent"
+        agent.write_text(
+            f"#!{sys.executable}\n"
+            "# mpirun calls: agent [ssh options] HOST COMMAND... (a shell command line)\n"
+            "import os, sys\n"
+            f"HOSTS = {table!r}\n"
+            "args = [a for a in sys.argv[1:] if not a.startswith('-')] or ['']\n"
+            "start = sys.argv.index(args[0])\n"
+            "host, command = sys.argv[start], ' '.join(sys.argv[start + 1:])\n"
+            "if host not in HOSTS:\n"
+            "    sys.exit(f'emulated hosts: no host {host!r}')\n"
+            "argv = HOSTS[host] + ['sh', '-c', command]\n"
+            "os.execvp(argv[0], argv)\n")
+        agent.chmod(0o755)
+
+    def popen(self, command: list[str], ranks_per_host: int = 1,
+              mca: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """Start `command` under mpirun across the hosts (see `mpirun`); kwargs go to Popen."""
+        return subprocess.Popen(self.mpirun(command, ranks_per_host, mca), **kwargs)
+
+    def run(self, command: list[str], ranks_per_host: int = 1,
+            mca: dict[str, str] | None = None, timeout: float | None = None,
+            **kwargs) -> EmulatedRun:
+        """Run `command` under mpirun across the hosts to its end; returns its exit code,
+        wall time and each NIC's bytes during the run. kwargs go to Popen (e.g.
+        capture_output via stdout/stderr=PIPE, text=True, env)."""
+        before = self.counters()
+        started = time.monotonic()
+        process = self.popen(command, ranks_per_host, mca, **kwargs)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:
+            stop(process)
+            raise
+        seconds = time.monotonic() - started
+        traffic = [after - early for after, early in zip(self.counters(), before)]
+        return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr)
+
+
+def stop(process: subprocess.Popen, grace: float = 10) -> None:
+    """End an mpirun we started: SIGTERM first (mpirun then ends its ranks), then SIGKILL."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.communicate()
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,1 @@
+"""What a run costs: system monitors (pidstat/sar style) and reports."""

@@ -1,0 +1,1 @@
+"""One training run: the step loop, checkpoints, the run directory, stopping."""

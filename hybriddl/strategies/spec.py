@@ -1,0 +1,72 @@
+"""What a strategy is asked to be: its name and options, as given, tuned, recorded and profiled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# name -> strategy class; filled by hybriddl.strategies, the registry, when it is imported.
+# It lives here so that a spec can check itself against the registry without a cycle.
+STRATEGIES: dict[str, type] = {}
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """What the command line can say about a local strategy."""
+
+    workers: int | None = None  # K local workers; None: the strategy's default
+    micro_batches: int = 4  # pipeline only
+    devices: tuple[str, ...] = ()  # gpu / pipeline / gpu-threads; () = the strategy's default
+    oversubscribe: bool = False  # allow more workers than usable cores
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One strategy with its parameters: a tuner candidate, a profile's pick, a report's row."""
+
+    name: str
+    workers: int | None = None
+    micro_batches: int | None = None  # pipeline only
+    devices: tuple[str, ...] = ()
+
+    def options(self, oversubscribe: bool = False) -> StrategyOptions:
+        default = StrategyOptions()
+        return StrategyOptions(workers=self.workers,
+                               micro_batches=self.micro_batches or default.micro_batches,
+                               devices=self.devices, oversubscribe=oversubscribe)
+
+    @property
+    def label(self) -> str:
+        parts = [self.name]
+        if self.devices:
+            parts.append(",".join(self.devices))
+        if self.workers is not None:
+            parts.append(f"K={self.workers}")
+        if self.micro_batches is not None:
+            parts.append(f"M={self.micro_batches}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "workers": self.workers, "micro_batches": self.micro_batches,
+                "devices": list(self.devices)}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> StrategySpec:
+        return cls(name=str(record["name"]), workers=_optional_int(record.get("workers")),
+                   micro_batches=_optional_int(record.get("micro_batches")),
+                   devices=tuple(str(d) for d in record.get("devices") or ()))
+
+    def infeasibility(self) -> str | None:
+        """Why this host cannot run it, or None when it can."""
+        from hybriddl.errors import UsageError
+
+        if self.name not in STRATEGIES:
+            return f"strategy {self.name!r} is not one this hybriddl has"
+        try:
+            STRATEGIES[self.name].check_feasible(self.options())
+        except UsageError as exc:
+            return str(exc)
+        return None

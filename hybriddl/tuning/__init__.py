@@ -1,0 +1,1 @@
+"""Choosing a host's strategy: timing candidates (benchmark), the tuner, profiles."""

@@ -1,0 +1,124 @@
+"""The package's shape, checked from its source: layers without cycles, one home per concept."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from hybriddl.strategies import STRATEGIES
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hybriddl"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path, known: dict[str, Path]) -> set[str]:
+    """hybriddl modules `path` imports, at any depth (function-level imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import module` imports the module; `from module import name` the module
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        found.update(name for name in names if name in known)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(path, known) - {name} for name, path in known.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "hybriddl.run.trainer" in graph and graph["hybriddl.run.trainer"]
+    assert find_cycle(graph) is None
+
+
+def test_only_the_host_layer_imports_mpi4py():
+    importers = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "mpi4py"
+                                                    for a in node.names):
+                importers.add(name)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mpi4py":
+                importers.add(name)
+    assert importers, "nothing imports mpi4py: the check would prove nothing"
+    assert {name for name in importers if not name.startswith("hybriddl.hosts.")} == set()
+
+
+def not_strategy_names(tree: ast.AST) -> set[int]:
+    """Strings that only look like a strategy's name: dict keys ({"threads": 4} counts
+    threads) and file column headers (pidstat's "threads" column)."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            ids.update(id(key) for key in node.keys if key is not None)
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id.endswith("_COLUMNS")
+                                                for t in node.targets):
+            ids.update(id(n) for n in ast.walk(node.value))
+    return ids
+
+
+def test_no_strategy_name_literal_outside_strategies():
+    names = set(STRATEGIES)
+    found = []
+    for name, path in modules().items():
+        if name == "hybriddl.strategies" or name.startswith("hybriddl.strategies."):
+            continue
+        tree = ast.parse(path.read_text())
+        skip = not_strategy_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in skip:
+                found.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert found == []
+
+
+def test_strategy_name_check_sees_a_literal():
+    tree = ast.parse('best = "threads"\nrow = {"threads": 2}')
+    skip = not_strategy_names(tree)
+    flagged = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+               and n.value in STRATEGIES and id(n) not in skip]
+    assert flagged == ["threads"]
+
+
+def test_cli_stays_small():
+    assert len((PACKAGE / "cli.py").read_text().splitlines()) < 300

@@ -1,0 +1,209 @@
+"""Emulated hosts: H network namespaces joined by a switch, each host's NIC counted.
+
+`hybriddl emulate` trains what one sequential process trains, counts on each host's NIC
+only what crossed the network, applies the link rate, and leaves nothing behind, even
+when interrupted or killed. Needs root and iproute2; skipped (saying so) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import REPO, hybriddl_env
+from held_run import wait_for
+from hybriddl.emulation.hosts import PREFIX, NicCounters
+from hybriddl.run.rundir import MODEL
+
+BENCH = REPO / "scripts" / "bench_allreduce.py"
+MIB = 2**20
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)"),
+    pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare", "setpriv"))),
+                       reason="emulated hosts need ip, tc (iproute2), unshare and setpriv"),
+]
+
+
+def emulate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybriddl", "emulate", *args],
+                          capture_output=True, text=True, timeout=timeout, env=hybriddl_env())
+
+
+def root_namespace() -> tuple[list[str], str]:
+    """The root namespace's interfaces and qdiscs: emulation must never change them."""
+    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True,
+                                      text=True).stdout)
+    qdiscs = subprocess.run(["tc", "qdisc"], capture_output=True, text=True).stdout
+    return sorted(link["ifname"] for link in links), qdiscs
+
+
+def leftovers(owner: int | str, marker: str | None = None) -> list[str]:
+    """Namespaces, folders and marked processes an emulation run by `owner` (any: "") left."""
+    tag = f"{PREFIX}{owner}-" if owner != "" else PREFIX
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found = [line.split()[0] for line in namespaces.splitlines()
+             if line.startswith(tag)]
+    found += [str(p) for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{tag}*")]
+    if marker:
+        found += [f"process {p.pid}" for p in marked(marker)]
+    return found
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    processes = []
+    for process in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(process.info["cmdline"] or []) and \
+                process.status() != psutil.STATUS_ZOMBIE:
+            processes.append(process)
+    return processes
+
+
+def bench(tmp_path: Path, *args: str) -> dict:
+    output = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(BENCH), *args, "--output", str(output)],
+                          capture_output=True, text=True, timeout=300, env=hybriddl_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(output.read_text())["results"][0]
+
+
+def test_two_emulated_hosts_train_what_one_sequential_process_trains(tmp_path):
+    train = ["train", "--usecase", "SimpleBig", "--image-size", "64", "--max-steps", "3",
+             "--strategy", "sequential", "--dropout", "0"]
+    before = root_namespace()
+    report = tmp_path / "report.json"
+    done = emulate("--hosts", "2", "--report", str(report), "--", "hybriddl", *train,
+                   "--run-dir", str(tmp_path / "emulated"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = subprocess.run([sys.executable, "-m", "hybriddl", *train, "--run-dir",
+                            str(tmp_path / "alone")], capture_output=True, text=True,
+                           timeout=300, env=hybriddl_env())
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    got = torch.load(tmp_path / "emulated" / MODEL, weights_only=True)
+    want = torch.load(tmp_path / "alone" / MODEL, weights_only=True)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        scale = value.abs().max().clamp_min(1e-12)
+        assert float((got[name] - value).abs().max() / scale) <= 1e-5, name
+    # Two hosts: each sends S per allreduce (2(H-1)/H*S), 3 steps; h0 also broadcast the
+    # initial parameters (S). AlexNet's float32 gradient is S bytes.
+    gradient = 4 * sum(v.numel() for k, v in want.items() if "running" not in k)
+    hosts = json.loads(report.read_text())["hosts"]
+    assert [h["name"] for h in hosts] == ["h0", "h1"]
+    assert hosts[1]["bytes_sent"] == pytest.approx(3 * gradient, rel=0.05)
+    assert hosts[0]["bytes_sent"] == pytest.approx(4 * gradient, rel=0.05)
+    assert root_namespace() == before
+    assert leftovers("") == []
+
+
+def test_hosts_send_even_bytes_through_the_trainers_averaging(tmp_path):
+    result = bench(tmp_path, "--hosts", "4", "--bandwidth", "10gbit", "--mib", "4",
+                   "--repeats", "2")
+    theory = 2 * 3 / 4 * 4 * MIB
+    assert result["host_nic_bytes_theory"] == [theory] * 4
+    for sent in result["host_nic_bytes_sent"]:
+        assert abs(sent - theory) <= 0.1 * theory, result["host_nic_bytes_sent"]
+
+
+def test_the_bandwidth_limit_is_really_applied(tmp_path):
+    result = bench(tmp_path, "--hosts", "2", "--bandwidth", "100mbit", "--mib", "4",
+                   "--repeats", "2")
+    # Each host sends S = 4 MiB; at 100 Mbit/s that takes 0.34 s at least (less the one
+    # burst of 64 KiB tbf lets through at once).
+    sent = min(result["host_nic_bytes_sent"])
+    assert sent >= 4 * MIB
+    assert result["seconds"] >= (sent - 65536) * 8 / 1e8
+
+
+def test_traffic_between_ranks_of_one_host_is_not_counted(tmp_path):
+    report = tmp_path / "report.json"
+    worker = [sys.executable, str(BENCH), "--hosts", "1", "--bandwidth", "1gbit", "--mib", "2",
+              "--repeats", "1", "--output", str(tmp_path / "unused.json"), "--worker",
+              str(tmp_path / "figures.json")]
+    done = emulate("--hosts", "1", "--ranks-per-host", "2", "--report", str(report), "--",
+                   *worker)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Two ranks averaged 2 MiB twice (warm-up and one repeat): nothing of it left the host.
+    host = json.loads(report.read_text())["hosts"][0]
+    assert host["bytes_sent"] < 0.02 * 2 * MIB and host["bytes_received"] < 0.02 * 2 * MIB
+
+    done = emulate("--hosts", "2", "--ranks-per-host", "2", "--report", str(report), "--",
+                   *worker)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # 4 ranks, 2 allreduces of S: at most a flat ring's 2(P-1)/P*S per host NIC each, not
+    # the 2 x that a count of every rank's traffic would give.
+    for host in json.loads(report.read_text())["hosts"]:
+        assert host["bytes_sent"] <= 1.1 * 2 * (2 * 3 / 4 * 2 * MIB), host
+
+
+def test_without_root_emulate_says_so_in_one_line_and_exits_2():
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--",
+                           "true"], capture_output=True, text=True, timeout=60,
+                          env=hybriddl_env())
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "need root" in done.stderr, done.stderr
+    assert done.stdout == ""
+
+
+def start_sleeping(marker: str) -> subprocess.Popen:
+    """`hybriddl emulate --hosts 2` whose ranks sleep, once both ranks are running."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--", sys.executable,
+         "-c", f"import time; time.sleep(600)  # {marker}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
+    ranks = [sys.executable, "-c"]
+    wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[:2] == ranks]) == 2,
+             "both ranks running", process)
+    return process
+
+
+def test_ctrl_c_to_emulate_leaves_nothing_behind():
+    marker = f"marker-{uuid.uuid4().hex}"
+    before = root_namespace()
+    process = start_sleeping(marker)
+    assert leftovers(process.pid)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "emulate interrupted by SIGINT" in err
+    assert leftovers(process.pid, marker) == []
+    assert root_namespace() == before
+
+
+def test_a_killed_runs_leftovers_are_removed_by_the_next_run():
+    marker = f"marker-{uuid.uuid4().hex}"
+    process = start_sleeping(marker)
+    process.kill()
+    process.wait()  # not communicate: the orphaned ranks still hold its pipes
+    process.stdout.close()
+    process.stderr.close()
+    assert leftovers(process.pid, marker)  # killed: nothing could tear down
+    done = emulate("--hosts", "1", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert leftovers(process.pid, marker) == []
+
+
+def test_nic_counters_subtract_to_what_a_span_carried():
+    later, earlier = NicCounters("h0", 300, 50), NicCounters("h0", 100, 20)
+    assert later - earlier == NicCounters("h0", 200, 30)
+    assert (later - earlier).as_dict() == {"name": "h0", "bytes_sent": 200,
+                                           "bytes_received": 30}
+
+
+def test_bad_rates_and_missing_commands_are_one_line_and_exit_2():
+    for args in (["--hosts", "2", "--bandwidth", "fast", "--", "true"],
+                 ["--hosts", "0", "--", "true"], ["--hosts", "2"]):
+        done = emulate(*args, timeout=60)
+        assert done.returncode == 2, args
+        assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
