@@ -283,11 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         show_error("error: ", exc)
         return 2
-    except StorageError as exc:  # also from tune and compare, which train nothing
-        console.print(f"hybriddl: error: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return 1
-    except TrainingError as exc:
-        show_error("training stopped: ", exc)
+    except TrainingError as exc:  # a StorageError may come from tune or compare too
+        show_error("error: " if isinstance(exc, StorageError) else "training stopped: ", exc)
         return 1
     except TrainingInterrupted as exc:
         show_error("", exc)
