@@ -14,7 +14,7 @@ from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, conso
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
 from hybriddl.emulation.command import add_emulate_parser
-from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
+from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 from hybriddl.strategies import STRATEGIES, Processes
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import USECASES
@@ -284,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         show_error("error: ", exc)
         return 2
-    except TrainingError as exc:
-        show_error("training stopped: ", exc)
+    except TrainingError as exc:  # a StorageError may come from tune or compare too
+        show_error("error: " if isinstance(exc, StorageError) else "training stopped: ", exc)
         return 1
     except TrainingInterrupted as exc:
         show_error("", exc)

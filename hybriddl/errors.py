@@ -11,6 +11,10 @@ class TrainingError(Exception):
     """Training could not go on (non-finite loss, a failed host, ...)."""
 
 
+class StorageError(TrainingError):
+    """A file of the run could not be written (disk full, read-only, I/O error)."""
+
+
 class TrainingInterrupted(Exception):
     """A stop was requested (SIGTERM, SIGINT); the run's checkpoint is written, workers stopped.
 

@@ -3,9 +3,12 @@
 As a script (`python held_run.py PAUSED GO N WHERE hybriddl-args...`) it runs
 `hybriddl.cli.main`, and at the N-th call of one function writes its pid to PAUSED
 (with `.rank<R>` appended under mpirun) and waits until GO exists. WHERE says which call:
-  after-write   just after a checkpoint was written;
-  inside-write  inside a checkpoint write, its bytes in the temporary file, not renamed;
-  step          at the start of an optimizer step (the sequential strategy's).
+  after-write   just after a checkpoint was written (the training thread, once the
+                background write is on disk);
+  inside-write  inside a checkpoint write, its bytes in the temporary file, not renamed
+                (the background writer is held; training goes on until it must wait);
+  step          at the start of an optimizer step (the sequential strategy's), once the
+                checkpoints begun before it are on disk.
 So a test signals or kills a run at a known step without sleeping or timing anything.
 The parent side is `Held`.
 """
@@ -100,10 +103,10 @@ def _hold_at_call(owner, name: str, pause_at: int, hold, counts=lambda *a: True,
         counted = counts(*args)
         calls += counted
         if counted and not after and calls == pause_at:
-            hold()
+            hold(*args)
         result = real(*args, **kwargs)
         if counted and after and calls == pause_at:
-            hold()
+            hold(*args)
         return result
 
     setattr(owner, name, held)
@@ -119,15 +122,27 @@ def _main(argv: list[str]) -> int:
     if rank is not None:
         paused = paused.with_name(f"{paused.name}.rank{rank}")
 
-    def hold() -> None:
+    keepers = []
+    _hold_at_call(hybriddl.run.checkpoint.Checkpointer, "__init__", 0,
+                  lambda *args: None,
+                  counts=lambda keeper, *rest: keepers.append(keeper) or False)
+
+    def hold(*args) -> None:
+        for keeper in keepers:  # checkpoints are written in the background
+            keeper.wait_for_write()
+        paused.write_text(str(os.getpid()))
+        while not go.exists():
+            time.sleep(0.01)
+
+    def hold_writer(*args) -> None:
         paused.write_text(str(os.getpid()))
         while not go.exists():
             time.sleep(0.01)
 
     if where == "after-write":
-        _hold_at_call(hybriddl.run.checkpoint, "atomic_torch_save", pause_at, hold, after=True)
+        _hold_at_call(hybriddl.run.checkpoint.Checkpointer, "save", pause_at, hold, after=True)
     elif where == "inside-write":
-        _hold_at_call(os, "fsync", pause_at, hold,
+        _hold_at_call(os, "fsync", pause_at, hold_writer,
                       lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))
     elif where == "step":
         _hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients", pause_at,

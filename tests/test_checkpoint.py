@@ -224,6 +224,7 @@ def test_checkpoint_never_overwritten_with_non_finite_parameters(tmp_path):
     keeper = Checkpointer(tmp_path, SingleHost(), StopRequest(), model, optimizer,
                           {"config": {}, "epochs": []}, about)
     keeper.save(EpochProgress())
+    keeper.wait_for_write()  # written in the background
     good = (tmp_path / CHECKPOINT).read_bytes()
     with torch.no_grad():
         model.weight[0, 0] = float("nan")

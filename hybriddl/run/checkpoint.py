@@ -8,10 +8,15 @@ needs no state: `data.epoch_batches` is a pure function of (seed, epoch), so res
 skips the batches already done.
 
 Rank 0 writes `checkpoint.pt` atomically (temporary file, fsync, rename): a kill at
-any moment, even during the write, leaves the previous checkpoint intact. Parameters
-that are not finite are never written, so the last good checkpoint survives a
-diverging run. On resume every rank reads the same file, which therefore has to lie on
-a filesystem all hosts see (as SLURM clusters provide).
+any moment, even during the write, leaves the previous checkpoint intact. The write is
+off the training's critical path, as PyTorch's async checkpoint save does it: training
+pauses only to copy the state into staging buffers (a memory copy), and a background
+thread serialises and fsyncs that copy while the next steps run. One write at a time:
+the next checkpoint, the end of the run, a stop and an error all wait for the one
+under way, so a run never leaves without its last checkpoint complete. Parameters that
+are not finite are never written, so the last good checkpoint survives a diverging run.
+On resume every rank reads the same file, which therefore has to lie on a filesystem all
+hosts see (as SLURM clusters provide).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,9 +32,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
-from hybriddl.run.rundir import CHECKPOINT, MODEL, atomic_torch_save
+from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
+from hybriddl.run.rundir import CHECKPOINT, MODEL, atomic_torch_save, check_storage
 from hybriddl.run.shutdown import StopRequest
+from hybriddl.usecases import build_model
 
 FORMAT = 1
 
@@ -198,6 +205,28 @@ def run_identity(config: dict, data: dict) -> dict:
             "data": {key: data[key] for key in ("source", *DATA_IDENTITY)}}
 
 
+# --------------------------------------------------------------------------- storage
+
+# The head of a torchvision classifier grows with the class count, unknown before the
+# data are read; torchvision's default of 1000 bounds the estimate for the usual cases.
+ESTIMATE_CLASSES = 1000
+
+
+def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None) -> None:
+    """Before data loading and tuning: RUN_DIR writable, room for two checkpoints.
+
+    A checkpoint holds the model and its SGD momentum (2x the parameter bytes); at the
+    peak the last one is kept while the next is written, so two. The model is built on
+    PyTorch's meta device: sizes only, no memory, no random numbers drawn.
+    """
+    with torch.device("meta"):
+        model = build_model(model_name, classes or ESTIMATE_CLASSES)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    existing = Path(run_dir) / CHECKPOINT
+    held = existing.stat().st_size if existing.is_file() else 0  # a resumed run's, replaced
+    check_storage(run_dir, max(0, 2 * 2 * state_bytes - held))
+
+
 # --------------------------------------------------------------------------- saving
 
 class Checkpointer:
@@ -207,6 +236,8 @@ class Checkpointer:
     the end of every epoch, every `every` steps, and when a stop was requested on any
     host, in which case it raises TrainingInterrupted once the checkpoint is written.
     Every host calls it at the same steps: saving and the stop decision are collective.
+    Writes run in the background (see the module's doc); use it as a context manager so
+    that leaving the run, normally or not, waits for the write under way.
     """
 
     def __init__(self, run_dir: Path, hosts, stop: StopRequest, model: nn.Module,
@@ -218,7 +249,25 @@ class Checkpointer:
         self.every = every
         self.position = Position()
         self._resumed_progress: EpochProgress | None = None
-        self.saved: Position | None = None
+        self.saved: Position | None = None  # the last checkpoint complete on disk
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._pending_position: Position | None = None
+        self._staging = None  # reused copy of the state the writer reads from
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if exc_type is None:
+                self.wait_for_write()
+            else:  # already failing: finish the write, report the first error only
+                self._collect()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def restore(self, checkpoint: Checkpoint, lr: float, momentum: float) -> None:
         """Optimizer, RNG and position from a checkpoint (the model was loaded in prepare)."""
@@ -248,6 +297,8 @@ class Checkpointer:
         self.position.step += 1
         self.position.steps_done += 1
         due = self.every is not None and self.position.steps_done % self.every == 0
+        if self._pending is not None and self._pending.done():
+            self.wait_for_write()  # a failed write stops the run at once, not an epoch later
         stopping = self.hosts.any_true(self.stop.requested)
         if due or stopping:
             self.save(progress)
@@ -266,6 +317,7 @@ class Checkpointer:
 
     def kept(self) -> str:
         """Which checkpoint a failed run leaves behind, for the error message."""
+        self._collect()
         if self.saved is None:
             return "no checkpoint was written yet"
         return (f"the last good checkpoint (epoch {self.saved.epoch + 1}, step "
@@ -274,32 +326,90 @@ class Checkpointer:
     def save(self, progress: EpochProgress, metrics: dict | None = None) -> None:
         # Collective: every host contributes its loss sum, so rank 0 can store the total.
         mean_loss = self.hosts.mean_over_hosts(progress.loss_sum, progress.samples)
-        state = self.model.state_dict()
-        if not all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
-            raise TrainingError(f"parameters became non-finite by epoch {self.position.epoch + 1}, "
-                                f"step {self.position.step}: lower --lr; {self.kept()}")
-        if self.hosts.rank == 0:
-            total = EpochProgress(steps=progress.steps, global_samples=progress.global_samples,
-                                  samples=progress.global_samples,
-                                  loss_sum=mean_loss * progress.global_samples,
-                                  seconds=progress.seconds,
-                                  data_wait_seconds=progress.data_wait_seconds)
-            checkpoint = Checkpoint(
-                config=self.about["config"], identity=self.about["identity"],
-                position=self.position, progress=total, model=state,
-                optimizer=self.optimizer.state_dict(), rng=capture_rng(),
-                metrics=plain(metrics if metrics is not None else self.metrics),
-                strategy=self.about["strategy"], profile=self.about.get("profile"))
-            atomic_torch_save(self.run_dir / CHECKPOINT, checkpoint.to_payload())
-        self.saved = Position(**asdict(self.position))
+        self.wait_for_write()  # its staging buffers are about to be overwritten
+        if self.hosts.rank != 0:
+            self.check_finite(self.model.state_dict())
+            self.saved = Position(**asdict(self.position))
+            return
+        self._staging = stage(self._staging, {"model": self.model.state_dict(),
+                                              "optimizer": self.optimizer.state_dict()})
+        self.check_finite(self._staging["model"])
+        total = EpochProgress(steps=progress.steps, global_samples=progress.global_samples,
+                              samples=progress.global_samples,
+                              loss_sum=mean_loss * progress.global_samples,
+                              seconds=progress.seconds,
+                              data_wait_seconds=progress.data_wait_seconds)
+        checkpoint = Checkpoint(
+            config=self.about["config"], identity=self.about["identity"],
+            position=Position(**asdict(self.position)), progress=total,
+            model=self._staging["model"], optimizer=self._staging["optimizer"],
+            rng=capture_rng(), metrics=plain(metrics if metrics is not None else self.metrics),
+            strategy=self.about["strategy"], profile=self.about.get("profile"))
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix="hybriddl-checkpoint")
+        self._pending = self._writer.submit(atomic_torch_save, self.run_dir / CHECKPOINT,
+                                            checkpoint.to_payload())
+        self._pending_position = checkpoint.position
+
+    def check_finite(self, state: dict) -> None:
+        # aminmax: NaN and inf show in the extremes, at a tenth of isfinite().all()'s cost
+        # (0.04 s against 1 s for VGG16's 138 M parameters).
+        for tensor in state.values():
+            if tensor.is_floating_point() and tensor.numel():
+                low, high = tensor.aminmax()
+                if not (torch.isfinite(low) and torch.isfinite(high)):
+                    raise TrainingError(f"parameters became non-finite by epoch "
+                                        f"{self.position.epoch + 1}, step {self.position.step}: "
+                                        f"lower --lr; {self.kept()}")
+
+    def wait_for_write(self) -> None:
+        """Block until the checkpoint being written is on disk; raise if its write failed."""
+        failure = self._collect()
+        if failure is not None:
+            raise StorageError(f"{failure}; {self.kept()}") from None
+
+    def _collect(self) -> StorageError | None:
+        """Wait for the write under way; its position becomes the kept one if it succeeded."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        except StorageError as exc:
+            return exc
+        self.saved = self._pending_position
+        return None
 
     def _interrupted(self) -> None:
         # Under mpirun the first rank to exit non-zero gets the others killed: none may
         # leave before rank 0's checkpoint is on disk.
+        self.wait_for_write()
         self.hosts.barrier()
         # A host stopped because another one was signalled reports the usual SIGTERM.
         signum = self.stop.signum if self.stop.requested else int(signal.SIGTERM)
         raise TrainingInterrupted(self.run_dir, signum, self.position.epoch, self.position.step)
+
+
+def stage(staging, state):
+    """`state` with every tensor copied into `staging`'s tensor at the same place.
+
+    The buffers are allocated by the first checkpoint and reused: copying into memory
+    already mapped takes 0.08 s for VGG16's 528 MB, a fresh clone 0.26 s (page faults).
+    """
+    if isinstance(state, torch.Tensor):
+        if isinstance(staging, torch.Tensor) and staging.shape == state.shape \
+                and staging.dtype == state.dtype:
+            return staging.copy_(state)
+        return state.detach().clone()
+    if isinstance(state, dict):
+        staging = staging if isinstance(staging, dict) else {}
+        return {key: stage(staging.get(key), value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        if not isinstance(staging, (list, tuple)) or len(staging) != len(state):
+            staging = [None] * len(state)
+        return type(state)(stage(old, value) for old, value in zip(staging, state))
+    return state  # numbers and strings: immutable, nothing to copy
 
 
 def plain(metrics: dict) -> dict:

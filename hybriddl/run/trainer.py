@@ -24,7 +24,7 @@ from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
-                             check_new_run_dir, default_run_dir)
+                             check_new_run_dir, default_run_dir, remove_partial_writes)
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
@@ -75,6 +75,9 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.usecase)
     if resume is None:
         check_new_run_dir(run_dir)
+    else:
+        remove_partial_writes(run_dir)  # what a kill -9 during a write left
+    ckpt.check_run_storage(run_dir, config.model, config.classes)
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size,
@@ -124,8 +127,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
             "config": config_record(prepared, hosts), "epochs": []}
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
-        keeper = ckpt.Checkpointer(run_dir, hosts, stop, model, optimizer, metrics,
-                                   checkpoint_about(prepared, metrics), config.checkpoint_every)
+        keeper = monitoring.enter_context(ckpt.Checkpointer(
+            run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
+            config.checkpoint_every))
         if prepared.resume:
             keeper.restore(prepared.resume, config.lr, config.momentum)
         if hosts.rank == 0:
@@ -152,6 +156,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
                 break
         metrics["monitor"] = monitor.stop()
+        keeper.wait_for_write()  # one large write at a time: the space check counts on it
         if hosts.rank == 0:
             atomic_write_json(run_dir / METRICS, metrics)
             atomic_torch_save(run_dir / MODEL, model.state_dict())

@@ -1,0 +1,130 @@
+"""Checkpoints written in the background: training goes on, kills and errors lose nothing.
+
+The same tiny runs as test_checkpoint.py (squeezenet1_1, 32 px, 3 steps per epoch), held
+by tests/held_run.py inside the background write so that "training went on while the
+checkpoint was being written" is observed, not timed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from held_run import Held, kill_leftovers, wait_for
+from sample_data import write_tinted_classes
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position, stage
+from hybriddl.cli import main
+from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
+
+STEPS_PER_EPOCH = 3
+
+
+@pytest.fixture(autouse=True)
+def no_held_run_left():
+    yield
+    kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_tinted_classes(tmp_path_factory.mktemp("images"))
+
+
+def train_args(images: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--dropout", "0",
+            "--strategy", "sequential", "--monitor-interval", "0", "--run-dir", str(run_dir),
+            *extra]
+
+
+def epochs_recorded(run_dir: Path) -> int:
+    try:
+        return len(json.loads((run_dir / METRICS).read_text())["epochs"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def test_training_goes_on_while_the_checkpoint_is_written(images, tmp_path):
+    run_dir = tmp_path / "run"
+    # The writer is held inside epoch 1's checkpoint, before its rename.
+    child = Held(tmp_path, train_args(images, run_dir), pause_at=1, where="inside-write")
+    # Epoch 2 trains and validates meanwhile; only its own checkpoint must wait.
+    wait_for(lambda: epochs_recorded(run_dir) == 2, "epoch 2 recorded", child.process)
+    assert not (run_dir / CHECKPOINT).exists()
+    assert len(list(run_dir.glob(PARTIAL_GLOB))) == 1
+    child.release()
+    code, err = child.finish()
+    assert code == 0, err
+    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+    assert list(run_dir.glob(PARTIAL_GLOB)) == []
+
+
+def test_kill_during_background_write_keeps_previous_and_next_start_removes_the_partial_file(
+        images, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    child = Held(tmp_path, train_args(images, run_dir), pause_at=2, where="inside-write")
+    child.process.send_signal(signal.SIGKILL)
+    assert child.finish()[0] == -signal.SIGKILL
+    [partial] = run_dir.glob(PARTIAL_GLOB)
+    assert partial.stat().st_size > 0
+    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+
+    assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    assert not partial.exists() and list(run_dir.glob(PARTIAL_GLOB)) == []
+    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+
+
+def test_stop_signal_while_a_write_is_under_way_leaves_both_checkpoints_complete(images,
+                                                                                 tmp_path):
+    run_dir = tmp_path / "run"
+    child = Held(tmp_path, train_args(images, run_dir, "--checkpoint-every", "1"), pause_at=1,
+                 where="inside-write")
+    child.process.send_signal(signal.SIGTERM)  # the next step stops, after the held write
+    child.release()
+    code, err = child.finish()
+    assert code == 128 + signal.SIGTERM, err
+    assert "checkpoint written; continue with" in err.strip().splitlines()[-1]
+    assert checkpoint.load(run_dir).position.steps_done >= 1
+    assert list(run_dir.glob(PARTIAL_GLOB)) == []
+
+
+def test_non_finite_loss_is_one_line_exit_1_and_the_last_checkpoint_stays_good(images, tmp_path,
+                                                                              cli):
+    run_dir = tmp_path / "run"
+    done = cli(*train_args(images, run_dir, "--lr", "1e30", "--checkpoint-every", "1"))
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]  # after the progress display
+    assert line.startswith("hybriddl: training stopped: ")
+    assert "at epoch 1, step 2: lower --lr" in line  # the step, and the loss it reached
+    assert ("loss became nan" in line or "loss became inf" in line
+            or "parameters became non-finite" in line), line
+    kept = checkpoint.load(run_dir)
+    assert f"the last good checkpoint (epoch 1, step {kept.position.step}) is kept" in line
+    assert all(torch.isfinite(t).all() for t in kept.model.values() if t.is_floating_point())
+    assert list(run_dir.glob(PARTIAL_GLOB)) == []
+
+
+def test_staged_state_is_a_copy_and_reuses_its_buffers():
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    first = stage(None, state)
+    before = {k: v.clone() for k, v in first["model"].items()}
+    buffers = {k: v.data_ptr() for k, v in first["model"].items()}
+    optimizer.step()  # the training thread goes on while the writer reads `first`
+    assert all(torch.equal(first["model"][k], before[k]) for k in before)
+    second = stage(first, state)
+    assert {k: v.data_ptr() for k, v in second["model"].items()} == buffers
+    assert all(torch.equal(second["model"][k], v) for k, v in model.state_dict().items())
+    momentum = second["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert second["optimizer"]["param_groups"][0]["lr"] == 0.1
