@@ -278,6 +278,7 @@ EQUIVALENCE_CASES = {
     "intraop": StrategyOptions(workers=2, oversubscribe=True),
     "threads": StrategyOptions(workers=2, oversubscribe=True),
     "processes": StrategyOptions(workers=2, oversubscribe=True),
+    "layerwise": StrategyOptions(workers=2, oversubscribe=True),
     "gpu": StrategyOptions(),
     "pipeline": StrategyOptions(micro_batches=2, devices=("cpu", "cpu")),
     "gpu-threads": StrategyOptions(devices=("cpu", "cpu")),
