@@ -33,9 +33,13 @@ sys.path.insert(0, str(REPO))
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, required=True, help="emulated hosts, one rank each")
-    parser.add_argument("--bandwidth", required=True, help="every link's rate, e.g. 1gbit")
+    parser.add_argument("--bandwidth", help="every link's rate, e.g. 1gbit (default: no "
+                        "limit, no bound)")
     parser.add_argument("--latency", help="one-way delay added per link, e.g. 0.1ms")
     parser.add_argument("--mib", type=float, required=True, help="gradient size in MiB")
+    parser.add_argument("--compression", choices=("none", "fp16"), default="none",
+                        help="what travels: float32 (none) or float16 (the trainer's "
+                             "--fp16-allreduce); default none")
     parser.add_argument("--repeats", type=int, default=5, help="timed allreduces (default: 5)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set when run under mpirun
@@ -49,9 +53,10 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     from hybriddl.hosts.cluster import connect
+    from hybriddl.hosts.compression import Compression
     from hybriddl.emulation.hosts import NIC
 
-    hosts = connect()
+    hosts = connect(compression=getattr(Compression, args.compression))
     model = nn.Module()
     model.gradient = nn.Parameter(torch.zeros(int(args.mib * 2**20) // 4))
     hosts.attach(model)
@@ -69,7 +74,10 @@ def worker(args: argparse.Namespace) -> None:
 
     average()
     expected = (hosts.size + 1) / 2
-    if not torch.allclose(model.gradient.grad, torch.full_like(model.gradient, expected)):
+    # float16 rounds each contribution and the sum: 2**-11 relative, twice.
+    tolerance = 1e-3 if args.compression == "fp16" else 1e-5
+    if not torch.allclose(model.gradient.grad, torch.full_like(model.gradient, expected),
+                          rtol=tolerance):
         raise SystemExit(f"rank {hosts.rank}: the average is wrong")
     before = psutil.net_io_counters(pernic=True)[NIC].bytes_sent
     seconds = [average() for _ in range(args.repeats)]
@@ -111,17 +119,20 @@ def main(argv=None) -> int:
         print(f"bench_allreduce: {exc}", file=sys.stderr)
         return 2
     rate = cluster.rate
-    theory = 2 * (args.hosts - 1) / args.hosts * size
+    wire = size // 2 if args.compression == "fp16" else size
+    theory = 2 * (args.hosts - 1) / args.hosts * wire
     result = {"hosts": args.hosts, "bandwidth_bits_per_second": rate, "bytes": size,
+              "compression": args.compression, "wire_bytes": wire,
               "seconds": statistics.median(measured["seconds"]),
-              "bound_seconds": theory * 8 / rate,
+              "bound_seconds": theory * 8 / rate if rate else None,
               "host_nic_bytes_sent": measured["host_nic_bytes_sent"],
               "host_nic_bytes_theory": [round(theory)] * args.hosts,
               "latency": args.latency, "seconds_repeats": measured["seconds"]}
     atomic_write_json(Path(args.output), {"results": [result]})
-    print(f"{args.hosts} hosts, {args.mib} MiB at {args.bandwidth}: "
-          f"{result['seconds']:.3f} s (bound {result['bound_seconds']:.3f} s, "
-          f"x{result['seconds'] / result['bound_seconds']:.2f}); MiB sent per host "
+    bound = (f"bound {result['bound_seconds']:.3f} s, "
+             f"x{result['seconds'] / result['bound_seconds']:.2f}") if rate else "no bound"
+    print(f"{args.hosts} hosts, {args.mib} MiB {args.compression} at "
+          f"{args.bandwidth or 'no limit'}: {result['seconds']:.3f} s ({bound}); MiB sent per host "
           f"{[round(b / 2**20, 1) for b in result['host_nic_bytes_sent']]} "
           f"(theory {theory / 2**20:.1f})")
     return 0
