@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=cmd_train)
 
     compare = commands.add_parser(
-        "compare", help="hybrid vs Horovod's model vs PyTorch DDP: speed and bytes on the network")
+        "compare", help="hybrid vs Horovod's model vs PyTorch DDP on emulated hosts: speed, "
+                        "bytes per host NIC, memory")
     add_compare_args(compare)
     compare.set_defaults(handler=cmd_compare)
 
@@ -115,13 +116,19 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
     MeasureSettings.add_arguments(parser)
-    parser.add_argument("--hosts", type=int, default=2, help="H hosts (MPI ranks) of the hybrid")
+    parser.add_argument("--hosts", type=int, default=2,
+                        help="H emulated hosts (network namespaces; needs root)")
     parser.add_argument("--workers-per-host", type=int, default=2,
-                        help="K local workers per host; flat and DDP run H x K ranks")
+                        help="K local workers per host; flat-mpi, flat-ring and DDP run H x K "
+                             "ranks, K on each host")
     parser.add_argument("--local-strategy", default=Processes.name,
                         help=f"the hybrid hosts' local strategy (default: {Processes.name})")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
+    parser.add_argument("--bandwidth", help="every host's link rate, e.g. 1gbit or 10gbit "
+                        "(default: unlimited)")
+    parser.add_argument("--latency", help="every link's one-way delay, e.g. 0.1ms (needs the "
+                        "kernel's netem)")
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
@@ -213,7 +220,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         settings=MeasureSettings.from_args(args), hosts=args.hosts,
         workers_per_host=args.workers_per_host, local_strategy=args.local_strategy,
         contenders=tuple(name.strip() for name in args.contenders.split(",") if name.strip()),
-        output=args.output)
+        output=args.output, bandwidth=args.bandwidth, latency=args.latency)
     display = TrainDisplay()
     try:
         config, output = compare.prepare(config, display)

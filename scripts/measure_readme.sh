@@ -35,10 +35,11 @@ $PY scripts/bench_monitor.py --usecase ComplexSmall --image-size 64 --output $ou
 step "streamed data at 2,000 / 20,000 / 100,000 images (generated under /tmp, ~10 min)"
 $PY scripts/bench_data.py --output $out/bench_data.json
 
-step "hybrid vs Horovod model vs DDP, H=2 K=2 (oversubscribed on 2 cores)"
+step "hybrid vs Horovod model vs DDP on 2 emulated hosts x 2 workers, 1 and 10 Gbit/s (needs root)"
 for case in ComplexSmall SimpleBig; do
-  $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --output $out/compare-$case
-  $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --fp16-allreduce --contenders hybrid,flat --output $out/compare-$case-fp16
+  for rate in 1gbit 10gbit; do
+    $PY -m hybriddl compare --usecase $case --hosts 2 --workers-per-host 2 --image-size 64 --steps 3 --bandwidth $rate --output $out/compare-$case-$rate
+  done
 done
 
 step "main job"

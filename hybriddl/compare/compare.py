@@ -1,16 +1,20 @@
-"""`hybriddl compare`: the hybrid, Horovod's model and PyTorch DDP, side by side.
+"""`hybriddl compare`: the hybrid, Horovod's model and PyTorch DDP on the same emulated hosts.
 
-The paper's headline is that local-first hybrid parallelism puts much less on the
-network than Horovod. This module measures that claim on the user's own model and
-machine: it runs, one after the other,
+Every contender runs, one after the other, on the same H emulated hosts (network
+namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 
-- hybrid: `mpirun -np H`, each rank one host with a local strategy of K workers;
-- flat:   `mpirun -np H*K`, each rank one sequential worker (Horovod's model);
-- ddp:    H*K PyTorch DDP processes, gloo backend;
+- hybrid:    one MPI rank per host, its local strategy over K workers;
+- flat-mpi:  H*K ranks, one sequential worker each (Horovod's model), the MPI library's
+             default collectives;
+- flat-ring: the same with a ring allreduce over all H*K ranks (Horovod's gloo/NCCL ring);
+- ddp:       PyTorch DDP, gloo, K processes on each host.
 
-all over TCP on loopback, and reads back what every rank measured (`stepmeter`).
-Beside each measurement stands the theory: a ring allreduce over P ranks sends
-2(P-1)/P of the gradient per rank, 2(P-1) gradients in all.
+Ranks of one host talk through shared memory, as on a real machine, so each host's
+NIC counter holds only what crossed the network. Beside each measurement stands the
+theory of the algorithm that ran: a ring over P ranks sends 2(P-1)/P of the gradient S
+per rank; with K ranks per host placed host-contiguously only one ring edge per host
+crosses a NIC, so each host NIC sends 2(HK-1)/(HK) S; one rank per host (or a
+hierarchical allreduce, which reduces inside each host first) 2(H-1)/H S.
 """
 
 from __future__ import annotations
@@ -26,25 +30,27 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hosts.hostinfo import usable_cores
 from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
-from hybriddl.run.stepmeter import read_rank_results
+from hybriddl.run.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
 
-# "flat" is Horovod's model: the flat strategy on every one of H x K ranks.
-FLAT = Flat.name
-CONTENDERS = ("hybrid", FLAT, "ddp")
+FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
+CONTENDERS = ("hybrid", FLAT_MPI, FLAT_RING, "ddp")
 RESULT = "comparison.json"
 REPORT = "comparison.md"
 
-# Ranks here stand for separate hosts: MPI must neither take its shared-memory
-# shortcut between co-located ranks (btl sm, pml ucx, coll sm/han) nor bind a rank
-# to one core (the hybrid's K local workers need K cores), or the bytes on `lo`
-# and the speed would not be those of a network.
-MPI_OVER_LOOPBACK_TCP = ("--bind-to", "none", "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
-                         "--mca", "btl_tcp_if_include", "lo", "--mca", "coll", "^sm,han")
-
+# Open MPI's ring allreduce for the blocking path (coll/tuned) and the non-blocking one
+# (coll/libnbc, which --overlap's Iallreduce takes).
+RING_ALLREDUCE = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_algorithm": "4",
+                  "coll_libnbc_iallreduce_algorithm": "1"}
+# Horovod overlaps the allreduce with backward: gradients that are ready are fused into
+# buffers of up to 64 MiB (HOROVOD_FUSION_THRESHOLD's default) and sent every 5 ms
+# (HOROVOD_CYCLE_TIME's default), per its documentation. The flat contenders do the same
+# with --overlap: 64 MiB buckets, each sent as soon as backward completes it, which is at
+# most one 5 ms cycle earlier than Horovod would.
+HOROVOD_FUSION_MIB = 64
 
 @dataclass(frozen=True)
 class MeasureSettings:
@@ -107,6 +113,8 @@ class CompareConfig:
     local_strategy: str = Processes.name  # the hybrid hosts' strategy; the paper's fastest on CPU
     contenders: tuple[str, ...] = CONTENDERS
     output: str | None = None
+    bandwidth: str | None = None  # every host's link rate, tc's units (1gbit)
+    latency: str | None = None  # every link's one-way delay (needs netem)
 
     @property
     def workers(self) -> int:
@@ -117,15 +125,34 @@ class CompareConfig:
 class Contender:
     name: str
     ranks: int  # participants in the allreduce
-    argv: list[str]
+    argv: list[str] | list[list[str]]  # one command, or one per host (DDP)
+    algorithm: str  # the allreduce that runs, as the theory column names it
+
+    def commands(self) -> list[list[str]]:
+        return self.argv if isinstance(self.argv[0], list) else [self.argv]
 
     def describe_launch(self) -> str:
-        return shlex.join(self.argv)
+        return " & ".join(shlex.join(argv) for argv in self.commands())
 
 
-def ring_allreduce_wire_bytes(payload_bytes: float, ranks: int) -> float:
-    """Bytes a ring allreduce puts on the network: 2(P-1)/P of the payload per rank."""
-    return ranks * 2 * (ranks - 1) / ranks * payload_bytes
+def ring_bytes_per_rank(payload_bytes: float, ranks: int) -> float:
+    """What each rank of a ring allreduce over `ranks` sends: 2(P-1)/P of the payload."""
+    return 2 * (ranks - 1) / ranks * payload_bytes
+
+
+def host_nic_theory(algorithm: str, payload_bytes: float, hosts: int, ranks: int) -> float:
+    """Bytes each host's NIC sends per allreduce of `payload_bytes`.
+
+    A ring over P ranks placed host-contiguously crosses each host's NIC on one edge, so a
+    host sends what one rank sends, 2(P-1)/P S; a hierarchical allreduce (reduce within
+    the host, allreduce between hosts, broadcast within) sends what a ring of one rank per
+    host does, 2(H-1)/H S.
+    """
+    if algorithm == "ring":
+        return ring_bytes_per_rank(payload_bytes, ranks)
+    if algorithm == "hierarchical":
+        return ring_bytes_per_rank(payload_bytes, hosts)
+    raise ValueError(f"no theory for allreduce {algorithm!r}")
 
 
 # --------------------------------------------------------------------------- planning
@@ -163,7 +190,12 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError(f"--batch-size {resolved.batch_size} is smaller than the "
                          f"{config.workers} workers: give at least one sample per worker")
     trainer.prepare(train_config, observer)
-    if {"hybrid", FLAT} & set(config.contenders):
+    if config.bandwidth:
+        bits_per_second(config.bandwidth)
+    if config.latency:
+        seconds_of(config.latency)
+    check_available()
+    if set(config.contenders) - {"ddp"}:
         mpi_launcher()
     output = Path(config.output) if config.output else default_run_dir(
         f"compare-{settings.usecase}")
@@ -186,107 +218,119 @@ def mpi_launcher() -> str:
     return found
 
 
-def private_loopback() -> list[str]:
-    """A command prefix that runs its command in a new network namespace with only `lo` up.
-
-    Other programs' loopback traffic then cannot leak into a contender's wire bytes.
-    Empty when this system does not allow it (the shared `lo` is measured instead).
-    """
-    unshare, ip = shutil.which("unshare"), shutil.which("ip")
-    if not unshare or not ip:
-        return []
-    prefix = [unshare, "--net"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    prefix += ["--", "sh", "-c", f'{shlex.quote(ip)} link set lo up && exec "$@"', "sh"]
-    try:
-        probe = subprocess.run(prefix + ["true"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return prefix if probe.returncode == 0 else []
-
-
-def plan(config: CompareConfig, result_root: Path, as_root: bool) -> list[Contender]:
-    """The command line of each contender, in the order they run."""
+def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name: str) -> Contender:
+    """The command line(s) of contender `name` on `cluster`. Build it just before it runs:
+    an mpirun command line's hostfile (slots per host) is rewritten for each."""
     python = [sys.executable, "-m"]
     common = config.settings.to_argv()
+    k = config.workers_per_host
 
-    def mpirun(ranks: int) -> list[str]:
-        root = ["--allow-run-as-root"] if as_root else []
-        return [mpi_launcher(), "-np", str(ranks), "--oversubscribe", *root, *MPI_OVER_LOOPBACK_TCP]
+    def result(name: str) -> list[str]:
+        return ["--result-dir", str(result_root / name)]
 
-    workers = [] if config.local_strategy == Sequential.name else [
-        "--workers", str(config.workers_per_host)]
+    def worker(name: str, *options: str) -> list[str]:
+        return python + ["hybriddl.compare.worker", *options, *common, *result(name)]
+
+    workers = [] if config.local_strategy == Sequential.name else ["--workers", str(k)]
+    # The flat ranks of one host divide its cores among themselves; the hybrid's local
+    # workers may need more workers than cores when hosts are small (said in the notes).
+    flat = ["--strategy", Flat.name, "--overlap", "--fusion-mib", str(HOROVOD_FUSION_MIB)]
+    mpirun = mpi_launcher()
     launches = {
-        "hybrid": lambda: mpirun(config.hosts) + python + [
-            "hybriddl.compare.worker", "--strategy", config.local_strategy, *workers,
-            "--oversubscribe"],
-        FLAT: lambda: mpirun(config.workers) + python + [
-            "hybriddl.compare.worker", "--strategy", Flat.name],
-        "ddp": lambda: python + ["hybriddl.compare.ddp", "--processes", str(config.workers)],
+        "hybrid": lambda: cluster.mpirun(worker("hybrid", "--strategy", config.local_strategy,
+                                                *workers, "--oversubscribe"), mpirun=mpirun),
+        FLAT_MPI: lambda: cluster.mpirun(worker(FLAT_MPI, *flat), ranks_per_host=k,
+                                         mpirun=mpirun),
+        FLAT_RING: lambda: cluster.mpirun(worker(FLAT_RING, *flat), ranks_per_host=k,
+                                          mca=RING_ALLREDUCE, mpirun=mpirun),
+        "ddp": lambda: [cluster.on_host(i, python + [
+            "hybriddl.compare.ddp", "--processes", str(config.workers), "--hosts",
+            str(cluster.count), "--host-index", str(i), "--master-addr", cluster.addresses[0],
+            "--interface", HOST_NIC, *common, *result("ddp")]) for i in range(cluster.count)],
     }
-    ranks = {"hybrid": config.hosts, FLAT: config.workers, "ddp": config.workers}
-    return [Contender(name, ranks[name], launches[name]() + common + [
-        "--result-dir", str(result_root / name)]) for name in config.contenders]
+    ranks = {"hybrid": config.hosts, FLAT_MPI: config.workers, FLAT_RING: config.workers,
+             "ddp": config.workers}
+    # With --overlap the flat ranks post MPI_Iallreduce, which Open MPI 5 hands to coll/libnbc
+    # whatever the placement; its default for 4 or more ranks and large buffers is a ring
+    # (its blocking MPI_Allreduce would take the hierarchical coll/han instead, which sends
+    # 2(H-1)/H S per host). gloo's allreduce is a ring too.
+    algorithms = {"hybrid": "ring", FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
+                  FLAT_RING: "ring", "ddp": "ring"}
+    return Contender(name, ranks[name], launches[name](), algorithms[name])
 
 
 # --------------------------------------------------------------------------- running
 
 def run_comparison(config: CompareConfig, output: Path,
                    on_contender: Callable[[Contender], None] = lambda c: None) -> dict:
-    """Run every contender one after the other; returns the comparison (also written)."""
-    netns = private_loopback()
-    as_root = os.geteuid() == 0 or bool(netns)
-    result_root = output / "contenders"
-    logs = output / "logs"
-    contenders = plan(config, result_root, as_root)
-    results = []
-    for contender in contenders:
-        on_contender(contender)
-        (result_root / contender.name).mkdir(parents=True)
-        logs.mkdir(parents=True, exist_ok=True)
-        log = logs / f"{contender.name}.log"
-        run_contender(netns + contender.argv, log, contender.name)
-        records = read_rank_results(result_root / contender.name, contender.ranks)
-        results.append(summarize(contender, records, config))
+    """Run every contender one after the other on the same emulated hosts; returns the
+    comparison (also written)."""
+    with EmulatedHosts(config.hosts, bandwidth=config.bandwidth,
+                       latency=config.latency) as cluster:
+        result_root = output / "contenders"
+        logs = output / "logs"
+        results = []
+        for name in config.contenders:
+            contender = plan(config, cluster, result_root, name)
+            on_contender(contender)
+            (result_root / contender.name).mkdir(parents=True)
+            logs.mkdir(parents=True, exist_ok=True)
+            run_contender(contender, logs / f"{contender.name}.log")
+            records = read_rank_results(result_root / contender.name, contender.ranks)
+            results.append(summarize(contender, records, config, cluster.names))
+        notes = list(cluster.notes)
     comparison = {
         "config": {**asdict(config.settings), "hosts": config.hosts,
                    "workers_per_host": config.workers_per_host,
                    "local_strategy": config.local_strategy},
-        "machine": {"usable_cores": usable_cores(), "workers": config.workers,
-                    "oversubscribed": config.workers > usable_cores()},
-        "network": ("a private network namespace: only this contender's traffic on lo"
-                    if netns else "the shared lo: other programs' loopback traffic is included"),
+        "emulated_hosts": config.hosts,
+        "bandwidth": config.bandwidth,
+        "latency": config.latency,
+        "machine": {"usable_cores": len(os.sched_getaffinity(0)), "workers": config.workers,
+                    "oversubscribed": config.workers > len(os.sched_getaffinity(0)),
+                    "emulation_notes": notes},
         "contenders": with_ratios(results),
     }
     write_outputs(comparison, output)
     return comparison
 
 
-def run_contender(argv: list[str], log: Path, name: str) -> None:
-    """Run one contender to its end; its output goes to `log`, a failure names it."""
+def run_contender(contender: Contender, log: Path) -> None:
+    """Run one contender (all its commands at once) to its end; output goes to `log`."""
     env = dict(os.environ)
     # The children import hybriddl from wherever this process did.
     package_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     with open(log, "wb") as handle:
-        child = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        children = [subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env)
+                    for argv in contender.commands()]
         try:
-            code = child.wait()
+            codes = [child.wait() for child in children]
         except BaseException:
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            for child in children:
+                stop_child(child)
             raise
-    if code != 0:
+    failed = [code for code in codes if code != 0]
+    if failed:
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        raise TrainingError(f"the {name} contender failed (exit {code}): "
+        raise TrainingError(f"the {contender.name} contender failed (exit {failed[0]}): "
                             f"{last[-1].strip() if last else 'no output'} (full log: {log})")
 
 
-def summarize(contender: Contender, records: list[dict], config: CompareConfig) -> dict:
-    """One contender's figures from its ranks' records (rank 0 holds the machine's lo)."""
+def stop_child(child: subprocess.Popen) -> None:
+    child.terminate()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def summarize(contender: Contender, records: list[dict], config: CompareConfig,
+              hosts: list[str]) -> dict:
+    """One contender's figures from its ranks' records, per emulated host."""
     settings = config.settings
     steps = records[0]["timed_steps"]
     # A step ends when its slowest rank ends: the per-step maximum, then the median.
@@ -294,28 +338,43 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig) 
     seconds = statistics.median(per_step)
     gradient = records[0]["gradient_bytes"]
     payload = gradient / 2 if settings.fp16_allreduce else gradient
+    on_host = {host: [r for r in records if r["host"] == host] for host in hosts}
+    missing = [host for host, mine in on_host.items() if not mine]
+    if missing:
+        raise TrainingError(f"the {contender.name} contender ran no rank on host(s) "
+                            f"{', '.join(missing)}: its placement is wrong")
+    # Every rank of a host reads the same NIC over (nearly) the same window: take one.
+    nic = [mine[0]["nic_bytes_sent"] / steps for mine in on_host.values()]
+    theory = host_nic_theory(contender.algorithm, payload, config.hosts, contender.ranks)
     return {
         "name": contender.name, "ranks": contender.ranks, "workers": config.workers,
         "strategy": records[0]["strategy"], "launch": contender.describe_launch(),
+        "allreduce": contender.algorithm,
         "seconds_per_step": seconds, "step_seconds": per_step,
         "images_per_second": settings.batch_size / seconds,
         "comm_bytes_per_step": sum(r["comm_bytes"] for r in records) / steps,
-        "wire_bytes_per_step": records[0]["wire_bytes"] / steps,
-        "theory_comm_bytes_per_step": contender.ranks * payload,
-        "theory_wire_bytes_per_step": ring_allreduce_wire_bytes(payload, contender.ranks),
+        "host_nic_bytes_per_step": nic,
+        "host_nic_bytes_theory": [theory] * len(hosts),
         "gradient_bytes": gradient,
-        "peak_rss_bytes": sum(r["peak_rss_bytes"] for r in records),
+        "host_peak_rss_bytes": [sum(r["peak_rss_bytes"] for r in mine)
+                                for mine in on_host.values()],
     }
 
 
 def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:
-    """Each contender's speed and wire bytes as a multiple of the hybrid's."""
+    """Each contender's step time, NIC bytes and memory as a multiple of the hybrid's."""
     base = next((r for r in results if r["name"] == baseline), None)
+
+    def ratio(mine: float, theirs: float) -> float | None:
+        return mine / theirs if base and theirs else None
+
     for r in results:
-        r["images_per_second_vs_hybrid"] = (r["images_per_second"] / base["images_per_second"]
-                                            if base else None)
-        r["wire_bytes_vs_hybrid"] = (r["wire_bytes_per_step"] / base["wire_bytes_per_step"]
-                                     if base and base["wire_bytes_per_step"] else None)
+        r["seconds_per_step_vs_hybrid"] = ratio(r["seconds_per_step"],
+                                                base and base["seconds_per_step"])
+        r["host_nic_bytes_vs_hybrid"] = ratio(max(r["host_nic_bytes_per_step"]),
+                                              base and max(base["host_nic_bytes_per_step"]))
+        r["host_peak_rss_vs_hybrid"] = ratio(max(r["host_peak_rss_bytes"]),
+                                             base and max(base["host_peak_rss_bytes"]))
     return results
 
 
@@ -324,23 +383,25 @@ def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:
 # (key of a display row, header, format): the CLI's rich table and the Markdown share it.
 COLUMNS = [
     ("name", "contender", "{}"), ("ranks", "ranks", "{:d}"),
-    ("images_per_second", "img/s", "{:.2f}"),
-    ("images_per_second_vs_hybrid", "img/s vs hybrid", "{:.2f}×"),
     ("seconds_per_step", "s/step", "{:.3f}"),
-    ("comm_mb_per_step", "MB to lib /step", "{:.2f}"),
-    ("wire_mb_per_step", "MB wire /step", "{:.2f}"),
-    ("theory_wire_mb_per_step", "MB wire theory", "{:.2f}"),
-    ("wire_bytes_vs_hybrid", "wire vs hybrid", "{:.2f}×"),
-    ("peak_rss_mb", "peak RSS MB", "{:.0f}"),
+    ("seconds_per_step_vs_hybrid", "s/step vs hybrid", "{:.2f}×"),
+    ("nic_mb_per_step", "MB per host NIC /step", "{}"),
+    ("theory_mb_per_step", "MB theory", "{:.1f}"),
+    ("allreduce", "allreduce", "{}"),
+    ("host_nic_bytes_vs_hybrid", "NIC vs hybrid", "{:.2f}×"),
+    ("peak_rss_mb", "peak RSS MB per host", "{}"),
+    ("host_peak_rss_vs_hybrid", "RSS vs hybrid", "{:.2f}×"),
 ]
 
 
 def display_rows(comparison: dict) -> list[dict]:
     """The contenders with their byte counts in MB (10^6 bytes), as tables and charts show them."""
-    return [{**r, "comm_mb_per_step": r["comm_bytes_per_step"] / 1e6,
-             "wire_mb_per_step": r["wire_bytes_per_step"] / 1e6,
-             "theory_wire_mb_per_step": r["theory_wire_bytes_per_step"] / 1e6,
-             "peak_rss_mb": r["peak_rss_bytes"] / 1e6} for r in comparison["contenders"]]
+    return [{**r, "nic_mb_per_step": " / ".join(f"{b / 1e6:.1f}"
+                                                 for b in r["host_nic_bytes_per_step"]),
+             "max_nic_mb_per_step": max(r["host_nic_bytes_per_step"]) / 1e6,
+             "theory_mb_per_step": r["host_nic_bytes_theory"][0] / 1e6,
+             "peak_rss_mb": " / ".join(f"{b / 1e6:.0f}" for b in r["host_peak_rss_bytes"])}
+            for r in comparison["contenders"]]
 
 
 def table_cells(comparison: dict) -> list[list[str]]:
@@ -351,13 +412,18 @@ def table_cells(comparison: dict) -> list[list[str]]:
 
 def notes(comparison: dict) -> list[str]:
     config, machine = comparison["config"], comparison["machine"]
+    hosts = comparison["emulated_hosts"]
     lines = [f"{config['usecase']}: {config['model']} at {config['image_size']} px, global batch "
-             f"{config['batch_size']}, {config['hosts']} hosts x {config['workers_per_host']} "
+             f"{config['batch_size']}, {hosts} emulated hosts x {config['workers_per_host']} "
              f"workers per host, {config['steps']} timed steps after {config['warmup']} warm-up"
              + (", gradients sent as float16" if config["fp16_allreduce"] else ""),
-             f"network: {comparison['network']}",
-             "theory: a ring allreduce over P ranks sends 2(P-1)/P of the gradient per rank, "
-             "2(P-1) gradients in all (hybrid: P = hosts; flat and DDP: P = hosts x workers)"]
+             f"network: each host's own NIC, link rate {comparison['bandwidth'] or 'unlimited'}"
+             + (f", latency {comparison['latency']}" if comparison["latency"] else "")
+             + "; ranks of one host use shared memory; NIC bytes are those sent by each host "
+             "(h0 / h1 ...) over the timed steps",
+             "theory per host NIC: ring over P ranks placed host-contiguously 2(P-1)/P S; "
+             "one rank per host or hierarchical 2(H-1)/H S (S = gradient bytes)"]
+    lines += machine.get("emulation_notes", [])
     if machine["oversubscribed"]:
         lines.append(f"oversubscribed: {machine['workers']} workers on "
                      f"{machine['usable_cores']} cores, so speeds are not those of separate hosts")
@@ -378,7 +444,7 @@ def write_outputs(comparison: dict, output: Path) -> list[Path]:
 
 
 def comparison_charts(comparison: dict, output: Path) -> list[Path]:
-    """Speed and bytes on the wire per contender, the hybrid's bar set apart."""
+    """Speed and bytes per host NIC per contender, the hybrid's bar set apart."""
     from hybriddl.monitoring import report
 
     rows = display_rows(comparison)
@@ -387,8 +453,8 @@ def comparison_charts(comparison: dict, output: Path) -> list[Path]:
     return [
         report.throughput_chart(rows, output / "images_per_second.png",
                                 title="Training speed, side by side", **common),
-        report.bar_chart(rows, "wire_mb_per_step", output / "wire_bytes_per_step.png",
-                         title="Bytes on the wire per step (loopback TCP)",
-                         ylabel="MB per step (lower is better)", value_format="{:.2f} MB",
+        report.bar_chart(rows, "max_nic_mb_per_step", output / "host_nic_bytes_per_step.png",
+                         title="Bytes sent per host NIC per step (emulated hosts)",
+                         ylabel="MB per step (lower is better)", value_format="{:.1f} MB",
                          **common),
     ]

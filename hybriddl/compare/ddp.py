@@ -1,107 +1,61 @@
 """The PyTorch DDP contender of `hybriddl compare`: what a PyTorch user would pick instead.
 
-    python -m hybriddl.compare.ddp --processes P ... --result-dir D
+    python -m hybriddl.compare.ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
 
-P spawned processes, one CPU thread each, gloo over 127.0.0.1; each takes its 1/P of
-every global batch (the same batches, flips and model as the other contenders) and
-writes what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
+Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...), one
+CPU thread each, gloo over the host's NIC (`--interface`); each takes its 1/P of every
+global batch (the same batches, flips and model as the other contenders) and writes
+what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
 handed to gloo, as the MPI layer's counter does for MPI.
 """
 
-# No `from __future__ import annotations`: DDP checks the comm hook's annotation
-# against dist.GradBucket itself, not a string.
-
 import argparse
-import inspect
-import os
-import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
 
 from hybriddl.compare.compare import MeasureSettings
+from hybriddl.compare.ddp_peer import gloo_group, wrap
 from hybriddl.data import BatchTransform, epoch_batches
 from hybriddl.data.loading import load_data
-from hybriddl.monitoring.monitor import Monitor
 from hybriddl.data.sharding import split_bounds
+from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model, get_usecase
-from hybriddl.hosts.cpu_threads import set_torch_threads
 
-# Buffers are not synchronised each step: the MPI contenders average gradients only,
-# and so must this one. (Newer torch renamed the switch.)
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                  if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                  else {"broadcast_buffers": False})
+# Each emulated host has its own network namespace, so a fixed port is free on host 0.
+PORT = 29500
 
 
-@dataclass
-class CountingAllreduce:
-    """DDP comm-hook state: the process group and the bytes handed to it so far."""
-
-    group: dist.ProcessGroup | None
-    world: int
-    fp16: bool = False
-    bytes_sent: int = 0
-
-
-def counting_allreduce_hook(state: CountingAllreduce, bucket: dist.GradBucket):
-    """DDP's default averaging allreduce (optionally in float16), counting what it sends."""
-    buffer = bucket.buffer()
-    sent = buffer.to(torch.float16) if state.fp16 else buffer
-    sent.div_(state.world)
-    state.bytes_sent += sent.numel() * sent.element_size()
-    future = dist.all_reduce(sent, group=state.group, async_op=True).get_future()
-
-    def unpack(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return future.then(unpack)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def peer(rank: int, world: int, port: int, settings: MeasureSettings, result_dir: str) -> None:
+def peer(local_rank: int, first_rank: int, world: int, address: str, interface: str,
+         settings: MeasureSettings, result_dir: str) -> None:
     """One DDP process: join the group, run the steps, write rank<rank>.json."""
-    set_torch_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank = first_rank + local_rank
     # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
     monitor_dir = Path(result_dir) / "run"
     monitor_dir.mkdir(parents=True, exist_ok=True)
-    try:
+    with gloo_group(rank, world, address, PORT, interface):
         with Monitor(monitor_dir, rank) as monitor:
-            record = measure_ddp(rank, world, settings)
+            record = measure_ddp(rank, world, settings, interface)
             record["monitor"] = monitor.stop()
         write_rank_result(result_dir, rank, record)
-    finally:
-        dist.destroy_process_group()
 
 
-def measure_ddp(rank: int, world: int, settings: MeasureSettings) -> dict:
+def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str) -> dict:
     config = settings.train_config(Sequential.name).resolved()
     case = get_usecase(config.usecase)
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
-    ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)
-    state = CountingAllreduce(None, world, fp16=settings.fp16_allreduce)
-    ddp.register_comm_hook(state, counting_allreduce_hook)
+    ddp, state = wrap(model, world, fp16=settings.fp16_allreduce)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
     transform = BatchTransform(config.image_size)
-    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: state.bytes_sent)
+    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: state.bytes_sent,
+                      interface=interface)
     epoch = 0
     while meter.remaining:
         batches = epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
@@ -127,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.ddp",
                                      description=__doc__.splitlines()[0])
     MeasureSettings.add_arguments(parser)
-    parser.add_argument("--processes", type=int, required=True, help="DDP processes P")
+    parser.add_argument("--processes", type=int, required=True, help="DDP processes P in all")
+    parser.add_argument("--hosts", type=int, default=1, help="hosts H the processes span")
+    parser.add_argument("--host-index", type=int, default=0, help="which host this is")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address")
+    parser.add_argument("--interface", default="lo", help="the NIC gloo uses and the meter reads")
     parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
     return parser
 
@@ -136,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = MeasureSettings.from_args(args)
     # start_processes joins them all and, if one fails, stops the others and raises.
-    mp.start_processes(peer, args=(args.processes, free_port(), settings, args.result_dir),
-                       nprocs=args.processes, start_method="spawn")
+    here = args.processes // args.hosts
+    mp.start_processes(peer, args=(args.host_index * here, args.processes, args.master_addr,
+                                   args.interface, settings, args.result_dir),
+                       nprocs=here, start_method="spawn")
     return 0
 
 

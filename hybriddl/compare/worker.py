@@ -1,10 +1,10 @@
 """One rank of an MPI contender of `hybriddl compare` (hybrid or flat).
 
-    mpirun -np N python -m hybriddl.compare.worker --strategy S [--workers K] ... --result-dir D
+    mpirun ... python -m hybriddl.compare.worker --strategy S [--workers K] [--overlap] ... --result-dir D
 
-Each rank is a host to the MPI layer and runs `trainer.run` itself (its local
-strategy, the fused allreduce, SGD), so the comparison times exactly what
-`hybriddl train` does. Every rank writes what it measured to D/rank<R>.json; the
+Each rank runs `trainer.run` itself (its local strategy, the fused allreduce, SGD), so
+the comparison times exactly what `hybriddl train` does; it counts what its emulated
+host's NIC sent over the timed steps. Every rank writes what it measured to D/rank<R>.json; the
 run's own metrics.json stays in D/run.
 """
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategy", required=True, help="the local strategy of every rank")
     parser.add_argument("--workers", type=int, help="local workers K of every rank")
     parser.add_argument("--oversubscribe", action="store_true")
+    parser.add_argument("--overlap", action="store_true",
+                        help="send gradient buckets while backward runs (as Horovod does)")
+    parser.add_argument("--fusion-mib", type=float, default=64, help="fusion buffer size")
     parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
     return parser
 
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = MeasureSettings.from_args(args)
     options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
-    hosts = cluster.connect(compression=Compression.fp16 if settings.fp16_allreduce
+    hosts = cluster.connect(overlap=args.overlap, bucket_bytes=int(args.fusion_mib * 2**20),
+                            compression=Compression.fp16 if settings.fp16_allreduce
                             else Compression.none)
     try:
         record = measure_training(settings, args.strategy, options, hosts,

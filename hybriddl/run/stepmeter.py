@@ -2,12 +2,13 @@
 
 Every contender (hybrid, flat, DDP) feeds the same meter, so every figure of the
 comparison is taken the same way: seconds of each optimizer step after a warm-up,
-bytes handed to the communication library, bytes on the loopback wire, peak RSS.
+bytes handed to the communication library, bytes this rank's host sent on its NIC, peak RSS.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,16 +18,14 @@ from hybriddl.tuning.benchmark import tree_rss_bytes
 from hybriddl.run.rundir import atomic_write_json
 from hybriddl.run.trainer import TrainingObserver
 
-WIRE_INTERFACE = "lo"
+# An emulated host's one NIC (see hybriddl.emulation): it carries only what leaves the
+# host, so its counter excludes what co-located ranks exchange through shared memory.
+HOST_NIC = "eth0"
 
 
-def loopback_bytes() -> int:
-    """Bytes sent on the loopback interface since boot, in this network namespace.
-
-    On `lo` every packet is sent once and received once; counting the sent side only
-    gives each byte on the wire once.
-    """
-    return psutil.net_io_counters(pernic=True)[WIRE_INTERFACE].bytes_sent
+def nic_bytes_sent(interface: str = HOST_NIC) -> int:
+    """Bytes this network namespace's `interface` has sent since it was made."""
+    return psutil.net_io_counters(pernic=True)[interface].bytes_sent
 
 
 def gradient_bytes(model) -> int:
@@ -42,11 +41,13 @@ class StepMeter(TrainingObserver):
     window misses of the last step's tail it gained from the warm-up's.
     """
 
-    def __init__(self, warmup: int, steps: int, comm_bytes: Callable[[], int]):
+    def __init__(self, warmup: int, steps: int, comm_bytes: Callable[[], int],
+                 interface: str = HOST_NIC):
         if warmup < 0 or steps < 1:
             raise ValueError(f"need warmup >= 0 and steps >= 1, got {warmup} and {steps}")
         self.warmup, self.steps = warmup, steps
         self._comm_bytes = comm_bytes
+        self.interface = interface
         self.seen = 0
         self.step_seconds: list[float] = []
         self.peak_rss_bytes = tree_rss_bytes()
@@ -54,7 +55,7 @@ class StepMeter(TrainingObserver):
         self._closed: tuple[int, int] | None = None
 
     def _edge(self) -> tuple[int, int]:
-        return loopback_bytes(), self._comm_bytes()
+        return nic_bytes_sent(self.interface), self._comm_bytes()
 
     @property
     def remaining(self) -> int:
@@ -75,7 +76,8 @@ class StepMeter(TrainingObserver):
         if self._opened is None or self._closed is None:
             raise RuntimeError(f"only {self.seen} of {self.warmup + self.steps} steps ran")
         return {"timed_steps": self.steps, "step_seconds": self.step_seconds,
-                "wire_bytes": self._closed[0] - self._opened[0],
+                "host": socket.gethostname(),
+                "nic_bytes_sent": self._closed[0] - self._opened[0],
                 "comm_bytes": self._closed[1] - self._opened[1],
                 "peak_rss_bytes": self.peak_rss_bytes}
 

@@ -7,7 +7,6 @@ figure in a table was taken the same way (speedup = t_baseline / t_strategy).
 from __future__ import annotations
 
 import math
-import os
 import socket
 import statistics
 import time
@@ -24,7 +23,7 @@ from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.usecases import build_model
-from hybriddl.hosts.cpu_threads import set_torch_threads, torch_threads
+from hybriddl.hosts.cpu_threads import torch_threads
 
 
 @dataclass
@@ -157,22 +156,18 @@ def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tens
 def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup, steps, lr,
               momentum, seed) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    set_torch_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    # The same DDP as `hybriddl compare`'s ddp contender.
+    from hybriddl.compare.ddp_peer import gloo_group, wrap
+
+    with gloo_group(rank, world, "127.0.0.1", port, "lo"):
         torch.manual_seed(seed)
-        model = DistributedDataParallel(build_model(model_name, num_classes, dropout=0.0))
+        model, _ = wrap(build_model(model_name, num_classes, dropout=0.0), world)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         start, stop = split_bounds(len(y), [1.0] * world)[rank]
         seconds, peak = _timed_steps(model, optimizer, x[start:stop], y[start:stop], warmup, steps,
                                      before_step=dist.barrier)
         results.put((rank, seconds, *peak))
-    finally:
-        dist.destroy_process_group()
 
 
 def _timed_steps(model, optimizer, x, y, warmup, steps, before_step=None,
