@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from hybriddl import __version__
-from hybriddl.compare.compare import CONTENDERS, MeasureSettings
+from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
 from hybriddl.config import add_numerics_args, resume_if_exists, training_config
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
 from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.strategies import STRATEGIES, Processes
+from hybriddl.strategies import STRATEGIES
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import USECASES
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "compare", help="hybrid vs Horovod's model vs PyTorch DDP on emulated hosts: speed, "
                         "bytes per host NIC, memory")
-    add_compare_args(compare)
+    add_compare_arguments(compare)
     compare.set_defaults(handler=cmd_compare)
 
     tune = commands.add_parser("tune", help="measure every feasible local strategy here, keep the "
@@ -112,24 +112,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     add_numerics_args(parser, channels_last=True)
     parser.add_argument("--monitor-interval", type=float,
                         help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
-
-
-def add_compare_args(parser: argparse.ArgumentParser) -> None:
-    MeasureSettings.add_arguments(parser)
-    parser.add_argument("--hosts", type=int, default=2,
-                        help="H emulated hosts (network namespaces; needs root)")
-    parser.add_argument("--workers-per-host", type=int, default=2,
-                        help="K local workers per host; flat-mpi, flat-ring and DDP run H x K "
-                             "ranks, K on each host")
-    parser.add_argument("--local-strategy", default=Processes.name,
-                        help=f"the hybrid hosts' local strategy (default: {Processes.name})")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
-    parser.add_argument("--bandwidth", help="every host's link rate, e.g. 1gbit or 10gbit "
-                        "(default: unlimited)")
-    parser.add_argument("--latency", help="every link's one-way delay, e.g. 0.1ms (needs the "
-                        "kernel's netem)")
-    parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
