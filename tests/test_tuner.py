@@ -384,12 +384,15 @@ def one_core_host(monkeypatch):
 
 
 def test_tune_host_measures_real_steps_into_a_profile():
-    profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1)
+    profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1, rounds=2, second_look=1)
     assert profile.settings == TINY and profile.host == profiles.this_host()
+    assert (profile.measurement["rounds"], profile.measurement["second_look_rounds"]) == (2, 1)
     assert profile.fingerprint == profiles.fingerprint()
     assert profile.candidates[0].choice == BASELINE
     measured = [c for c in profile.candidates if c.measured]
-    assert all(c.timed_steps == 1 and c.peak_rss_bytes > 0 for c in measured)
+    assert all(len(c.round_seconds) in (2, 3) and c.timed_steps == len(c.round_seconds)
+               and c.peak_rss_bytes > 0 for c in measured)
+    assert sum(len(c.round_seconds) == 3 for c in measured) == min(2, len(measured))
     assert profile.pick_result.seconds_per_step == min(c.seconds_per_step for c in measured)
     assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
@@ -476,7 +479,8 @@ def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, d
 def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     output = tmp_path / "out" / "here.json"
     done = cli("tune", "--usecase", "ComplexSmall", "--image-size", "32", "--batch-size", "4",
-               "--steps", "1", "--output", str(output))
+               "--steps", "1", "--rounds", "2", "--second-look", "1", "--output", str(output),
+               COLUMNS="200")  # the whole table on one line per candidate
     assert done.returncode == 0, done.stderr
     profile = load_profile(output)
     assert profile.settings == Settings("ComplexSmall", "vgg16", 32, 4)
@@ -484,11 +488,15 @@ def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     assert profile.candidates[0].choice == BASELINE and profile.candidates[0].measured
     assert "pick" in done.stdout and f"profile written to {output}" in " ".join(done.stdout.split())
     assert profile.pick.label in done.stdout
+    assert "median s/step" in done.stdout and "spread" in done.stdout
+    low, high = profile.pick_result.spread_seconds
+    assert f"{low:.3f}-{high:.3f}" in done.stdout
 
 
 def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "resnet18", "--image-size", "32",
-               "--batch-size", "2", "--steps", "1", HYBRIDDL_PROFILES=str(tmp_path))
+               "--batch-size", "2", "--steps", "1", "--rounds", "1", "--second-look", "0",
+               HYBRIDDL_PROFILES=str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert [p.name for p in tmp_path.iterdir()] == [
         f"{profiles.this_host()}-ComplexSmall-resnet18-b2-32px.json"]
@@ -499,6 +507,7 @@ def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
     (["--image-size", "8"], "--image-size 8 does not work with this model"),
     (["--usecase", "Nope"], "unknown use case 'Nope'"),
     (["--steps", "0"], "give at least 1 timed step"),
+    (["--rounds", "0"], "give at least 1 round"),
 ])
 def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
     output = tmp_path / "p.json"
