@@ -540,3 +540,15 @@ def test_train_auto_refuses_workers_and_devices(capsys, tmp_path):
     assert main(["train", "--strategy", "auto", "--workers", "2", "--run-dir", str(tmp_path / "r")]) == 2
     assert "--workers and --devices go with a named --strategy" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_rounds_that_would_overrun_the_budget_are_not_started():
+    # Each visit costs 2 s (warm-up and one timed step); 3 candidates: a round is 6 s.
+    clock = FakeClock()
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2],
+                                 cost_measure(clock, lambda c, s: 1.0, steps=1), budget=14,
+                                 steps=1, rounds=3, second_look=2, clock=clock)
+    # A slow candidate is not dropped to make room for rounds: two rounds fit, the third not.
+    assert [len(r.round_seconds) for r in results] == [2, 2, 2]
+    assert all(r.note == "2 of 3 rounds fit the budget" for r in results)
+    assert clock.now == 12

@@ -15,12 +15,15 @@ median of its visits, with the lowest and highest as its spread. The two fastest
 get a second look (more interleaved rounds, A B A B), and if they are still within the
 noise of each other the one with less peak memory is picked (`select_pick`).
 
-Budget: every visit still to come gets an equal share of what is left of the budget.
-After each step the tuner predicts the next from the fastest step so far; a visit whose
-next step would end past its share stops there. A candidate whose visit cannot time one
-step leaves the race: dropped with a note when it has no measured visit, measured on
-the visits it had otherwise (the note says how many). Only the baseline may overrun its
-share, since every speedup is relative to it.
+Budget: in the first round every candidate gets an equal share of what is left of the
+budget. After each step the tuner predicts the next from the fastest step so far; a visit
+whose next step would end past its share stops there, and a candidate whose visit cannot
+time one step is dropped with a note. Only the baseline may overrun its share, since every
+speedup is relative to it. Each later round (second look included) runs only when the
+last visits of its candidates predict that it fits in what is left, each visit with an
+equal share of that; a tight budget thus costs rounds (the note says how many fit), not
+candidates. A candidate that cannot time a step in a later round leaves the race with
+the rounds it had, and its note says why.
 """
 
 from __future__ import annotations
@@ -100,41 +103,50 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
     observer = observer or TuneObserver()
     started = clock()
     states = [_Candidate(choice) for choice in candidates]
-    planned = len(candidates) * rounds + 2 * second_look
-    done = 0
 
-    def visit(index: int) -> None:
-        nonlocal done
-        state = states[index]
-        now = clock()
-        share = max(budget - (now - started), 0.0) / max(planned - done, 1)
-        done += 1
-        observer.on_candidate_start(index, state.choice, share)
-        is_baseline = state.choice == BASELINE
-        if share <= 0 and not is_baseline:
-            state.stop("not started: the budget was spent")
-            return
-        _visit_one(index, state, measure, now + share, share, is_baseline, warmup, steps,
-                   clock, observer)
+    def run_round(number: int, indices: list[int], second: bool) -> bool:
+        """Visit the candidates of `indices` still in the race; False: it would not fit."""
+        racing = [i for i in indices if states[i].in_race]
+        if not racing:
+            return True
+        if number > 1:
+            # The last visits predict this round: run it only when it fits what is left.
+            if clock() + sum(states[i].visit_seconds for i in racing) > started + budget:
+                return False
+        observer.on_round_start(number, len(racing), second)
+        for position, index in enumerate(racing):
+            state = states[index]
+            now = clock()
+            share = max(budget - (now - started), 0.0) / (len(racing) - position)
+            observer.on_candidate_start(index, state.choice, share)
+            is_baseline = state.choice == BASELINE
+            if share <= 0 and not is_baseline:
+                state.stop("not started: the budget was spent")
+                continue
+            _visit_one(index, state, measure, now + share, share, is_baseline, warmup, steps,
+                       clock, observer)
+            state.visit_seconds = clock() - now
+        return True
 
+    everyone = list(range(len(states)))
+    fitted = 0
     for number in range(1, rounds + 1):
-        observer.on_round_start(number, sum(s.in_race for s in states), False)
-        for index, state in enumerate(states):
-            if state.in_race:
-                visit(index)
-            else:
-                done += 1
-    if second_look:
-        racing = sorted((i for i, s in enumerate(states) if s.in_race and s.figures),
-                        key=lambda i: statistics.median(states[i].figures))[:2]
-        done += 2 * second_look - len(racing) * second_look
+        if not run_round(number, everyone, False):
+            break
+        fitted = number
+    if fitted == rounds:
+        top_two = sorted((i for i in everyone if states[i].in_race and states[i].figures),
+                         key=lambda i: statistics.median(states[i].figures))[:2]
         for number in range(rounds + 1, rounds + second_look + 1):
-            observer.on_round_start(number, sum(states[i].in_race for i in racing), True)
-            for index in racing:
-                if states[index].in_race:
-                    visit(index)
-                else:
-                    done += 1
+            if not run_round(number, top_two, True):
+                for index in top_two:
+                    states[index].notes.append(f"second look cut to {number - rounds - 1} of "
+                                               f"{second_look} rounds by the budget")
+                break
+    else:
+        for state in states:
+            if state.in_race:
+                state.notes.append(f"{fitted} of {rounds} rounds fit the budget")
     results = [state.result(steps, rounds) for state in states]
     for index, result in enumerate(results):
         observer.on_candidate_end(index, result)
@@ -154,6 +166,7 @@ class _Candidate:
     notes: list[str] = field(default_factory=list)
     stopped: str | None = None  # why it left the race
     failed: bool = False
+    visit_seconds: float = 0.0  # the last visit, set-up included
 
     @property
     def in_race(self) -> bool:
