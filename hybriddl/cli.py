@@ -131,16 +131,11 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, default=600.0,
                         help="seconds for all candidates together; a candidate that cannot "
                              "finish within its share is dropped (default: 600)")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved rounds over the candidates (default: 3)")
-    parser.add_argument("--second-look", type=int, default=2, metavar="ROUNDS",
-                        help="extra interleaved rounds for the two fastest (default: 2)")
-    parser.add_argument("--steps", type=int, default=2,
-                        help="timed steps per candidate and round (default: 2)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="warm-up steps per candidate and round (default: 1)")
-    parser.add_argument("--output", help="profile file (default: PROFILE_DIR/"
-                        "<host>-<usecase>-<model>-b<batch>-<size>px.json)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--second-look", type=int, default=2, help="extra rounds, two fastest (default: 2)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per visit (default: 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per visit (default: 1)")
+    parser.add_argument("--output", help="profile file (default: one per setting in PROFILE_DIR)")
     parser.add_argument("--data", help="measure on batches of this data, as train's --data "
                         "(default: the use case's embedded set)")
     parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
@@ -243,8 +238,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from hybriddl.tuning import profiles, tuner
 
     settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
-    output = (Path(args.output) if args.output
-              else profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
+    output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "
                          f"{profiles.profile_path(output, settings)}")
@@ -255,9 +249,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         loading.stop()
     display = TuneDisplay()
     try:
-        profile = tuner.tune_host(settings, images, budget=args.budget, warmup=args.warmup,
-                                  steps=args.steps, rounds=args.rounds,
-                                  second_look=args.second_look, observer=display)
+        rounds = {key: getattr(args, key) for key in ("warmup", "steps", "rounds", "second_look")}
+        profile = tuner.tune_host(settings, images, budget=args.budget, observer=display, **rounds)
     finally:
         display.stop()
     profiles.save_profile(profile, output)
