@@ -122,9 +122,11 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, default=600.0,
                         help="seconds for all candidates together; a candidate that cannot "
                              "finish within its share is dropped (default: 600)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per candidate (default: 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per candidate (default: 1)")
-    parser.add_argument("--output", help="profile file (default: PROFILE_DIR/<host>-<usecase>.json)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--second-look", type=int, default=2, help="extra rounds, two fastest (default: 2)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per visit (default: 2)")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per visit (default: 1)")
+    parser.add_argument("--output", help="profile file (default: one per setting in PROFILE_DIR)")
     parser.add_argument("--data", help="measure on batches of this data, as train's --data "
                         "(default: the use case's embedded set)")
     parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
@@ -225,12 +227,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from hybriddl.tuning import profiles, tuner
 
-    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size, args.precision)
-    output = (Path(args.output) if args.output
-              else profiles.profile_path(profiles.profile_dir(args.profile_dir), settings.usecase))
+    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
+                                   args.precision)
+    output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "
-                         f"{profiles.profile_path(output, settings.usecase)}")
+                         f"{profiles.profile_path(output, settings)}")
     loading = TrainDisplay()
     try:
         images = tuner.tune_images(settings, args.data, args.data_cache, loading.on_data_progress)
@@ -238,8 +240,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         loading.stop()
     display = TuneDisplay()
     try:
-        profile = tuner.tune_host(settings, images, budget=args.budget,
-                                  warmup=args.warmup, steps=args.steps, observer=display)
+        rounds = {key: getattr(args, key) for key in ("warmup", "steps", "rounds", "second_look")}
+        profile = tuner.tune_host(settings, images, budget=args.budget, observer=display, **rounds)
     finally:
         display.stop()
     profiles.save_profile(profile, output)

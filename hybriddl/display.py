@@ -20,8 +20,8 @@ class TuneDisplay(TuneObserver):
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self.progress = Progress(TextColumn("[bold]Tuning"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("candidates"), TimeElapsedColumn(),
+        self.progress = Progress(TextColumn("[bold]Tuning {task.fields[round]}"), BarColumn(),
+                                 MofNCompleteColumn(), TextColumn("candidates"), TimeElapsedColumn(),
                                  TextColumn("{task.description}"), console=console,
                                  disable=not enabled)
         self.task = None
@@ -34,10 +34,16 @@ class TuneDisplay(TuneObserver):
         if reason:
             console.print(f"hybriddl: {reason}", markup=False, highlight=False)
         self.progress.start()
-        self.task = self.progress.add_task("", total=len(candidates))
+        self.task = self.progress.add_task("", total=len(candidates), round="")
+
+    def on_round_start(self, number, visits, second_look) -> None:
+        if self.task is not None:
+            what = "second look" if second_look else "round"
+            self.progress.update(self.task, completed=0, total=visits, round=f"{what} {number}")
 
     def on_candidate_start(self, index, choice, share_seconds) -> None:
         if self.task is not None:
+            self.progress.advance(self.task)
             self.progress.update(self.task, description=f"{choice.label} "
                                  f"(share {share_seconds:.0f} s)")
 
@@ -48,10 +54,9 @@ class TuneDisplay(TuneObserver):
                                  f"{seconds:.2f} s")
 
     def on_candidate_end(self, index, result) -> None:
+        # Called for every candidate once all rounds are over.
         if self.task is None:
             return
-        self.progress.update(self.task, advance=1,
-                             description=f"{result.choice.label}: {result.status}")
         if index + 1 == len(self.candidates):
             self.progress.stop()
 
@@ -65,7 +70,7 @@ def tune_table(profile) -> Table:
     table = Table(title=f"{profile.host}: {s.usecase} ({s.model}), {s.image_size} px, "
                         f"batch {s.batch_size}")
     with_gpu = any(c.speedup_over_gpu is not None for c in profile.candidates)
-    columns = ["", "strategy", "s/step", "images/s", "speedup"]
+    columns = ["", "strategy", "median s/step", "spread", "rounds", "images/s", "speedup"]
     columns += ["vs 1 GPU"] if with_gpu else []
     columns += ["peak RSS MiB", "note"]
     for column in columns:
@@ -74,8 +79,9 @@ def tune_table(profile) -> Table:
     order = sorted(profile.candidates, key=lambda c: (not c.measured, c.seconds_per_step or 0.0))
     for c in order:
         picked = c.measured and c.choice == profile.pick
-        figures = [f"{c.seconds_per_step:.3f}", f"{c.images_per_second:.1f}",
-                   f"{c.speedup:.2f}x" if c.speedup is not None else "-"] if c.measured else ["-"] * 3
+        figures = [f"{c.seconds_per_step:.3f}", _spread(c), str(len(c.round_seconds) or "-"),
+                   f"{c.images_per_second:.1f}",
+                   f"{c.speedup:.2f}x" if c.speedup is not None else "-"] if c.measured else ["-"] * 5
         if with_gpu:
             figures.append(f"{c.speedup_over_gpu:.2f}x" if c.speedup_over_gpu is not None else "-")
         rss = f"{c.peak_rss_bytes / 2**20:.0f}" if c.peak_rss_bytes else "-"
@@ -83,6 +89,14 @@ def tune_table(profile) -> Table:
                       c.choice.label, *figures, rss, c.note,
                       style="bold" if picked else ("dim" if not c.measured else None))
     return table
+
+
+def _spread(candidate) -> str:
+    """The lowest and highest round figures, '-' for a profile without them."""
+    if not candidate.spread_seconds:
+        return "-"
+    low, high = candidate.spread_seconds
+    return f"{low:.3f}-{high:.3f}"
 
 
 class TrainDisplay:
@@ -122,6 +136,9 @@ class TrainDisplay:
         self.progress.stop()
         self.task = None
         self.tuning.on_tune_start(candidates, reason)
+
+    def on_round_start(self, number, visits, second_look) -> None:
+        self.tuning.on_round_start(number, visits, second_look)
 
     def on_candidate_start(self, index, choice, share_seconds) -> None:
         self.tuning.on_candidate_start(index, choice, share_seconds)

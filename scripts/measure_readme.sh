@@ -23,8 +23,11 @@ $PY -m hybriddl tune --usecase ComplexSmall --image-size 224 --profile-dir profi
 $PY -m hybriddl tune --usecase SimpleBig --image-size 224 --profile-dir profiles
 
 step "tuner pick vs re-measured fastest, small image size"
-$PY scripts/check_tune.py --steps 5 --warmup 2 --usecase ComplexSmall --image-size 64 --profile-dir $out/check-profiles --output $out/check_tune-ComplexSmall.json || true  # a miss is a finding
-$PY scripts/check_tune.py --steps 5 --warmup 2 --usecase SimpleBig --image-size 64 --profile-dir $out/check-profiles --output $out/check_tune-SimpleBig.json || true
+for run in 1 2 3; do  # a miss is a finding: the check must pass 3 times in a row
+  for uc in ComplexSmall SimpleBig; do
+    $PY scripts/check_tune.py --usecase $uc --image-size 64 --steps 1 --rounds 3 --second-look 2 --warmup 1 --profile-dir runs/check-profiles --output $out/check_tune-$uc-run$run.json || true
+  done
+done
 
 step "MPI layer: co-located ranks, 1-rank overhead, fp16 and overlap traffic"
 $PY scripts/bench_mpi.py --usecase ComplexSmall --image-size 64 --output $out/bench_mpi-ComplexSmall.json

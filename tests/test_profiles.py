@@ -1,8 +1,9 @@
 import json
+from pathlib import Path
 
 import pytest
 
-from hybriddl.tuning import profiles
+from hybriddl.tuning import profiles, tuner
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategySpec
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
@@ -46,8 +47,74 @@ def test_profile_round_trips_through_its_file(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["node1-ComplexSmall.json"]
 
 
-def test_profile_path_is_host_and_usecase(tmp_path):
-    assert profile_path(tmp_path, "SimpleBig", host="gpu7") == tmp_path / "gpu7-SimpleBig.json"
+def test_profile_path_is_host_usecase_model_batch_and_size(tmp_path):
+    settings = Settings("SimpleBig", "alexnet", image_size=64, batch_size=32)
+    assert (profile_path(tmp_path, settings, host="gpu7")
+            == tmp_path / "gpu7-SimpleBig-alexnet-b32-64px.json")
+    others = [Settings("SimpleBig", "vgg16", 64, 32), Settings("SimpleBig", "alexnet", 64, 16),
+              Settings("SimpleBig", "alexnet", 224, 32), Settings("ComplexSmall", "alexnet", 64, 32)]
+    paths = {profile_path(tmp_path, s, host="gpu7") for s in [settings, *others]}
+    assert len(paths) == 5  # one file per setting: a tune never overwrites another's
+
+
+def test_profiles_at_two_settings_live_side_by_side(tmp_path):
+    other = Settings("ComplexSmall", "vgg16", image_size=64, batch_size=4)
+    save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
+    save_profile(a_profile(settings=other), profile_path(tmp_path, other, host="node1"))
+    assert lookup(tmp_path).usable and lookup(tmp_path, settings=other).usable
+    assert lookup(tmp_path, settings=other).profile.settings == other
+
+
+def test_profile_under_the_old_per_usecase_name_is_still_read(tmp_path):
+    old = profiles.legacy_profile_path(tmp_path, "ComplexSmall", host="node1")
+    assert old == tmp_path / "node1-ComplexSmall.json"
+    record = a_profile().to_dict()
+    record["schema_version"] = 1  # written before rounds: no round_seconds, no spread
+    for candidate in record["candidates"]:
+        for key in ("rounds", "round_seconds", "spread_seconds"):
+            candidate.pop(key)
+    old.write_text(json.dumps(record))
+    found = lookup(tmp_path)
+    assert found.usable and found.path == old and found.profile.pick == SEQUENTIAL
+    assert found.profile.candidates[0].spread_seconds is None
+    # At other settings the old file is not used, and a new tune goes to the new name.
+    other = Settings("ComplexSmall", "vgg16", image_size=64, batch_size=4)
+    missed = lookup(tmp_path, settings=other)
+    assert not missed.usable and "was measured at" in missed.problem
+    assert missed.path == profile_path(tmp_path, other, host="node1") != old
+
+
+REPO_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def test_committed_profiles_load_under_their_per_setting_names():
+    committed = sorted(REPO_PROFILES.glob("*.json"))
+    assert committed, "the repository ships measured profiles"
+    for path in committed:
+        profile = load_profile(path)
+        assert path == profile_path(REPO_PROFILES, profile.settings, host=profile.host)
+
+
+def test_the_readme_main_job_at_64_px_never_rewrites_a_committed_profile():
+    # hybriddl train --usecase ComplexSmall --image-size 64 --epochs 5: one host, whole batch.
+    main_job = tuner.tune_settings("ComplexSmall", image_size=64)
+    committed_224 = tuner.tune_settings("ComplexSmall")
+    for host in ["vm", profiles.this_host()]:
+        path = profile_path(REPO_PROFILES, main_job, host=host)
+        assert path != profile_path(REPO_PROFILES, committed_224, host=host)
+        assert path not in set(REPO_PROFILES.glob("*.json"))
+
+
+def test_rounds_and_spread_round_trip(tmp_path):
+    original = a_profile()
+    original.candidates[0].round_seconds = [2.1, 1.9, 2.0]
+    original.candidates[0].spread_seconds = (1.9, 2.1)
+    path = save_profile(original, profile_path(tmp_path, SETTINGS, host="node1"))
+    record = json.loads(path.read_text())["candidates"][0]
+    assert (record["rounds"], record["round_seconds"], record["spread_seconds"]) == (
+        3, [2.1, 1.9, 2.0], [1.9, 2.1])
+    assert load_profile(path) == original
+    assert original.candidates[0].relative_noise == pytest.approx(0.05)
 
 
 def test_profile_dir_comes_from_flag_then_environment_then_default(monkeypatch):
@@ -68,7 +135,7 @@ def test_strategy_choice_gives_the_strategy_options():
 
 
 def test_matching_profile_is_usable(tmp_path):
-    save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     found = lookup(tmp_path)
     assert found.usable and found.problem is None
     assert found.profile.pick == SEQUENTIAL
@@ -77,7 +144,7 @@ def test_matching_profile_is_usable(tmp_path):
 def test_missing_profile_says_where_it_looked(tmp_path):
     found = lookup(tmp_path)
     assert not found.usable
-    assert found.problem == f"no profile at {tmp_path / 'node1-ComplexSmall.json'}"
+    assert found.problem == f"no profile at {tmp_path / 'node1-ComplexSmall-vgg16-b4-32px.json'}"
 
 
 @pytest.mark.parametrize("other", [
@@ -86,19 +153,19 @@ def test_missing_profile_says_where_it_looked(tmp_path):
     Settings("ComplexSmall", "resnet18", image_size=32, batch_size=4),
 ])
 def test_profile_at_other_settings_does_not_match(tmp_path, other):
-    save_profile(a_profile(settings=other), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    save_profile(a_profile(settings=other), profile_path(tmp_path, SETTINGS, host="node1"))
     found = lookup(tmp_path)
     assert not found.usable
     assert f"was measured at {other.describe()}, not at {SETTINGS.describe()}" in found.problem
 
 
 def test_profile_of_another_host_does_not_match(tmp_path):
-    save_profile(a_profile(host="node2"), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    save_profile(a_profile(host="node2"), profile_path(tmp_path, SETTINGS, host="node1"))
     assert "measured on host 'node2'" in lookup(tmp_path).problem
 
 
 def test_changed_fingerprint_makes_the_profile_stale(tmp_path):
-    save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     found = lookup(tmp_path, fp={**FINGERPRINT, "cores_usable": 4, "gpus": ["NVIDIA H100"]})
     assert not found.usable
     assert "is stale" in found.problem
@@ -117,7 +184,7 @@ def test_this_hosts_fingerprint_has_the_documented_fields():
 
 
 def test_truncated_profile_is_a_clear_problem_not_a_crash(tmp_path):
-    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    path = save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     path.write_text(path.read_text()[:120])
     with pytest.raises(ProfileError, match="is not valid JSON .*truncated.*hybriddl tune"):
         load_profile(path)
@@ -126,11 +193,11 @@ def test_truncated_profile_is_a_clear_problem_not_a_crash(tmp_path):
 
 
 def test_wrong_schema_version_is_a_clear_problem(tmp_path):
-    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    path = save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     record = json.loads(path.read_text())
     record["schema_version"] = 99
     path.write_text(json.dumps(record))
-    with pytest.raises(UsageError, match="schema version 99, this hybriddl reads version 1"):
+    with pytest.raises(UsageError, match="schema version 99, this hybriddl reads versions 1, 2"):
         load_profile(path)
     assert "schema version 99" in lookup(tmp_path).problem
 
@@ -143,7 +210,7 @@ def test_wrong_schema_version_is_a_clear_problem(tmp_path):
     lambda r: r.update(pick={"name": "threads", "workers": 2}),  # dropped, so not a pick
 ])
 def test_damaged_profile_is_a_clear_problem(tmp_path, damage):
-    path = save_profile(a_profile(), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    path = save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     record = json.loads(path.read_text())
     damage(record)
     path.write_text(json.dumps(record))
@@ -153,7 +220,7 @@ def test_damaged_profile_is_a_clear_problem(tmp_path, damage):
 
 
 def test_profile_that_is_not_an_object_is_a_clear_problem(tmp_path):
-    path = profile_path(tmp_path, "ComplexSmall", host="node1")
+    path = profile_path(tmp_path, SETTINGS, host="node1")
     path.write_text("[1, 2]")
     with pytest.raises(ProfileError, match="is not a profile .a JSON object is expected"):
         load_profile(path)
@@ -164,7 +231,7 @@ def test_profile_that_is_not_an_object_is_a_clear_problem(tmp_path):
     StrategySpec("gpu", devices=("cuda:99",)),
 ])
 def test_pick_this_host_cannot_run_makes_the_profile_unusable(tmp_path, pick):
-    save_profile(a_profile(pick=pick), profile_path(tmp_path, "ComplexSmall", host="node1"))
+    save_profile(a_profile(pick=pick), profile_path(tmp_path, SETTINGS, host="node1"))
     found = lookup(tmp_path)
     assert not found.usable
     assert f"picks {pick.label}, which this host cannot run" in found.problem
@@ -173,7 +240,7 @@ def test_pick_this_host_cannot_run_makes_the_profile_unusable(tmp_path, pick):
 def test_profiled_throughput_is_the_picks_images_per_second(tmp_path):
     host_fp = profiles.fingerprint()
     save_profile(a_profile(host=profiles.this_host(), fp=host_fp),
-                 profile_path(tmp_path, "ComplexSmall"))
+                 profile_path(tmp_path, SETTINGS))
     assert profiles.profiled_throughput(SETTINGS, tmp_path) == 2.0
     other = Settings("ComplexSmall", "vgg16", image_size=32, batch_size=5)
     assert profiles.profiled_throughput(other, tmp_path) is None

@@ -263,8 +263,114 @@ def test_progress_is_reported_for_every_candidate_and_step():
     measure_candidates([BASELINE, THREADS2], cost_measure(clock, lambda c, s: 1.0, steps=1),
                        budget=10, steps=1, clock=clock, observer=Recorder())
     assert events == [("start", 0, "sequential", 5.0), ("step", 0, 0), ("step", 0, 1),
-                      ("end", 0, MEASURED), ("start", 1, "threads K=2", 8.0), ("step", 1, 0),
-                      ("step", 1, 1), ("end", 1, MEASURED)]
+                      ("start", 1, "threads K=2", 8.0), ("step", 1, 0), ("step", 1, 1),
+                      ("end", 0, MEASURED), ("end", 1, MEASURED)]
+
+
+# --------------------------------------------------------------------------- rounds and noise
+
+def test_rounds_interleave_the_candidates_then_look_again_at_the_two_fastest():
+    visits, rounds_seen = [], []
+
+    class Recorder(tuner.TuneObserver):
+        def on_round_start(self, number, visits_in_round, second_look):
+            rounds_seen.append((number, visits_in_round, second_look))
+
+        def on_candidate_start(self, index, choice, share_seconds):
+            visits.append(choice.label)
+
+    clock = FakeClock()
+    costs = {"sequential": 3.0, "intraop K=2": 1.0, "threads K=2": 2.0, "processes K=2": 1.5}
+    results = measure_candidates([BASELINE, INTRAOP2, THREADS2, PROCESSES2],
+                                 cost_measure(clock, by_label(costs), steps=2), budget=1000,
+                                 steps=2, rounds=3, second_look=2, clock=clock,
+                                 observer=Recorder())
+    order = ["sequential", "intraop K=2", "threads K=2", "processes K=2"]
+    assert visits == order * 3 + ["intraop K=2", "processes K=2"] * 2
+    assert rounds_seen == [(1, 4, False), (2, 4, False), (3, 4, False), (4, 2, True), (5, 2, True)]
+    assert [len(r.round_seconds) for r in results] == [3, 5, 3, 5]
+    assert [r.timed_steps for r in results] == [6, 10, 6, 10]
+
+
+def test_median_and_spread_over_rounds_are_recorded():
+    clock = FakeClock()
+    per_round = {"sequential": iter([4.0, 4.4, 3.6]), "threads K=2": iter([2.0, 3.0, 2.2])}
+
+    def measure(choice, keep_going):
+        seconds = next(per_round[choice.label])
+        return cost_measure(clock, lambda c, s: seconds, warmup=0, steps=1)(choice, keep_going)
+
+    results = measure_candidates([BASELINE, THREADS2], measure, budget=1000, warmup=0, steps=1,
+                                 rounds=3, clock=clock)
+    sequential, threads = results
+    assert threads.round_seconds == [2.0, 3.0, 2.2] and threads.spread_seconds == (2.0, 3.0)
+    assert threads.seconds_per_step == 2.2  # the median, not the mean (2.4) or the first
+    assert sequential.seconds_per_step == 4.0 and sequential.spread_seconds == (3.6, 4.4)
+    assert threads.speedup == pytest.approx(4.0 / 2.2)
+    record = threads.to_dict()
+    assert (record["rounds"], record["spread_seconds"]) == (3, [2.0, 3.0])
+
+
+def test_second_look_can_overturn_a_lucky_first_pass():
+    clock = FakeClock()
+    # threads had two lucky rounds; over the second look processes is steadily faster.
+    per_round = {"sequential": iter([5.0] * 3), "threads K=2": iter([1.0, 1.1, 2.0, 2.2, 2.1]),
+                 "processes K=2": iter([1.8, 1.9, 1.8, 1.8, 1.9])}
+
+    def measure(choice, keep_going):
+        seconds = next(per_round[choice.label])
+        return cost_measure(clock, lambda c, s: seconds, warmup=0, steps=1)(choice, keep_going)
+
+    first_pass = measure_candidates([BASELINE, THREADS2, PROCESSES2], measure, budget=1000,
+                                    warmup=0, steps=1, rounds=3, clock=clock)
+    assert select_pick(first_pass) == THREADS2  # what one pass of rounds would have picked
+    per_round = {"sequential": iter([5.0] * 3), "threads K=2": iter([1.0, 1.1, 2.0, 2.2, 2.1]),
+                 "processes K=2": iter([1.8, 1.9, 1.8, 1.8, 1.9])}
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2], measure, budget=1000,
+                                 warmup=0, steps=1, rounds=3, second_look=2, clock=clock)
+    assert results[1].seconds_per_step == 2.0 and results[2].seconds_per_step == 1.8
+    assert select_pick(results) == PROCESSES2
+
+
+def measured(choice, seconds, spread, rss):
+    return CandidateResult(choice, MEASURED, seconds_per_step=seconds, images_per_second=1.0,
+                           peak_rss_bytes=rss, round_seconds=[seconds],
+                           spread_seconds=(seconds - spread, seconds + spread))
+
+
+def test_a_tie_within_the_noise_goes_to_less_peak_memory():
+    # processes is 2 % slower, each figure wanders +-5 %: a tie; threads uses half the memory.
+    fast_heavy = measured(PROCESSES2, 1.00, 0.05, rss=4000)
+    slow_light = measured(THREADS2, 1.02, 0.05, rss=2000)
+    assert select_pick([measured(BASELINE, 2.0, 0.1, 1000), fast_heavy, slow_light]) == THREADS2
+
+
+def test_no_tie_when_the_gap_exceeds_the_noise_or_the_tie_tolerance():
+    # 2 % apart but each figure steady to +-0.5 %: the faster wins whatever its memory.
+    assert select_pick([measured(PROCESSES2, 1.00, 0.005, 4000),
+                        measured(THREADS2, 1.02, 0.005, 2000)]) == PROCESSES2
+    # Noise of +-20 %, but 4 % apart is past TIE_TOLERANCE (3 %): the faster wins.
+    assert tuner.TIE_TOLERANCE == 0.03
+    assert select_pick([measured(PROCESSES2, 1.00, 0.2, 4000),
+                        measured(THREADS2, 1.04, 0.2, 2000)]) == PROCESSES2
+
+
+def test_a_dropped_candidate_in_a_later_round_keeps_its_earlier_rounds_with_a_note():
+    clock = FakeClock()
+    calls = {"threads K=2": 0}
+
+    def cost(choice, step):
+        if choice == THREADS2:
+            calls["threads K=2"] += 1
+            return 1.0 if calls["threads K=2"] <= 2 else 100.0  # the machine got busy
+        return 1.0
+
+    results = measure_candidates([BASELINE, THREADS2], cost_measure(clock, cost, warmup=1, steps=1),
+                                 budget=40, warmup=1, steps=1, rounds=3, clock=clock)
+    threads = results[1]
+    assert threads.status == MEASURED and threads.round_seconds == [1.0]
+    assert threads.note.startswith("1 of 3 rounds: a step took 100.00 s")
+    assert "share of the budget" in threads.note
 
 
 # --------------------------------------------------------------------------- tune_host and auto
@@ -283,12 +389,15 @@ def one_core_host(monkeypatch):
 
 
 def test_tune_host_measures_real_steps_into_a_profile():
-    profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1)
+    profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1, rounds=2, second_look=1)
     assert profile.settings == TINY and profile.host == profiles.this_host()
+    assert (profile.measurement["rounds"], profile.measurement["second_look_rounds"]) == (2, 1)
     assert profile.fingerprint == profiles.fingerprint()
     assert profile.candidates[0].choice == BASELINE
     measured = [c for c in profile.candidates if c.measured]
-    assert all(c.timed_steps == 1 and c.peak_rss_bytes > 0 for c in measured)
+    assert all(len(c.round_seconds) in (2, 3) and c.timed_steps == len(c.round_seconds)
+               and c.peak_rss_bytes > 0 for c in measured)
+    assert sum(len(c.round_seconds) == 3 for c in measured) == min(2, len(measured))
     assert profile.pick_result.seconds_per_step == min(c.seconds_per_step for c in measured)
     assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
@@ -317,7 +426,7 @@ def matching_profile(pick=BASELINE) -> Profile:
 
 
 def test_auto_uses_a_matching_profile_without_measuring(tmp_path, monkeypatch):
-    path = save_profile(matching_profile(), profile_path(tmp_path, TINY.usecase))
+    path = save_profile(matching_profile(), profile_path(tmp_path, TINY))
     monkeypatch.setattr(tuner, "tune_host", lambda *a, **k: pytest.fail("tuned"))
     decision = tuner.auto_strategy(TINY, tiny_images(), directory=str(tmp_path))
     assert decision.choice == BASELINE and decision.tuned_because is None
@@ -331,7 +440,9 @@ def damage_truncate(path):
 
 
 def damage_schema(path):
-    path.write_text(path.read_text().replace('"schema_version": 1', '"schema_version": 0'))
+    record = json.loads(path.read_text())
+    record["schema_version"] = 0
+    path.write_text(json.dumps(record))
 
 
 def damage_fingerprint(path):
@@ -358,7 +469,7 @@ def damage_settings(path):
     (damage_settings, "was measured at ComplexSmall (resnet18), 32 px, batch 64"),
 ])
 def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, damage, problem):
-    path = save_profile(matching_profile(), profile_path(tmp_path, TINY.usecase))
+    path = save_profile(matching_profile(), profile_path(tmp_path, TINY))
     damage(path)
     decision = tuner.auto_strategy(TINY, tiny_images(), directory=str(tmp_path), budget=60, steps=1)
     assert problem in decision.tuned_because
@@ -373,7 +484,8 @@ def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, d
 def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     output = tmp_path / "out" / "here.json"
     done = cli("tune", "--usecase", "ComplexSmall", "--image-size", "32", "--batch-size", "4",
-               "--steps", "1", "--output", str(output))
+               "--steps", "1", "--rounds", "2", "--second-look", "1", "--output", str(output),
+               COLUMNS="200")  # the whole table on one line per candidate
     assert done.returncode == 0, done.stderr
     profile = load_profile(output)
     assert profile.settings == Settings("ComplexSmall", "vgg16", 32, 4)
@@ -381,13 +493,18 @@ def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     assert profile.candidates[0].choice == BASELINE and profile.candidates[0].measured
     assert "pick" in done.stdout and f"profile written to {output}" in " ".join(done.stdout.split())
     assert profile.pick.label in done.stdout
+    assert "median s/step" in done.stdout and "spread" in done.stdout
+    low, high = profile.pick_result.spread_seconds
+    assert f"{low:.3f}-{high:.3f}" in done.stdout
 
 
 def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "resnet18", "--image-size", "32",
-               "--batch-size", "2", "--steps", "1", HYBRIDDL_PROFILES=str(tmp_path))
+               "--batch-size", "2", "--steps", "1", "--rounds", "1", "--second-look", "0",
+               HYBRIDDL_PROFILES=str(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert [p.name for p in tmp_path.iterdir()] == [f"{profiles.this_host()}-ComplexSmall.json"]
+    assert [p.name for p in tmp_path.iterdir()] == [
+        f"{profiles.this_host()}-ComplexSmall-resnet18-b2-32px.json"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -395,6 +512,7 @@ def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
     (["--image-size", "8"], "--image-size 8 does not work with this model"),
     (["--usecase", "Nope"], "unknown use case 'Nope'"),
     (["--steps", "0"], "give at least 1 timed step"),
+    (["--rounds", "0"], "give at least 1 round"),
 ])
 def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
     output = tmp_path / "p.json"
@@ -408,7 +526,7 @@ def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
     settings = Settings("ComplexSmall", "vgg16", 32, 4)
     profile = matching_profile()
     profile.settings = settings
-    path = save_profile(profile, profile_path(tmp_path / "profiles", "ComplexSmall"))
+    path = save_profile(profile, profile_path(tmp_path / "profiles", settings))
     before = path.read_bytes()
     run_dir = tmp_path / "run"
     done = cli("train", "--strategy", "auto", "--image-size", "32", "--batch-size", "4",
@@ -427,3 +545,15 @@ def test_train_auto_refuses_workers_and_devices(capsys, tmp_path):
     assert main(["train", "--strategy", "auto", "--workers", "2", "--run-dir", str(tmp_path / "r")]) == 2
     assert "--workers, --devices and --channels-last go with a named --strategy" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_rounds_that_would_overrun_the_budget_are_not_started():
+    # Each visit costs 2 s (warm-up and one timed step); 3 candidates: a round is 6 s.
+    clock = FakeClock()
+    results = measure_candidates([BASELINE, THREADS2, PROCESSES2],
+                                 cost_measure(clock, lambda c, s: 1.0, steps=1), budget=14,
+                                 steps=1, rounds=3, second_look=2, clock=clock)
+    # A slow candidate is not dropped to make room for rounds: two rounds fit, the third not.
+    assert [len(r.round_seconds) for r in results] == [2, 2, 2]
+    assert all(r.note == "2 of 3 rounds fit the budget" for r in results)
+    assert clock.now == 12

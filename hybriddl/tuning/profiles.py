@@ -1,11 +1,14 @@
-"""Profiles: the tuner's measured table for one host and use case, and its pick.
+"""Profiles: the tuner's measured table for one host and setting, and its pick.
 
-A profile lives at ``<profile dir>/<host>-<usecase>.json`` (profile dir: ``--profile-dir``,
-else ``$HYBRIDDL_PROFILES``, else ``./profiles``) and is written atomically. Schema,
-version 1 (``SCHEMA_VERSION``)::
+A profile lives at ``<profile dir>/<host>-<usecase>-<model>-b<batch>-<size>px.json``
+(profile dir: ``--profile-dir``, else ``$HYBRIDDL_PROFILES``, else ``./profiles``), one
+file per host, use case, model, host batch and image size, written atomically. A profile
+under the old name ``<host>-<usecase>.json`` is still read when its settings match; new
+tunes never write that name. Schema, version 2 (``SCHEMA_VERSION``; version 1, without
+rounds, is still read)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "host": "node07",                       # hostinfo.host_name() of the measured host
       "created": "2026-11-21T05:30:00Z",       # UTC, when the tune finished
       "hybriddl": "0.1.0",
@@ -17,15 +20,19 @@ version 1 (``SCHEMA_VERSION``)::
         "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16,
         "precision": "fp32"                    # --precision: fp32, bf16 or auto
       },
-      "measurement": {"warmup_steps": 1, "timed_steps": 5, "budget_seconds": 600.0,
-                      "seconds_spent": 312.5},
+      "measurement": {"warmup_steps": 1, "timed_steps": 2,   # per visit of a candidate
+                      "rounds": 3, "second_look_rounds": 2, "tie_tolerance": 0.03,
+                      "budget_seconds": 600.0, "seconds_spent": 312.5},
       "candidates": [                          # every candidate tried, in enumeration order
         {
           "strategy": {"name": "threads", "workers": 2, "micro_batches": null, "devices": []},
           "label": "threads K=2",
           "status": "measured",                # or "dropped" (budget, error): see "note"
-          "seconds_per_step": 5.31,            # median of the timed optimizer steps
-          "timed_steps": 5,
+          "seconds_per_step": 5.31,            # median over rounds of each visit's median step
+          "rounds": 5,                         # visits measured (second look included)
+          "round_seconds": [5.2, 5.4, 5.31, 5.6, 5.3],
+          "spread_seconds": [5.2, 5.6],        # lowest and highest of round_seconds
+          "timed_steps": 10,                   # over all visits
           "images_per_second": 3.01,
           "speedup": 1.88,                     # over sequential on one core (the baseline)
           "speedup_over_gpu": null,            # over the gpu strategy on one GPU; GPU hosts only
@@ -38,10 +45,11 @@ version 1 (``SCHEMA_VERSION``)::
       # they differ from float32 / the default memory format, so older profiles read the same.
     }
 
-``pick`` is the strategy of the measured candidate with the lowest seconds per step.
-A profile that cannot be read (truncated JSON, another schema version, missing fields)
-raises ProfileError, a UsageError whose message says to re-tune; `find_profile` turns
-every such problem into a lookup that explains why the profile cannot be used.
+``pick`` is the measured candidate with the lowest median seconds per step, unless the
+runner-up is within the noise of it (see tuner.select_pick): then the one with less peak
+memory. A profile that cannot be read (truncated JSON, an unknown schema version, missing
+fields) raises ProfileError, a UsageError whose message says to re-tune; `find_profile`
+turns every such problem into a lookup that explains why the profile cannot be used.
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ from hybriddl.hosts.hostinfo import cpu_model, gpus, host_name, usable_cores
 from hybriddl.run.rundir import atomic_write_json
 from hybriddl.strategies import StrategySpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 had no rounds: each candidate one pass; it reads as one round without a spread.
+READABLE_VERSIONS = (1, 2)
 DEFAULT_DIR = "profiles"
 DIR_ENV = "HYBRIDDL_PROFILES"
 MEASURED, DROPPED = "measured", "dropped"
@@ -80,7 +90,18 @@ def this_host() -> str:
     return host_name()
 
 
-def profile_path(directory: str | os.PathLike, usecase: str, host: str | None = None) -> Path:
+def profile_path(directory: str | os.PathLike, settings: Settings, host: str | None = None) -> Path:
+    """<host>-<usecase>-<model>-b<batch>-<size>px.json: one file per measured setting, so
+    tuning at one image size or batch never overwrites the profile of another."""
+    host = (host or this_host()).replace(os.sep, "_")
+    s = settings
+    numerics = "" if s.precision == "fp32" else f"-{s.precision}"  # a bf16 tune keeps fp32's
+    name = f"{host}-{s.usecase}-{s.model}-b{s.batch_size}-{s.image_size}px{numerics}.json"
+    return Path(directory) / name.replace(os.sep, "_")
+
+
+def legacy_profile_path(directory: str | os.PathLike, usecase: str, host: str | None = None) -> Path:
+    """Where hybriddl before per-setting names kept a host's one profile per use case."""
     host = (host or this_host()).replace(os.sep, "_")
     return Path(directory) / f"{host}-{usecase}.json"
 
@@ -123,17 +144,29 @@ class CandidateResult:
     speedup_over_gpu: float | None = None  # over the gpu strategy on one device
     peak_rss_bytes: int | None = None
     note: str = ""
+    round_seconds: list[float] = field(default_factory=list)  # each round's median step
+    spread_seconds: tuple[float, float] | None = None  # (lowest, highest) of round_seconds
 
     @property
     def measured(self) -> bool:
         return self.status == MEASURED
+
+    @property
+    def relative_noise(self) -> float:
+        """Half the spread over the median: 0 when one round was measured (or none kept)."""
+        if not self.spread_seconds or not self.seconds_per_step:
+            return 0.0
+        low, high = self.spread_seconds
+        return (high - low) / (2 * self.seconds_per_step)
 
     def to_dict(self) -> dict:
         return {"strategy": self.choice.to_dict(), "label": self.choice.label,
                 "status": self.status, "seconds_per_step": self.seconds_per_step,
                 "timed_steps": self.timed_steps, "images_per_second": self.images_per_second,
                 "speedup": self.speedup, "speedup_over_gpu": self.speedup_over_gpu,
-                "peak_rss_bytes": self.peak_rss_bytes, "note": self.note}
+                "peak_rss_bytes": self.peak_rss_bytes, "note": self.note,
+                "rounds": len(self.round_seconds), "round_seconds": self.round_seconds,
+                "spread_seconds": list(self.spread_seconds) if self.spread_seconds else None}
 
     @classmethod
     def from_dict(cls, record: dict) -> CandidateResult:
@@ -147,7 +180,9 @@ class CandidateResult:
                      speedup=_optional_float(record.get("speedup")),
                      speedup_over_gpu=_optional_float(record.get("speedup_over_gpu")),
                      peak_rss_bytes=_optional_int(record.get("peak_rss_bytes")),
-                     note=str(record.get("note") or ""))
+                     note=str(record.get("note") or ""),
+                     round_seconds=[float(v) for v in record.get("round_seconds") or []],
+                     spread_seconds=_optional_pair(record.get("spread_seconds")))
         if result.measured and not (result.seconds_per_step and result.seconds_per_step > 0):
             raise ValueError(f"measured candidate {result.choice.label} has no seconds_per_step")
         return result
@@ -190,9 +225,9 @@ class Profile:
             raise ProfileError(f"{source} is not a profile (a JSON object is expected): "
                                "run 'hybriddl tune' to write a new one")
         version = record.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ProfileError(f"{source} has schema version {version!r}, this hybriddl reads "
-                               f"version {SCHEMA_VERSION}: run 'hybriddl tune' to measure again")
+                               f"versions {', '.join(map(str, READABLE_VERSIONS))}: run 'hybriddl tune' to measure again")
         try:
             profile = cls(host=str(record["host"]), fingerprint=dict(record["fingerprint"]),
                           settings=Settings(**record["settings"]),
@@ -253,11 +288,25 @@ class ProfileLookup:
 
 def find_profile(directory: str | os.PathLike, settings: Settings, *, host: str | None = None,
                  current_fingerprint: dict | None = None) -> ProfileLookup:
-    """This host's profile for `settings`, or why it cannot be used. Never raises for a bad file."""
+    """This host's profile for `settings`, or why it cannot be used. Never raises for a bad file.
+
+    Looks at the per-setting name first; a profile under the old per-use-case name is used
+    when it was measured at the same settings. A new tune is always saved under the
+    per-setting name (`lookup.path` when no usable profile was found).
+    """
     host = host or this_host()
-    path = profile_path(directory, settings.usecase, host)
+    path = profile_path(directory, settings, host)
     if not path.exists():
+        legacy = legacy_profile_path(directory, settings.usecase, host)
+        if legacy.exists():
+            found = _check_profile(legacy, settings, host, current_fingerprint)
+            return found if found.usable else ProfileLookup(path, problem=found.problem)
         return ProfileLookup(path, problem=f"no profile at {path}")
+    return _check_profile(path, settings, host, current_fingerprint)
+
+
+def _check_profile(path: Path, settings: Settings, host: str,
+                   current_fingerprint: dict | None) -> ProfileLookup:
     try:
         profile = load_profile(path)
     except ProfileError as exc:
@@ -286,6 +335,13 @@ def profiled_throughput(settings: Settings, directory: str | os.PathLike | None 
     """
     lookup = find_profile(profile_dir(directory), settings)
     return lookup.profile.pick_throughput if lookup.usable else None
+
+
+def _optional_pair(value) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    low, high = value
+    return float(low), float(high)
 
 
 def _optional_int(value) -> int | None:

@@ -4,21 +4,35 @@ Lerat et al. (2022) let each host run the local strategy with the best *measured
 speedup, because which one wins depends on the model and the hardware (threads on one
 machine, processes on another, a two-GPU pipeline on a third). The tuner enumerates the
 candidates this host can run, times each on a real batch of the use case through
-`benchmark.measure_strategy` (warm-up, then the median of timed steps), and keeps the
-table and its pick as a profile (hybriddl/tuning/profiles.py).
+`benchmark.measure_strategy`, and keeps the table and its pick as a profile
+(hybriddl/tuning/profiles.py).
 
-Budget: every candidate gets an equal share of what is left of the budget. After each
-step the tuner predicts the next from the fastest step so far; a candidate whose next
-step would end past its share stops there: measured if it has at least one timed step,
-dropped with a note otherwise. Only the baseline may overrun its share, since every
-speedup is relative to it.
+Noise: on a shared machine one step can be 15-20 % off its neighbours, and the load drifts
+over minutes, so one pass per candidate picks noise. The tuner visits the candidates in
+interleaved rounds (A B C A B C ...), so drift hits every candidate alike; each visit is
+warm-up then timed steps, its figure the median of those; a candidate's figure is the
+median of its visits, with the lowest and highest as its spread. The two fastest then
+get a second look (more interleaved rounds, A B A B), and if they are still within the
+noise of each other the one with less peak memory is picked (`select_pick`).
+
+Budget: in the first round every candidate gets an equal share of what is left of the
+budget. After each step the tuner predicts the next from the fastest step so far; a visit
+whose next step would end past its share stops there, and a candidate whose visit cannot
+time one step is dropped with a note. Only the baseline may overrun its share, since every
+speedup is relative to it. Each later round (second look included) runs only when the
+last visits of its candidates predict that it fits in what is left, each visit with an
+equal share of that; a tight budget thus costs rounds (the note says how many fit), not
+candidates. A candidate that cannot time a step in a later round leaves the race with
+the rounds it had, and its note says why.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,7 +50,14 @@ AUTO = "auto"
 BASELINE = StrategySpec(Sequential.name)  # one CPU core: the paper's reference
 # Training tunes first when no profile fits; this keeps that detour short.
 AUTO_BUDGET_SECONDS = 120.0
-AUTO_TIMED_STEPS = 3
+AUTO_TIMED_STEPS = 1
+AUTO_ROUNDS = 3
+# Interleaved rounds of `hybriddl tune`, and the extra rounds for the two fastest.
+TUNE_ROUNDS = 3
+SECOND_LOOK_ROUNDS = 2
+# A runner-up within this much of the fastest, and within the noise, ties with it; kept
+# below check_tune's 5 % so a tie never costs more than the check allows.
+TIE_TOLERANCE = 0.03
 
 # (step index, seconds of that step) -> take another step?
 KeepGoing = Callable[[int, float], bool]
@@ -79,36 +100,119 @@ class TuneObserver:
     """What the tuner reports while it measures; the CLI draws a progress bar from it."""
 
     def on_tune_start(self, candidates: list[StrategySpec], reason: str | None) -> None: ...
+    # Before each interleaved round: its number (from 1), how many candidates it visits,
+    # and whether it is the second look at the two fastest.
+    def on_round_start(self, number: int, visits: int, second_look: bool) -> None: ...
     def on_candidate_start(self, index: int, choice: StrategySpec, share_seconds: float) -> None: ...
     def on_candidate_step(self, index: int, step: int, seconds: float) -> None: ...
     def on_candidate_end(self, index: int, result: CandidateResult) -> None: ...
 
 
 def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budget: float,
-                       warmup: int = 1, steps: int = 5, clock: Callable[[], float] = time.monotonic,
+                       warmup: int = 1, steps: int = 5, rounds: int = 1, second_look: int = 0,
+                       clock: Callable[[], float] = time.monotonic,
                        observer: TuneObserver | None = None) -> list[CandidateResult]:
-    """Measure each candidate within its share of the budget (see the module docstring)."""
+    """Measure the candidates in interleaved rounds within the budget (see the module docstring).
+
+    Round r visits every candidate still in the race once (A B C A B C ...): a visit is
+    `warmup` steps then up to `steps` timed ones, and its figure is the median of its timed
+    steps. Then `second_look` more interleaved rounds visit only the two fastest by median.
+    A candidate's seconds per step is the median of its visits' figures; the lowest and
+    highest visit figures are its spread.
+    """
     observer = observer or TuneObserver()
     started = clock()
-    results = []
-    for index, choice in enumerate(candidates):
-        now = clock()
-        share = max(budget - (now - started), 0.0) / (len(candidates) - index)
-        observer.on_candidate_start(index, choice, share)
-        is_baseline = choice == BASELINE
-        if share <= 0 and not is_baseline:
-            result = CandidateResult(choice, DROPPED, note="not started: the budget was spent")
-        else:
-            result = _measure_one(index, choice, measure, now + share, share, is_baseline,
-                                  warmup, steps, clock, observer)
-        results.append(result)
+    states = [_Candidate(choice) for choice in candidates]
+
+    def run_round(number: int, indices: list[int], second: bool) -> bool:
+        """Visit the candidates of `indices` still in the race; False: it would not fit."""
+        racing = [i for i in indices if states[i].in_race]
+        if not racing:
+            return True
+        if number > 1:
+            # The last visits predict this round: run it only when it fits what is left.
+            if clock() + sum(states[i].visit_seconds for i in racing) > started + budget:
+                return False
+        observer.on_round_start(number, len(racing), second)
+        for position, index in enumerate(racing):
+            state = states[index]
+            now = clock()
+            share = max(budget - (now - started), 0.0) / (len(racing) - position)
+            observer.on_candidate_start(index, state.choice, share)
+            is_baseline = state.choice == BASELINE
+            if share <= 0 and not is_baseline:
+                state.stop("not started: the budget was spent")
+                continue
+            _visit_one(index, state, measure, now + share, share, is_baseline, warmup, steps,
+                       clock, observer)
+            state.visit_seconds = clock() - now
+        return True
+
+    everyone = list(range(len(states)))
+    fitted = 0
+    for number in range(1, rounds + 1):
+        if not run_round(number, everyone, False):
+            break
+        fitted = number
+    if fitted == rounds:
+        top_two = sorted((i for i in everyone if states[i].in_race and states[i].figures),
+                         key=lambda i: statistics.median(states[i].figures))[:2]
+        for number in range(rounds + 1, rounds + second_look + 1):
+            if not run_round(number, top_two, True):
+                for index in top_two:
+                    states[index].notes.append(f"second look cut to {number - rounds - 1} of "
+                                               f"{second_look} rounds by the budget")
+                break
+    else:
+        for state in states:
+            if state.in_race:
+                state.notes.append(f"{fitted} of {rounds} rounds fit the budget")
+    results = [state.result(steps, rounds) for state in states]
+    for index, result in enumerate(results):
         observer.on_candidate_end(index, result)
     add_speedups(results)
     return results
 
 
-def _measure_one(index, choice, measure, deadline, share, is_baseline, warmup, steps, clock,
-                 observer) -> CandidateResult:
+@dataclass
+class _Candidate:
+    """One candidate's visits so far."""
+
+    choice: StrategySpec
+    figures: list[float] = field(default_factory=list)  # each visit's median step
+    timed_steps: int = 0
+    peak_rss_bytes: int = 0
+    batch_size: int = 0
+    notes: list[str] = field(default_factory=list)
+    stopped: str | None = None  # why it left the race
+    failed: bool = False
+    visit_seconds: float = 0.0  # the last visit, set-up included
+
+    @property
+    def in_race(self) -> bool:
+        return self.stopped is None
+
+    def stop(self, why: str, failed: bool = False) -> None:
+        self.stopped, self.failed = why, failed
+
+    def result(self, steps: int, rounds: int) -> CandidateResult:
+        if not self.figures or self.failed:
+            return CandidateResult(self.choice, DROPPED, note=self.stopped or "not measured")
+        median = statistics.median(self.figures)
+        notes = list(self.notes)
+        if self.stopped and len(self.figures) < rounds:
+            notes.append(f"{len(self.figures)} of {rounds} rounds: {self.stopped}")
+        return CandidateResult(self.choice, MEASURED, seconds_per_step=median,
+                               timed_steps=self.timed_steps,
+                               images_per_second=self.batch_size / median,
+                               peak_rss_bytes=self.peak_rss_bytes or None,
+                               round_seconds=list(self.figures),
+                               spread_seconds=(min(self.figures), max(self.figures)),
+                               note="; ".join(dict.fromkeys(notes)))
+
+
+def _visit_one(index, state, measure, deadline, share, is_baseline, warmup, steps, clock,
+               observer) -> None:
     seen: list[float] = []
 
     def keep_going(step: int, seconds: float) -> bool:
@@ -120,25 +224,25 @@ def _measure_one(index, choice, measure, deadline, share, is_baseline, warmup, s
         return clock() + min(seen) <= deadline
 
     try:
-        timing = measure(choice, keep_going)
+        timing = measure(state.choice, keep_going)
     except Exception as exc:  # noqa: BLE001
         # e.g. CUDA out of memory, or a worker that failed to start: the others still count.
-        return CandidateResult(choice, DROPPED, note=f"failed: {_first_line(exc)}")
+        state.stop(f"failed: {_first_line(exc)}", failed=True)
+        return
     if not timing.step_seconds:
         first = min(seen) if seen else 0.0
-        return CandidateResult(choice, DROPPED, note=(
-            f"a step took {first:.2f} s: a timed one would overrun its {share:.1f} s "
-            "share of the budget"))
-    notes = []
+        state.stop(f"a step took {first:.2f} s: a timed one would overrun its {share:.1f} s "
+                   "share of the budget")
+        return
+    state.figures.append(statistics.median(timing.step_seconds))
+    state.timed_steps += len(timing.step_seconds)
+    state.peak_rss_bytes = max(state.peak_rss_bytes, timing.peak_rss_bytes or 0)
+    state.batch_size = timing.batch_size
     if len(timing.step_seconds) < steps:
-        notes.append(f"{len(timing.step_seconds)} of {steps} timed steps fit its "
-                     f"{share:.1f} s share of the budget")
+        state.notes.append(f"{len(timing.step_seconds)} of {steps} timed steps fit its "
+                           f"{share:.1f} s share of the budget")
     if is_baseline and clock() > deadline:
-        notes.append("the baseline ran past its share: every speedup is relative to it")
-    return CandidateResult(choice, MEASURED, seconds_per_step=timing.seconds_per_step,
-                           timed_steps=len(timing.step_seconds),
-                           images_per_second=timing.images_per_second,
-                           peak_rss_bytes=timing.peak_rss_bytes, note="; ".join(notes))
+        state.notes.append("the baseline ran past its share: every speedup is relative to it")
 
 
 def add_speedups(results: list[CandidateResult]) -> None:
@@ -152,12 +256,24 @@ def add_speedups(results: list[CandidateResult]) -> None:
 
 
 def select_pick(results: list[CandidateResult]) -> StrategySpec:
-    """The measured candidate with the lowest seconds per step; the earlier one on a tie."""
-    measured = [r for r in results if r.measured]
+    """The fastest measured candidate by median seconds per step, with a tie rule.
+
+    When the runner-up's median is within the noise of the two (the larger half-spread of
+    their visit figures, relative to the median, capped at TIE_TOLERANCE), the two are a
+    tie and the one with less peak memory wins; on equal memory the earlier one.
+    """
+    measured = sorted((r for r in results if r.measured), key=lambda r: r.seconds_per_step)
     if not measured:
         raise UsageError("no candidate could be measured within the budget: give a larger "
                          "--budget (or a smaller --image-size / --batch-size)")
-    return min(measured, key=lambda r: r.seconds_per_step).choice
+    if len(measured) == 1:
+        return measured[0].choice
+    first, second = measured[:2]
+    gap = second.seconds_per_step / first.seconds_per_step - 1
+    if gap <= min(max(first.relative_noise, second.relative_noise), TIE_TOLERANCE):
+        if (second.peak_rss_bytes or math.inf) < (first.peak_rss_bytes or math.inf):
+            return second.choice
+    return first.choice
 
 
 def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
@@ -195,7 +311,8 @@ def tune_images(settings: Settings, data: str | None, cache_dir: str | None = No
 
 
 def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: int = 1,
-              steps: int = 5, observer: TuneObserver | None = None, reason: str | None = None,
+              steps: int = 2, rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
+              observer: TuneObserver | None = None, reason: str | None = None,
               host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
     """Measure every feasible candidate on real batches of `images`; the profile, unsaved."""
     if budget <= 0:
@@ -203,6 +320,9 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
     if steps < 1 or warmup < 0:
         raise UsageError(f"{steps} timed steps after {warmup} warm-up steps: give at least 1 "
                          "timed step and no negative warm-up")
+    if rounds < 1 or second_look < 0:
+        raise UsageError(f"{rounds} rounds and {second_look} second-look rounds: give at least "
+                         "1 round and no negative second look")
     num_classes = len(images.classes)
     model = timing_model(settings.model, num_classes)
     check_image_size(model, settings.image_size, num_classes)
@@ -220,11 +340,19 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
     observer.on_tune_start(candidates, reason)
     started = clock()
     results = measure_candidates(candidates, measure, budget=budget, warmup=warmup, steps=steps,
-                                 clock=clock, observer=observer)
+                                 rounds=rounds, second_look=second_look, clock=clock,
+                                 observer=observer)
+    pick = select_pick(results)
+    fastest = min((r for r in results if r.measured), key=lambda r: r.seconds_per_step)
+    if pick != fastest.choice:
+        chosen = next(r for r in results if r.measured and r.choice == pick)
+        chosen.note = "; ".join(filter(None, [chosen.note, (
+            f"a tie with {fastest.choice.label} (within the noise): less peak memory")]))
     return Profile(host=this_host(), fingerprint=fingerprint(), settings=settings,
-                   candidates=results, pick=select_pick(results),
+                   candidates=results, pick=pick,
                    measurement={"warmup_steps": warmup, "timed_steps": steps,
-                                "budget_seconds": budget,
+                                "rounds": rounds, "second_look_rounds": second_look,
+                                "tie_tolerance": TIE_TOLERANCE, "budget_seconds": budget,
                                 "seconds_spent": round(clock() - started, 3)})
 
 
@@ -264,14 +392,15 @@ class AutoDecision:
 
 def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None = None,
                   budget: float = AUTO_BUDGET_SECONDS, steps: int = AUTO_TIMED_STEPS,
+                  rounds: int = AUTO_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
                   observer: TuneObserver | None = None) -> AutoDecision:
     """This host's profiled pick for `settings`; tunes (and saves the profile) when none fits."""
     lookup = find_profile(profile_dir(directory), settings)
     if lookup.usable:
         return AutoDecision(lookup.profile, lookup.path)
     reason = f"{lookup.problem}: tuning first (budget {budget:.0f} s)"
-    profile = tune_host(settings, images, budget=budget, steps=steps, observer=observer,
-                        reason=reason)
+    profile = tune_host(settings, images, budget=budget, steps=steps, rounds=rounds,
+                        second_look=second_look, observer=observer, reason=reason)
     save_profile(profile, lookup.path)
     return AutoDecision(profile, lookup.path, tuned_because=lookup.problem)
 
