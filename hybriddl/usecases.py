@@ -8,6 +8,7 @@ import torch
 import torchvision
 from torch import nn
 
+from hybriddl.dropout import key_dropout
 from hybriddl.errors import UsageError
 
 # ImageNet statistics, as in the paper's preprocessing.
@@ -72,7 +73,8 @@ def build_model(name: str, num_classes: int, dropout: float | None = None) -> nn
             raise UsageError(f"--dropout {dropout} is out of range: give a value in [0, 1)")
         kwargs["dropout"] = dropout
     try:
-        return torchvision.models.get_model(name, **kwargs)
+        # Keyed dropout: each sample's masks depend on the sample, not on who computes it.
+        return key_dropout(torchvision.models.get_model(name, **kwargs))
     except TypeError as exc:
         if "dropout" in str(exc) and dropout is not None:
             raise UsageError(f"model {name!r} has no dropout option: leave --dropout out") from None

@@ -24,7 +24,7 @@ MPIRUN = Path(sys.executable).parent / "mpirun"
 LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
 # squeezenet1_1: small (0.7 M parameters), no batch normalisation, so a host's part of a
 # batch gives exactly its share of the global gradient.
-TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--dropout", "0",
+TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32",
          "--batch-size", "8", "--epochs", "1", "--strategy", "sequential"]
 PARAMETERS = 724_035
 

@@ -24,6 +24,7 @@ from conftest import hybriddl_env
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
 from hybriddl.strategies.pipeline import split_stages
+from hybriddl.dropout import dropout_keys, key_dropout, sample_keys
 from hybriddl.usecases import PIPELINE_SPLITS, build_model
 
 IMAGE_SIZE = {"alexnet": 64, "vgg16": 32}
@@ -33,14 +34,15 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this host")
 
 
 def slim_model(name: str) -> nn.Module:
-    """The torchvision model with its features intact and a small classifier."""
+    """The torchvision model with its features intact and a small classifier, with the
+    models' default dropout (keyed by sample, so every strategy draws the same masks)."""
     torch.manual_seed(0)
-    model = build_model(name, 3, dropout=0.0)
+    model = build_model(name, 3)
     channels = model.features[-3].out_channels
     model.avgpool = nn.AdaptiveAvgPool2d(1)
-    model.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(channels, 32),
+    model.classifier = nn.Sequential(nn.Dropout(0.5), nn.Linear(channels, 32),
                                      nn.ReLU(inplace=True), nn.Linear(32, 3))
-    return model
+    return key_dropout(model)
 
 
 def batches(model_name: str):
@@ -58,9 +60,12 @@ def train(strategy: str, options: StrategyOptions, model_name: str) -> list[torc
         with make_strategy(strategy, options) as local:
             local.setup(model)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            first = 0
             for x, y in batches(model_name):
                 optimizer.zero_grad(set_to_none=False)
-                stats = local.compute_gradients(x, y)
+                with dropout_keys(sample_keys(7, 0, torch.arange(first, first + len(y)))):
+                    stats = local.compute_gradients(x, y)
+                first += len(y)
                 assert stats.samples == len(y)
                 optimizer.step()
                 local.after_step()

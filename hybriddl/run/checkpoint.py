@@ -2,7 +2,8 @@
 
 A checkpoint holds the model and optimizer state, the position (epoch, next global
 batch of that epoch, optimizer steps so far), the partial sums of the epoch in
-progress, the RNG states (dropout draws from them), the metrics so far, the strategy
+progress, the RNG states (nothing in training draws from them any more: dropout is keyed
+by sample, augmentation by seed and epoch; kept for code that may), the metrics so far, the strategy
 and profile used, and the settings that make two runs "the same run". The data order
 needs no state: `data.epoch_batches` is a pure function of (seed, epoch), so resuming
 skips the batches already done.

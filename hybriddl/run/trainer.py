@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from hybriddl import data as datamod
+from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
 from hybriddl.config import AUTO, TrainConfig, auto_pick
 from hybriddl.run import checkpoint as ckpt
@@ -146,7 +147,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if not todo and progress.steps == 0:
                 break
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
-                                 optimizer, hosts, observer, keeper)
+                                 optimizer, hosts, observer, keeper, config.seed)
             record["val_accuracy"] = evaluate(strategy, split.val, transform,
                                               2 * config.batch_size)
             metrics["epochs"].append(record)
@@ -165,7 +166,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
 
 
 def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
-                observer, keeper) -> dict:
+                observer, keeper, seed: int) -> dict:
     """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
     model.train()
     observer.on_epoch_start(epoch, len(batches))
@@ -186,7 +187,9 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                 hosts.average_gradients(model, stats.samples)
 
             hosts.begin_step(batch)
-            stats = optimizer_step(strategy, optimizer, x, y, average)
+            keys = sample_keys(seed, epoch, host_part(batch).indices)
+            with dropout_keys(keys):
+                stats = optimizer_step(strategy, optimizer, x, y, average)
             now = time.perf_counter()
             progress.add_step(len(batch.indices), stats.samples, stats.loss_sum, now - last)
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybriddl.data.sharding import split_bounds
+from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.strategies.resources import HostResources, local_workers, worker_counts
 from hybriddl.strategies.spec import PRECISIONS, StrategyOptions, StrategySpec
@@ -185,17 +186,24 @@ def sub_batches(n: int, workers: int) -> list[tuple[int, int]]:
 
 
 def worker_gradients(model: nn.Module, params, x: torch.Tensor, y: torch.Tensor, n: int,
-                     options: StrategyOptions = StrategyOptions()) -> tuple[float, tuple]:
-    """A local worker's sub-batch: its sum of losses and its weighted gradients (not in .grad)."""
-    loss = criterion(run_forward(model, x, options), y)
+                     options: StrategyOptions = StrategyOptions(),
+                     keys: torch.Tensor | None = None) -> tuple[float, tuple]:
+    """A local worker's sub-batch: its sum of losses and its weighted gradients (not in .grad).
+
+    `keys` are the sub-batch's dropout keys: worker threads do not see the master's.
+    """
+    with dropout_keys(keys):
+        loss = criterion(run_forward(model, x, options), y)
     grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
     return loss.item() * len(y), grads
 
 
 def master_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int,
-                    options: StrategyOptions = StrategyOptions()) -> float:
-    """Backward of the master's own sub-batch into .grad; returns its sum of losses."""
-    loss = criterion(run_forward(model, x, options), y)
+                    options: StrategyOptions = StrategyOptions(), start: int = 0) -> float:
+    """Backward of the master's own sub-batch, x = batch[start:start + len(x)], into .grad;
+    returns its sum of losses."""
+    with dropout_keys(current_keys(start, start + len(x))):
+        loss = criterion(run_forward(model, x, options), y)
     (loss * (len(y) / n)).backward()
     return loss.item() * len(y)
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from hybriddl.dropout import current_keys
 from hybriddl.errors import UsageError
 from hybriddl.strategies.base import (LocalStrategy, StepStats, add_gradients, master_backward,
                                       sub_batches, worker_gradients)
@@ -64,12 +65,14 @@ class GpuThreads(LocalStrategy):
         started = time.perf_counter()
         n = len(y)
         parts = sub_batches(n, len(self.devices))
-        futures = [self.pool.submit(_replica_gradients, replica, device, x[a:b], y[a:b], n)
+        futures = [self.pool.submit(_replica_gradients, replica, device, x[a:b], y[a:b], n,
+                                    current_keys(a, b))
                    for replica, device, (a, b) in zip(self.replicas, self.devices[1:], parts[1:])]
         try:
             a, b = parts[0]
             device = self.devices[0]
-            loss_sum = master_backward(self.model, x[a:b].to(device), y[a:b].to(device), n)
+            loss_sum = master_backward(self.model, x[a:b].to(device), y[a:b].to(device), n,
+                                       start=a)
         finally:
             wait(futures)
         with torch.no_grad():
@@ -93,5 +96,6 @@ class GpuThreads(LocalStrategy):
             self.pool = None
 
 
-def _replica_gradients(replica, device, x, y, n):
-    return worker_gradients(replica, list(replica.parameters()), x.to(device), y.to(device), n)
+def _replica_gradients(replica, device, x, y, n, keys):
+    return worker_gradients(replica, list(replica.parameters()), x.to(device), y.to(device), n,
+                            keys=keys)

@@ -21,6 +21,7 @@ import torch
 import torchvision
 from torch import nn
 
+from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
@@ -113,9 +114,11 @@ class Pipeline(LocalStrategy):
         y = y.to(self.devices[1], non_blocking=True)
         activations = []
         for a, b in parts:  # fill
-            activation = first(x[a:b])
+            keys = current_keys(a, b)  # the stage-2 thread sees no keys of its own
+            with dropout_keys(keys):
+                activation = first(x[a:b])
             activations.append(activation)
-            self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n))
+            self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n, keys))
         loss_sum, failure = 0.0, None
         for activation in activations:  # drain, in micro-batch order
             reply = self.outbox.get()
@@ -133,10 +136,11 @@ class Pipeline(LocalStrategy):
     def _second_stage_loop(self) -> None:
         _, second = self.stages
         while (message := self.inbox.get()) is not None:
-            activation, y, weight = message
+            activation, y, weight, keys = message
             try:
                 activation.requires_grad_()
-                loss = criterion(second(activation), y)
+                with dropout_keys(keys):
+                    loss = criterion(second(activation), y)
                 (loss * weight).backward()
                 self.outbox.put(("grad", activation.grad, loss.item() * len(y)))
             except Exception as exc:  # handed to the master, which raises it

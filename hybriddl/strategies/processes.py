@@ -24,6 +24,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.hostinfo import usable_cores
 from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, criterion,
@@ -84,11 +85,14 @@ class Processes(CoreWorkersStrategy):
             self._share_inputs(x, y)
         for rank in busy:
             a, b = parts[rank]
-            self.connections[rank - 1].send(("step", a, b, (b - a) / n))
+            keys = current_keys(a, b)
+            # Plain ints: a pickled tensor would travel through yet another shared segment.
+            self.connections[rank - 1].send(("step", a, b, (b - a) / n,
+                                             None if keys is None else keys.tolist()))
         set_torch_threads(1)
         try:
             a, b = parts[0]
-            loss_sum = master_backward(self.model, x[a:b], y[a:b], n, self.options)
+            loss_sum = master_backward(self.model, x[a:b], y[a:b], n, self.options, start=a)
         finally:
             # Every reply is read, even when the master's share failed: none is left
             # behind in a pipe to be mistaken for the next step's.
@@ -187,7 +191,6 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, option
     """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
     set_torch_threads(1)
-    torch.manual_seed(rank)  # dropout differs per worker, as it would between sub-batches
     for p, g in zip(_trained(model), _views(grad_buffer, model)):
         p.grad = g
     inputs = None
@@ -200,10 +203,11 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, option
             if message[0] == "inputs":
                 inputs = message[1:]
                 continue
-            _, a, b, weight = message
+            _, a, b, weight, keys = message
             try:
                 grad_buffer.zero_()
-                loss = criterion(run_forward(model, inputs[0][a:b], options), inputs[1][a:b])
+                with dropout_keys(None if keys is None else torch.tensor(keys, dtype=torch.int64)):
+                    loss = criterion(run_forward(model, inputs[0][a:b], options), inputs[1][a:b])
                 (loss * weight).backward()
                 connection.send(("done", loss.item() * (b - a)))
             except Exception:

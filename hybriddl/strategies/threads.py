@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from hybriddl.dropout import current_keys
+
 from hybriddl.hosts.hostinfo import usable_cores
 from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, master_backward,
                                       sub_batches, worker_gradients)
@@ -51,11 +53,11 @@ class Threads(CoreWorkersStrategy):
         # One core per local worker: an intra-op pool on top would fight the workers.
         set_torch_threads(1)
         futures = [self.pool.submit(_sub_batch_gradients, self.model, params, x[a:b], y[a:b], n,
-                                   self.options)
+                                   self.options, current_keys(a, b))
                    for a, b in parts[1:]]
         try:
             (a, b) = parts[0]
-            loss_sum = master_backward(self.model, x[a:b], y[a:b], n, self.options)
+            loss_sum = master_backward(self.model, x[a:b], y[a:b], n, self.options, start=a)
         finally:
             wait(futures)  # no worker may still run when this step ends, even on error
         # The reduction (and the optimizer step after it) runs while the workers idle,
@@ -77,6 +79,6 @@ class Threads(CoreWorkersStrategy):
             self.pool = None
 
 
-def _sub_batch_gradients(model, params, x, y, n, options):
+def _sub_batch_gradients(model, params, x, y, n, options, keys):
     set_torch_threads(1)  # OpenMP thread counts are per calling thread
-    return worker_gradients(model, params, x, y, n, options)
+    return worker_gradients(model, params, x, y, n, options, keys)
