@@ -7,6 +7,7 @@ check lives in one place; the trainer receives a finished TrainConfig and never 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from hybriddl.errors import UsageError
@@ -68,8 +69,8 @@ class TrainConfig:
                                       or options.channels_last):
             raise UsageError("--workers, --devices and --channels-last go with a named "
                              "--strategy; with auto the profile decides (or name the strategy)")
-        if filled.lr <= 0:
-            raise UsageError(f"--lr {filled.lr}: give a positive learning rate")
+        if not math.isfinite(filled.lr) or filled.lr <= 0:
+            raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
             raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
         return filled

@@ -22,7 +22,7 @@ from hybriddl.data.loading import load_data
 from hybriddl.config import AUTO, TrainConfig, auto_pick
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.errors import TrainingError
+from hybriddl.errors import TrainingError, UsageError
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir, remove_partial_writes)
@@ -83,9 +83,14 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size,
-                              classes=config.classes, val_fraction=config.val_fraction,
-                              progress=observer.on_data_progress, cache_dir=config.data_cache,
-                              stop_signal=lambda: stop.signum if stop else None)
+                      classes=config.classes, val_fraction=config.val_fraction,
+                      progress=observer.on_data_progress, cache_dir=config.data_cache,
+                      stop_signal=lambda: stop.signum if stop else None)
+    if config.batch_size > len(split.train):
+        # A global batch cut down to the data would silently train another model.
+        raise UsageError(f"--batch-size {config.batch_size} is larger than the "
+                         f"{len(split.train)} training images of {split.source}: give at most "
+                         f"{len(split.train)}")
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
