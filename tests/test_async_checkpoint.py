@@ -11,29 +11,17 @@ import json
 import signal
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
-from held_run import Held, kill_leftovers, wait_for
-from sample_data import write_tinted_classes
+from held_run import Held, wait_for
+from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position, stage
 from hybriddl.cli import main
 from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
 
 STEPS_PER_EPOCH = 3
-
-
-@pytest.fixture(autouse=True)
-def no_held_run_left():
-    yield
-    kill_leftovers()
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 def train_args(images: Path, run_dir: Path, *extra: str) -> list[str]:

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from held_run import Held, kill_leftovers
-from sample_data import write_tinted_classes
+from held_run import Held
+from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
@@ -31,17 +31,6 @@ from hybriddl.run.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
 
 STEPS_PER_EPOCH = 3
-
-
-@pytest.fixture(autouse=True)
-def no_held_run_left():
-    yield
-    kill_leftovers()
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 def train_args(images: Path, run_dir: Path, dropout: float | None, *extra: str) -> list[str]:

@@ -27,8 +27,8 @@ import torch
 
 from conftest import REPO, hybriddl_env
 from emulated import hosts_launcher
-from held_run import Held, kill_leftovers
-from sample_data import write_tinted_classes
+from held_run import Held
+from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position
 from hybriddl.cli import main
@@ -47,18 +47,6 @@ def has_mpi_hosts() -> bool:
 
 pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
                                 reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)")
-
-
-@pytest.fixture(autouse=True)
-def no_held_run_left():
-    yield
-    kill_leftovers()
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """3 classes x 6 images: 12 train images, 3 global batches of 4 (2 per rank)."""
-    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 def train_args(images: Path, run_dir: Path) -> list[str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from held_run import Held, kill_leftovers
-from sample_data import write_tinted_classes
+from held_run import Held
+from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position
 from hybriddl.run.rundir import CHECKPOINT, PARTIAL_GLOB
@@ -27,17 +27,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 
 STEPS_PER_EPOCH = 3
 MB = 2**20
-
-
-@pytest.fixture(autouse=True)
-def no_held_run_left():
-    yield
-    kill_leftovers()
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_tinted_classes(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from torchvision.transforms import v2
 from hybriddl.data import (SYNTHETIC_CLASSES, DataSplit, ImageSet, Progress, render_synthetic,
                            stratified_split)
 from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.run.rundir import atomic_write_json, fsync_directory
 
 MAGIC = b"HYBRIDDL-CACHE1\n"
 FORMAT_VERSION = 1
@@ -562,11 +562,7 @@ def _build(path: Path, source: Source, progress: Progress | None,
     finally:
         os.close(fd)
     os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_directory(path.parent)
     marker.unlink(missing_ok=True)
 
 

@@ -36,11 +36,7 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        fsync_directory(path.parent)
     except Exception as exc:
         with contextlib.suppress(OSError):  # on a read-only file system even a no-op fails
             tmp.unlink(missing_ok=True)
@@ -145,3 +141,12 @@ def load_metrics(run_dir: Path) -> dict:
                          "'hybriddl train'") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc.msg}): the run directory is damaged") from None
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside `directory` durable: without it a crash may undo the rename."""
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
