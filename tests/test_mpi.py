@@ -188,19 +188,19 @@ def test_killing_a_rank_mid_epoch_ends_the_run_within_60_seconds_naming_it(tmp_p
     run_dir = tmp_path / "run"
     command = [*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
                "--epochs", "3", "--run-dir", str(run_dir)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=hybriddl_env())
+    mpirun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=hybriddl_env())
     try:
-        ranks = wait_for_training(launcher, run_dir)
+        ranks = wait_for_training(mpirun, run_dir)
         victim = ranks[1]
         victim.kill()
         killed_at = time.monotonic()
-        output, _ = launcher.communicate(timeout=90)
+        output, _ = mpirun.communicate(timeout=90)
         ended_after = time.monotonic() - killed_at
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode != 0
+        if mpirun.poll() is None:
+            mpirun.kill()
+    assert mpirun.returncode != 0
     assert ended_after < 60
     host, node = re.escape(launcher.hostname(1)), re.escape(launcher.node(1))
     # Either a survivor names it, or mpirun does (whichever notices first).
@@ -214,22 +214,22 @@ def test_a_hung_rank_ends_the_run_at_the_host_timeout(tmp_path, launcher):
     run_dir = tmp_path / "run"
     command = [*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
                "--epochs", "3", "--host-timeout", "20", "--run-dir", str(run_dir)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=hybriddl_env())
+    mpirun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=hybriddl_env())
     ranks = {}
     try:
-        ranks = wait_for_training(launcher, run_dir)
+        ranks = wait_for_training(mpirun, run_dir)
         ranks[1].suspend()  # alive but silent: only the deadline can notice
-        output, _ = launcher.communicate(timeout=120)
+        output, _ = mpirun.communicate(timeout=120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if mpirun.poll() is None:
+            mpirun.kill()
         for rank in ranks.values():
             try:
                 rank.kill()
             except psutil.NoSuchProcess:
                 pass
-    assert launcher.returncode != 0
+    assert mpirun.returncode != 0
     assert re.search(r"rank 0 on \S+: .*no answer from the other hosts for 20 s", output), output
 
 
