@@ -3,8 +3,8 @@
     sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 4 --bandwidth 1gbit \
         --mib 64 --output results/bench_allreduce-4.json
 
-Runs the trainer's own averaging (`hybriddl.cluster.connect()` under mpirun, i.e.
-`MPIHosts.average_gradients`) on H emulated hosts, one rank each, every link limited to
+Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpirun, i.e.
+`MPIHosts.averaging`) on H emulated hosts, one rank each, every link limited to
 --bandwidth. The gradient is one float32 tensor of --mib MiB, averaged once to warm up,
 then --repeats times, each between two barriers; seconds is the median of the repeats.
 Each rank reads its own host's NIC (`eth0` in its namespace) before and after the
@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -52,6 +51,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from torch import nn
 
+    from hybriddl.data import epoch_batches
     from hybriddl.hosts.cluster import connect
     from hybriddl.hosts.compression import Compression
     from hybriddl.emulation.hosts import NIC
@@ -61,14 +61,14 @@ def worker(args: argparse.Namespace) -> None:
     model.gradient = nn.Parameter(torch.zeros(int(args.mib * 2**20) // 4))
     hosts.attach(model)
     # Each host holds one sample of a global batch of H: it sends 1/H of its gradient.
-    batch = SimpleNamespace(indices=range(hosts.size))
+    share = hosts.share(epoch_batches(hosts.size, hosts.size, seed=0, epoch=0)[0])
 
     def average() -> float:
         model.gradient.grad = torch.full_like(model.gradient, float(hosts.rank + 1))
         hosts.barrier()
         started = time.perf_counter()
-        hosts.begin_step(batch)
-        hosts.average_gradients(model, 1)
+        with hosts.averaging(share) as average_over_hosts:
+            average_over_hosts(1)
         hosts.barrier()
         return time.perf_counter() - started
 

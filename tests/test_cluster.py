@@ -29,12 +29,13 @@ def test_connect_without_mpirun_gives_a_single_host_and_leaves_mpi_alone(monkeyp
 def test_single_host_takes_every_sample_and_records_steps():
     hosts = SingleHost()
     batch = epoch_batches(10, 4, seed=0, epoch=0)[0]
-    assert torch.equal(hosts.host_part(batch).indices, batch.indices)
-    hosts.begin_epoch()
+    share = hosts.share(batch)
+    assert torch.equal(share.part.indices, batch.indices)
+    hosts.traffic.begin_epoch()
     for _ in range(3):
-        hosts.begin_step(batch)
-        hosts.average_gradients(nn.Linear(2, 2), len(batch.indices))
-    record = hosts.epoch_record()
+        with hosts.averaging(share) as average_over_hosts:
+            average_over_hosts(len(batch.indices))
+    record = hosts.traffic.epoch_record(hosts.allgather)
     assert record["mpi_bytes_sent"] == 0
     assert len(record["per_step"]["compute_seconds"]) == 3
     assert record["by_rank"][0]["mpi_bytes_sent"] == 0
@@ -71,7 +72,7 @@ def test_hosts_split_each_global_batch_by_weight():
             self.weights = [3.0, 1.0]
 
     batch = epoch_batches(8, 8, seed=0, epoch=0)[0]
-    parts = [Rank(r).host_part(batch).indices for r in (0, 1)]
+    parts = [Rank(r).share(batch).part.indices for r in (0, 1)]
     assert [len(p) for p in parts] == [6, 2]
     assert torch.equal(torch.cat(parts), batch.indices)
 

@@ -291,8 +291,9 @@ def test_prefetcher_yields_the_transformed_batches_in_order():
     transform = data.BatchTransform(4)
     with data.BatchPrefetcher(images, batches, transform) as prefetch:
         got = list(prefetch)
-    assert [b.step for b, _, _ in got] == [0, 1, 2, 3]
-    for batch, x, y in got:
+    assert [s.batch.step for s, _, _ in got] == [0, 1, 2, 3]
+    for share, x, y in got:
+        batch = share.part
         assert torch.equal(x, transform(images.images[batch.indices], batch.flips))
         assert torch.equal(y, images.labels[batch.indices])
     assert 0.0 <= prefetch.wait_seconds
@@ -302,10 +303,10 @@ def test_prefetcher_gives_this_host_only_its_part():
     images = small_image_set()
     batches = data.epoch_batches(10, 4, seed=0, epoch=0)
     with data.BatchPrefetcher(images, batches, data.BatchTransform(4),
-                              part=lambda b: b.part(0, 2)) as prefetch:
+                              share=lambda b: data.HostShare(b, b.part(0, 2))) as prefetch:
         got = list(prefetch)
     assert [len(y) for _, _, y in got] == [2, 2, 2]
-    assert all(torch.equal(y, images.labels[b.indices[:2]]) for b, _, y in got)
+    assert all(torch.equal(y, images.labels[s.batch.indices[:2]]) for s, _, y in got)
 
 
 def test_prefetcher_thread_ends_when_the_consumer_stops_early():

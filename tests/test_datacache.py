@@ -238,14 +238,15 @@ def test_each_host_reads_only_its_part_of_each_global_batch(tmp_path, weights):
     for rank in range(len(weights)):
         mine = split.train.subset(torch.arange(len(split.train)))  # a fresh view, counter at 0
 
-        def host_part(batch, rank=rank):
-            return batch.part(*split_bounds(len(batch.indices), weights)[rank])
+        def host_share(batch, rank=rank):
+            return data.HostShare(batch, batch.part(*split_bounds(len(batch.indices), weights)[rank]))
 
-        with data.BatchPrefetcher(mine, every_batch, transform, part=host_part) as prefetch:
+        with data.BatchPrefetcher(mine, every_batch, transform, share=host_share) as prefetch:
             got = list(prefetch)
-        shares = [len(host_part(b).indices) for b in every_batch]
+        shares = [host_share(b).samples for b in every_batch]
         assert mine.images.rows_read == sum(shares)
-        for (batch, x, y), share in zip(got, shares):
+        for (got_share, x, y), share in zip(got, shares):
+            batch = got_share.batch
             start, stop = split_bounds(len(batch.indices), weights)[rank]
             assert len(y) == share
             assert torch.equal(x, expected[batch.step][start:stop])

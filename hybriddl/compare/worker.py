@@ -34,7 +34,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
                      max_steps=steps, epochs=steps)
     prepared = trainer.prepare(config, hosts_count=hosts.size)
-    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.bytes_sent)
+    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.traffic.bytes_sent)
     metrics = trainer.run(prepared, meter, hosts)
     if hosts.rank == 0:
         # The comparison's output is its figures; the trained weights and checkpoint

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torchvision.transforms import v2
 
+from hybriddl.data.sharding import split_bounds
 from hybriddl.errors import UsageError
 from hybriddl.usecases import RGB_MEAN, RGB_STD
 
@@ -159,6 +160,37 @@ class GlobalBatch:
         return GlobalBatch(self.step, self.indices[start:stop], self.flips[start:stop])
 
 
+@dataclass(frozen=True)
+class HostShare:
+    """One host's part of one global batch, decided once per step.
+
+    The prefetcher loads `part`'s samples and the averaging weighs the host's gradient
+    by samples / global_samples, both from this one value, so they cannot disagree.
+    """
+
+    batch: GlobalBatch
+    part: GlobalBatch
+
+    @classmethod
+    def of(cls, batch: GlobalBatch, weights: list[float], rank: int) -> HostShare:
+        """Rank `rank`'s slice of `batch`, proportional to its weight among `weights`."""
+        start, stop = split_bounds(len(batch.indices), weights)[rank]
+        return cls(batch, batch.part(start, stop))
+
+    @classmethod
+    def whole(cls, batch: GlobalBatch) -> HostShare:
+        """The share of a host that is alone."""
+        return cls(batch, batch)
+
+    @property
+    def samples(self) -> int:
+        return len(self.part.indices)
+
+    @property
+    def global_samples(self) -> int:
+        return len(self.batch.indices)
+
+
 def epoch_batches(n_samples: int, batch_size: int, seed: int, epoch: int) -> list[GlobalBatch]:
     """The epoch's global batches: a seeded shuffle and per-sample flips, last batch short."""
     if batch_size < 1:
@@ -177,13 +209,15 @@ def steps_per_epoch(n_samples: int, batch_size: int) -> int:
 class BatchPrefetcher:
     """Assembles the next batches in a background thread so the step never waits on data.
 
-    Iterating yields (GlobalBatch, x, y) for this host's part; `wait_seconds` adds up
-    the time the training loop spent blocked here (the metric `data_wait_seconds`).
+    Iterating yields (HostShare, x, y): `share(batch)` says which part of each global
+    batch is this host's, and x, y are that part's samples. `wait_seconds` adds up the
+    time the training loop spent blocked here (the metric `data_wait_seconds`).
     """
 
     def __init__(self, images: ImageSet, batches: list[GlobalBatch], transform: BatchTransform,
-                 part: Callable[[GlobalBatch], GlobalBatch] = lambda b: b, depth: int = 2):
-        self._images, self._batches, self._transform, self._part = images, batches, transform, part
+                 share: Callable[[GlobalBatch], HostShare] = HostShare.whole, depth: int = 2):
+        self._images, self._batches, self._transform = images, batches, transform
+        self._share = share
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.wait_seconds = 0.0
@@ -194,9 +228,10 @@ class BatchPrefetcher:
     def _produce(self) -> None:
         try:
             for batch in self._batches:
-                mine = self._part(batch)
+                share = self._share(batch)
+                mine = share.part
                 x = self._transform(self._images.images[mine.indices], mine.flips)
-                if not self._offer((batch, x, self._images.labels[mine.indices])):
+                if not self._offer((share, x, self._images.labels[mine.indices])):
                     return
             self._offer(None)
         except BaseException as exc:  # re-raised in the consumer, never lost in a thread
@@ -212,7 +247,7 @@ class BatchPrefetcher:
                 continue
         return False
 
-    def __iter__(self) -> Iterator[tuple[GlobalBatch, torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[HostShare, torch.Tensor, torch.Tensor]]:
         while True:
             started = time.perf_counter()
             item = self._queue.get()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
-from hybriddl.data import GlobalBatch
-from hybriddl.errors import UsageError
-from hybriddl.data.sharding import split_bounds, split_counts
+from hybriddl.data import GlobalBatch, HostShare
+from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.naming import host_name
+from hybriddl.hosts.traffic import TrafficMeter
 
 BALANCE_POLICIES = ("throughput", "even")
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -49,32 +51,29 @@ def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[
 class Hosts:
     """What the trainer asks of the hosts; the single-host case does no communication.
 
-    Per step the trainer calls `begin_step(batch)` just before the local strategy
-    computes and `average_gradients` just after, so the time between the two is
-    computation and the time inside `average_gradients` is (exposed) communication.
+    Set-up (`agree`, `describe`, `broadcast_parameters`, `attach`); one step (`share` of
+    a global batch, then `averaging` its gradient); small collectives (`allgather`,
+    `broadcast_object`, `barrier`, `any_true`, `mean_over_hosts`); the end (`close`,
+    `abort`). `traffic` meters what this rank handed to MPI.
     """
 
     rank = 0
     size = 1
 
-    def __init__(self) -> None:
-        self.bytes_sent = 0  # everything this rank handed to MPI, cumulative
+    def __init__(self, traffic: TrafficMeter | None = None) -> None:
+        self.traffic = traffic or TrafficMeter()
         self.notes: list[str] = []  # things the user should know, for the CLI to show
         self.weights = [1.0] * self.size
         self.balance = "even"
-        self._step_share: tuple[int, int] | None = None  # (this host's samples, global samples)
-        self._compute_started: float | None = None
-        self._step_bytes_at = 0
-        self._steps = {"mpi_bytes_sent": [], "comm_seconds": [], "compute_seconds": []}
-        self._epoch_bytes_at = 0
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
         return {"count": self.size, "names": [host_name()], "balance": self.balance,
                 "weights": self.weights, "notes": self.notes}
 
-    def check_same(self, settings: dict) -> None:
-        """Refuse to start when hosts were given different training settings."""
+    def agree(self, settings: dict, balance: str | None, throughput: float | None) -> None:
+        """Refuse to start when hosts were given different training settings, then decide,
+        identically on every host, how global batches are split between hosts."""
         everyone = self.allgather(settings)
         for key in settings:
             values = [host.get(key) for host in everyone]
@@ -82,9 +81,6 @@ class Hosts:
                 listed = ", ".join(f"rank {r} has {v!r}" for r, v in enumerate(values))
                 raise UsageError(f"hosts disagree on {key} ({listed}): give every host the "
                                  "same training options")
-
-    def agree_shares(self, balance: str | None, throughput: float | None) -> None:
-        """Decide, identically on every host, how global batches are split between hosts."""
         figures = self.allgather(throughput)
         policies = set(self.allgather(balance))
         if len(policies) > 1:
@@ -100,6 +96,50 @@ class Hosts:
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Rank 0's initial parameters everywhere; alone, they already are."""
 
+    # ------------------------------------------------------------------ one step
+    def share(self, batch: GlobalBatch) -> HostShare:
+        """This host's part of a global batch, proportional to its weight."""
+        return HostShare.of(batch, self.weights, self.rank)
+
+    @contextlib.contextmanager
+    def averaging(self, share: HostShare) -> Iterator[Callable[[int], None]]:
+        """One step's averaging: enter just before the local strategy computes the
+        gradient of `share`, and call what it gives with the samples computed, just after.
+
+        That call leaves the mean gradient over the global batch in every host's
+        parameters; the time before it is computation, the time inside it (exposed)
+        communication. Gradients may start leaving during backward (overlap) only
+        inside this block.
+        """
+        started = time.perf_counter()
+        bytes_at_start = self.traffic.bytes_sent
+        self._arm(share)
+
+        def average(samples: int) -> None:
+            if samples != share.samples:
+                raise TrainingError(f"the local strategy computed {samples} samples but this "
+                                    f"host's part of the batch has {share.samples}")
+            entered = time.perf_counter()
+            self._average(share)
+            self.traffic.step_done(bytes_at_start=bytes_at_start,
+                                   compute_seconds=entered - started,
+                                   comm_seconds=time.perf_counter() - entered)
+
+        try:
+            yield average
+        finally:
+            self._disarm()
+
+    def _arm(self, share: HostShare) -> None:
+        """Gradients of `share` may be sent from now on."""
+
+    def _average(self, share: HostShare) -> None:
+        """Alone, the host's mean gradient already is the global one."""
+
+    def _disarm(self) -> None:
+        """The step is over: nothing more leaves until the next one is armed."""
+
+    # ------------------------------------------------------------------ small values
     def broadcast_object(self, value):
         """Rank 0's `value` on every host."""
         return value
@@ -111,63 +151,12 @@ class Hosts:
     def barrier(self) -> None:
         """Return when every host has arrived."""
 
-    # ------------------------------------------------------------------ one step
-    def host_part(self, batch: GlobalBatch) -> GlobalBatch:
-        """This host's slice of a global batch, proportional to its weight."""
-        if self.size == 1:
-            return batch
-        start, stop = split_bounds(len(batch.indices), self.weights)[self.rank]
-        return batch.part(start, stop)
-
-    def begin_step(self, batch: GlobalBatch) -> None:
-        """The local strategy is about to compute the gradient of this host's part."""
-        total = len(batch.indices)
-        mine = split_counts(total, self.weights)[self.rank] if self.size > 1 else total
-        self._step_share = (mine, total)
-        self._step_bytes_at = self.bytes_sent
-        self._compute_started = time.perf_counter()
-
-    def average_gradients(self, model: nn.Module, samples: int) -> None:
-        """Leave the mean gradient over the global batch in every host's parameters."""
-        entered = time.perf_counter()
-        compute = entered - self._compute_started if self._compute_started is not None else 0.0
-        if self._compute_started is None:
-            self._step_bytes_at = self.bytes_sent
-        self._average(model, samples)
-        self._steps["comm_seconds"].append(time.perf_counter() - entered)
-        self._steps["compute_seconds"].append(compute)
-        self._steps["mpi_bytes_sent"].append(self.bytes_sent - self._step_bytes_at)
-        self._compute_started = None
-        self._step_share = None
-
-    def _average(self, model: nn.Module, samples: int) -> None:
-        """Alone, the host's mean gradient already is the global one."""
-
-    def mean_over_hosts(self, total: float, samples: int) -> float:
-        return total / max(samples, 1)
-
     def any_true(self, flag: bool) -> bool:
         """Whether `flag` is true on any host: how all hosts agree to stop at the same step."""
         return bool(flag)
 
-    # ------------------------------------------------------------------ accounting
-    def begin_epoch(self) -> None:
-        for values in self._steps.values():
-            values.clear()
-        self._epoch_bytes_at = self.bytes_sent
-
-    def epoch_record(self) -> dict:
-        """This epoch's traffic and time split, per step and per rank (collective)."""
-        mine = self._epoch_figures()
-        by_rank = self.allgather(mine)
-        per_step = {key: [round(v, 6) if isinstance(v, float) else v for v in values]
-                    for key, values in self._steps.items()}
-        return {**mine, "per_step": per_step, "by_rank": by_rank}
-
-    def _epoch_figures(self) -> dict:
-        return {"mpi_bytes_sent": self.bytes_sent - self._epoch_bytes_at,
-                "comm_seconds": sum(self._steps["comm_seconds"]),
-                "compute_seconds": sum(self._steps["compute_seconds"])}
+    def mean_over_hosts(self, total: float, samples: int) -> float:
+        return total / max(samples, 1)
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

@@ -28,6 +28,7 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.cpu_threads import set_torch_threads
 from hybriddl.hosts.naming import host_name
+from hybriddl.hosts.traffic import TrafficMeter
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 
@@ -141,7 +142,7 @@ class MPIHosts(Hosts):
         self.comm = MPI.COMM_WORLD
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        super().__init__()
+        super().__init__(TrafficMeter(counts_buckets=True))
         self.timeout = timeout
         self.overlap = overlap
         self.compression = compression
@@ -173,7 +174,6 @@ class MPIHosts(Hosts):
         self._scale = 1.0
         self._armed = False
         self._closed = False
-        self._sent_in_backward = 0  # buckets that left while backward still ran, this epoch
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -268,7 +268,7 @@ class MPIHosts(Hosts):
                    "exchanging settings")
         gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
         self._wait([comm.Iallgatherv(payload, [gathered, sizes])], "exchanging settings")
-        self.bytes_sent += 8 + payload.size
+        self.traffic.sent(8 + payload.size)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
                 for i in range(comm.Get_size())]
@@ -284,7 +284,7 @@ class MPIHosts(Hosts):
             np.empty(int(size[0]), dtype=np.uint8)
         self._wait([self.comm.Ibcast(buffer, root=0)], "receiving rank 0's settings")
         if self.rank == 0:
-            self.bytes_sent += 8 + buffer.size
+            self.traffic.sent(8 + buffer.size)
         return pickle.loads(buffer.tobytes())
 
     def barrier(self) -> None:
@@ -294,14 +294,14 @@ class MPIHosts(Hosts):
         value = np.array([1 if flag else 0], dtype=np.int32)
         self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, value, self.MPI.MAX)],
                    "agreeing whether to stop")
-        self.bytes_sent += value.nbytes
+        self.traffic.sent(value.nbytes)
         return bool(value[0])
 
     def mean_over_hosts(self, total: float, samples: int) -> float:
         sums = np.array([total, samples], dtype=np.float64)
         self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, sums, self.MPI.SUM)],
                    "averaging the loss")
-        self.bytes_sent += sums.nbytes
+        self.traffic.sent(sums.nbytes)
         return float(sums[0] / max(sums[1], 1))
 
     # ------------------------------------------------------------------ parameters
@@ -319,7 +319,7 @@ class MPIHosts(Hosts):
             if host is not data:
                 data.copy_(host)
         if self.rank == 0:
-            self.bytes_sent += sum(host.nbytes for _, host in staged)
+            self.traffic.sent(sum(host.nbytes for _, host in staged))
 
     # ------------------------------------------------------------------ gradients
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
@@ -346,11 +346,11 @@ class MPIHosts(Hosts):
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
 
-    def begin_step(self, batch) -> None:
-        super().begin_step(batch)
-        mine, total = self._step_share
+    def _arm(self, share) -> None:
+        if self.buckets is None:
+            raise RuntimeError("attach(model) before averaging its gradients")
         # Each host sends n_h/N * g_h, so the sum is the mean over the global batch.
-        self._scale = mine / total
+        self._scale = share.samples / share.global_samples
         self._requests = []
         self._next_to_post = 0
         self._pending = [{id(p) for p in b.params} for b in self.buckets.buckets] \
@@ -370,13 +370,6 @@ class MPIHosts(Hosts):
         with self._progress.lock:
             self._post_ready_buckets()
 
-    def begin_epoch(self) -> None:
-        super().begin_epoch()
-        self._sent_in_backward = 0
-
-    def _epoch_figures(self) -> dict:
-        return {**super()._epoch_figures(), "buckets_sent_in_backward": self._sent_in_backward}
-
     def _post_ready_buckets(self) -> None:
         # Collectives must start in the same order on every host, whichever strategy it
         # runs and whether it overlaps: buckets leave strictly in index order.
@@ -384,7 +377,7 @@ class MPIHosts(Hosts):
         while self._next_to_post < len(buckets) and not self._pending[self._next_to_post]:
             self._post(buckets[self._next_to_post])
             self._next_to_post += 1
-            self._sent_in_backward += 1
+            self.traffic.buckets_sent_in_backward += 1
             self._progress.wake()
 
     def _post(self, bucket) -> None:
@@ -407,7 +400,7 @@ class MPIHosts(Hosts):
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
         self._requests.append(request)
-        self.bytes_sent += bucket.wire.nbytes
+        self.traffic.sent(bucket.wire.nbytes)
 
     def _slices(self, bucket) -> tuple[list[int], list[int]]:
         """Each host's slice of a bucket: element counts and offsets."""
@@ -444,20 +437,7 @@ class MPIHosts(Hosts):
             _as_bytes(total), [_as_bytes(bucket.wire), ([c * size for c in counts],
                                                         [o * size for o in offsets])])
 
-    def _average(self, model: nn.Module, samples: int) -> None:
-        if self.buckets is None:
-            self.attach(model)
-        if not self._armed:
-            # Called without begin_step: learn the global sample count first.
-            counts = np.array([samples], dtype=np.int64)
-            self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, counts, self.MPI.SUM)],
-                       "counting the step's samples")
-            self.bytes_sent += counts.nbytes
-            self._scale = samples / int(counts[0]) if counts[0] else 0.0
-            self._requests, self._next_to_post = [], 0
-        elif samples != self._step_share[0]:
-            raise TrainingError(f"the local strategy computed {samples} samples but this "
-                                f"host's part of the batch has {self._step_share[0]}")
+    def _average(self, share) -> None:
         if self._progress:
             self._progress.release()
         for bucket in self.buckets.buckets[self._next_to_post:]:
@@ -484,6 +464,9 @@ class MPIHosts(Hosts):
                 bucket.wire.copy_(self._received[bucket.index])
             self.compression.decompress(bucket.wire, bucket.flat)
             self.buckets.scatter(bucket)
+
+    def _disarm(self) -> None:
+        self._armed = False
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

@@ -124,10 +124,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring:
-        hosts.check_same(settings_hosts_share(prepared))
+        hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
         strategy.setup(model)
         hosts.broadcast_parameters(model)
-        hosts.agree_shares(config.balance, config.throughput)
         hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
@@ -178,31 +177,31 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
     last = time.perf_counter()
     waited_before = progress.data_wait_seconds
-    hosts.begin_epoch()
+    hosts.traffic.begin_epoch()
     step_seconds = []
-    host_part = hosts.host_part
-    with datamod.BatchPrefetcher(split.train, batches, transform, part=host_part) as prefetch:
-        for batch, x, y in prefetch:
+    with datamod.BatchPrefetcher(split.train, batches, transform, share=hosts.share) as prefetch:
+        for share, x, y in prefetch:
+            step = share.batch.step
             step_started = time.perf_counter()
+            with hosts.averaging(share) as average_over_hosts, \
+                    dropout_keys(sample_keys(seed, epoch, share.part.indices)):
 
-            def average(stats: StepStats) -> None:
-                if not torch.isfinite(torch.tensor(stats.loss)):
-                    raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, step "
-                                        f"{batch.step + 1}: lower --lr; {keeper.kept()}")
-                hosts.average_gradients(model, stats.samples)
+                def average(stats: StepStats) -> None:
+                    if not torch.isfinite(torch.tensor(stats.loss)):
+                        raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, "
+                                            f"step {step + 1}: lower --lr; {keeper.kept()}")
+                    average_over_hosts(stats.samples)
 
-            hosts.begin_step(batch)
-            keys = sample_keys(seed, epoch, host_part(batch).indices)
-            with dropout_keys(keys):
                 stats = optimizer_step(strategy, optimizer, x, y, average)
             now = time.perf_counter()
-            progress.add_step(len(batch.indices), stats.samples, stats.loss_sum, now - last)
+            progress.add_step(share.global_samples, stats.samples, stats.loss_sum, now - last)
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds
             last = now
             step_seconds.append(now - step_started)
-            observer.on_step(epoch, batch.step, len(batch.indices), now - step_started, stats.loss)
+            observer.on_step(epoch, step, share.global_samples, now - step_started, stats.loss)
             keeper.step_done(progress)
-    traffic = hosts.epoch_record()  # mpi_bytes_sent, comm/compute seconds, per step and rank
+    # mpi_bytes_sent, comm/compute seconds, per step and per rank
+    traffic = hosts.traffic.epoch_record(hosts.allgather)
     traffic["per_step"]["seconds"] = [round(s, 6) for s in step_seconds]
     return {"epoch": epoch + 1, "steps": progress.steps, "samples": progress.global_samples,
             "seconds": progress.seconds,
