@@ -185,6 +185,17 @@ def sub_batches(n: int, workers: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in split_bounds(n, [1.0] * workers) if b > a]
 
 
+def weighted_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int,
+                  options: StrategyOptions = StrategyOptions(),
+                  keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sub-batch of a batch of n samples: its mean loss, and that loss weighted by its
+    share of the batch (what its backward differentiates). `keys` are the sub-batch's
+    dropout keys."""
+    with dropout_keys(keys):
+        loss = criterion(run_forward(model, x, options), y)
+    return loss, loss * (len(y) / n)
+
+
 def worker_gradients(model: nn.Module, params, x: torch.Tensor, y: torch.Tensor, n: int,
                      options: StrategyOptions = StrategyOptions(),
                      keys: torch.Tensor | None = None) -> tuple[float, tuple]:
@@ -192,20 +203,27 @@ def worker_gradients(model: nn.Module, params, x: torch.Tensor, y: torch.Tensor,
 
     `keys` are the sub-batch's dropout keys: worker threads do not see the master's.
     """
-    with dropout_keys(keys):
-        loss = criterion(run_forward(model, x, options), y)
-    grads = torch.autograd.grad(loss * (len(y) / n), params, allow_unused=True)
+    loss, weighted = weighted_loss(model, x, y, n, options, keys)
+    grads = torch.autograd.grad(weighted, params, allow_unused=True)
     return loss.item() * len(y), grads
+
+
+def sub_batch_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int,
+                       options: StrategyOptions = StrategyOptions(),
+                       keys: torch.Tensor | None = None) -> float:
+    """Backward of a sub-batch's weighted loss into `model`'s .grad; returns its sum of
+    losses. A worker process, whose .grad fields are its own buffer, runs it as the
+    master does."""
+    loss, weighted = weighted_loss(model, x, y, n, options, keys)
+    weighted.backward()
+    return loss.item() * len(y)
 
 
 def master_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int,
                     options: StrategyOptions = StrategyOptions(), start: int = 0) -> float:
     """Backward of the master's own sub-batch, x = batch[start:start + len(x)], into .grad;
     returns its sum of losses."""
-    with dropout_keys(current_keys(start, start + len(x))):
-        loss = criterion(run_forward(model, x, options), y)
-    (loss * (len(y) / n)).backward()
-    return loss.item() * len(y)
+    return sub_batch_backward(model, x, y, n, options, current_keys(start, start + len(x)))
 
 
 def add_gradients(params, grads) -> None:

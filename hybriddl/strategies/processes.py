@@ -24,11 +24,11 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from hybriddl.dropout import current_keys, dropout_keys
+from hybriddl.dropout import current_keys
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.hostinfo import usable_cores
-from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, criterion,
-                                      master_backward, run_forward, sub_batches)
+from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients,
+                                      master_backward, sub_batch_backward, sub_batches)
 from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
@@ -87,7 +87,7 @@ class Processes(CoreWorkersStrategy):
             a, b = parts[rank]
             keys = current_keys(a, b)
             # Plain ints: a pickled tensor would travel through yet another shared segment.
-            self.connections[rank - 1].send(("step", a, b, (b - a) / n,
+            self.connections[rank - 1].send(("step", a, b, n,
                                              None if keys is None else keys.tolist()))
         set_torch_threads(1)
         try:
@@ -203,13 +203,13 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, option
             if message[0] == "inputs":
                 inputs = message[1:]
                 continue
-            _, a, b, weight, keys = message
+            _, a, b, n, keys = message
             try:
                 grad_buffer.zero_()
-                with dropout_keys(None if keys is None else torch.tensor(keys, dtype=torch.int64)):
-                    loss = criterion(run_forward(model, inputs[0][a:b], options), inputs[1][a:b])
-                (loss * weight).backward()
-                connection.send(("done", loss.item() * (b - a)))
+                loss_sum = sub_batch_backward(
+                    model, inputs[0][a:b], inputs[1][a:b], n, options,
+                    None if keys is None else torch.tensor(keys, dtype=torch.int64))
+                connection.send(("done", loss_sum))
             except Exception:
                 connection.send(("error", traceback.format_exc()))
     except (EOFError, OSError):
