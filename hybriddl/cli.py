@@ -9,7 +9,8 @@ from pathlib import Path
 
 from hybriddl import __version__
 from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
-from hybriddl.config import add_numerics_args, resume_if_exists, training_config
+from hybriddl.config import (DEFAULT_USECASE, add_numerics_args, resume_if_exists, training_config,
+                             tune_settings)
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
@@ -64,7 +65,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(USECASES)
     # Defaults are None here and filled in by TrainConfig, so that --resume can tell the
     # flags a user typed from those left out (which then come from the checkpoint).
-    parser.add_argument("--usecase", help=f"one of {names} (default: ComplexSmall)")
+    parser.add_argument("--usecase", help=f"one of {names} (default: {DEFAULT_USECASE})")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
     parser.add_argument("--data",
                         help="'synthetic' (embedded, default), synthetic:N (N generated images), "
@@ -115,7 +116,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--usecase", default="ComplexSmall", help=f"one of {', '.join(USECASES)}")
+    parser.add_argument("--usecase", default=DEFAULT_USECASE, help=f"one of {', '.join(USECASES)}")
     parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
     parser.add_argument("--image-size", type=int, help="pixels per side (default: the use case's, 224)")
     parser.add_argument("--batch-size", type=int, help="this host's batch (default: the use case's)")
@@ -227,8 +228,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from hybriddl.tuning import profiles, tuner
 
-    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
-                                   args.precision)
+    settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
+                             args.precision)
     output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "

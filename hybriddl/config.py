@@ -13,13 +13,42 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from hybriddl.errors import UsageError
 from hybriddl.run import checkpoint
 from hybriddl.strategies import PRECISIONS, StrategyOptions
-from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, auto_strategy, tune_settings
+from hybriddl.tuning.profiles import Settings
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, NUMERICS, auto_strategy
 from hybriddl.usecases import get_usecase
+
+DEFAULT_USECASE = "ComplexSmall"
+
+
+def use_case_workload(usecase: str, model: str | None, image_size: int | None,
+                      batch_size: int | None) -> tuple[str, int, int]:
+    """The model, image size and batch, the use case's where left out, checked: what
+    train, tune and compare all start from."""
+    case = get_usecase(usecase)
+    model = model or case.model
+    image_size = image_size if image_size is not None else case.image_size
+    batch_size = batch_size if batch_size is not None else case.batch_size
+    for flag, value in (("--batch-size", batch_size), ("--image-size", image_size)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: give at least 1")
+    return model, image_size, batch_size
+
+
+def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
+                  batch_size: int | None = None, precision: str | None = None) -> Settings:
+    """What a profile is measured at: the use case's defaults for what was left out
+    (precision: fp32), every number checked as for training."""
+    precision = precision or "fp32"
+    if precision not in NUMERICS:
+        raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
+    model, image_size, batch_size = use_case_workload(usecase, model, image_size, batch_size)
+    return Settings(usecase=get_usecase(usecase).name, model=model, image_size=image_size,
+                    batch_size=batch_size, precision=precision)
 
 
 @dataclass
 class TrainConfig:
-    usecase: str = "ComplexSmall"
+    usecase: str = DEFAULT_USECASE
     model: str | None = None  # None: the use case's model
     data: str = "synthetic"
     data_cache: str | None = None  # None: hybriddl.data.cache.default_cache_dir()
@@ -47,16 +76,13 @@ class TrainConfig:
         """Fill what was left out from the use case, and check every number."""
         case = get_usecase(self.usecase)
         filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
-        filled.model = self.model or case.model
-        filled.image_size = self.image_size if self.image_size is not None else case.image_size
-        filled.batch_size = self.batch_size if self.batch_size is not None else case.batch_size
+        filled.model, filled.image_size, filled.batch_size = use_case_workload(
+            self.usecase, self.model, self.image_size, self.batch_size)
         filled.epochs = self.epochs if self.epochs is not None else case.epochs
         filled.lr = self.lr if self.lr is not None else case.lr
         filled.momentum = self.momentum if self.momentum is not None else case.momentum
-        for flag, value, low in (("--batch-size", filled.batch_size, 1), ("--epochs", filled.epochs, 1),
-                                 ("--image-size", filled.image_size, 1)):
-            if value < low:
-                raise UsageError(f"{flag} {value}: give at least {low}")
+        if filled.epochs < 1:
+            raise UsageError(f"--epochs {filled.epochs}: give at least 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:

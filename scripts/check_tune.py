@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybriddl.tuning import profiles, tuner
+from hybriddl.config import tune_settings
 from hybriddl.tuning.benchmark import measure_strategy, sample_batch
 from hybriddl.errors import UsageError
 from hybriddl.run.rundir import atomic_write_json
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def tune_or_load(args) -> tuple[profiles.Profile, Path]:
     if args.profile:
         return profiles.load_profile(args.profile), Path(args.profile)
-    settings = tuner.tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
+    settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size)
     with console.status(f"tuning {settings.describe()} (budget {args.budget:.0f} s)"):
         profile = tuner.tune_host(settings, tuner.embedded_images(settings), budget=args.budget,
                                   warmup=1 if args.warmup is None else args.warmup,

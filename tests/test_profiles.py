@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from hybriddl.tuning import profiles, tuner
+from hybriddl.config import tune_settings
+from hybriddl.tuning import profiles
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategySpec
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, CandidateResult, Profile,
@@ -97,8 +98,8 @@ def test_committed_profiles_load_under_their_per_setting_names():
 
 def test_the_readme_main_job_at_64_px_never_rewrites_a_committed_profile():
     # hybriddl train --usecase ComplexSmall --image-size 64 --epochs 5: one host, whole batch.
-    main_job = tuner.tune_settings("ComplexSmall", image_size=64)
-    committed_224 = tuner.tune_settings("ComplexSmall")
+    main_job = tune_settings("ComplexSmall", image_size=64)
+    committed_224 = tune_settings("ComplexSmall")
     for host in ["vm", profiles.this_host()]:
         path = profile_path(REPO_PROFILES, main_job, host=host)
         assert path != profile_path(REPO_PROFILES, committed_224, host=host)

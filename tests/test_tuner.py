@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from hybriddl.tuning import profiles, tuner
+from hybriddl.config import tune_settings
 from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
@@ -408,11 +409,11 @@ def test_tune_host_rejects_an_image_size_the_model_cannot_take():
 
 
 def test_tune_settings_fill_the_use_case_defaults():
-    assert tuner.tune_settings("SimpleBig") == Settings("SimpleBig", "alexnet", 224, 32)
+    assert tune_settings("SimpleBig") == Settings("SimpleBig", "alexnet", 224, 32)
     with pytest.raises(UsageError, match="--batch-size 0"):
-        tuner.tune_settings("SimpleBig", batch_size=0)
+        tune_settings("SimpleBig", batch_size=0)
     with pytest.raises(UsageError, match="unknown use case"):
-        tuner.tune_settings("Nope")
+        tune_settings("Nope")
 
 
 def matching_profile(pick=BASELINE) -> Profile:

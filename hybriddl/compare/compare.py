@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from hybriddl.config import DEFAULT_USECASE, TrainConfig, use_case_workload
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
@@ -56,7 +57,7 @@ HOROVOD_FUSION_MIB = 64
 class MeasureSettings:
     """What every contender is given: the same model, data, batch, image size and steps."""
 
-    usecase: str = "ComplexSmall"
+    usecase: str = DEFAULT_USECASE
     model: str | None = None
     data: str = "synthetic"
     image_size: int | None = None
@@ -68,7 +69,7 @@ class MeasureSettings:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--usecase", default="ComplexSmall", help="ComplexSmall or SimpleBig")
+        parser.add_argument("--usecase", default=DEFAULT_USECASE, help="ComplexSmall or SimpleBig")
         parser.add_argument("--model", help="any torchvision classifier (default: the use case's)")
         parser.add_argument("--data", default="synthetic", help="as for 'hybriddl train'")
         parser.add_argument("--image-size", type=int, help="pixels per side (default: 224)")
@@ -96,10 +97,14 @@ class MeasureSettings:
                 argv += [flag, str(value)]
         return argv + (["--fp16-allreduce"] if self.fp16_allreduce else [])
 
-    def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()):
-        """The trainer's configuration for one contender's ranks (no run directory is written)."""
-        from hybriddl.config import TrainConfig
+    def resolved(self) -> MeasureSettings:
+        """The use case's model, image size and batch where left out, checked as for train."""
+        model, image_size, batch_size = use_case_workload(self.usecase, self.model,
+                                                          self.image_size, self.batch_size)
+        return replace(self, model=model, image_size=image_size, batch_size=batch_size)
 
+    def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()) -> TrainConfig:
+        """The trainer's configuration for one contender's ranks (no run directory is written)."""
         return TrainConfig(usecase=self.usecase, model=self.model, data=self.data,
                            image_size=self.image_size, batch_size=self.batch_size,
                            seed=self.seed, strategy=strategy, strategy_options=options)
@@ -184,12 +189,11 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError("--local-strategy sequential has one worker per host: give "
                          "--workers-per-host 1 or a parallel local strategy")
     options = StrategyOptions(workers=workers, oversubscribe=True)
-    train_config = settings.train_config(config.local_strategy, options)
-    resolved = train_config.resolved()
-    if resolved.batch_size < config.workers:
-        raise UsageError(f"--batch-size {resolved.batch_size} is smaller than the "
+    settings = settings.resolved()
+    if settings.batch_size < config.workers:
+        raise UsageError(f"--batch-size {settings.batch_size} is smaller than the "
                          f"{config.workers} workers: give at least one sample per worker")
-    trainer.prepare(train_config, observer)
+    trainer.prepare(settings.train_config(config.local_strategy, options), observer)
     if config.bandwidth:
         bits_per_second(config.bandwidth)
     if config.latency:
@@ -203,8 +207,6 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         check_new_run_dir(output)
     except UsageError:
         raise UsageError(f"--output {output} already holds files: choose a new directory") from None
-    settings = replace(settings, model=resolved.model, image_size=resolved.image_size,
-                       batch_size=resolved.batch_size)
     return replace(config, settings=settings, output=str(output)), output
 
 

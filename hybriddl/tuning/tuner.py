@@ -276,23 +276,6 @@ def select_pick(results: list[CandidateResult]) -> StrategySpec:
     return first.choice
 
 
-def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
-                  batch_size: int | None = None, precision: str | None = None) -> Settings:
-    """The use case's defaults for what was left out (precision: fp32), every number checked."""
-    case = get_usecase(usecase)
-    precision = precision or "fp32"
-    if precision not in NUMERICS:
-        raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
-    settings = Settings(usecase=case.name, model=model or case.model,
-                        image_size=image_size if image_size is not None else case.image_size,
-                        batch_size=batch_size if batch_size is not None else case.batch_size,
-                        precision=precision)
-    for flag, value in (("--image-size", settings.image_size), ("--batch-size", settings.batch_size)):
-        if value < 1:
-            raise UsageError(f"{flag} {value}: give at least 1")
-    return settings
-
-
 def embedded_images(settings: Settings) -> ImageSet:
     """The use case's embedded training images: what `hybriddl tune` measures on."""
     return synthetic_split(get_usecase(settings.usecase).dataset).train
