@@ -35,6 +35,7 @@ from rich.table import Table
 from hybriddl.tuning.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
                                 sample_batch)
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
+from hybriddl.config import use_case_workload
 from hybriddl.errors import UsageError
 from hybriddl.hosts.hostinfo import host_info, usable_cores
 from hybriddl.run.rundir import atomic_write_json
@@ -139,8 +140,8 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
 
 def run(args, on_measured=lambda round_, row, timing: None) -> dict:
     case = get_usecase(args.usecase)
-    model_name = args.model or case.model
-    batch_size = args.batch_size or case.batch_size
+    model_name, _, batch_size = use_case_workload(args.usecase, args.model, args.image_size,
+                                                  args.batch_size)
     num_classes = len(SYNTHETIC_CLASSES)
     for flag, value in (("--steps", args.steps), ("--batch-size", batch_size),
                         ("--rounds", args.rounds)):

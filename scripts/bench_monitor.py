@@ -32,6 +32,7 @@ from hybriddl.data.loading import load_data  # noqa: E402
 from hybriddl.errors import UsageError  # noqa: E402
 from hybriddl.monitoring.monitor import Monitor  # noqa: E402
 from hybriddl.strategies import StrategyOptions, make_strategy  # noqa: E402
+from hybriddl.config import use_case_workload  # noqa: E402
 from hybriddl.usecases import build_model, get_usecase  # noqa: E402
 
 BUDGET_PCT = 1.0
@@ -65,9 +66,8 @@ def timed_steps(strategy, optimizer, x, y, steps: int) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     case = get_usecase(args.usecase)
-    image_size = args.image_size or case.image_size
-    batch_size = args.batch_size or case.batch_size
-    model_name = args.model or case.model
+    model_name, image_size, batch_size = use_case_workload(args.usecase, args.model,
+                                                           args.image_size, args.batch_size)
     if args.steps < 1 or args.rounds < 1 or args.monitor_interval <= 0:
         raise UsageError("--steps and --rounds need at least 1 and --monitor-interval a positive "
                          "number of seconds")
