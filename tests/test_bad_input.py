@@ -134,10 +134,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli, tmp_path, case):
+def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli_here, tmp_path, case):
     make_args, names_problem = CASES[case]
     run_dir = tmp_path / "run"
-    done = cli("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
+    done = cli_here("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
