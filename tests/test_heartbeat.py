@@ -90,7 +90,7 @@ def shared_memory(processes) -> set[str]:
 def lose_a_host(tmp_path: Path, fault) -> tuple[str, int, float, float]:
     """Train on two emulated hosts, apply `fault(launcher, rank 1's process)` once steps are
     being checkpointed; returns the output, mpirun's exit code, and seconds from the
-    fault to rank 0's line naming the lost host and to rank 0's exit."""
+    fault to rank 0's line naming the lost host and to the end of both ranks."""
     run_dir = tmp_path / "run"
     with hosts_launcher(2) as launcher:
         mpirun = subprocess.Popen([*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl",
@@ -109,7 +109,9 @@ def lose_a_host(tmp_path: Path, fault) -> tuple[str, int, float, float]:
             faulted = time.monotonic()
             lost = rf"hybriddl: rank 0 on {launcher.hostname(0)}: .*rank 1 on host " \
                    rf"{launcher.hostname(1)}\b"
-            poll(lambda: not ranks[0].is_running(), "exit of rank 0", 60, mpirun, output)
+            poll(lambda: not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE
+                                 for r in ranks.values()), "end of every rank", 60, mpirun,
+                 output)
             exited = time.monotonic() - faulted
             named = (output.first(lost) or time.monotonic() + 60) - faulted
             # Every rank has ended, but mpirun (PRRTE) waits for the cut-off host's daemon
