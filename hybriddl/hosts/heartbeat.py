@@ -37,6 +37,10 @@ class Heartbeat:
         self.peers = [r for r in range(size) if r != rank]
         now = time.monotonic()
         self._heard = {peer: now for peer in self.peers}
+        # Silence counts only while this thread listened: a thread kept from running (a
+        # long call holding the GIL, this process stopped and resumed) must not take the
+        # beats still waiting in MPI's queues for silence.
+        self._listened_until = now
         self._failed: dict[int, str] = {}  # rank -> MPI's error, from a failed request
         self._inbox = {peer: np.zeros(1, dtype=np.int64) for peer in self.peers}
         self._outbox = {peer: np.zeros(1, dtype=np.int64) for peer in self.peers}
@@ -63,6 +67,7 @@ class Heartbeat:
                 for peer in self.peers:
                     if peer not in self._failed:
                         self._exchange(peer, now, now >= next_beat)
+                self._listened_until = now
                 if now >= next_beat:
                     self.beats_sent += 1
                     next_beat = now + self.interval
@@ -84,11 +89,11 @@ class Heartbeat:
 
     def lost(self) -> dict[int, str]:
         """The peers lost so far (rank -> why), empty while every peer is heard."""
-        now = time.monotonic()
+        listened = self._listened_until
         lost = {peer: why for peer, why in self._failed.items() if peer >= 0}
         for peer, heard in list(self._heard.items()):
-            if peer not in lost and now - heard > self.silence:
-                lost[peer] = f"silent for {now - heard:.0f} s"
+            if peer not in lost and listened - heard > self.silence:
+                lost[peer] = f"silent for {listened - heard:.0f} s"
         return lost
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
 from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
-from hybriddl.hosts.heartbeat import SILENCE_SECONDS, Heartbeat
+from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
 from hybriddl.hosts.cpu_threads import set_torch_threads
 from hybriddl.hosts.naming import host_name
 
@@ -192,7 +192,9 @@ class MPIHosts(Hosts):
             return None
         comm = self.comm.Dup()
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
-        return Heartbeat(self.MPI, comm, silence=min(SILENCE_SECONDS, self.timeout))
+        # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
+        silence = min(SILENCE_SECONDS, max(self.timeout, 3 * INTERVAL_SECONDS))
+        return Heartbeat(self.MPI, comm, silence=silence)
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -272,7 +274,8 @@ class MPIHosts(Hosts):
             raise self._failure(exc, what) from None
 
     def _lost(self, lost: dict[int, str], what: str) -> HostFailure:
-        who = ", ".join(f"rank {r} on host {self.names[r]} ({why})" for r, why in sorted(lost.items()))
+        who = ", ".join(f"rank {r} on host {self.names[r]} ({why})"
+                        for r, why in sorted(lost.items()))
         return HostFailure(f"lost {who} while {what}: it died, hung or lost its network "
                            "link; the run stops on every host")
 
