@@ -211,6 +211,34 @@ def test_a_rank_that_stops_coming_to_the_steps_ends_the_run_at_the_host_timeout(
     assert ended_after < 30
 
 
+def test_hosts_wait_for_one_still_preparing_beyond_the_host_timeout(tmp_path, launcher):
+    """Before training, a host may build a data cache or tune for minutes: while its
+    heartbeat beats, the others wait for it past --host-timeout and the run goes on."""
+    paused, go = tmp_path / "paused", tmp_path / "go"
+    common = [*TRAIN, "--host-timeout", "3", "--max-steps", "1",
+              "--run-dir", str(tmp_path / "run")]
+    command = [*launcher.argv, "-np", "1", *launcher.place(0, 1), sys.executable, "-m",
+               "hybriddl", *common, ":", "-np", "1", *launcher.place(1, 1), sys.executable,
+               str(Path(__file__).with_name("held_run.py")), str(paused), str(go), "1",
+               "prepare", *common]
+    mpirun = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=hybriddl_env())
+    try:
+        held_at = poll_for(lambda: paused.with_name("paused.rank1").exists(), mpirun)
+        # The span under test, not a synchronisation: twice the deadline, held.
+        time.sleep(6)
+        go.touch()
+        output, _ = mpirun.communicate(timeout=120)
+    finally:
+        go.touch()
+        if mpirun.poll() is None:
+            mpirun.kill()
+            mpirun.communicate()
+    assert mpirun.returncode == 0, output
+    assert time.monotonic() - held_at > 6
+    assert json.loads((tmp_path / "run" / METRICS).read_text())["epochs"][0]["steps"] == 1
+
+
 def poll_for(condition, process: subprocess.Popen) -> float:
     """When `condition` first held (time.monotonic()); fails if `process` ends first."""
     deadline = time.monotonic() + 240
