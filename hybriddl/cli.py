@@ -153,7 +153,7 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-timeout", type=float,
                        help="stop when another host has not come to a step's exchange for this "
                             f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a host that "
-                            "died, hung or lost its link is named within 15 s regardless")
+                            "died, hung or lost its link is named after 15 s of silence regardless")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
