@@ -6,11 +6,12 @@ On 2 emulated hosts (one rank each, their own NICs), the trainer's hosts
 (`hybriddl.hosts.cluster.connect()` under mpirun) with the heartbeat switched on and off
 in interleaved rounds (on/off, off/on, ...):
 
-- idle: nothing but the heartbeat runs for --idle-seconds; bytes each host's NIC sent,
-  per second (TCP/IP headers and ACKs included), on and off;
-- steps: --steps optimizer steps of the use case (the trainer's `optimizer_step`, one
-  sequential worker per host, each host half of --batch-size, gradients averaged by
-  `average_gradients`); seconds per step (median of the round), on and off.
+- idle (--idle-rounds): nothing but the heartbeat runs for --idle-seconds; bytes each
+  host's NIC sent, per second (TCP/IP headers and ACKs included), on and off;
+- steps (--rounds): --steps optimizer steps of the use case (the trainer's
+  `optimizer_step`, one sequential worker per host, each host half of --batch-size,
+  gradients averaged by `average_gradients`); seconds per step (median of the round), on
+  and off, and their ratio per round.
 
 Theory: each rank sends (H - 1) messages of 8 bytes every 2 s, 4 B/s of payload at H = 2;
 each message costs its headers (Open MPI's TCP fragment header, TCP/IP) and an ACK.
@@ -36,8 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--usecase", default="SimpleBig")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round and setting")
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds of steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round and setting")
+    parser.add_argument("--idle-rounds", type=int, default=2, help="interleaved idle rounds")
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set when run under mpirun
@@ -81,28 +83,35 @@ def worker(args: argparse.Namespace) -> None:
                        lambda stats: hosts.average_gradients(model, stats.samples))
         return time.perf_counter() - started
 
+    def switched(on: bool, measure):
+        heartbeat = None
+        if on:
+            comm = hosts.comm.Dup()
+            comm.Set_errhandler(hosts.MPI.ERRORS_RETURN)
+            heartbeat = hosts.heartbeat = Heartbeat(hosts.MPI, comm)
+        hosts.barrier()
+        figure = measure()
+        hosts.barrier()
+        if heartbeat:
+            heartbeat.close()
+            hosts.heartbeat = None
+        return figure
+
+    def idle() -> float:
+        before, started = sent(), time.monotonic()
+        time.sleep(args.idle_seconds)
+        return (sent() - before) / (time.monotonic() - started)
+
     step()  # warm-up
     figures = {True: {"idle_bytes_per_second": [], "step_seconds": []},
                False: {"idle_bytes_per_second": [], "step_seconds": []}}
+    for round_ in range(args.idle_rounds):
+        for on in ((True, False) if round_ % 2 == 0 else (False, True)):
+            figures[on]["idle_bytes_per_second"].append(switched(on, idle))
     for round_ in range(args.rounds):
         for on in ((True, False) if round_ % 2 == 0 else (False, True)):
-            heartbeat = None
-            if on:
-                comm = hosts.comm.Dup()
-                comm.Set_errhandler(hosts.MPI.ERRORS_RETURN)
-                heartbeat = hosts.heartbeat = Heartbeat(hosts.MPI, comm)
-            hosts.barrier()
-            before, started = sent(), time.monotonic()
-            time.sleep(args.idle_seconds)
-            rate = (sent() - before) / (time.monotonic() - started)
-            hosts.barrier()
-            seconds = statistics.median(step() for _ in range(args.steps))
-            hosts.barrier()
-            if heartbeat:
-                heartbeat.close()
-                hosts.heartbeat = None
-            figures[on]["idle_bytes_per_second"].append(rate)
-            figures[on]["step_seconds"].append(seconds)
+            figures[on]["step_seconds"].append(
+                switched(on, lambda: statistics.median(step() for _ in range(args.steps))))
     everyone = hosts.allgather({str(k).lower(): v for k, v in
                                 {"on": figures[True], "off": figures[False]}.items()})
     if hosts.rank == 0:
@@ -137,7 +146,7 @@ def main(argv=None) -> int:
     result = {
         "hosts": 2, "usecase": args.usecase, "image_size": args.image_size,
         "global_batch": args.batch_size, "rounds": args.rounds, "steps_per_round": args.steps,
-        "idle_seconds": args.idle_seconds,
+        "idle_rounds": args.idle_rounds, "idle_seconds": args.idle_seconds,
         "idle_nic_bytes_per_second": {
             setting: [statistics.median(r[setting]["idle_bytes_per_second"]) for r in by_rank]
             for setting in ("on", "off")},
