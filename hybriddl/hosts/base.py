@@ -13,7 +13,7 @@ from hybriddl.data.sharding import split_bounds, split_counts
 from hybriddl.hosts.naming import host_name
 
 BALANCE_POLICIES = ("throughput", "even")
-DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_TIMEOUT_SECONDS = 120.0
 
 
 def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[list[float], str, str | None]:
