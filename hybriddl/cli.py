@@ -9,8 +9,8 @@ from pathlib import Path
 
 from hybriddl import __version__
 from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
-from hybriddl.config import (DEFAULT_USECASE, add_numerics_args, resume_if_exists, training_config,
-                             tune_settings)
+from hybriddl.config import (DEFAULT_USECASE, add_numerics_args, hosts_options, ignored_flags,
+                             resume_if_exists, training_config, tune_settings)
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
@@ -148,16 +148,16 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
                             "even (default: throughput when the hosts' figures differ)")
     group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
                        help="this host's images/s for --balance (default: its profile's, if any)")
-    group.add_argument("--fusion-mib", type=float, default=64,
+    group.add_argument("--fusion-mib", type=float,
                        help="size of the gradient fusion buffers in MiB (default: 64)")
-    group.add_argument("--host-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
-                       help="stop when another host has not answered for this many seconds "
-                            f"(default: {DEFAULT_TIMEOUT_SECONDS:.0f})")
+    group.add_argument("--host-timeout", type=float,
+                       help="stop when another host has not come to a step's exchange for this "
+                            f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a host that "
+                            "died, hung or lost its link is named after 15 s of silence regardless")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.hosts.cluster import connect
-    from hybriddl.hosts.compression import Compression
     from hybriddl.run import trainer
     from hybriddl.run.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
@@ -166,14 +166,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
                       markup=False, highlight=False, soft_wrap=True)
         return 0
-    compression = Compression.fp16 if args.fp16_allreduce else Compression.none
-    hosts = connect(overlap=args.overlap, compression=compression,
-                    bucket_bytes=int(args.fusion_mib * 2**20), timeout=args.host_timeout)
+    hosts = connect(**hosts_options(args))
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     stop = StopRequest()
     try:
         with stop.handling_signals():
             config, resume = training_config(args)
+            for line in ignored_flags(args, config, hosts.size):
+                display.warn(line)
             if hosts.size > 1 and config.run_dir is None:
                 # Every rank names rank 0's run directory (its monitors write there too).
                 config.run_dir = hosts.broadcast_object(

@@ -11,8 +11,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from hybriddl.errors import UsageError
+from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS
+from hybriddl.hosts.compression import Compression
+from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.run import checkpoint
-from hybriddl.strategies import PRECISIONS, StrategyOptions
+from hybriddl.strategies import PRECISIONS, STRATEGIES, StrategyOptions
+from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning.profiles import Settings
 from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS, NUMERICS, auto_strategy
 from hybriddl.usecases import get_usecase
@@ -181,3 +185,34 @@ def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[
     settled = replace(config, strategy=decision.choice.name, throughput=throughput,
                       strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
     return settled, {**decision.describe(), "message": decision.message()}
+
+
+# The across-hosts flags, which do something only when there are other hosts.
+HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
+               "fusion_mib": "--fusion-mib", "host_timeout": "--host-timeout",
+               "balance": "--balance", "throughput": "--throughput"}
+
+
+def hosts_options(args: argparse.Namespace) -> dict:
+    """`hosts.cluster.connect`'s keywords from the across-hosts flags."""
+    return {"overlap": args.overlap,
+            "compression": Compression.fp16 if args.fp16_allreduce else Compression.none,
+            "bucket_bytes": (DEFAULT_BUCKET_BYTES if args.fusion_mib is None
+                             else int(args.fusion_mib * 2**20)),
+            "timeout": DEFAULT_TIMEOUT_SECONDS if args.host_timeout is None else args.host_timeout}
+
+
+def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: int) -> list[str]:
+    """One line for each flag given that does nothing in this run, so none is ignored silently."""
+    lines = []
+    strategy = STRATEGIES.get(config.strategy)
+    if args.workers is not None and strategy and not issubclass(strategy, CoreWorkersStrategy):
+        with_workers = ", ".join(name for name, cls in STRATEGIES.items()
+                                 if issubclass(cls, CoreWorkersStrategy))
+        lines.append(f"--workers {args.workers} does nothing with --strategy {config.strategy}, "
+                     f"which has no local workers (these have: {with_workers})")
+    if hosts_count == 1:
+        lines += [f"{flag} does nothing on a single host: it acts when mpirun starts one rank "
+                  "on each of several hosts"
+                  for name, flag in HOSTS_FLAGS.items() if getattr(args, name) not in (None, False)]
+    return lines

@@ -119,6 +119,11 @@ class TrainDisplay:
             TextColumn("{task.fields[rate]:>7.1f} img/s  loss {task.fields[loss]:.4f}"),
             console=console, disable=not self.enabled, transient=False)
 
+    def warn(self, line: str) -> None:
+        if self.enabled:
+            console.print(f"hybriddl: warning: {line}", markup=False, highlight=False,
+                          soft_wrap=True)
+
     def on_data_progress(self, done: int, total: int) -> None:
         if self.task is None and self.enabled:
             # Transient: once the data are ready the bar goes, and if they are bad the

@@ -32,6 +32,9 @@ done
 step "MPI layer: co-located ranks, 1-rank overhead, fp16 and overlap traffic"
 $PY scripts/bench_mpi.py --usecase ComplexSmall --image-size 64 --output $out/bench_mpi-ComplexSmall.json
 
+step "heartbeat between hosts: NIC bytes and step time, on and off (2 emulated hosts, needs root)"
+$PY scripts/bench_heartbeat.py --output $out/bench_heartbeat.json
+
 step "monitor overhead"
 $PY scripts/bench_monitor.py --usecase ComplexSmall --image-size 64 --output $out/bench_monitor.json
 

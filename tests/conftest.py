@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,33 @@ def run_cli(*args: str, timeout: float = 600, cwd: Path | None = None,
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def run_cli_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`hybriddl ARGS` through the same main() as `python -m hybriddl`, in this process.
+
+    For refusals that happen before anything runs: it saves an interpreter start and a
+    torch import per case (seconds each, most of such a test's time). An exception main()
+    lets through fails the test, as a traceback would in a child's stderr."""
+    from hybriddl.cli import main
+
+    out, err, previous = io.StringIO(), io.StringIO(), Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's refusals and --help
+                code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.chdir(previous)
+    return subprocess.CompletedProcess(["hybriddl", *args], code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli_here():
+    return run_cli_here
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -27,6 +27,11 @@ class Launcher:
     hostnames: list[str]  # what a rank's socket.gethostname() says
     nodes: list[str]      # what mpirun calls the host in its messages
     emulated: bool
+    cluster: EmulatedHosts | None = None
+
+    def cut_link(self, rank: int) -> None:
+        """Take the network link of rank `rank`'s host down (emulated hosts only)."""
+        self.cluster.set_link(rank % len(self.nodes), up=False)
 
     def hostname(self, rank: int) -> str:
         return self.hostnames[rank % len(self.hostnames)]
@@ -54,4 +59,4 @@ def hosts_launcher(hosts: int = 3):
         return
     with EmulatedHosts(hosts=hosts) as cluster:
         yield Launcher(cluster.mpirun_options(), cluster.names, cluster.addresses,
-                       emulated=True)
+                       emulated=True, cluster=cluster)

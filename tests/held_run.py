@@ -8,7 +8,9 @@ As a script (`python held_run.py PAUSED GO N WHERE hybriddl-args...`) it runs
   inside-write  inside a checkpoint write, its bytes in the temporary file, not renamed
                 (the background writer is held; training goes on until it must wait);
   step          at the start of an optimizer step (the sequential strategy's), once the
-                checkpoints begun before it are on disk.
+                checkpoints begun before it are on disk;
+  prepare       before the run is prepared (data loaded, strategy picked), as a host
+                building a data cache or tuning is.
 So a test signals or kills a run at a known step without sleeping or timing anything.
 The parent side is `Held`.
 """
@@ -144,6 +146,9 @@ def _main(argv: list[str]) -> int:
     elif where == "inside-write":
         _hold_at_call(os, "fsync", pause_at, hold_writer,
                       lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))
+    elif where == "prepare":
+        import hybriddl.run.trainer
+        _hold_at_call(hybriddl.run.trainer, "prepare", pause_at, hold)
     elif where == "step":
         _hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients", pause_at,
                       hold)

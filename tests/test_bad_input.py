@@ -134,10 +134,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli, tmp_path, case):
+def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli_here, tmp_path, case):
     make_args, names_problem = CASES[case]
     run_dir = tmp_path / "run"
-    done = cli("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
+    done = cli_here("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
@@ -163,3 +163,53 @@ def test_run_dir_that_already_holds_a_run_is_refused_and_left_alone(cli, tmp_pat
     assert len(done.stderr.strip().splitlines()) == 1 and "already holds files" in done.stderr
     assert [p.name for p in run_dir.iterdir()] == ["metrics.json"]
     assert (run_dir / "metrics.json").read_text() == "{}"
+
+
+# A flag that does nothing in the given setting: a one-line warning, never silence.
+IGNORED = {
+    "workers_with_sequential": (["--strategy", "sequential", "--workers", "2"],
+                                "--workers 2 does nothing with --strategy sequential, which has "
+                                "no local workers (these have: intraop, threads, processes, "
+                                "layerwise)"),
+    "overlap_on_one_host": (["--overlap"], "--overlap does nothing on a single host"),
+    "fp16_allreduce_on_one_host": (["--fp16-allreduce"], "--fp16-allreduce does nothing on a "
+                                                         "single host"),
+    "fusion_mib_on_one_host": (["--fusion-mib", "8"], "--fusion-mib does nothing on a single host"),
+    "host_timeout_on_one_host": (["--host-timeout", "30"], "--host-timeout does nothing on a "
+                                                           "single host"),
+    "balance_on_one_host": (["--balance", "even"], "--balance does nothing on a single host"),
+    "throughput_on_one_host": (["--throughput", "20"], "--throughput does nothing on a single "
+                                                       "host"),
+}
+
+
+def ignored(argv: list[str], hosts: int) -> list[str]:
+    from hybriddl.cli import build_parser
+    from hybriddl.config import ignored_flags, training_config
+
+    args = build_parser().parse_args(["train", *argv])
+    config, _ = training_config(args)
+    return ignored_flags(args, config, hosts)
+
+
+@pytest.mark.parametrize("case", list(IGNORED))
+def test_a_flag_that_does_nothing_here_is_warned_about(case):
+    argv, warning = IGNORED[case]
+    lines = ignored(["--strategy", "sequential", *argv], hosts=1)
+    assert len(lines) == 1 and lines[0].startswith(warning), lines
+
+
+def test_flags_that_act_are_not_warned_about():
+    assert ignored(["--strategy", "intraop", "--workers", "2"], hosts=1) == []
+    across = [flag for _, (argv, _) in IGNORED.items() for flag in argv if argv[0] != "--strategy"]
+    assert ignored(["--strategy", "sequential", *across], hosts=2) == []
+
+
+def test_the_warnings_reach_the_user_and_the_run_goes_on(cli, tmp_path):
+    done = cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
+               "--max-steps", "1", "--strategy", "sequential", "--workers", "2",
+               "--fusion-mib", "8", "--monitor-interval", "0", "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert [line.split(" does nothing")[0] for line in warnings] == [
+        "hybriddl: warning: --workers 2", "hybriddl: warning: --fusion-mib"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +52,7 @@ pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
 
 def train_args(images: Path, run_dir: Path) -> list[str]:
     return ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
-            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--dropout", "0",
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2",
             "--strategy", "sequential", "--run-dir", str(run_dir)]
 
 
@@ -87,11 +88,45 @@ def assert_same_model(run_dir: Path, reference: Path, rtol: float = 1e-5) -> Non
         assert float((got[name] - value).abs().max() / scale) <= rtol, name
 
 
-def resume_under_mpirun(run_dir: Path) -> None:
-    done = subprocess.run([*LAUNCH, sys.executable, "-m", "hybriddl", "train", "--resume",
+def resume_under_mpirun(run_dir: Path, ranks: int = 2) -> None:
+    launch = [str(MPIRUN), "-np", str(ranks), *LAUNCH[3:]]
+    done = subprocess.run([*launch, sys.executable, "-m", "hybriddl", "train", "--resume",
                            str(run_dir)], capture_output=True, text=True, timeout=600,
                           env=hybriddl_env())
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def stopped_on_two_hosts(images, tmp_path_factory) -> Path:
+    """A run on 2 hosts stopped (SIGUSR1 to mpirun) after step 4 of 6, as a lost host leaves
+    its last checkpoint; tests resume copies of it."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    run_dir = tmp / "run"
+    held, _ = held_ranks(tmp, images, run_dir, pause_at=STEPS_PER_EPOCH + 1, where="step")
+    held.process.send_signal(signal.SIGUSR1)
+    held.release()
+    code, err = held.finish()
+    assert code != 0, err
+    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    return run_dir
+
+
+@pytest.mark.parametrize("hosts", [1, 3], ids=["one_host", "three_hosts"])
+def test_a_run_stopped_on_two_hosts_resumed_on_another_host_count_ends_as_uninterrupted(
+        stopped_on_two_hosts, uninterrupted, tmp_path, hosts):
+    """The way to go on after losing a machine: --resume on the hosts that remain (or more)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_on_two_hosts, run_dir)
+    if hosts == 1:
+        assert main(["train", "--resume", str(run_dir)]) == 0
+    else:
+        resume_under_mpirun(run_dir, ranks=hosts)
+    assert_same_model(run_dir, uninterrupted)
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [r["steps"] for r in metrics["epochs"]] == [STEPS_PER_EPOCH, STEPS_PER_EPOCH]
+    assert metrics["config"]["hosts"]["count"] == 2
+    assert metrics["resumes"][-1]["hosts"]["count"] == hosts
+    assert metrics["resumes"][-1]["steps_done"] == STEPS_PER_EPOCH + 1
 
 
 def test_sigusr1_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint(images, tmp_path,

@@ -212,9 +212,9 @@ def test_nic_counters_subtract_to_what_a_span_carried():
                                            "bytes_received": 30}
 
 
-def test_bad_rates_and_missing_commands_are_one_line_and_exit_2():
+def test_bad_rates_and_missing_commands_are_one_line_and_exit_2(cli_here):
     for args in (["--hosts", "2", "--bandwidth", "fast", "--", "true"],
                  ["--hosts", "0", "--", "true"], ["--hosts", "2"]):
-        done = emulate(*args, timeout=60)
+        done = cli_here("emulate", *args)
         assert done.returncode == 2, args
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr

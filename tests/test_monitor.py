@@ -165,7 +165,8 @@ def test_interval_zero_disables_monitoring(tmp_path):
 def test_monitored_train_run_records_files_summary_and_epoch_times(cli, tmp_path):
     run_dir = tmp_path / "run"
     done = cli("train", "--model", "resnet18", "--image-size", "32", "--batch-size", "8",
-               "--max-steps", "2", "--monitor-interval", "0.1", "--run-dir", str(run_dir))
+               "--max-steps", "2", "--monitor-interval", "0.1", "--strategy", "sequential",
+               "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
     metrics = json.loads((run_dir / METRICS).read_text())
     monitor = metrics["monitor"]

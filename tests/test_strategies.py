@@ -232,7 +232,7 @@ def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]
     """A `train --strategy processes` child, once its two local workers are running."""
     command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
                "--workers", "3", "--oversubscribe", "--usecase", "ComplexSmall",
-               "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
+               "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
     master = subprocess.Popen(command, env=hybriddl_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(master.pid)
@@ -268,8 +268,8 @@ def test_workers_die_with_a_killed_master(tmp_path):
     ("--strategy", "processes", "--workers", str(os.cpu_count() + 1)),
     ("--strategy", "pipeline", "--devices", "cpu,quantum:3"),
 ])
-def test_infeasible_strategy_is_one_line_and_exit_2(cli, tmp_path, flags):
-    done = cli("train", "--image-size", "32", "--run-dir", str(tmp_path / "run"), *flags)
+def test_infeasible_strategy_is_one_line_and_exit_2(cli_here, tmp_path, flags):
+    done = cli_here("train", "--image-size", "32", "--run-dir", str(tmp_path / "run"), *flags)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "run").exists()

@@ -301,6 +301,11 @@ class EmulatedHosts:
             result.append(NicCounters(name, stats["tx"]["bytes"], stats["rx"]["bytes"]))
         return result
 
+    def set_link(self, index: int, up: bool) -> None:
+        """Take host `index`'s NIC down, as a pulled cable or a dead switch port does, or
+        bring it back up."""
+        _ip("-n", self.namespaces[index], "link", "set", NIC, "up" if up else "down")
+
     # ------------------------------------------------------------------ commands
     def on_host(self, index: int, command: list[str]) -> list[str]:
         """argv that runs `command` on host `index` (its namespace, hostname, TMPDIR, cores)."""

@@ -15,7 +15,7 @@ from hybriddl.hosts.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
 
 BALANCE_POLICIES = ("throughput", "even")
-DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_TIMEOUT_SECONDS = 120.0
 
 
 def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[list[float], str, str | None]:

@@ -6,8 +6,10 @@ under mpirun), never at import: `hybriddl info` and the worker processes that
 strategies spawn must not start an MPI runtime.
 
 Every wait on another host goes through `MPIHosts._wait`, which polls non-blocking
-requests against a deadline, so a host that dies or hangs turns into an error naming
-it instead of a hang.
+requests while a heartbeat (hybriddl.hosts.heartbeat) listens to every other host, so a
+host that dies, hangs or loses its link turns into an error naming it within seconds
+instead of a hang; a host that answers the heartbeat but not the step meets the
+deadline (--host-timeout).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
 from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
+from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
 from hybriddl.hosts.cpu_threads import set_torch_threads
 from hybriddl.hosts.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
@@ -154,8 +157,12 @@ class MPIHosts(Hosts):
         self.thread_level = MPI.Query_thread()
         self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.machine.Set_errhandler(MPI.ERRORS_RETURN)
-        self.names = ["?"] * self.size
+        self.names = ["(not yet known)"] * self.size  # until they are exchanged
         self.names[self.rank] = host_name()
+        self.heartbeat = self._start_heartbeat()
+        # Before training, hosts may spend minutes on a data cache or on tuning: while the
+        # heartbeat hears them, set-up waits need no deadline (attach() arms it).
+        self._deadline_armed = self.heartbeat is None
         self.names = self.allgather(self.names[self.rank])
         self.cores = self._divide_cores()
         everyone = self.allgather((self.machine.Get_size(), self.cores, self.notes))
@@ -174,6 +181,20 @@ class MPIHosts(Hosts):
         self._scale = 1.0
         self._armed = False
         self._closed = False
+
+    def _start_heartbeat(self) -> Heartbeat | None:
+        if self.size == 1:
+            return None
+        if self.thread_level < self.MPI.THREAD_MULTIPLE:
+            self.notes.append("MPI runs without MPI_THREAD_MULTIPLE, so there is no heartbeat: "
+                              f"a hung host is noticed only after --host-timeout "
+                              f"({self.timeout:.0f} s)")
+            return None
+        comm = self.comm.Dup()
+        comm.Set_errhandler(self.MPI.ERRORS_RETURN)
+        # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
+        silence = min(SILENCE_SECONDS, max(self.timeout, 3 * INTERVAL_SECONDS))
+        return Heartbeat(self.MPI, comm, silence=silence)
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -225,6 +246,10 @@ class MPIHosts(Hosts):
             "fusion_bucket_bytes": self.bucket_bytes,
             "gradient_bytes_per_step": self.buckets.wire_bytes if self.buckets else None,
             "thread_level": self.thread_level,
+            "heartbeat": {"interval_seconds": self.heartbeat.interval,
+                          "silence_seconds": self.heartbeat.silence,
+                          "payload_bytes_per_second": self.heartbeat.bytes_per_second}
+            if self.heartbeat else None,
             "mpi_library": library_versions()["mpi_library"],
             "notes": self.notes,
         }
@@ -233,10 +258,16 @@ class MPIHosts(Hosts):
     def _wait(self, requests: list, what: str) -> None:
         """Complete `requests`, or raise HostFailure naming who failed, or the deadline."""
         Request = self.MPI.Request
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout if self._deadline_armed else float("inf")
+        listen = 0.0  # when to ask the heartbeat next: not at every poll, which drives MPI
         try:
             while not Request.Testall(requests):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if self.heartbeat and now >= listen:
+                    if lost := self.heartbeat.lost():
+                        raise self._lost(lost, what)
+                    listen = now + 0.1
+                if now > deadline:
                     raise HostFailure(
                         f"no answer from the other hosts for {self.timeout:.0f} s while {what}; "
                         "a host hung or the network is down (see --host-timeout)")
@@ -244,6 +275,12 @@ class MPIHosts(Hosts):
                 time.sleep(0)
         except self.MPI.Exception as exc:
             raise self._failure(exc, what) from None
+
+    def _lost(self, lost: dict[int, str], what: str) -> HostFailure:
+        who = ", ".join(f"rank {r} on host {self.names[r]} ({why})"
+                        for r, why in sorted(lost.items()))
+        return HostFailure(f"lost {who} while {what}: it died, hung or lost its network "
+                           "link; the run stops on every host")
 
     def _failure(self, exc, what: str) -> HostFailure:
         failed = []
@@ -253,6 +290,8 @@ class MPIHosts(Hosts):
                                                    self.comm.Get_group())
         except (AttributeError, NotImplementedError, self.MPI.Exception):
             pass
+        if not failed and self.heartbeat:
+            failed = list(self.heartbeat.lost())
         reason = exc.Get_error_string().strip()
         if failed:
             who = ", ".join(f"rank {r} on host {self.names[r]}" for r in sorted(failed))
@@ -325,6 +364,7 @@ class MPIHosts(Hosts):
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
         """Lay out the fusion buckets; with --overlap and a strategy whose backward writes
         each gradient once, send each bucket as soon as backward has filled it."""
+        self._deadline_armed = True  # training starts: every wait now has --host-timeout
         self.buckets = GradientBuckets(model, self.compression, self.bucket_bytes)
         signatures = self.allgather(self.buckets.signature())
         if any(s != signatures[0] for s in signatures):
@@ -478,7 +518,10 @@ class MPIHosts(Hosts):
         self._hooks.clear()
         if self._progress:
             self._progress.close()
+        self._deadline_armed = self.heartbeat is None  # rank 0 may still be writing model.pt
         self.barrier()
+        if self.heartbeat:
+            self.heartbeat.close()
         self.MPI.Finalize()
 
     def abort(self, exit_code: int) -> None:

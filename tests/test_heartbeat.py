@@ -1,0 +1,152 @@
+"""A host lost mid-run, on two emulated hosts: killed, stopped (SIGSTOP) or cut off (its
+link down). The surviving rank names it (rank and host) within 30 s with MPI's default
+settings, in one line, and nothing of the run is left: no rank, no mpirun, no shared
+memory segment, no namespace."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import hybriddl_env
+from emulated import can_emulate, hosts_launcher
+from hybriddl.emulation.hosts import PREFIX, _namespaces
+from hybriddl.run.rundir import CHECKPOINT
+
+pytestmark = pytest.mark.skipif(not can_emulate(), reason="losing a host is tested on emulated "
+                                "hosts, which need root, ip, tc and unshare")
+
+# squeezenet1_1 at 32 px: steps of a fraction of a second, so the run is mid-epoch
+# whenever the fault comes; a checkpoint every step tells the test that steps are done.
+# Worker processes on shared memory, so a host leaves processes and segments to clean up.
+TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8",
+         "--epochs", "50", "--strategy", "processes", "--workers", "2", "--oversubscribe",
+         "--checkpoint-every", "1", "--monitor-interval", "0"]
+NAMED_WITHIN_SECONDS = 30
+
+
+class Output:
+    """mpirun's merged output, read as it comes, with the time each line arrived."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread.start()
+
+    def _read(self, process) -> None:
+        for line in process.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def first(self, pattern: str) -> float | None:
+        return next((t for t, line in self.lines if re.search(pattern, line)), None)
+
+    @property
+    def text(self) -> str:
+        self._thread.join(timeout=10)
+        return "".join(line for _, line in self.lines)
+
+
+def poll(condition, what: str, seconds: float, process: subprocess.Popen, output: Output):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {seconds} s:\n{output.text[-3000:]}"
+        assert process.poll() is None, f"mpirun ended before {what}:\n{output.text[-3000:]}"
+        time.sleep(0.05)
+
+
+def rank_processes(mpirun: subprocess.Popen) -> dict[int, psutil.Process]:
+    ranks = {}
+    for child in psutil.Process(mpirun.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("OMPI_COMM_WORLD_RANK")
+            if rank is not None and "hybriddl" in " ".join(child.cmdline()):
+                ranks[int(rank)] = child
+        except psutil.Error:
+            pass
+    return ranks
+
+
+def shared_memory(processes) -> set[str]:
+    """The /dev/shm files the processes have mapped (the parameters and gradients that
+    worker processes share, Open MPI's segments where ranks share a host)."""
+    paths = set()
+    for process in processes:
+        try:
+            paths.update(m.path.removesuffix(" (deleted)") for m in process.memory_maps()
+                         if m.path.startswith("/dev/shm/"))
+        except psutil.Error:
+            pass
+    return paths
+
+
+def lose_a_host(tmp_path: Path, fault) -> tuple[str, int, float, float]:
+    """Train on two emulated hosts, apply `fault(launcher, rank 1's process)` once steps are
+    being checkpointed; returns the output, mpirun's exit code, and seconds from the
+    fault to rank 0's line naming the lost host and to the end of both ranks."""
+    run_dir = tmp_path / "run"
+    with hosts_launcher(2) as launcher:
+        mpirun = subprocess.Popen([*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl",
+                                   *TRAIN, "--run-dir", str(run_dir)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env=hybriddl_env())
+        output = Output(mpirun)
+        try:
+            poll(lambda: (run_dir / CHECKPOINT).exists(), "checkpoint", 120, mpirun, output)
+            ranks = rank_processes(mpirun)
+            assert sorted(ranks) == [0, 1]
+            everything = psutil.Process(mpirun.pid).children(recursive=True)
+            segments = shared_memory(everything)
+            assert segments, "no shared memory to check"
+            fault(launcher, ranks[1])
+            faulted = time.monotonic()
+            lost = rf"hybriddl: rank 0 on {launcher.hostname(0)}: .*rank 1 on host " \
+                   rf"{launcher.hostname(1)}\b"
+            poll(lambda: not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE
+                                 for r in ranks.values()), "end of every rank", 60, mpirun,
+                 output)
+            exited = time.monotonic() - faulted
+            named = (output.first(lost) or time.monotonic() + 60) - faulted
+            # Every rank has ended, but mpirun (PRRTE) waits for the cut-off host's daemon
+            # to report its rank gone: the cable is plugged back for it (no-op otherwise).
+            launcher.cluster.set_link(1, up=True)
+            code = mpirun.wait(timeout=30)
+            _, alive = psutil.wait_procs(everything, timeout=10)
+            assert alive == [], f"outlived mpirun: {alive}"
+        finally:
+            if mpirun.poll() is None:
+                mpirun.kill()
+                mpirun.wait()
+        text = output.text
+        # Checked before the emulated hosts' teardown could remove anything.
+        assert [p for p in segments if os.path.exists(p)] == []
+    assert not [n for n in _namespaces() if n.startswith(f"{PREFIX}{os.getpid()}-")]
+    assert named < NAMED_WITHIN_SECONDS, f"named after {named:.1f} s:\n{text[-3000:]}"
+    assert "Traceback" not in text
+    return text, code, named, exited
+
+
+def test_a_killed_host_is_named_by_the_survivor_within_30_seconds(tmp_path):
+    text, code, named, exited = lose_a_host(tmp_path, lambda launcher, rank: rank.kill())
+    assert re.search(r"rank 1 on host h1 failed while \w+", text), text[-3000:]
+    assert code != 0 and exited < NAMED_WITHIN_SECONDS
+
+
+def test_a_stopped_host_is_named_by_the_survivor_within_30_seconds(tmp_path):
+    text, code, named, exited = lose_a_host(tmp_path, lambda launcher, rank: rank.suspend())
+    assert re.search(r"lost rank 1 on host h1 \(silent for 1\d s\)", text), text[-3000:]
+    assert code == 1 and exited < NAMED_WITHIN_SECONDS
+
+
+def test_a_host_cut_off_the_network_is_named_by_the_survivor_within_30_seconds(tmp_path):
+    text, code, named, exited = lose_a_host(tmp_path,
+                                            lambda launcher, rank: launcher.cut_link(1))
+    assert re.search(r"lost rank 1 on host h1 \(silent for 1\d s\)", text), text[-3000:]
+    assert code == 1 and exited < NAMED_WITHIN_SECONDS
