@@ -405,8 +405,8 @@ class MPIHosts(Hosts):
                 # Several pieces in flight: libnbc's ring waits for every step of one
                 # allreduce before the next, and another piece's transfer fills that gap.
                 # Measured on 4 emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s,
-                # 8 MiB pieces 0.932 s (bound 0.805 s), and far steadier when the
-                # machine is busy (1.04 s against 1.73 s).
+                # 8 MiB pieces 0.932 s (bound 0.805 s); with another job on the machine
+                # 1.04 s against 1.73 s.
                 wire, out = bucket.wire.numpy(), received.numpy()
                 n = wire.size
                 pieces = max(1, round(bucket.wire.nbytes / PIECE_BYTES))
