@@ -2,17 +2,26 @@
 
     sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 4 --bandwidth 1gbit \
         --mib 64 --output results/bench_allreduce-4.json
+    sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit \
+        --mib 64 --compression none fp16 --rounds 3 --output results/allreduce-1gbit.json
 
 Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpirun, i.e.
-`MPIHosts.averaging`) on H emulated hosts, one rank each, every link limited to
---bandwidth. The gradient is one float32 tensor of --mib MiB, averaged once to warm up,
-then --repeats times, each between two barriers; seconds is the median of the repeats.
-Each rank reads its own host's NIC (`eth0` in its namespace) before and after the
-repeats, so the bytes are what crossed the network for the allreduces alone (TCP/IP
-headers included; veth carries up to 64 KiB segments, so they add well under 1 %).
+`MPIHosts.averaging` with the trainer's default fusion buckets) on H emulated
+hosts, --ranks-per-host ranks each (1: the hybrid; K > 1: Horovod's model, a ring over
+H*K ranks placed K per host), every link limited to --bandwidth. The gradient is one
+float32 tensor of --mib MiB, averaged once to warm up, then --repeats times, each between
+two barriers. Each rank reads its own host's NIC (`eth0` in its namespace) before and
+after the repeats, so the bytes are what crossed the network for the allreduces alone
+(TCP/IP headers included; veth carries up to 64 KiB segments, so they add well under 1 %).
+With several hosts counts, bandwidths or compressions, every combination is measured once
+per round, rounds interleaved; seconds is the median of all its timed repeats, spread
+their lowest and highest. CPU: each rank's CPU seconds over the repeats against their wall
+time, and the whole machine's busy fraction meanwhile (every emulated host shares it).
 
-Theory: a ring (or reduce-scatter + allgather) allreduce sends 2(H-1)/H*S from every
-host, and no host can finish sooner than that over its link: bound = 2(H-1)/H*S*8/rate.
+Theory: a ring (or reduce-scatter + allgather) allreduce over P = H*K ranks sends
+2(P-1)/P*S from every rank, and with K ranks per host only one ring edge per host crosses
+its NIC: 2(HK-1)/(HK)*S per host; no host can finish sooner than that over its link:
+bound = bytes*8/rate.
 """
 
 from __future__ import annotations
@@ -31,18 +40,30 @@ sys.path.insert(0, str(REPO))
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", type=int, required=True, help="emulated hosts, one rank each")
-    parser.add_argument("--bandwidth", help="every link's rate, e.g. 1gbit (default: no "
-                        "limit, no bound)")
+    parser.add_argument("--hosts", type=int, nargs="+", required=True,
+                        help="emulated hosts (one or several counts)")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks on each host (default: 1, the hybrid; 2: Horovod's model "
+                             "with K = 2 workers per host)")
+    parser.add_argument("--bandwidth", nargs="+", default=[None],
+                        help="every link's rate, e.g. 1gbit (several: each is measured; "
+                             "default: no limit, no bound)")
     parser.add_argument("--latency", help="one-way delay added per link, e.g. 0.1ms")
-    parser.add_argument("--mib", type=float, required=True, help="gradient size in MiB")
-    parser.add_argument("--compression", choices=("none", "fp16"), default="none",
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--mib", type=float, help="gradient size in MiB")
+    size.add_argument("--bytes", type=int, help="gradient size in bytes (a multiple of 4)")
+    parser.add_argument("--compression", choices=("none", "fp16"), nargs="+", default=["none"],
                         help="what travels: float32 (none) or float16 (the trainer's "
-                             "--fp16-allreduce); default none")
-    parser.add_argument("--repeats", type=int, default=5, help="timed allreduces (default: 5)")
+                             "--fp16-allreduce); several: each is measured; default none")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed allreduces per round (default: 5)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds over every combination (default: 1)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set when run under mpirun
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.size = args.bytes if args.bytes is not None else int(args.mib * 2**20) // 4 * 4
+    return args
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -56,15 +77,18 @@ def worker(args: argparse.Namespace) -> None:
     from hybriddl.hosts.compression import Compression
     from hybriddl.emulation.hosts import NIC
 
-    hosts = connect(compression=getattr(Compression, args.compression))
+    hosts = connect(compression=getattr(Compression, args.compression[0]))
     model = nn.Module()
-    model.gradient = nn.Parameter(torch.zeros(int(args.mib * 2**20) // 4))
-    hosts.attach(model)
+    # The parameter's values are never read: one stored zero keeps memory to the buckets
+    # (a VGG16-sized gradient on 8 ranks of one machine).
+    model.gradient = nn.Parameter(torch.zeros(1).expand(args.size // 4))
+    hosts.attach(model)  # .grad becomes a view into the fusion bucket
+    gradient = model.gradient.grad
     # Each host holds one sample of a global batch of H: it sends 1/H of its gradient.
     share = hosts.share(epoch_batches(hosts.size, hosts.size, seed=0, epoch=0)[0])
 
     def average() -> float:
-        model.gradient.grad = torch.full_like(model.gradient, float(hosts.rank + 1))
+        gradient.fill_(float(hosts.rank + 1))
         hosts.barrier()
         started = time.perf_counter()
         with hosts.averaging(share) as average_over_hosts:
@@ -75,20 +99,118 @@ def worker(args: argparse.Namespace) -> None:
     average()
     expected = (hosts.size + 1) / 2
     # float16 rounds each contribution and the sum: 2**-11 relative, twice.
-    tolerance = 1e-3 if args.compression == "fp16" else 1e-5
-    if not torch.allclose(model.gradient.grad, torch.full_like(model.gradient, expected),
+    tolerance = 1e-3 if args.compression[0] == "fp16" else 1e-5
+    if not torch.allclose(model.gradient.grad, torch.full_like(gradient, expected),
                           rtol=tolerance):
         raise SystemExit(f"rank {hosts.rank}: the average is wrong")
+    me = psutil.Process()
     before = psutil.net_io_counters(pernic=True)[NIC].bytes_sent
+    cpu, machine, wall = sum(me.cpu_times()[:2]), psutil.cpu_times(), time.perf_counter()
     seconds = [average() for _ in range(args.repeats)]
+    cpu, wall = sum(me.cpu_times()[:2]) - cpu, time.perf_counter() - wall
+    machine_after = psutil.cpu_times()
+    busy = 1 - (machine_after.idle - machine.idle) / (sum(machine_after) - sum(machine))
     sent = (psutil.net_io_counters(pernic=True)[NIC].bytes_sent - before) / args.repeats
-    everyone = hosts.allgather((seconds, sent))
+    everyone = hosts.allgather((seconds, sent, cpu / wall))
     if hosts.rank == 0:
         Path(args.worker).write_text(json.dumps({
             # A repeat ends when the slowest host has its result.
-            "seconds": [max(s[i] for s, _ in everyone) for i in range(args.repeats)],
-            "host_nic_bytes_sent": [round(b) for _, b in everyone]}))
+            "seconds": [max(s[i] for s, _, _ in everyone) for i in range(args.repeats)],
+            "rank_nic_bytes_sent": [round(b) for _, b, _ in everyone],
+            "rank_cpu_fraction": [round(c, 3) for _, _, c in everyone],
+            "machine_cpu_busy_fraction": round(busy, 3)}))
     hosts.close()
+
+
+def nic_theory(hosts: int, ranks_per_host: int, wire: int, compression: str) -> float:
+    """Bytes each host's NIC sends for one averaging (see the module's docstring)."""
+    if hosts == 1:
+        return 0.0
+    p, k = hosts * ranks_per_host, ranks_per_host
+    if compression == "fp16":
+        # Ialltoallv of slices, then Iallgatherv of the sums: each rank sends (P-1)/P of
+        # the wire twice, of which (P-K)/P leaves its host.
+        return 2 * k * (p - k) / p * wire
+    return 2 * (p - 1) / p * wire
+
+
+def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression: str = "none",
+            repeats: int = 5, ranks_per_host: int = 1, latency: str | None = None) -> dict:
+    """One run of the trainer's averaging of `size` bytes on `hosts` emulated hosts."""
+    from hybriddl.emulation import EmulatedHosts
+
+    with EmulatedHosts(hosts=hosts, bandwidth=bandwidth, latency=latency) as cluster:
+        figures = Path(cluster.folder) / "figures.json"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+            OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        worker_args = ["--hosts", str(hosts), "--bytes", str(size), "--compression",
+                       compression, "--repeats", str(repeats), "--output", os.devnull,
+                       "--worker", str(figures)]
+        run = cluster.run([sys.executable, str(Path(__file__).resolve()), *worker_args],
+                          ranks_per_host=ranks_per_host, env=env)
+        if run.returncode != 0:
+            raise RuntimeError(f"the averaging run on {hosts} hosts failed "
+                               f"(exit {run.returncode})")
+        measured = json.loads(figures.read_text())
+        rate, notes = cluster.rate, cluster.notes
+    wire = size // 2 if compression == "fp16" else size
+    theory = nic_theory(hosts, ranks_per_host, wire, compression)
+    # Rank r runs on host r // K; its K ranks read the same NIC.
+    per_host = measured["rank_nic_bytes_sent"][::ranks_per_host]
+    return {"hosts": hosts, "ranks_per_host": ranks_per_host,
+            "bandwidth_bits_per_second": rate, "bytes": size, "compression": compression,
+            "wire_bytes": wire, "seconds_repeats": measured["seconds"],
+            "bound_seconds": theory * 8 / rate if rate and theory else None,
+            "host_nic_bytes_sent": per_host, "host_nic_bytes_theory": [round(theory)] * hosts,
+            "latency": latency, "rank_cpu_fraction": measured["rank_cpu_fraction"],
+            "machine_cpu_busy_fraction": measured["machine_cpu_busy_fraction"],
+            "emulation_notes": notes}
+
+
+def merge(runs: list[dict]) -> dict:
+    """One combination's rounds as one result: median and spread of all timed repeats."""
+    seconds = [s for run in runs for s in run["seconds_repeats"]]
+    first = runs[0]
+    result = {key: first[key] for key in ("hosts", "ranks_per_host", "bandwidth_bits_per_second",
+                                          "bytes", "compression", "wire_bytes")}
+    result["seconds"] = statistics.median(seconds)
+    result["seconds_spread"] = [min(seconds), max(seconds)]
+    result["bound_seconds"] = first["bound_seconds"]
+    result["ratio_to_bound"] = (result["seconds"] / first["bound_seconds"]
+                                if first["bound_seconds"] else None)
+    result["host_nic_bytes_sent"] = [round(statistics.mean(b)) for b in
+                                     zip(*(run["host_nic_bytes_sent"] for run in runs))]
+    result["host_nic_bytes_theory"] = first["host_nic_bytes_theory"]
+    result["rank_cpu_fraction"] = [round(statistics.median(c), 3) for c in
+                                   zip(*(run["rank_cpu_fraction"] for run in runs))]
+    result["machine_cpu_busy_fraction"] = statistics.median(
+        run["machine_cpu_busy_fraction"] for run in runs)
+    result.update(latency=first["latency"], seconds_repeats=seconds,
+                  rounds=len(runs), emulation_notes=first["emulation_notes"])
+    return result
+
+
+def table_row(r: dict) -> str:
+    """One Markdown row; the README's table is these rows."""
+    rate = r["bandwidth_bits_per_second"]
+    link = f"{rate / 1e9:g} Gbit/s" if rate else "none"
+    sent = [b / 2**20 for b in r["host_nic_bytes_sent"]]
+    sent_text = (f"{min(sent):.1f}–{max(sent):.1f} ({len(sent)} hosts)" if len(sent) > 2
+                 else " / ".join(f"{b:.1f}" for b in sent))
+    bound = f"{r['bound_seconds']:.3f}" if r["bound_seconds"] else "—"
+    ratio = f"{r['ratio_to_bound']:.2f}×" if r["ratio_to_bound"] else "—"
+    low, high = r["seconds_spread"]
+    payload = "float16" if r["compression"] == "fp16" else "float32"
+    return (f"| {r['hosts']} | {r['ranks_per_host']} | {link} | {payload} | {r['seconds']:.3f} "
+            f"| {low:.3f}–{high:.3f} | {bound} | {ratio} | {sent_text} "
+            f"| {r['host_nic_bytes_theory'][0] / 2**20:.1f} "
+            f"| {r['machine_cpu_busy_fraction']:.0%} |")
+
+
+TABLE_HEADER = ("| H | ranks per host | link | payload | seconds | spread | bound | × bound "
+                "| MiB sent per host NIC | theory MiB | machine CPU busy |\n"
+                "|---:|---:|---|---|---:|---|---:|---:|---|---:|---:|")
 
 
 def main(argv=None) -> int:
@@ -96,45 +218,37 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from hybriddl.emulation import EmulatedHosts
     from hybriddl.errors import UsageError
     from hybriddl.run.rundir import atomic_write_json
 
-    size = int(args.mib * 2**20) // 4 * 4
+    if args.size < 4 or args.size % 4:
+        print(f"bench_allreduce: --bytes {args.size}: give a positive multiple of 4",
+              file=sys.stderr)
+        return 2
+    combinations = [(h, b, c) for b in args.bandwidth for h in args.hosts
+                    for c in args.compression]
+    runs: dict[tuple, list[dict]] = {combo: [] for combo in combinations}
     try:
-        with EmulatedHosts(hosts=args.hosts, bandwidth=args.bandwidth,
-                           latency=args.latency) as cluster:
-            figures = Path(cluster.folder) / "figures.json"
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-            given = sys.argv[1:] if argv is None else list(argv)
-            run = cluster.run([sys.executable, str(Path(__file__).resolve()), *given,
-                               "--worker", str(figures)], env=env)
-            if run.returncode != 0:
-                print(f"bench_allreduce: the run failed (exit {run.returncode})", file=sys.stderr)
-                return 1
-            measured = json.loads(figures.read_text())
+        for _ in range(args.rounds):
+            for hosts, bandwidth, compression in combinations:
+                runs[(hosts, bandwidth, compression)].append(measure(
+                    hosts, args.size, bandwidth=bandwidth, compression=compression,
+                    repeats=args.repeats, ranks_per_host=args.ranks_per_host,
+                    latency=args.latency))
     except UsageError as exc:
         print(f"bench_allreduce: {exc}", file=sys.stderr)
         return 2
-    rate = cluster.rate
-    wire = size // 2 if args.compression == "fp16" else size
-    theory = 2 * (args.hosts - 1) / args.hosts * wire
-    result = {"hosts": args.hosts, "bandwidth_bits_per_second": rate, "bytes": size,
-              "compression": args.compression, "wire_bytes": wire,
-              "seconds": statistics.median(measured["seconds"]),
-              "bound_seconds": theory * 8 / rate if rate else None,
-              "host_nic_bytes_sent": measured["host_nic_bytes_sent"],
-              "host_nic_bytes_theory": [round(theory)] * args.hosts,
-              "latency": args.latency, "seconds_repeats": measured["seconds"]}
-    atomic_write_json(Path(args.output), {"results": [result]})
-    bound = (f"bound {result['bound_seconds']:.3f} s, "
-             f"x{result['seconds'] / result['bound_seconds']:.2f}") if rate else "no bound"
-    print(f"{args.hosts} hosts, {args.mib} MiB {args.compression} at "
-          f"{args.bandwidth or 'no limit'}: {result['seconds']:.3f} s ({bound}); MiB sent per host "
-          f"{[round(b / 2**20, 1) for b in result['host_nic_bytes_sent']]} "
-          f"(theory {theory / 2**20:.1f})")
+    except RuntimeError as exc:
+        print(f"bench_allreduce: {exc}", file=sys.stderr)
+        return 1
+    results = [merge(runs[combo]) for combo in combinations]
+    atomic_write_json(Path(args.output), {
+        "command": "scripts/bench_allreduce.py " + " ".join(
+            sys.argv[1:] if argv is None else argv),
+        "repeats_per_round": args.repeats, "results": results})
+    print(TABLE_HEADER)
+    for result in results:
+        print(table_row(result))
     return 0
 
 

@@ -34,6 +34,8 @@ from hybriddl.hosts.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
+# Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
+PIECE_BYTES = 8 * 2**20
 
 
 def library_versions() -> dict:
@@ -433,13 +435,22 @@ class MPIHosts(Hosts):
                 received = self._received.get(bucket.index)
                 if received is None:
                     received = self._received[bucket.index] = torch.empty_like(bucket.wire)
-                request = self.comm.Iallreduce(bucket.wire.numpy(), received.numpy(),
-                                               self.MPI.SUM)
+                # Several pieces in flight: libnbc's ring waits for every step of one
+                # allreduce before the next, and another piece's transfer fills that gap.
+                # Measured on 4 emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s,
+                # 8 MiB pieces 0.932 s (bound 0.805 s); with another job on the machine
+                # 1.04 s against 1.73 s.
+                wire, out = bucket.wire.numpy(), received.numpy()
+                n = wire.size
+                pieces = max(1, round(bucket.wire.nbytes / PIECE_BYTES))
+                cuts = [i * n // pieces for i in range(pieces + 1)]
+                requests = [self.comm.Iallreduce(wire[a:b], out[a:b], self.MPI.SUM)
+                            for a, b in zip(cuts, cuts[1:])]
             else:
-                request = self._scatter_slices(bucket)
+                requests = [self._scatter_slices(bucket)]
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
-        self._requests.append(request)
+        self._requests.extend(requests)
         self.traffic.sent(bucket.wire.nbytes)
 
     def _slices(self, bucket) -> tuple[list[int], list[int]]:
