@@ -90,9 +90,14 @@ def worker(args: argparse.Namespace) -> None:
             comm.Set_errhandler(hosts.MPI.ERRORS_RETURN)
             heartbeat = hosts.heartbeat = Heartbeat(hosts.MPI, comm)
         hosts.barrier()
+        started = time.monotonic()
         figure = measure()
         hosts.barrier()
         if heartbeat:
+            # The thread's CPU time over the span: a figure this machine's step-time noise
+            # cannot hide.
+            figures[True]["thread_cpu_share"].append(
+                heartbeat.cpu_seconds / (time.monotonic() - started))
             heartbeat.close()
             hosts.heartbeat = None
         return figure
@@ -103,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
         return (sent() - before) / (time.monotonic() - started)
 
     step()  # warm-up
-    figures = {True: {"idle_bytes_per_second": [], "step_seconds": []},
+    figures = {True: {"idle_bytes_per_second": [], "step_seconds": [], "thread_cpu_share": []},
                False: {"idle_bytes_per_second": [], "step_seconds": []}}
     for round_ in range(args.idle_rounds):
         for on in ((True, False) if round_ % 2 == 0 else (False, True)):
@@ -156,6 +161,10 @@ def main(argv=None) -> int:
         "step_seconds_off_median": statistics.median(off),
         "step_ratio_on_over_off_median": statistics.median(ratios),
         "step_ratio_on_over_off_range": [min(ratios), max(ratios)],
+        "heartbeat_thread_cpu_percent_of_a_core": {
+            "median": 100 * statistics.median(
+                share for r in by_rank for share in r["on"]["thread_cpu_share"]),
+            "max": 100 * max(share for r in by_rank for share in r["on"]["thread_cpu_share"])},
         "by_rank": by_rank,
     }
     atomic_write_json(Path(args.output), result)

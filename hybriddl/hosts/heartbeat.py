@@ -48,6 +48,7 @@ class Heartbeat:
         self._sends: dict[int, object] = {}
         self._stopping = threading.Event()
         self.beats_sent = 0
+        self.cpu_seconds = 0.0  # this thread's own CPU time: what it takes from training
         self._thread = threading.Thread(target=self._run, name="hybriddl-heartbeat", daemon=True)
         self._thread.start()
 
@@ -61,8 +62,10 @@ class Heartbeat:
 
     def _run(self) -> None:
         next_beat = 0.0
+        started = time.thread_time()
         try:
             while not self._stopping.wait(POLL_SECONDS):
+                self.cpu_seconds = time.thread_time() - started
                 now = time.monotonic()
                 for peer in self.peers:
                     if peer not in self._failed:
