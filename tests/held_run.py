@@ -9,6 +9,7 @@ As a script (`python held_run.py PAUSED GO N WHERE hybriddl-args...`) it runs
                 (the background writer is held; training goes on until it must wait);
   step          at the start of an optimizer step (the sequential strategy's), once the
                 checkpoints begun before it are on disk;
+  any-step      the same, at the trainer's optimizer step, whatever the strategy;
   prepare       before the run is prepared (data loaded, strategy picked), as a host
                 building a data cache or tuning is.
 So a test signals or kills a run at a known step without sleeping or timing anything.
@@ -152,6 +153,9 @@ def _main(argv: list[str]) -> int:
     elif where == "step":
         _hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients", pause_at,
                       hold)
+    elif where == "any-step":
+        import hybriddl.run.trainer
+        _hold_at_call(hybriddl.run.trainer, "optimizer_step", pause_at, hold)
     else:
         raise SystemExit(f"held_run.py: unknown WHERE {where!r}")
     return main(argv[4:])

@@ -116,6 +116,31 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
     assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
+# Strategies with workers of their own (threads or processes): a run killed in the middle of
+# an epoch under any of them resumes to the uninterrupted sequential run, default dropout.
+# (layerwise needs a features/classifier model, which these tests' SqueezeNet is not; its
+# exactness with default dropout is tests/test_layerwise.py's.)
+KILLED_UNDER = [name for name in ("intraop", "threads", "processes") if name in STRATEGIES]
+
+
+@pytest.mark.parametrize("strategy", KILLED_UNDER)
+def test_sigkill_mid_epoch_under_each_cpu_strategy_resumes_to_the_uninterrupted_run(
+        strategy, images, tmp_path, uninterrupted, capsys):
+    run_dir = tmp_path / "run"
+    flags = ("--strategy", strategy, "--workers", "2", "--oversubscribe")
+    # Held at the start of epoch 2's second step: one step past the last checkpoint.
+    child = Held(tmp_path, train_args(images, run_dir, None, *flags),
+                 pause_at=STEPS_PER_EPOCH + 2, where="any-step")
+    child.process.kill()
+    assert child.finish()[0] == -signal.SIGKILL
+    assert checkpoint.load(run_dir).position == Position(epoch=1, step=0,
+                                                         steps_done=STEPS_PER_EPOCH)
+    assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    assert json.loads((run_dir / METRICS).read_text())["config"]["strategy"]["name"] == strategy
+    assert max_abs_difference(final_parameters(run_dir),
+                              final_parameters(uninterrupted(None))) <= 1e-5
+
+
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path, uninterrupted,
                                                                 capsys):
     run_dir = tmp_path / "run"
