@@ -232,7 +232,7 @@ def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]
     """A `train --strategy processes` child, once its two local workers are running."""
     command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
                "--workers", "3", "--oversubscribe", "--usecase", "ComplexSmall",
-               "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
+               "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
     master = subprocess.Popen(command, env=hybriddl_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(master.pid)
