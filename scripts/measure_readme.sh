@@ -35,6 +35,26 @@ $PY scripts/bench_mpi.py --usecase ComplexSmall --image-size 64 --output $out/be
 step "heartbeat between hosts: NIC bytes and step time, on and off (2 emulated hosts, needs root)"
 $PY scripts/bench_heartbeat.py --output $out/bench_heartbeat.json
 
+step "keyed dropout's cost"
+$PY scripts/bench_dropout.py --rounds 9 --output $out/dropout_cost.json
+
+step "averaging on 2, 4, 8 emulated hosts at 1 Gbit/s, float32 and fp16 (needs root)"
+$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit --mib 64 --compression none fp16 \
+    --rounds 2 --repeats 5 --output $out/allreduce-1gbit.json
+
+step "strong scaling: compute at each host's share, communication on emulated hosts (needs root)"
+$PY scripts/scaling.py compute --image-size 64 --batch-size 64 --rounds 2 --steps 2 \
+    --output $out/scaling-compute-64px.json
+for rate in 1gbit 10gbit; do
+  $PY scripts/scaling.py communication --usecase SimpleBig --hosts 1 2 4 --bandwidth $rate \
+      --memory-fraction 0.25 --output $out/scaling-communication-$rate.json
+done
+$PY scripts/scaling.py communication --usecase ComplexSmall --hosts 1 2 --bandwidth 1gbit 10gbit \
+    --memory-fraction 0.25 --output $out/scaling-communication-ComplexSmall.json
+$PY scripts/scaling.py table $out/scaling-compute-64px.json $out/scaling-communication-1gbit.json \
+    $out/scaling-communication-10gbit.json $out/scaling-communication-ComplexSmall.json \
+    --output $out/scaling-64px.json
+
 step "monitor overhead"
 $PY scripts/bench_monitor.py --usecase ComplexSmall --image-size 64 --output $out/bench_monitor.json
 
