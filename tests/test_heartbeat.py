@@ -113,11 +113,14 @@ def lose_a_host(tmp_path: Path, fault) -> tuple[str, int, float, float]:
                                  for r in ranks.values()), "end of every rank", 60, mpirun,
                  output)
             exited = time.monotonic() - faulted
-            named = (output.first(lost) or time.monotonic() + 60) - faulted
             # Every rank has ended, but mpirun (PRRTE) waits for the cut-off host's daemon
             # to report its rank gone: the cable is plugged back for it (no-op otherwise).
             launcher.cluster.set_link(1, up=True)
             code = mpirun.wait(timeout=30)
+            # Read to the end first: mpirun forwards a rank's line with a delay, so it may
+            # arrive after the ranks ended; each line keeps the time it arrived.
+            output.text
+            named = (output.first(lost) or time.monotonic() + 60) - faulted
             _, alive = psutil.wait_procs(everything, timeout=10)
             assert alive == [], f"outlived mpirun: {alive}"
         finally:
