@@ -46,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ranks on each host (default: 1, the hybrid; 2: Horovod's model "
                              "with K = 2 workers per host)")
     parser.add_argument("--bandwidth", nargs="+", default=[None],
-                        help="every link's rate, e.g. 1gbit (several: each is measured; "
-                             "default: no limit, no bound)")
+                        help="every link's rate, e.g. 1gbit, or none for no limit (several: "
+                             "each is measured; default: none, which has no bound)")
     parser.add_argument("--latency", help="one-way delay added per link, e.g. 0.1ms")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--mib", type=float, help="gradient size in MiB")
@@ -62,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # set when run under mpirun
     args = parser.parse_args(argv)
+    args.bandwidth = [None if b in (None, "none") else b for b in args.bandwidth]
     args.size = args.bytes if args.bytes is not None else int(args.mib * 2**20) // 4 * 4
     return args
 

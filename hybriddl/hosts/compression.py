@@ -1,7 +1,7 @@
 """What gradients look like on the wire between hosts (Horovod's `Compression` idea).
 
 A compression is a small object, chosen once per run, that turns a fused gradient
-buffer into the buffer handed to MPI and back. The averaging code never branches on
+buffer into the buffer handed to MPI, names how MPI sums it, and turns the sum back. The averaging code never branches on
 which one it holds.
 """
 
@@ -11,11 +11,9 @@ import torch
 
 
 class NoCompression:
-    """Gradients travel in their own precision; the fusion buffer is sent in place."""
+    """Gradients travel in their own precision: the fusion buffer itself is sent."""
 
     name = "none"
-    # MPI sums the wire buffers itself (one allreduce).
-    sum_dtype = None
 
     def wire_buffer(self, flat: torch.Tensor) -> torch.Tensor:
         return flat
@@ -23,8 +21,13 @@ class NoCompression:
     def compress(self, flat: torch.Tensor, wire: torch.Tensor) -> None:
         """`wire` is `flat`: nothing to do."""
 
-    def decompress(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
-        """`flat` already holds the sum."""
+    def decompress(self, summed: torch.Tensor, flat: torch.Tensor) -> None:
+        flat.copy_(summed)
+
+    def mpi_sum(self, MPI):
+        """(datatype, op) that MPI sums the wire with; datatype None: MPI reads the
+        buffer's own type (float32)."""
+        return None, MPI.SUM
 
 
 class FP16Compression:
@@ -33,16 +36,17 @@ class FP16Compression:
     Hosts contribute n_h/N * g_h (already the share of the mean), so the summed
     values stay in gradient range and far from float16's 65504 ceiling.
 
-    The sum is taken in float32, not by MPI: Open MPI adds float16 in a software loop
-    (10 s per VGG16 step here), so each host receives every host's float16 copy of its
-    1/H slice, adds them in float32 with torch, and hands back its slice in float16
-    (a reduce-scatter and an allgather, as a ring allreduce does). Each element is rounded
-    to float16 twice: once per host contribution, once after the sum, so the average is
-    within about 2**-10 * sum_h |n_h/N * g_h| of float32's.
+    MPI sums the float16 buffers itself, in the same ring allreduce as float32, through a
+    user-defined operation: float16 has no standard MPI datatype, and Open MPI's own
+    float16 loop is slow (10 s per VGG16 step here), so the wire is a 2-byte datatype and
+    each addition is torch's float16 add (computed in float32, rounded once). Measured on
+    emulated hosts, 64 MiB: 2 hosts without a limit 0.060 s against float32's 0.084 s;
+    8 hosts at 1 Gbit/s 0.67 s against 1.17 s. A ring adds one host's contribution at
+    a time, so each element is rounded H times (each contribution once, then each
+    partial sum): the average is within about H * 2**-11 * sum_h |n_h/N * g_h| of float32's.
     """
 
     name = "fp16"
-    sum_dtype = torch.float32
 
     def wire_buffer(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(flat.shape, dtype=torch.float16)
@@ -50,8 +54,21 @@ class FP16Compression:
     def compress(self, flat: torch.Tensor, wire: torch.Tensor) -> None:
         wire.copy_(flat)
 
-    def decompress(self, wire: torch.Tensor, flat: torch.Tensor) -> None:
-        flat.copy_(wire)
+    def decompress(self, summed: torch.Tensor, flat: torch.Tensor) -> None:
+        flat.copy_(summed)
+
+    def mpi_sum(self, MPI):
+        if not hasattr(self, "_mpi"):  # MPI objects live as long as the process
+            half = MPI.BYTE.Create_contiguous(2).Commit()
+            self._mpi = half, MPI.Op.Create(_add_float16, commute=True)
+        return self._mpi
+
+
+def _add_float16(incoming, inout, datatype) -> None:
+    """MPI's reduction callback: inout += incoming, both float16 bytes."""
+    if len(incoming):
+        torch.frombuffer(inout, dtype=torch.float16).add_(
+            torch.frombuffer(incoming, dtype=torch.float16))
 
 
 class Compression:

@@ -151,10 +151,7 @@ class MPIHosts(Hosts):
         self.timeout = timeout
         self.overlap = overlap
         self.compression = compression
-        # Measured on 4 emulated hosts at 1 Gbit/s, 64 MiB float32: libnbc's ring
-        # Iallreduce 1.06 s, slices by Ialltoallv + torch sum + Iallgatherv 1.07 s (bound
-        # 0.81 s): float32 keeps the one call; float16 needs the sum outside MPI.
-        self._mpi_sums = compression.sum_dtype is None
+        self._wire_type, self._sum = compression.mpi_sum(MPI)
         self.bucket_bytes = bucket_bytes
         self.thread_level = MPI.Query_thread()
         self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -430,63 +427,28 @@ class MPIHosts(Hosts):
         # Out of place: measured on 4 emulated hosts at 1 Gbit/s, Open MPI's in-place
         # Iallreduce sent 2S from two hosts and S from the others (2.8x slower); with a
         # receive buffer every host sends 2(H-1)/H*S, as a ring allreduce does.
+        received = self._received.get(bucket.index)
+        if received is None:
+            received = self._received[bucket.index] = torch.empty_like(bucket.wire)
+        # Several pieces in flight: libnbc's ring waits for every step of one allreduce
+        # before the next, and another piece's transfer fills that gap. Measured on 4
+        # emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s, 8 MiB pieces 0.932 s
+        # (bound 0.805 s); with another job on the machine 1.04 s against 1.73 s.
+        wire, out = _as_mpi(bucket.wire), _as_mpi(received)
+        n = wire.size
+        pieces = max(1, round(bucket.wire.nbytes / PIECE_BYTES))
+        cuts = [i * n // pieces for i in range(pieces + 1)]
         try:
-            if self._mpi_sums:
-                received = self._received.get(bucket.index)
-                if received is None:
-                    received = self._received[bucket.index] = torch.empty_like(bucket.wire)
-                # Several pieces in flight: libnbc's ring waits for every step of one
-                # allreduce before the next, and another piece's transfer fills that gap.
-                # Measured on 4 emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s,
-                # 8 MiB pieces 0.932 s (bound 0.805 s); with another job on the machine
-                # 1.04 s against 1.73 s.
-                wire, out = bucket.wire.numpy(), received.numpy()
-                n = wire.size
-                pieces = max(1, round(bucket.wire.nbytes / PIECE_BYTES))
-                cuts = [i * n // pieces for i in range(pieces + 1)]
-                requests = [self.comm.Iallreduce(wire[a:b], out[a:b], self.MPI.SUM)
-                            for a, b in zip(cuts, cuts[1:])]
-            else:
-                requests = [self._scatter_slices(bucket)]
+            requests = [self.comm.Iallreduce(self._typed(wire[a:b]), self._typed(out[a:b]),
+                                             self._sum)
+                        for a, b in zip(cuts, cuts[1:])]
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
         self._requests.extend(requests)
         self.traffic.sent(bucket.wire.nbytes)
 
-    def _slices(self, bucket) -> tuple[list[int], list[int]]:
-        """Each host's slice of a bucket: element counts and offsets."""
-        n, h = bucket.wire.numel(), self.size
-        offsets = [i * n // h for i in range(h + 1)]
-        return [offsets[i + 1] - offsets[i] for i in range(h)], offsets[:-1]
-
-    def _scatter_slices(self, bucket):
-        """First half of a sum taken outside MPI: host i receives every host's slice i."""
-        counts, offsets = self._slices(bucket)
-        mine = counts[self.rank]
-        received = self._received.get(bucket.index)
-        if received is None:
-            received = self._received[bucket.index] = torch.empty(
-                self.size * mine, dtype=bucket.wire.dtype)
-        # Only bytes move, so MPI never needs to know the wire type (float16 has no
-        # standard MPI datatype).
-        return self.comm.Ialltoallv(
-            [_as_bytes(bucket.wire), ([c * bucket.wire.element_size() for c in counts],
-                                      [o * bucket.wire.element_size() for o in offsets])],
-            [_as_bytes(received), ([mine * bucket.wire.element_size()] * self.size,
-                                   [i * mine * bucket.wire.element_size()
-                                    for i in range(self.size)])])
-
-    def _gather_sums(self, bucket, sums: list):
-        """Second half: add the slices received in `sum_dtype`, send the sum to everyone."""
-        counts, offsets = self._slices(bucket)
-        mine = counts[self.rank]
-        parts = self._received[bucket.index].view(self.size, mine)
-        total = parts.to(self.compression.sum_dtype).sum(0).to(bucket.wire.dtype)
-        sums.append(total)
-        size = bucket.wire.element_size()
-        return self.comm.Iallgatherv(
-            _as_bytes(total), [_as_bytes(bucket.wire), ([c * size for c in counts],
-                                                        [o * size for o in offsets])])
+    def _typed(self, array: np.ndarray):
+        return array if self._wire_type is None else [array, self._wire_type]
 
     def _average(self, share) -> None:
         if self._progress:
@@ -495,25 +457,11 @@ class MPIHosts(Hosts):
             self._post(bucket)
         self._next_to_post = len(self.buckets.buckets)
         try:
-            if self._mpi_sums:
-                self._wait(self._requests, "averaging gradients")
-            else:
-                # Buckets' slices are summed in order as they arrive, each sum leaving
-                # while the next bucket's slices are still on the way.
-                gathers, sums = [], []  # each sum must outlive its request
-                for bucket, request in zip(self.buckets.buckets, self._requests):
-                    self._wait([request], "averaging gradients")
-                    try:
-                        gathers.append(self._gather_sums(bucket, sums))
-                    except self.MPI.Exception as exc:
-                        raise self._failure(exc, "averaging gradients") from None
-                self._wait(gathers, "averaging gradients")
+            self._wait(self._requests, "averaging gradients")
         finally:
             self._armed = False
         for bucket in self.buckets.buckets:
-            if self._mpi_sums:
-                bucket.wire.copy_(self._received[bucket.index])
-            self.compression.decompress(bucket.wire, bucket.flat)
+            self.compression.decompress(self._received[bucket.index], bucket.flat)
             self.buckets.scatter(bucket)
 
     def _disarm(self) -> None:
@@ -539,9 +487,9 @@ class MPIHosts(Hosts):
         self.comm.Abort(exit_code)
 
 
-def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor as the uint8 array MPI reads or writes in place."""
-    return tensor.view(torch.uint8).numpy()
+def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as the array MPI reads or writes in place."""
+    return tensor.numpy()
 
 
 def _launcher_cores() -> list[int]:
