@@ -1,9 +1,9 @@
 """Gradient averaging on H emulated hosts: seconds and per-host NIC bytes against the bound.
 
     sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 4 --bandwidth 1gbit \
-        --mib 64 --output results/bench_allreduce-4.json
-    sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit \
-        --mib 64 --compression none fp16 --rounds 3 --output results/allreduce-1gbit.json
+        --mib 64 --output /tmp/allreduce-4.json
+    sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit \
+        --mib 64 --compression none fp16 --rounds 2 --output results/allreduce-1gbit-10gbit.json
 
 Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpirun, i.e.
 `MPIHosts.averaging` with the trainer's default fusion buckets) on H emulated

@@ -38,9 +38,13 @@ $PY scripts/bench_heartbeat.py --output $out/bench_heartbeat.json
 step "keyed dropout's cost"
 $PY scripts/bench_dropout.py --rounds 9 --output $out/dropout_cost.json
 
-step "averaging on 2, 4, 8 emulated hosts at 1 Gbit/s, float32 and fp16 (needs root)"
-$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit --mib 64 --compression none fp16 \
-    --rounds 2 --repeats 5 --output $out/allreduce-1gbit.json
+step "averaging on 2 emulated hosts without a limit, float32 and fp16 (needs root)"
+$PY scripts/bench_allreduce.py --hosts 2 --bandwidth none --mib 64 --compression none fp16 \
+    --rounds 3 --repeats 5 --output $out/allreduce-2-nolimit.json
+
+step "averaging on 2, 4, 8 emulated hosts at 1 and 10 Gbit/s, float32 and fp16 (needs root)"
+$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit --mib 64 \
+    --compression none fp16 --rounds 2 --repeats 5 --output $out/allreduce-1gbit-10gbit.json
 
 step "strong scaling: compute at each host's share, communication on emulated hosts (needs root)"
 $PY scripts/scaling.py compute --image-size 64 --batch-size 64 --rounds 2 --steps 2 \
