@@ -17,7 +17,9 @@ from torch import nn
 from held_run import Held, wait_for
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Position, stage
+from hybriddl.hosts.cluster import SingleHost
+from hybriddl.run.checkpoint import Checkpoint, Checkpointer, EpochProgress, Position, stage
+from hybriddl.run.shutdown import StopRequest
 from hybriddl.cli import main
 from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
 
@@ -116,3 +118,32 @@ def test_staged_state_is_a_copy_and_reuses_its_buffers():
     momentum = second["optimizer"]["state"][0]["momentum_buffer"]
     assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
     assert second["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_staging_buffers_are_made_beside_the_first_step_and_the_checkpoint_copies_into_them(
+        tmp_path):
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    about = {"config": {}, "identity": {}, "strategy": {}}
+    with Checkpointer(tmp_path, SingleHost(), StopRequest(), model, optimizer,
+                      {"epochs": []}, about) as keeper:
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        keeper.step_done(EpochProgress())
+        prepared = keeper._preparing.result()  # made on the writer thread
+        assert all(not v.any() for v in prepared["model"].values())
+        buffers = {k: v.data_ptr() for k, v in prepared["model"].items()}
+        keeper.save(EpochProgress())
+        staged = keeper._staging["model"]
+        assert {k: v.data_ptr() for k, v in staged.items()} == buffers
+        assert all(torch.equal(staged[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(checkpoint.load(tmp_path).model["weight"], model.weight.detach())
+
+
+def test_the_payload_holds_the_staged_tensors_themselves_not_copies():
+    staged = {"weight": torch.ones(4)}
+    payload = Checkpoint(config={}, identity={}, position=Position(), progress=EpochProgress(),
+                         model=staged, optimizer={}, rng={}, metrics={},
+                         strategy={}).to_payload()
+    assert payload["model"]["weight"] is staged["weight"]
+    assert payload["position"] == {"epoch": 0, "step": 0, "steps_done": 0}
