@@ -110,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
     seconds = [average() for _ in range(args.repeats)]
     cpu, wall = sum(me.cpu_times()[:2]) - cpu, time.perf_counter() - wall
     machine_after = psutil.cpu_times()
-    busy = 1 - (machine_after.idle - machine.idle) / (sum(machine_after) - sum(machine))
+    ticks = sum(machine_after) - sum(machine)  # 0 when the repeats took under one clock tick
+    busy = 1 - (machine_after.idle - machine.idle) / ticks if ticks > 0 else None
     sent = (psutil.net_io_counters(pernic=True)[NIC].bytes_sent - before) / args.repeats
     everyone = hosts.allgather((seconds, sent, cpu / wall))
     if hosts.rank == 0:
@@ -119,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
             "seconds": [max(s[i] for s, _, _ in everyone) for i in range(args.repeats)],
             "rank_nic_bytes_sent": [round(b) for _, b, _ in everyone],
             "rank_cpu_fraction": [round(c, 3) for _, _, c in everyone],
-            "machine_cpu_busy_fraction": round(busy, 3)}))
+            "machine_cpu_busy_fraction": None if busy is None else round(busy, 3)}))
     hosts.close()
 
 
@@ -182,8 +183,9 @@ def merge(runs: list[dict]) -> dict:
     result["host_nic_bytes_theory"] = first["host_nic_bytes_theory"]
     result["rank_cpu_fraction"] = [round(statistics.median(c), 3) for c in
                                    zip(*(run["rank_cpu_fraction"] for run in runs))]
-    result["machine_cpu_busy_fraction"] = statistics.median(
-        run["machine_cpu_busy_fraction"] for run in runs)
+    busy = [run["machine_cpu_busy_fraction"] for run in runs
+            if run["machine_cpu_busy_fraction"] is not None]
+    result["machine_cpu_busy_fraction"] = statistics.median(busy) if busy else None
     result.update(latency=first["latency"], seconds_repeats=seconds,
                   rounds=len(runs), emulation_notes=first["emulation_notes"])
     return result
@@ -200,10 +202,12 @@ def table_row(r: dict) -> str:
     ratio = f"{r['ratio_to_bound']:.2f}×" if r["ratio_to_bound"] else "—"
     low, high = r["seconds_spread"]
     payload = "float16" if r["compression"] == "fp16" else "float32"
+    busy = r["machine_cpu_busy_fraction"]
+    busy = "—" if busy is None else f"{busy:.0%}"
     return (f"| {r['hosts']} | {r['ranks_per_host']} | {link} | {payload} | {r['seconds']:.3f} "
             f"| {low:.3f}–{high:.3f} | {bound} | {ratio} | {sent_text} "
             f"| {r['host_nic_bytes_theory'][0] / 2**20:.1f} "
-            f"| {r['machine_cpu_busy_fraction']:.0%} |")
+            f"| {busy} |")
 
 
 TABLE_HEADER = ("| H | ranks per host | link | payload | seconds | spread | bound | × bound "
