@@ -76,3 +76,12 @@ step "main job"
 $PY -m hybriddl train --usecase ComplexSmall --image-size 64 --epochs 5 --profile-dir profiles --run-dir $out/main-job 2>&1 | tee $out/main-job.log
 $PY -m hybriddl report $out/main-job --output $out/main-job-report
 rm -f $out/main-job/model.pt $out/main-job/checkpoint.pt  # 0.5 GB and 1 GB: not results
+
+step "main job with bf16 (accuracy against the fp32 run above)"
+$PY -m hybriddl train --usecase ComplexSmall --image-size 64 --epochs 5 --precision bf16 \
+    --strategy intraop --workers 2 --run-dir $out/main-job-bf16 2>&1 | tee $out/main-job-bf16.log
+rm -f $out/main-job-bf16/model.pt $out/main-job-bf16/checkpoint.pt
+
+step "the training pause for a VGG16 checkpoint"
+$PY scripts/bench_checkpoint.py --usecase ComplexSmall --image-size 32 --rounds 3 \
+    --output $out/checkpoint_pause.json
