@@ -124,18 +124,10 @@ def worker(args: argparse.Namespace) -> None:
     hosts.close()
 
 
-def nic_theory(hosts: int, ranks_per_host: int, wire: int, compression: str) -> float:
-    """Bytes each host's NIC sends for one averaging (see the module's docstring)."""
-    if hosts == 1:
-        return 0.0
-    # float32 and float16 alike go through one ring allreduce of the wire buffer.
-    p = hosts * ranks_per_host
-    return 2 * (p - 1) / p * wire
-
-
 def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression: str = "none",
             repeats: int = 5, ranks_per_host: int = 1, latency: str | None = None) -> dict:
     """One run of the trainer's averaging of `size` bytes on `hosts` emulated hosts."""
+    from hybriddl.compare.compare import host_nic_theory
     from hybriddl.emulation import EmulatedHosts
 
     with EmulatedHosts(hosts=hosts, bandwidth=bandwidth, latency=latency) as cluster:
@@ -154,7 +146,9 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
         measured = json.loads(figures.read_text())
         rate, notes = cluster.rate, cluster.notes
     wire = size // 2 if compression == "fp16" else size
-    theory = nic_theory(hosts, ranks_per_host, wire, compression)
+    # float32 and float16 alike go through one ring allreduce of the wire buffer; on one
+    # host nothing leaves it.
+    theory = host_nic_theory("ring", wire, hosts, hosts * ranks_per_host) if hosts > 1 else 0.0
     # Rank r runs on host r // K; its K ranks read the same NIC.
     per_host = measured["rank_nic_bytes_sent"][::ranks_per_host]
     return {"hosts": hosts, "ranks_per_host": ranks_per_host,
