@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="interleaved rounds, for the tune and the "
                         "re-measure (default: the profile's, else 3)")
     parser.add_argument("--second-look", type=int, default=tuner.SECOND_LOOK_ROUNDS,
-                        metavar="ROUNDS", help="the tune's extra rounds for the two fastest "
+                        metavar="ROUNDS", help="the tune's extra rounds for the fastest "
                         f"(default: {tuner.SECOND_LOOK_ROUNDS})")
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="how much slower than the fastest the pick may be (default: 0.05)")

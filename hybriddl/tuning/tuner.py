@@ -11,9 +11,12 @@ Noise: on a shared machine one step can be 15-20 % off its neighbours, and the l
 over minutes, so one pass per candidate picks noise. The tuner visits the candidates in
 interleaved rounds (A B C A B C ...), so drift hits every candidate alike; each visit is
 warm-up then timed steps, its figure the median of those; a candidate's figure is the
-median of its visits, with the lowest and highest as its spread. The two fastest then
-get a second look (more interleaved rounds, A B A B), and if they are still within the
-noise of each other the one with less peak memory is picked (`select_pick`).
+median of its visits, with the lowest and highest as its spread. The fastest then get a
+second look (more interleaved rounds, A B A B): the two fastest, and with them every
+candidate within SECOND_LOOK_SPAN of the fastest (up to SECOND_LOOK_MOST), since a real
+winner within the noise of a lucky one may rank third after three rounds. If the two
+fastest are still within the noise of each other after that, the one with less peak
+memory is picked (`select_pick`).
 
 Budget: in the first round every candidate gets an equal share of what is left of the
 budget. After each step the tuner predicts the next from the fastest step so far; a visit
@@ -52,9 +55,13 @@ BASELINE = StrategySpec(Sequential.name)  # one CPU core: the paper's reference
 AUTO_BUDGET_SECONDS = 120.0
 AUTO_TIMED_STEPS = 1
 AUTO_ROUNDS = 3
-# Interleaved rounds of `hybriddl tune`, and the extra rounds for the two fastest.
+# Interleaved rounds of `hybriddl tune`, and the extra rounds for the fastest: the two
+# fastest and every other candidate within SECOND_LOOK_SPAN of the fastest, at most
+# SECOND_LOOK_MOST of them (one step here wanders 15-20 %, so a 3-round median ~10 %).
 TUNE_ROUNDS = 3
 SECOND_LOOK_ROUNDS = 2
+SECOND_LOOK_SPAN = 0.10
+SECOND_LOOK_MOST = 4
 # A runner-up within this much of the fastest, and within the noise, ties with it; kept
 # below check_tune's 5 % so a tie never costs more than the check allows.
 TIE_TOLERANCE = 0.03
@@ -116,7 +123,8 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
 
     Round r visits every candidate still in the race once (A B C A B C ...): a visit is
     `warmup` steps then up to `steps` timed ones, and its figure is the median of its timed
-    steps. Then `second_look` more interleaved rounds visit only the two fastest by median.
+    steps. Then `second_look` more interleaved rounds visit only the fastest by median
+    (`second_look_group`).
     A candidate's seconds per step is the median of its visits' figures; the lowest and
     highest visit figures are its spread.
     """
@@ -155,11 +163,12 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
             break
         fitted = number
     if fitted == rounds:
-        top_two = sorted((i for i in everyone if states[i].in_race and states[i].figures),
-                         key=lambda i: statistics.median(states[i].figures))[:2]
+        fastest = second_look_group(
+            {i: statistics.median(states[i].figures) for i in everyone
+             if states[i].in_race and states[i].figures})
         for number in range(rounds + 1, rounds + second_look + 1):
-            if not run_round(number, top_two, True):
-                for index in top_two:
+            if not run_round(number, fastest, True):
+                for index in fastest:
                     states[index].notes.append(f"second look cut to {number - rounds - 1} of "
                                                f"{second_look} rounds by the budget")
                 break
@@ -172,6 +181,17 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
         observer.on_candidate_end(index, result)
     add_speedups(results)
     return results
+
+
+def second_look_group(medians: dict[int, float]) -> list[int]:
+    """Who gets the second look: the two fastest, and every candidate within
+    SECOND_LOOK_SPAN of the fastest, at most SECOND_LOOK_MOST, in their original order."""
+    ranked = sorted(medians, key=medians.get)
+    if not ranked:
+        return []
+    limit = medians[ranked[0]] * (1 + SECOND_LOOK_SPAN)
+    chosen = [i for n, i in enumerate(ranked[:SECOND_LOOK_MOST]) if n < 2 or medians[i] <= limit]
+    return sorted(chosen)
 
 
 @dataclass
