@@ -10,12 +10,16 @@ Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpiru
 hosts, --ranks-per-host ranks each (1: the hybrid; K > 1: Horovod's model, a ring over
 H*K ranks placed K per host), every link limited to --bandwidth. The gradient is one
 float32 tensor of --mib MiB, averaged once to warm up, then --repeats times, each between
-two barriers. Each rank reads its own host's NIC (`eth0` in its namespace) before and
+two barriers. With --overlap on it is 16 equal parameters and each repeat starts with
+their backward (an elementwise product, cheap next to the transfer): the trainer's
+--overlap hooks post each fusion bucket as soon as backward has filled it, and its
+progress thread moves the transfers while backward runs. With --parts P each repeat is P
+averagings of S/P bytes back to back (P times less memory per rank, the same bytes). Each rank reads its own host's NIC (`eth0` in its namespace) before and
 after the repeats, so the bytes are what crossed the network for the allreduces alone
 (TCP/IP headers included; veth carries up to 64 KiB segments, so they add well under 1 %).
-With several hosts counts, bandwidths or compressions, every combination is measured once
-per round, rounds interleaved; seconds is the median of all its timed repeats, spread
-their lowest and highest. CPU: each rank's CPU seconds over the repeats against their wall
+With several hosts counts, bandwidths, compressions or overlap settings, every
+combination is measured once per round, rounds interleaved; seconds is the median of all
+its timed repeats, spread their lowest and highest. CPU: each rank's CPU seconds over the repeats against their wall
 time, and the whole machine's busy fraction meanwhile (every emulated host shares it).
 
 Theory: a ring (or reduce-scatter + allgather) allreduce over P = H*K ranks sends
@@ -55,6 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compression", choices=("none", "fp16"), nargs="+", default=["none"],
                         help="what travels: float32 (none) or float16 (the trainer's "
                              "--fp16-allreduce); several: each is measured; default none")
+    parser.add_argument("--parts", type=int, default=1,
+                        help="average the gradient as P back-to-back averagings of S/P bytes "
+                             "each, timed together, so that P times less memory is held "
+                             "(default: 1, the whole gradient at once)")
+    parser.add_argument("--overlap", choices=("off", "on"), nargs="+", default=["off"],
+                        help="on: the trainer's --overlap, the gradient is 16 parameters "
+                             "whose backward posts each fusion bucket as soon as it is full "
+                             "(timed from the start of backward); several: each is measured; "
+                             "default off")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed allreduces per round (default: 5)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -65,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.bandwidth = [None if b in (None, "none") else b for b in args.bandwidth]
     args.size = args.bytes if args.bytes is not None else int(args.mib * 2**20) // 4 * 4
     return args
+
+
+# With --overlap the gradient is this many equal parameters (AlexNet has 16, VGG16 32).
+OVERLAP_TENSORS = 16
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -78,22 +95,40 @@ def worker(args: argparse.Namespace) -> None:
     from hybriddl.hosts.compression import Compression
     from hybriddl.emulation.hosts import NIC
 
-    hosts = connect(compression=getattr(Compression, args.compression[0]))
-    model = nn.Module()
-    # The parameter's values are never read: one stored zero keeps memory to the buckets
-    # (a VGG16-sized gradient on 8 ranks of one machine).
-    model.gradient = nn.Parameter(torch.zeros(1).expand(args.size // 4))
-    hosts.attach(model)  # .grad becomes a view into the fusion bucket
-    gradient = model.gradient.grad
+    overlap = args.overlap[0] == "on"
+    hosts = connect(overlap=overlap, compression=getattr(Compression, args.compression[0]))
+    model = nn.ParameterList()
+    elements = args.size // args.parts // 4
+    tensors = OVERLAP_TENSORS if overlap else 1
+    cuts = [i * elements // tensors for i in range(tensors + 1)]
+    for a, b in zip(cuts, cuts[1:]):
+        # The parameters' values are never read: one stored zero keeps memory to the
+        # buckets (a VGG16-sized gradient on 8 ranks of one machine).
+        model.append(nn.Parameter(torch.zeros(1).expand(b - a)))
+    hosts.attach(model, gradient_hooks=overlap)  # .grad: views into the fusion buckets
+    gradients = [p.grad for p in model]
+    mine = torch.tensor(float(hosts.rank + 1))
     # Each host holds one sample of a global batch of H: it sends 1/H of its gradient.
     share = hosts.share(epoch_batches(hosts.size, hosts.size, seed=0, epoch=0)[0])
 
+    def average_one_part() -> None:
+        with hosts.averaging(share) as average_over_hosts:
+            if overlap:
+                # The gradient of each parameter is `mine`, accumulated into its (zeroed)
+                # view by backward, whose hooks post every bucket as soon as it is full.
+                sum((p * mine).sum() for p in model).backward()
+            average_over_hosts(1)
+
     def average() -> float:
-        gradient.fill_(float(hosts.rank + 1))
+        for gradient in gradients:
+            gradient.zero_() if overlap else gradient.fill_(mine)
         hosts.barrier()
         started = time.perf_counter()
-        with hosts.averaging(share) as average_over_hosts:
-            average_over_hosts(1)
+        for part in range(args.parts):
+            if part and overlap:
+                for gradient in gradients:
+                    gradient.zero_()
+            average_one_part()
         hosts.barrier()
         return time.perf_counter() - started
 
@@ -101,9 +136,11 @@ def worker(args: argparse.Namespace) -> None:
     expected = (hosts.size + 1) / 2
     # float16 rounds each contribution and each partial sum of the ring: H times 2**-11.
     tolerance = hosts.size * 2**-11 if args.compression[0] == "fp16" else 1e-5
-    if not torch.allclose(model.gradient.grad, torch.full_like(gradient, expected),
-                          rtol=tolerance):
+    if not all(torch.allclose(p.grad, torch.full_like(p.grad, expected), rtol=tolerance)
+               for p in model):
         raise SystemExit(f"rank {hosts.rank}: the average is wrong")
+    if overlap and hosts.traffic.buckets_sent_in_backward == 0:
+        raise SystemExit(f"rank {hosts.rank}: --overlap sent no bucket during backward")
     me = psutil.Process()
     before = psutil.net_io_counters(pernic=True)[NIC].bytes_sent
     cpu, machine, wall = sum(me.cpu_times()[:2]), psutil.cpu_times(), time.perf_counter()
@@ -125,8 +162,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression: str = "none",
-            repeats: int = 5, ranks_per_host: int = 1, latency: str | None = None) -> dict:
-    """One run of the trainer's averaging of `size` bytes on `hosts` emulated hosts."""
+            repeats: int = 5, ranks_per_host: int = 1, latency: str | None = None,
+            parts: int = 1, overlap: bool = False) -> dict:
+    """One run of the trainer's averaging of `size` bytes on `hosts` emulated hosts.
+
+    With `parts` P > 1 each timed repeat averages P gradients of size/P bytes back to back
+    (P times less memory per rank; the same bytes cross the network)."""
     from hybriddl.compare.compare import host_nic_theory
     from hybriddl.emulation import EmulatedHosts
 
@@ -136,7 +177,9 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         worker_args = ["--hosts", str(hosts), "--bytes", str(size), "--compression",
-                       compression, "--repeats", str(repeats), "--output", os.devnull,
+                       compression, "--repeats", str(repeats), "--parts", str(parts),
+                       "--overlap", "on" if overlap else "off",
+                       "--output", os.devnull,
                        "--worker", str(figures)]
         run = cluster.run([sys.executable, str(Path(__file__).resolve()), *worker_args],
                           ranks_per_host=ranks_per_host, env=env)
@@ -145,6 +188,7 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
                                f"(exit {run.returncode})")
         measured = json.loads(figures.read_text())
         rate, notes = cluster.rate, cluster.notes
+    size = size // parts // 4 * 4 * parts  # what the parts add up to
     wire = size // 2 if compression == "fp16" else size
     # float32 and float16 alike go through one ring allreduce of the wire buffer; on one
     # host nothing leaves it.
@@ -152,7 +196,8 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
     # Rank r runs on host r // K; its K ranks read the same NIC.
     per_host = measured["rank_nic_bytes_sent"][::ranks_per_host]
     return {"hosts": hosts, "ranks_per_host": ranks_per_host,
-            "bandwidth_bits_per_second": rate, "bytes": size, "compression": compression,
+            "bandwidth_bits_per_second": rate, "bytes": size, "parts": parts,
+            "compression": compression, "overlap": overlap,
             "wire_bytes": wire, "seconds_repeats": measured["seconds"],
             "bound_seconds": theory * 8 / rate if rate and theory else None,
             "host_nic_bytes_sent": per_host, "host_nic_bytes_theory": [round(theory)] * hosts,
@@ -166,7 +211,8 @@ def merge(runs: list[dict]) -> dict:
     seconds = [s for run in runs for s in run["seconds_repeats"]]
     first = runs[0]
     result = {key: first[key] for key in ("hosts", "ranks_per_host", "bandwidth_bits_per_second",
-                                          "bytes", "compression", "wire_bytes")}
+                                          "bytes", "parts", "compression", "overlap",
+                                          "wire_bytes")}
     result["seconds"] = statistics.median(seconds)
     result["seconds_spread"] = [min(seconds), max(seconds)]
     result["bound_seconds"] = first["bound_seconds"]
@@ -196,6 +242,8 @@ def table_row(r: dict) -> str:
     ratio = f"{r['ratio_to_bound']:.2f}×" if r["ratio_to_bound"] else "—"
     low, high = r["seconds_spread"]
     payload = "float16" if r["compression"] == "fp16" else "float32"
+    if r.get("overlap"):
+        payload += ", --overlap"
     busy = r["machine_cpu_busy_fraction"]
     busy = "—" if busy is None else f"{busy:.0%}"
     return (f"| {r['hosts']} | {r['ranks_per_host']} | {link} | {payload} | {r['seconds']:.3f} "
@@ -221,16 +269,20 @@ def main(argv=None) -> int:
         print(f"bench_allreduce: --bytes {args.size}: give a positive multiple of 4",
               file=sys.stderr)
         return 2
-    combinations = [(h, b, c) for b in args.bandwidth for h in args.hosts
-                    for c in args.compression]
+    if args.parts < 1 or args.size // args.parts < 4:
+        print(f"bench_allreduce: --parts {args.parts}: give 1 or more, at most the gradient's "
+              "size in float32 elements", file=sys.stderr)
+        return 2
+    combinations = [(h, b, c, o) for b in args.bandwidth for h in args.hosts
+                    for c in args.compression for o in args.overlap]
     runs: dict[tuple, list[dict]] = {combo: [] for combo in combinations}
     try:
         for _ in range(args.rounds):
-            for hosts, bandwidth, compression in combinations:
-                runs[(hosts, bandwidth, compression)].append(measure(
+            for hosts, bandwidth, compression, overlap in combinations:
+                runs[(hosts, bandwidth, compression, overlap)].append(measure(
                     hosts, args.size, bandwidth=bandwidth, compression=compression,
                     repeats=args.repeats, ranks_per_host=args.ranks_per_host,
-                    latency=args.latency))
+                    latency=args.latency, parts=args.parts, overlap=overlap == "on"))
     except UsageError as exc:
         print(f"bench_allreduce: {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,10 @@ step "averaging on 2, 4, 8 emulated hosts at 1 and 10 Gbit/s, float32 and fp16 (
 $PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit --mib 64 \
     --compression none fp16 --rounds 2 --repeats 5 --output $out/allreduce-1gbit-10gbit.json
 
+step "averaging with and without --overlap, 2, 4, 8 emulated hosts at 1 Gbit/s (needs root)"
+$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit --mib 256 --overlap off on \
+    --rounds 2 --repeats 3 --output $out/allreduce-overlap-1gbit.json
+
 step "strong scaling: compute at each host's share, communication on emulated hosts (needs root)"
 $PY scripts/scaling.py compute --image-size 64 --batch-size 64 --rounds 2 --steps 2 \
     --output $out/scaling-compute-64px.json
@@ -55,8 +59,18 @@ for rate in 1gbit 10gbit; do
 done
 $PY scripts/scaling.py communication --usecase ComplexSmall --hosts 1 2 --bandwidth 1gbit 10gbit \
     --memory-fraction 0.25 --output $out/scaling-communication-ComplexSmall.json
+# The cells beyond: 8 and 16 ranks (a gradient in parts where the buffers do not fit).
+$PY scripts/scaling.py communication --usecase SimpleBig --hosts 8 --kind hybrid \
+    --bandwidth 1gbit 10gbit --output $out/scaling-communication-SimpleBig-hybrid-8.json
+$PY scripts/scaling.py communication --usecase SimpleBig --hosts 4 8 --kind flat \
+    --bandwidth 1gbit 10gbit --output $out/scaling-communication-SimpleBig-flat-4-8.json
+$PY scripts/scaling.py communication --usecase ComplexSmall --hosts 4 8 --kind hybrid \
+    --bandwidth 1gbit 10gbit --output $out/scaling-communication-ComplexSmall-hybrid-4-8.json
+$PY scripts/scaling.py communication --usecase ComplexSmall --hosts 2 4 8 --kind flat \
+    --bandwidth 1gbit 10gbit --output $out/scaling-communication-ComplexSmall-flat-2-4-8.json
 $PY scripts/scaling.py table $out/scaling-compute-64px.json $out/scaling-communication-1gbit.json \
     $out/scaling-communication-10gbit.json $out/scaling-communication-ComplexSmall.json \
+    $out/scaling-communication-SimpleBig-*.json $out/scaling-communication-ComplexSmall-*.json \
     --output $out/scaling-64px.json
 
 step "monitor overhead"

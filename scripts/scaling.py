@@ -17,7 +17,9 @@ step is measured where it can be measured faithfully, and the step is their sum:
   H emulated hosts at --bandwidth (`scripts/bench_allreduce.py`'s `measure`): one rank
   per host for the hybrid, K ranks per host (a ring over H*K ranks) for Horovod's model.
   One host alone communicates nothing in the hybrid; Horovod's K workers still average
-  over shared memory, measured on one emulated host.
+  over shared memory, measured on one emulated host. Where the ranks' buffers do not fit
+  in this machine's memory, each timed averaging is P back-to-back averagings of S/P
+  bytes (bench_allreduce --parts; the same bytes cross each NIC), and the table says so.
 
 step(H) = compute(H) + communication(H) (no overlap); images/s = B / step; speedup =
 images/s over the hybrid's on one host; efficiency = speedup / H.
@@ -62,9 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     comm.add_argument("--bandwidth", nargs="+", required=True)
     comm.add_argument("--repeats", type=int, default=2, help="timed averagings per run")
     comm.add_argument("--rounds", type=int, default=1, help="interleaved rounds")
+    comm.add_argument("--kind", nargs="+", choices=("hybrid", "flat"),
+                      default=["hybrid", "flat"], help="contenders to measure (default: both)")
     comm.add_argument("--memory-fraction", type=float, default=0.6,
-                      help="skip a run whose ranks' buffers need more than this fraction "
-                           "of the available memory (default: 0.6)")
+                      help="when the ranks' buffers need more than this fraction of the "
+                           "available memory, average the gradient in parts (up to "
+                           "--max-parts), else skip the run (default: 0.6)")
+    comm.add_argument("--max-parts", type=int, default=4,
+                      help="most parts a gradient may be averaged in to fit (default: 4)")
     table = phases.add_parser("table", help="combine measured parts into the scaling table")
     table.add_argument("parts", nargs="+", help="compute and communication JSON files")
     table.add_argument("--output", required=True)
@@ -127,32 +134,37 @@ def measure_communication(args) -> dict:
         for usecase in args.usecase:
             model, size = gradient_bytes(usecase)
             for h in args.hosts:
-                if h > 1:
+                if h > 1 and "hybrid" in args.kind:
                     plan.append((bandwidth, usecase, model, size, "hybrid", h, 1))
-                plan.append((bandwidth, usecase, model, size, "flat", h, k))
+                if "flat" in args.kind:
+                    plan.append((bandwidth, usecase, model, size, "flat", h, k))
     runs: dict[tuple, list[dict]] = {}
     skipped = []
     for _ in range(args.rounds):
         for bandwidth, usecase, model, size, kind, h, ranks in plan:
-            # Each rank holds the fusion buckets and the received copy (2 S), plus torch.
-            need = h * ranks * (2 * size + 400 * 2**20)
+            # Each rank holds the fusion buckets and the received copy (2 S/P), plus torch.
             available = psutil.virtual_memory().available
+            parts = next((p for p in range(1, args.max_parts + 1)
+                          if h * ranks * (2 * size / p + 400 * 2**20)
+                          <= args.memory_fraction * available), None)
             key = (bandwidth, usecase, kind, h)
-            if need > args.memory_fraction * available:
+            if parts is None:
+                need = h * ranks * (2 * size / args.max_parts + 400 * 2**20)
                 skipped.append({"bandwidth": bandwidth, "usecase": usecase, "kind": kind,
                                 "hosts": h, "reason": f"{h * ranks} ranks need about "
-                                f"{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB "
-                                "available on this machine"})
+                                f"{need / 2**30:.1f} GiB even in {args.max_parts} parts, "
+                                f"{available / 2**30:.1f} GiB available on this machine"})
                 continue
             run = measure(h, size, bandwidth=bandwidth, repeats=args.repeats,
-                          ranks_per_host=ranks)
+                          ranks_per_host=ranks, parts=parts)
             runs.setdefault(key, []).append({**run, "model": model})
     rows = []
     for (bandwidth, usecase, kind, h), done in runs.items():
         s = [x for run in done for x in run["seconds_repeats"]]
         rows.append({"usecase": usecase, "model": done[0]["model"], "kind": kind, "hosts": h,
                      "bandwidth": bandwidth, "ranks_per_host": done[0]["ranks_per_host"],
-                     "bytes": done[0]["bytes"], "seconds": statistics.median(s),
+                     "bytes": done[0]["bytes"], "parts": done[0]["parts"],
+                     "seconds": statistics.median(s),
                      "seconds_spread": [min(s), max(s)], "seconds_all": s,
                      "bound_seconds": done[0]["bound_seconds"],
                      "host_nic_bytes_sent": done[0]["host_nic_bytes_sent"],
@@ -196,6 +208,7 @@ def combine(parts: list[dict]) -> dict:
                         "compute_spread": work["seconds_spread"],
                         "communication_seconds": talk["seconds"],
                         "communication_spread": talk["seconds_spread"],
+                        "communication_parts": talk.get("parts", 1),
                         "step_seconds": step, "images_per_second": b / step,
                         "images_per_second_spread": [
                             b / (work["seconds_spread"][1] + talk["seconds_spread"][1]),
@@ -230,9 +243,12 @@ def markdown(table: dict) -> str:
                     lines.append(f"| {kind} | {r['hosts']} | not measured | | | | | |")
                     continue
                 lo, hi = r["images_per_second_spread"]
+                parts = r.get("communication_parts", 1)
+                talk = f"{r['communication_seconds']:.3f}" + (
+                    f" (in {parts} parts)" if parts > 1 else "")
                 lines.append(
                     f"| {kind} | {r['hosts']} | {r['compute_seconds']:.3f} "
-                    f"| {r['communication_seconds']:.3f} | {r['step_seconds']:.3f} "
+                    f"| {talk} | {r['step_seconds']:.3f} "
                     f"| {r['images_per_second']:.1f} ({lo:.1f}–{hi:.1f}) "
                     f"| {r['speedup']:.2f}× | {r['efficiency']:.0%} |")
     return "\n".join(lines)

@@ -128,6 +128,18 @@ def test_fp16_averaging_puts_half_the_bytes_evenly_on_the_wire(tmp_path):
         assert abs(sent - theory) <= 0.1 * theory, result["host_nic_bytes_sent"]
 
 
+def test_overlapped_averaging_in_parts_is_right_and_even(tmp_path):
+    # --overlap: backward's hooks post the buckets; the bench fails unless every host's
+    # average is right and a bucket left during backward. --parts 2: two averagings of
+    # 3 MiB per repeat, the same 6 MiB in all on every NIC.
+    result = bench(tmp_path, "--hosts", "3", "--bandwidth", "10gbit", "--mib", "6",
+                   "--overlap", "on", "--parts", "2", "--repeats", "2")
+    assert (result["overlap"], result["parts"], result["bytes"]) == (True, 2, 6 * MIB)
+    theory = 2 * 2 / 3 * 6 * MIB
+    for sent in result["host_nic_bytes_sent"]:
+        assert abs(sent - theory) <= 0.1 * theory, result["host_nic_bytes_sent"]
+
+
 def test_the_bandwidth_limit_is_really_applied(tmp_path):
     result = bench(tmp_path, "--hosts", "2", "--bandwidth", "100mbit", "--mib", "4",
                    "--repeats", "2")
