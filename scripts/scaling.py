@@ -130,6 +130,13 @@ def rank_bytes(gradient: float) -> float:
     return 3.5 * gradient + 400 * 2**20
 
 
+def parts_to_fit(ranks: int, gradient: int, memory: float, most: int) -> int | None:
+    """The fewest parts (at most `most`) that let `ranks` ranks average `gradient` bytes
+    within `memory` bytes; None when even `most` do not."""
+    return next((p for p in range(1, most + 1) if ranks * rank_bytes(gradient / p) <= memory),
+                None)
+
+
 def measure_communication(args) -> dict:
     import psutil
 
@@ -150,9 +157,8 @@ def measure_communication(args) -> dict:
     for _ in range(args.rounds):
         for bandwidth, usecase, model, size, kind, h, ranks in plan:
             available = psutil.virtual_memory().available
-            parts = next((p for p in range(1, args.max_parts + 1)
-                          if h * ranks * rank_bytes(size / p)
-                          <= args.memory_fraction * available), None)
+            parts = parts_to_fit(h * ranks, size, args.memory_fraction * available,
+                                 args.max_parts)
             key = (bandwidth, usecase, kind, h)
             if parts is None:
                 need = h * ranks * rank_bytes(size / args.max_parts)
