@@ -10,10 +10,11 @@ Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpiru
 hosts, --ranks-per-host ranks each (1: the hybrid; K > 1: Horovod's model, a ring over
 H*K ranks placed K per host), every link limited to --bandwidth. The gradient is one
 float32 tensor of --mib MiB, averaged once to warm up, then --repeats times, each between
-two barriers. With --overlap on it is 16 equal parameters and each repeat starts with
-their backward (an elementwise product, cheap next to the transfer): the trainer's
---overlap hooks post each fusion bucket as soon as backward has filled it, and its
-progress thread moves the transfers while backward runs. With --parts P each repeat is P
+two barriers. With --backward it is 16 equal parameters and each repeat starts with
+their backward (which only accumulates a constant into each gradient view, one pass over
+the gradient); with --overlap on as well, the trainer's --overlap hooks post each fusion
+bucket as soon as backward has filled it, and its progress thread moves the transfers
+while backward runs. With --parts P each repeat is P
 averagings of S/P bytes back to back (P times less memory per rank, the same bytes). Each rank reads its own host's NIC (`eth0` in its namespace) before and
 after the repeats, so the bytes are what crossed the network for the allreduces alone
 (TCP/IP headers included; veth carries up to 64 KiB segments, so they add well under 1 %).
@@ -63,10 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="average the gradient as P back-to-back averagings of S/P bytes "
                              "each, timed together, so that P times less memory is held "
                              "(default: 1, the whole gradient at once)")
+    parser.add_argument("--backward", action="store_true",
+                        help="the gradient is 16 parameters, produced by a backward pass at "
+                             "the start of each timed averaging (implied by --overlap on)")
     parser.add_argument("--overlap", choices=("off", "on"), nargs="+", default=["off"],
-                        help="on: the trainer's --overlap, the gradient is 16 parameters "
-                             "whose backward posts each fusion bucket as soon as it is full "
-                             "(timed from the start of backward); several: each is measured; "
+                        help="on: the trainer's --overlap, backward's hooks post each fusion "
+                             "bucket as soon as it is full; several: each is measured; "
                              "default off")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed allreduces per round (default: 5)")
@@ -80,8 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# With --overlap the gradient is this many equal parameters (AlexNet has 16, VGG16 32).
-OVERLAP_TENSORS = 16
+# With a backward the gradient is this many equal parameters (AlexNet has 16, VGG16 32).
+BACKWARD_TENSORS = 16
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -96,10 +99,11 @@ def worker(args: argparse.Namespace) -> None:
     from hybriddl.emulation.hosts import NIC
 
     overlap = args.overlap[0] == "on"
+    backward = overlap or args.backward
     hosts = connect(overlap=overlap, compression=getattr(Compression, args.compression[0]))
     model = nn.ParameterList()
     elements = args.size // args.parts // 4
-    tensors = OVERLAP_TENSORS if overlap else 1
+    tensors = BACKWARD_TENSORS if backward else 1
     cuts = [i * elements // tensors for i in range(tensors + 1)]
     for a, b in zip(cuts, cuts[1:]):
         # The parameters' values are never read: one stored zero keeps memory to the
@@ -113,19 +117,20 @@ def worker(args: argparse.Namespace) -> None:
 
     def average_one_part() -> None:
         with hosts.averaging(share) as average_over_hosts:
-            if overlap:
-                # The gradient of each parameter is `mine`, accumulated into its (zeroed)
-                # view by backward, whose hooks post every bucket as soon as it is full.
-                sum((p * mine).sum() for p in model).backward()
+            if backward:
+                # Backward accumulates `mine` into every (zeroed) gradient view, one
+                # parameter after another; with --overlap its hooks post each bucket as
+                # soon as it is full.
+                torch.autograd.backward(list(model), [mine.expand(p.shape) for p in model])
             average_over_hosts(1)
 
     def average() -> float:
         for gradient in gradients:
-            gradient.zero_() if overlap else gradient.fill_(mine)
+            gradient.zero_() if backward else gradient.fill_(mine)
         hosts.barrier()
         started = time.perf_counter()
         for part in range(args.parts):
-            if part and overlap:
+            if part and backward:
                 for gradient in gradients:
                     gradient.zero_()
             average_one_part()
@@ -163,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression: str = "none",
             repeats: int = 5, ranks_per_host: int = 1, latency: str | None = None,
-            parts: int = 1, overlap: bool = False) -> dict:
+            parts: int = 1, overlap: bool = False, backward: bool = False) -> dict:
     """One run of the trainer's averaging of `size` bytes on `hosts` emulated hosts.
 
     With `parts` P > 1 each timed repeat averages P gradients of size/P bytes back to back
@@ -179,6 +184,7 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
         worker_args = ["--hosts", str(hosts), "--bytes", str(size), "--compression",
                        compression, "--repeats", str(repeats), "--parts", str(parts),
                        "--overlap", "on" if overlap else "off",
+                       *(["--backward"] if backward else []),
                        "--output", os.devnull,
                        "--worker", str(figures)]
         run = cluster.run([sys.executable, str(Path(__file__).resolve()), *worker_args],
@@ -197,7 +203,7 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
     per_host = measured["rank_nic_bytes_sent"][::ranks_per_host]
     return {"hosts": hosts, "ranks_per_host": ranks_per_host,
             "bandwidth_bits_per_second": rate, "bytes": size, "parts": parts,
-            "compression": compression, "overlap": overlap,
+            "compression": compression, "overlap": overlap, "backward": backward or overlap,
             "wire_bytes": wire, "seconds_repeats": measured["seconds"],
             "bound_seconds": theory * 8 / rate if rate and theory else None,
             "host_nic_bytes_sent": per_host, "host_nic_bytes_theory": [round(theory)] * hosts,
@@ -212,7 +218,7 @@ def merge(runs: list[dict]) -> dict:
     first = runs[0]
     result = {key: first[key] for key in ("hosts", "ranks_per_host", "bandwidth_bits_per_second",
                                           "bytes", "parts", "compression", "overlap",
-                                          "wire_bytes")}
+                                          "backward", "wire_bytes")}
     result["seconds"] = statistics.median(seconds)
     result["seconds_spread"] = [min(seconds), max(seconds)]
     result["bound_seconds"] = first["bound_seconds"]
@@ -243,7 +249,9 @@ def table_row(r: dict) -> str:
     low, high = r["seconds_spread"]
     payload = "float16" if r["compression"] == "fp16" else "float32"
     if r.get("overlap"):
-        payload += ", --overlap"
+        payload += ", backward, --overlap"
+    elif r.get("backward"):
+        payload += ", backward"
     busy = r["machine_cpu_busy_fraction"]
     busy = "—" if busy is None else f"{busy:.0%}"
     return (f"| {r['hosts']} | {r['ranks_per_host']} | {link} | {payload} | {r['seconds']:.3f} "
@@ -282,7 +290,8 @@ def main(argv=None) -> int:
                 runs[(hosts, bandwidth, compression, overlap)].append(measure(
                     hosts, args.size, bandwidth=bandwidth, compression=compression,
                     repeats=args.repeats, ranks_per_host=args.ranks_per_host,
-                    latency=args.latency, parts=args.parts, overlap=overlap == "on"))
+                    latency=args.latency, parts=args.parts, overlap=overlap == "on",
+                    backward=args.backward))
     except UsageError as exc:
         print(f"bench_allreduce: {exc}", file=sys.stderr)
         return 2

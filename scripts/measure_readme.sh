@@ -47,7 +47,7 @@ $PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit --mib 64 \
     --compression none fp16 --rounds 2 --repeats 5 --output $out/allreduce-1gbit-10gbit.json
 
 step "averaging with and without --overlap, 2, 4, 8 emulated hosts at 1 Gbit/s (needs root)"
-$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit --mib 256 --overlap off on \
+$PY scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit --mib 256 --backward --overlap off on \
     --rounds 2 --repeats 3 --output $out/allreduce-overlap-1gbit.json
 
 step "strong scaling: compute at each host's share, communication on emulated hosts (needs root)"
