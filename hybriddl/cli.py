@@ -125,8 +125,8 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
                              "finish within its share is dropped (default: 600)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     parser.add_argument("--second-look", type=int, default=2,
-                        help="extra rounds for the two fastest and any other within 10%% of "
-                             "the fastest, at most 4 (default: 2)")
+                        help="extra rounds for the two fastest and any other whose fastest "
+                             "round is within 10%% of the fastest, at most 4 (default: 2)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per visit (default: 2)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per visit (default: 1)")
     parser.add_argument("--output", help="profile file (default: one per setting in PROFILE_DIR)")

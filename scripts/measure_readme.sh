@@ -25,7 +25,7 @@ $PY -m hybriddl tune --usecase SimpleBig --image-size 224 --profile-dir profiles
 step "tuner pick vs re-measured fastest, small image size"
 for run in 1 2 3; do  # a miss is a finding: the check must pass 3 times in a row
   for uc in ComplexSmall SimpleBig; do
-    $PY scripts/check_tune.py --usecase $uc --image-size 64 --steps 1 --rounds 3 --second-look 2 --warmup 1 --profile-dir runs/check-profiles --output $out/check_tune-$uc-run$run.json || true
+    $PY scripts/check_tune.py --usecase $uc --image-size 64 --steps 2 --rounds 3 --second-look 3 --warmup 1 --profile-dir runs/check-profiles --output $out/check_tune-$uc-run$run.json || true
   done
 done
 

@@ -12,9 +12,12 @@ over minutes, so one pass per candidate picks noise. The tuner visits the candid
 interleaved rounds (A B C A B C ...), so drift hits every candidate alike; each visit is
 warm-up then timed steps, its figure the median of those; a candidate's figure is the
 median of its visits, with the lowest and highest as its spread. The fastest then get a
-second look (more interleaved rounds, A B A B): the two fastest, and with them every
-candidate within SECOND_LOOK_SPAN of the fastest (up to SECOND_LOOK_MOST), since a real
-winner within the noise of a lucky one may rank third after three rounds. If the two
+second look (more interleaved rounds, A B A B): the two fastest by median, and with them
+every candidate whose fastest visit is within SECOND_LOOK_SPAN of the fastest median (up
+to SECOND_LOOK_MOST). Noise here only ever slows a step down (other work, a hypervisor
+taking the CPU), so a real winner with two unlucky visits of three still shows one fast
+visit; measured: such a candidate ranked sixth by median after three rounds and came out
+fastest when re-measured. If the two
 fastest are still within the noise of each other after that, the one with less peak
 memory is picked (`select_pick`).
 
@@ -56,8 +59,8 @@ AUTO_BUDGET_SECONDS = 120.0
 AUTO_TIMED_STEPS = 1
 AUTO_ROUNDS = 3
 # Interleaved rounds of `hybriddl tune`, and the extra rounds for the fastest: the two
-# fastest and every other candidate within SECOND_LOOK_SPAN of the fastest, at most
-# SECOND_LOOK_MOST of them (one step here wanders 15-20 %, so a 3-round median ~10 %).
+# fastest and every other candidate whose fastest visit is within SECOND_LOOK_SPAN of the
+# fastest median, at most SECOND_LOOK_MOST of them (one step here wanders 15-20 %).
 TUNE_ROUNDS = 3
 SECOND_LOOK_ROUNDS = 2
 SECOND_LOOK_SPAN = 0.10
@@ -163,9 +166,8 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
             break
         fitted = number
     if fitted == rounds:
-        fastest = second_look_group(
-            {i: statistics.median(states[i].figures) for i in everyone
-             if states[i].in_race and states[i].figures})
+        fastest = second_look_group({i: states[i].figures for i in everyone
+                                     if states[i].in_race and states[i].figures})
         for number in range(rounds + 1, rounds + second_look + 1):
             if not run_round(number, fastest, True):
                 for index in fastest:
@@ -183,15 +185,19 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
     return results
 
 
-def second_look_group(medians: dict[int, float]) -> list[int]:
-    """Who gets the second look: the two fastest, and every candidate within
-    SECOND_LOOK_SPAN of the fastest, at most SECOND_LOOK_MOST, in their original order."""
+def second_look_group(figures: dict[int, list[float]]) -> list[int]:
+    """Who gets the second look, from each candidate's visit figures so far: the two
+    fastest by median, then any other whose fastest visit is within SECOND_LOOK_SPAN of the
+    fastest median (the fastest such first), at most SECOND_LOOK_MOST in all; returned in
+    their original order."""
+    medians = {i: statistics.median(f) for i, f in figures.items()}
     ranked = sorted(medians, key=medians.get)
     if not ranked:
         return []
     limit = medians[ranked[0]] * (1 + SECOND_LOOK_SPAN)
-    chosen = [i for n, i in enumerate(ranked[:SECOND_LOOK_MOST]) if n < 2 or medians[i] <= limit]
-    return sorted(chosen)
+    hopefuls = sorted((i for i in ranked[2:] if min(figures[i]) <= limit),
+                      key=lambda i: min(figures[i]))
+    return sorted((ranked[:2] + hopefuls)[:SECOND_LOOK_MOST])
 
 
 @dataclass
