@@ -530,12 +530,16 @@ def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     output = tmp_path / "out" / "here.json"
     # A small model: every candidate is measured all the same, in a fraction of VGG16's time.
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "squeezenet1_1", "--image-size",
-               "32", "--batch-size", "4", "--steps", "1", "--rounds", "2", "--second-look", "1", "--output", str(output),
+               "32", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--second-look", "0",
+               "--output", str(output),
                COLUMNS="200")  # the whole table on one line per candidate
     assert done.returncode == 0, done.stderr
     profile = load_profile(output)
     assert profile.settings == Settings("ComplexSmall", "squeezenet1_1", 32, 4)
-    assert profile.measurement["timed_steps"] == 1
+    # Rounds and the second look are measured in test_tune_host_measures_real_steps_...;
+    # here one round keeps the CLI's run short, and the flags must reach the tuner.
+    assert (profile.measurement["timed_steps"], profile.measurement["rounds"],
+            profile.measurement["second_look_rounds"]) == (1, 1, 0)
     assert profile.candidates[0].choice == BASELINE and profile.candidates[0].measured
     assert "pick" in done.stdout and f"profile written to {output}" in " ".join(done.stdout.split())
     assert profile.pick.label in done.stdout
