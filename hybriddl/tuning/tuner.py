@@ -16,10 +16,9 @@ second look (more interleaved rounds, A B A B): the two fastest by median, and w
 every candidate whose fastest visit is within SECOND_LOOK_SPAN of the fastest median (up
 to SECOND_LOOK_MOST). Noise here only ever slows a step down (other work, a hypervisor
 taking the CPU), so a real winner with two unlucky visits of three still shows one fast
-visit; measured: such a candidate ranked sixth by median after three rounds and came out
-fastest when re-measured. If the two
-fastest are still within the noise of each other after that, the one with less peak
-memory is picked (`select_pick`).
+visit (seen here: a candidate ranked sixth by median after three rounds came out fastest
+when re-measured). If the two fastest are still within the noise of each other after
+that, the one with less peak memory is picked (`select_pick`).
 
 Budget: in the first round every candidate gets an equal share of what is left of the
 budget. After each step the tuner predicts the next from the fastest step so far; a visit
