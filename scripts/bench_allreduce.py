@@ -14,14 +14,15 @@ two barriers. With --backward it is 16 equal parameters and each repeat starts w
 their backward (which only accumulates a constant into each gradient view, one pass over
 the gradient); with --overlap on as well, the trainer's --overlap hooks post each fusion
 bucket as soon as backward has filled it, and its progress thread moves the transfers
-while backward runs. With --parts P each repeat is P
-averagings of S/P bytes back to back (P times less memory per rank, the same bytes). Each rank reads its own host's NIC (`eth0` in its namespace) before and
-after the repeats, so the bytes are what crossed the network for the allreduces alone
-(TCP/IP headers included; veth carries up to 64 KiB segments, so they add well under 1 %).
-With several hosts counts, bandwidths, compressions or overlap settings, every
-combination is measured once per round, rounds interleaved; seconds is the median of all
-its timed repeats, spread their lowest and highest. CPU: each rank's CPU seconds over the repeats against their wall
-time, and the whole machine's busy fraction meanwhile (every emulated host shares it).
+while backward runs. With --parts P each repeat is P averagings of S/P bytes back to
+back (P times less memory per rank, the same bytes). Each rank reads its own host's NIC
+(`eth0` in its namespace) before and after the repeats, so the bytes are what crossed
+the network for the allreduces alone (TCP/IP headers included; veth carries up to 64 KiB
+segments, so they add well under 1 %). With several hosts counts, bandwidths,
+compressions or overlap settings, every combination is measured once per round, rounds
+interleaved; seconds is the median of all its timed repeats, spread their lowest and
+highest. CPU: each rank's CPU seconds over the repeats against their wall time, and the
+whole machine's busy fraction meanwhile (every emulated host shares it).
 
 Theory: a ring (or reduce-scatter + allgather) allreduce over P = H*K ranks sends
 2(P-1)/P*S from every rank, and with K ranks per host only one ring edge per host crosses
@@ -88,7 +89,8 @@ BACKWARD_TENSORS = 16
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One rank: the trainer's averaging on a one-tensor model; rank 0 writes --worker."""
+    """One rank: the trainer's averaging on a model of one tensor (16 with a backward);
+    rank 0 writes --worker."""
     import psutil
     import torch
     from torch import nn
