@@ -5,7 +5,8 @@
 
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
 threads K, processes K, layerwise K, plain PyTorch with its default threads, and PyTorch
-DDP over gloo with K processes. `--variants` adds the hybriddl rows again in other
+DDP over gloo with K processes; then plain PyTorch again with freed memory kept (variant
+fp32-kept, as in every hybriddl row: hosts/allocator.py), which is not a peer. `--variants` adds the hybriddl rows again in other
 numerics (channels_last, bf16 autocast); a bf16 variant also adds plain PyTorch with
 autocast, the bf16 peer. Each row runs in a fresh spawned process, so its peak memory
 is its own.
@@ -130,6 +131,10 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
     rows.append(Row("pytorch", "fp32", measure_pytorch,
                     (default_threads, model_name, num_classes, x, y)))
     rows.append(Row("ddp", "fp32", measure_ddp, (args.workers, model_name, num_classes, x, y)))
+    # Not a peer (the ratios ignore it): plain PyTorch with glibc keeping freed memory, as
+    # every hybriddl row does, so the table shows what that setting alone is worth.
+    rows.append(Row("pytorch", "fp32-kept", measure_pytorch,
+                    (default_threads, model_name, num_classes, x, y), (("keep_memory", True),)))
     for variant in variants:
         if VARIANTS[variant].precision == "bf16":
             rows.append(Row("pytorch", variant, measure_pytorch,

@@ -29,6 +29,7 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.hostinfo import usable_cores
 from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients,
                                       master_backward, sub_batch_backward, sub_batches)
+from hybriddl.hosts.allocator import keep_freed_memory
 from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
@@ -191,6 +192,7 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, option
     """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
     set_torch_threads(1)
+    keep_freed_memory()
     for p, g in zip(_trained(model), _views(grad_buffer, model)):
         p.grad = g
     inputs = None

@@ -23,6 +23,7 @@ from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.usecases import build_model
+from hybriddl.hosts.allocator import keep_freed_memory
 from hybriddl.hosts.cpu_threads import torch_threads
 
 
@@ -115,9 +116,14 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
 def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Tensor,
                     y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
                     momentum: float = 0.9, seed: int = 0,
-                    numerics: StrategyOptions = StrategyOptions()) -> StepTiming:
+                    numerics: StrategyOptions = StrategyOptions(),
+                    keep_memory: bool = False) -> StepTiming:
     """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default);
-    with `numerics` bf16 / channels_last, the autocast loop of PyTorch's AMP recipe."""
+    with `numerics` bf16 / channels_last, the autocast loop of PyTorch's AMP recipe; with
+    `keep_memory`, glibc told to keep freed memory as hybriddl's strategies do (call it
+    in a fresh process: the setting stays for the process's life)."""
+    if keep_memory:
+        keep_freed_memory()
     with torch_threads(threads):
         torch.manual_seed(seed)
         model = build_model(model_name, num_classes, dropout=0.0)
@@ -127,6 +133,8 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
     described = {"name": "pytorch", "threads": threads}
     if numerics != StrategyOptions():
         described.update(precision=numerics.precision, channels_last=numerics.channels_last)
+    if keep_memory:
+        described["freed_memory"] = "kept"
     return StepTiming(described, len(y), statistics.median(seconds), seconds, peak[0],
                       peak_pss_bytes=peak[1])
 
