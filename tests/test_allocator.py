@@ -3,12 +3,13 @@ touches no new pages, so a step pays no page faults for memory the last step fre
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import hybriddl_env
+from conftest import REPO, hybriddl_env
 
 # In a child: the setting is for the life of a process, and this one must stay as it was.
 SECOND_ALLOCATION_FAULTS = """
@@ -39,3 +40,29 @@ def test_a_freed_large_tensor_is_reused_without_page_faults():
     # The opt-out leaves glibc's defaults: the same allocation faults every page in again.
     kept, faults = second_allocation(HYBRIDDL_MALLOC="system")
     assert kept == "False" and faults > 8000
+
+
+def test_bench_memory_reuse_measures_both_modes_in_alternating_rounds(tmp_path):
+    output = tmp_path / "reuse.json"
+    done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--model",
+                           "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
+                           "--rounds", "2", "--steps", "2", "--warmup", "1",
+                           "--output", str(output)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    result = json.loads(output.read_text())
+    # Round 1 runs system first, round 2 keep first: neither mode always comes warm.
+    assert [list(r) for r in result["rounds"]] == [["system", "keep"], ["keep", "system"]]
+    assert all(len(r[m]["step_seconds"]) == 2 for r in result["rounds"] for m in r)
+    ratio = result["summary"]["ratio_system_over_keep"]
+    assert ratio["min"] <= ratio["median"] <= ratio["max"]
+
+
+def test_bench_memory_reuse_refuses_a_strategy_with_worker_processes(tmp_path):
+    output = tmp_path / "reuse.json"
+    done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--strategy",
+                           "processes", "--output", str(output)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=hybriddl_env())
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
+    assert done.stdout.strip().startswith("bench_memory_reuse: error: --strategy processes")
+    assert not output.exists()
