@@ -6,10 +6,12 @@
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
 threads K, processes K, layerwise K, plain PyTorch with its default threads, and PyTorch
 DDP over gloo with K processes; then plain PyTorch again with freed memory kept (variant
-fp32-kept, as in every hybriddl row: hosts/allocator.py), which is not a peer. `--variants` adds the hybriddl rows again in other
-numerics (channels_last, bf16 autocast); a bf16 variant also adds plain PyTorch with
-autocast, the bf16 peer. Each row runs in a fresh spawned process, so its peak memory
-is its own.
+fp32-kept, as in every hybriddl row: hosts/allocator.py), which is not a peer.
+`--variants` adds the hybriddl rows again in other numerics (channels_last, bf16
+autocast); a bf16 variant also adds plain PyTorch with autocast, the bf16 peer. Each row
+runs in a fresh spawned process, so its peak memory is its own: peak RSS and PSS are
+sampled after each step, peak HWM is the kernel's high-water mark (VmHWM), which also
+sees the peak inside a step that glibc gave back before the sample.
 
 This machine's steps vary by 15-20 %, and slowly (other tenants), so rows are
 interleaved: R rounds of every row in turn (A B C A B C ...). A row's seconds/step is
@@ -197,6 +199,7 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
             "vs_faster_peer_min": min(vs_peer), "vs_faster_peer_max": max(vs_peer),
             "peak_rss_bytes": max(t.peak_rss_bytes for t in timings),
             "peak_pss_bytes": max(t.peak_pss_bytes for t in timings),
+            "peak_hwm_bytes": max(t.peak_hwm_bytes for t in timings),
             "step_seconds": [t.step_seconds for t in timings]})
     return summary
 
@@ -212,11 +215,12 @@ def table(result: dict) -> Table:
              f"{result['steps']} steps after {result['warmup']} warm-up); (min-max) over rounds")
     table = Table(title=title)
     for column in ("strategy", "numerics", "s/step (min-max)", "images/s", "speedup",
-                   "vs faster peer", "peak RSS MiB", "peak PSS MiB"):
+                   "vs faster peer", "peak RSS MiB", "peak PSS MiB", "peak HWM MiB"):
         table.add_column(column, justify="left" if column in ("strategy", "numerics") else "right",
                          no_wrap=True)
     for row in result["rows"]:
-        mib = [f"{row[key] / 2**20:.0f}" for key in ("peak_rss_bytes", "peak_pss_bytes")]
+        mib = [f"{row[key] / 2**20:.0f}"
+               for key in ("peak_rss_bytes", "peak_pss_bytes", "peak_hwm_bytes")]
         description = {k: v for k, v in row["strategy"].items()
                        if k not in ("precision", "channels_last")}
         table.add_row(label(description), row["variant"],

@@ -66,3 +66,20 @@ def test_bench_memory_reuse_refuses_a_strategy_with_worker_processes(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
     assert done.stdout.strip().startswith("bench_memory_reuse: error: --strategy processes")
     assert not output.exists()
+
+
+PEAK_INSIDE_A_STEP = """
+import torch
+from hybriddl.tuning.benchmark import tree_memory
+torch.empty(64 * 2**20).fill_(1.0)  # 256 MiB, touched, freed: glibc unmaps it at once
+rss, pss, hwm = tree_memory()
+print(rss, hwm)
+"""
+
+
+def test_the_high_water_mark_sees_a_peak_that_was_given_back_before_the_sample():
+    done = subprocess.run([sys.executable, "-c", PEAK_INSIDE_A_STEP], capture_output=True,
+                          text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    rss, hwm = map(int, done.stdout.split())
+    assert hwm - rss > 200 * 2**20  # the sampled RSS no longer holds the 256 MiB

@@ -42,7 +42,8 @@ def fake_run(monkeypatch, tmp_path, *flags):
         order.append(key)
         seconds = SECONDS[key][round_]
         return StepTiming({"name": row.name}, 16, seconds, [seconds] * common["steps"],
-                          peak_rss_bytes=2**30 * (1 + round_), peak_pss_bytes=2**29)
+                          peak_rss_bytes=2**30 * (1 + round_), peak_pss_bytes=2**29,
+                          peak_hwm_bytes=2**31 * (1 + round_))
 
     monkeypatch.setattr(bench_local.Row, "measure", measure)
     output = tmp_path / "bench.json"
@@ -73,6 +74,7 @@ def test_rows_report_median_spread_and_ratios_within_rounds(monkeypatch, tmp_pat
     assert layerwise["vs_faster_peer_min"] == pytest.approx(0.75)
     assert rows[("layerwise", "bf16-cl")]["vs_faster_peer"] == pytest.approx(2.4 / 1.1)
     assert layerwise["peak_rss_bytes"] == 3 * 2**30  # the highest of the rounds
+    assert layerwise["peak_hwm_bytes"] == 3 * 2**31
     assert result["rounds"] == 3
 
 

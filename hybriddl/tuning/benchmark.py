@@ -38,6 +38,10 @@ class StepTiming:
     # RSS counts memory shared between processes (parameters in shared memory) once per
     # process; PSS splits it between them, so it compares processes with threads fairly.
     peak_pss_bytes: int = 0
+    # The kernel's high-water mark (VmHWM) summed over the processes: a peak inside a step,
+    # which samples between steps miss when the allocator gives memory back before the
+    # sample. A process keeps its mark for life: meaningful in a fresh process only.
+    peak_hwm_bytes: int = 0
 
     @property
     def images_per_second(self) -> float:
@@ -49,20 +53,34 @@ def tree_rss_bytes() -> int:
     return tree_memory()[0]
 
 
-def tree_memory() -> tuple[int, int]:
-    """(RSS, PSS) of this process plus its live children; PSS is 0 where unknown."""
+def tree_memory() -> tuple[int, int, int]:
+    """(RSS, PSS, high-water mark) of this process plus its live children; PSS and the
+    high-water mark are 0 where unknown."""
     me = psutil.Process()
-    rss = pss = 0
+    rss = pss = hwm = 0
     for process in (me, *me.children(recursive=True)):
         try:
             info = process.memory_full_info()
             rss += info.rss
             pss += getattr(info, "pss", 0)
+            hwm += _high_water_mark(process.pid)
         except psutil.AccessDenied:
             rss += process.memory_info().rss
         except psutil.Error:
             pass
-    return rss, pss
+    return rss, pss, hwm
+
+
+def _high_water_mark(pid: int) -> int:
+    """The process's peak resident set (VmHWM in /proc/PID/status), 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int = 0):
@@ -110,7 +128,7 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
         description = strategy.describe()
     median = statistics.median(seconds) if seconds else math.inf
     return StepTiming(description, len(y), median, seconds, peak[0], warmup_seconds=warm,
-                      peak_pss_bytes=peak[1])
+                      peak_pss_bytes=peak[1], peak_hwm_bytes=peak[2])
 
 
 def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Tensor,
@@ -136,7 +154,7 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
     if keep_memory:
         described["freed_memory"] = "kept"
     return StepTiming(described, len(y), statistics.median(seconds), seconds, peak[0],
-                      peak_pss_bytes=peak[1])
+                      peak_pss_bytes=peak[1], peak_hwm_bytes=peak[2])
 
 
 def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tensor,
@@ -155,10 +173,11 @@ def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tens
                              steps, lr, momentum, seed))
     reports = sorted(results.get() for _ in range(processes))
     seconds = reports[0][1]
-    rss = tree_memory()[0] + sum(r[2] for r in reports)
-    pss = tree_memory()[1] + sum(r[3] for r in reports)
+    here = tree_memory()
+    rss, pss, hwm = (here[i] + sum(r[2 + i] for r in reports) for i in range(3))
     return StepTiming({"name": "ddp", "backend": "gloo", "processes": processes}, len(y),
-                      statistics.median(seconds), seconds, rss, peak_pss_bytes=pss)
+                      statistics.median(seconds), seconds, rss, peak_pss_bytes=pss,
+                      peak_hwm_bytes=hwm)
 
 
 def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup, steps, lr,
