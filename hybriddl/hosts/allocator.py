@@ -3,13 +3,17 @@
 glibc serves every allocation above its mmap threshold (at most 32 MiB) with a fresh
 mmap and unmaps it on free. A training step allocates the same large tensors every time
 (AlexNet's classifier gradients alone are 218 MB), so each step touches hundreds of MB of
-new pages: about 54,000-75,000 page faults and 0.13-0.17 s of kernel time per AlexNet
-step at 224 px (measured in README, "Memory kept between steps"). Keeping freed memory in
-the heap (no mmap for large blocks, no trimming) lets the next step reuse the same pages.
+new pages: 65,000-77,000 page faults and 0.10-0.13 s of kernel time per AlexNet step at
+224 px (README, "Memory kept between steps"). Keeping freed memory in the heap (no mmap
+for large blocks, no trimming) lets the next step reuse the same pages.
 
 `keep_freed_memory()` does that with glibc's own `mallopt`, at run time, in this process
-only; worker processes call it themselves. Set HYBRIDDL_MALLOC=system to leave glibc's
-defaults (the peak memory is the same: a step needs the memory again at once).
+only; worker processes call it themselves. The price is memory: the heap keeps the
+largest step's blocks, and holes between them (README gives the high-water marks). A hole
+serves a later request only if it is a little larger than it (torch asks for 64-byte
+aligned blocks), so the heap grows during the first steps, until it holds what a step
+needs (tests/test_allocator.py checks that it then stops). Set HYBRIDDL_MALLOC=system to
+leave glibc's defaults.
 """
 
 from __future__ import annotations
