@@ -12,11 +12,18 @@ mkdir -p "$out"
 step() { echo; echo "=== $* ($(date +%H:%M:%S))"; }
 
 step "local strategies vs PyTorch peers, 224 px"
-$PY scripts/bench_local.py --usecase SimpleBig --image-size 224 --rounds 3 \
+$PY scripts/bench_local.py --usecase SimpleBig --image-size 224 --rounds 4 \
     --variants fp32,fp32-cl,bf16-cl --output $out/bench_local-SimpleBig.json
 $PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --rounds 3 --steps 3 \
-    --strategies processes,layerwise --variants fp32,bf16-cl \
+    --strategies processes,layerwise --variants fp32,fp32-cl,bf16-cl \
+    --output $out/bench_local-ComplexSmall-bf16.json
+$PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --rounds 3 --steps 3 \
+    --strategies processes,layerwise --variants fp32,fp32-cl \
     --output $out/bench_local-ComplexSmall.json
+
+step "freed memory kept against glibc's defaults, AlexNet 224 px"
+$PY scripts/bench_memory_reuse.py --usecase SimpleBig --image-size 224 --strategy intraop \
+    --rounds 5 --output $out/memory_reuse-SimpleBig.json
 
 step "tuner at 224 px (profiles kept in profiles/)"
 $PY -m hybriddl tune --usecase ComplexSmall --image-size 224 --profile-dir profiles
