@@ -9,10 +9,10 @@ for large blocks, no trimming) lets the next step reuse the same pages.
 
 `keep_freed_memory()` does that with glibc's own `mallopt`, at run time, in this process
 only; worker processes call it themselves. The price is memory: the heap keeps the
-largest step's blocks, and holes between them (README gives the high-water marks). A hole
-serves a later request only if it is a little larger than it (torch asks for 64-byte
-aligned blocks), so the heap grows during the first steps, until it holds what a step
-needs (tests/test_allocator.py checks that it then stops). Set HYBRIDDL_MALLOC=system to
+largest step's blocks, and holes between them (README gives the high-water marks). glibc
+was seen not to reuse a freed block for the next 64-byte-aligned request of the same size
+(strace: the heap grew by the block each time), so the heap grows during the first steps,
+until it holds what a step needs (tests/test_allocator.py checks that it then stops). Set HYBRIDDL_MALLOC=system to
 leave glibc's defaults.
 """
 
