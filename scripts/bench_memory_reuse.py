@@ -92,7 +92,7 @@ def run(args) -> dict:
                                                   args.batch_size)
     x, y = batch(model_name, batch_size, args.image_size, len(SYNTHETIC_CLASSES))
     options = StrategyOptions(workers=args.workers, channels_last=args.channels_last)
-    make_strategy(args.strategy, options)  # refuses an infeasible K before anything runs
+    described = make_strategy(args.strategy, options).describe()  # refuses an infeasible K first
     rounds = []
     for round_ in range(args.rounds):
         rounds.append({})
@@ -110,9 +110,8 @@ def run(args) -> dict:
     summary["ratio_system_over_keep"] = {"median": statistics.median(ratios), "min": min(ratios),
                                          "max": max(ratios)}
     return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
-            "batch_size": batch_size, "strategy": make_strategy(args.strategy, options).describe()
-            | {"workers": args.workers}, "warmup": args.warmup, "steps": args.steps,
-            "rounds": rounds, "summary": summary, "host": host_info()}
+            "batch_size": batch_size, "strategy": described | {"workers": args.workers},
+            "warmup": args.warmup, "steps": args.steps, "rounds": rounds, "summary": summary, "host": host_info()}
 
 
 def main(argv=None) -> int:
