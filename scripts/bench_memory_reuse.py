@@ -111,7 +111,8 @@ def run(args) -> dict:
                                          "max": max(ratios)}
     return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "strategy": described | {"workers": args.workers},
-            "warmup": args.warmup, "steps": args.steps, "rounds": rounds, "summary": summary, "host": host_info()}
+            "warmup": args.warmup, "steps": args.steps, "rounds": rounds, "summary": summary,
+            "host": host_info()}
 
 
 def main(argv=None) -> int:
