@@ -111,6 +111,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
     add_numerics_args(parser, channels_last=True)
+    parser.add_argument("--accumulate", type=int, metavar="N",
+                        help="compute each host batch in N sequential chunks and add their "
+                             "gradients: the same step with activations for one chunk at a time "
+                             "(less memory; default: 1)")
     parser.add_argument("--monitor-interval", type=float,
                         help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
 

@@ -99,6 +99,9 @@ class TrainConfig:
                                       or options.channels_last):
             raise UsageError("--workers, --devices and --channels-last go with a named "
                              "--strategy; with auto the profile decides (or name the strategy)")
+        if not 1 <= options.accumulate <= filled.batch_size:
+            raise UsageError(f"--accumulate {options.accumulate}: give 1 to the batch size "
+                             f"({filled.batch_size}); each chunk needs a sample")
         if not math.isfinite(filled.lr) or filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
@@ -117,7 +120,8 @@ def given_settings(args: argparse.Namespace) -> dict:
     devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
     options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
                "oversubscribe": args.oversubscribe or None, "precision": args.precision,
-               "channels_last": args.channels_last or None}
+               "channels_last": args.channels_last or None,
+               "accumulate": getattr(args, "accumulate", None)}
     given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
     return given
 
@@ -182,8 +186,11 @@ def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[
                              observer=observer)
     throughput = (config.throughput if config.throughput is not None
                   else decision.profile.pick_result.images_per_second)
+    # --accumulate is the user's memory choice, kept on top of the pick (tuned without it).
+    options = replace(decision.choice.options(config.strategy_options.oversubscribe),
+                      accumulate=config.strategy_options.accumulate)
     settled = replace(config, strategy=decision.choice.name, throughput=throughput,
-                      strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
+                      strategy_options=options)
     return settled, {**decision.describe(), "message": decision.message()}
 
 

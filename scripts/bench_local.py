@@ -8,7 +8,8 @@ threads K, processes K, layerwise K, plain PyTorch with its default threads, and
 DDP over gloo with K processes; then plain PyTorch again with freed memory kept (variant
 fp32-kept, as in every hybriddl row: hosts/allocator.py), which is not a peer.
 `--variants` adds the hybriddl rows again in other numerics (channels_last, bf16
-autocast); a bf16 variant also adds plain PyTorch with autocast, the bf16 peer. Each row
+autocast, gradient accumulation in 2 or 4 chunks: -acc2, -acc4); a bf16 variant also
+adds plain PyTorch with autocast, the bf16 peer. Each row
 runs in a fresh spawned process, so its peak memory is its own: peak RSS and PSS are
 sampled after each step, peak HWM is the kernel's high-water mark (VmHWM), which also
 sees the peak inside a step that glibc gave back before the sample.
@@ -18,7 +19,8 @@ interleaved: R rounds of every row in turn (A B C A B C ...). A row's seconds/st
 the median of its rounds' medians (each over the timed steps after the warm-up); its
 spread is the lowest and highest round median. speedup = t_sequential / t_row (the
 paper's definition); vs_faster_peer = t_peer / t_row against the faster of plain
-PyTorch and DDP in float32, each ratio taken within a round, median over the rounds.
+PyTorch and DDP in float32, each ratio taken within a round, median over the rounds;
+hwm_vs_faster_peer = the row's peak HWM / that of the peer faster over the rounds.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ from hybriddl.usecases import USECASES, build_model, check_image_size, get_useca
 STRATEGY_ROWS = ("sequential", "intraop", "threads", "processes", "layerwise")
 VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),
             "bf16": StrategyOptions(precision="bf16"),
-            "bf16-cl": StrategyOptions(precision="bf16", channels_last=True)}
+            "bf16-cl": StrategyOptions(precision="bf16", channels_last=True),
+            # Gradient accumulation: the same step in 2 or 4 chunks (less activation memory).
+            "fp32-cl-acc2": StrategyOptions(channels_last=True, accumulate=2),
+            "fp32-cl-acc4": StrategyOptions(channels_last=True, accumulate=4)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,7 +129,8 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
         numerics = VARIANTS[variant]
         options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe,
                                   precision=numerics.precision,
-                                  channels_last=numerics.channels_last)
+                                  channels_last=numerics.channels_last,
+                                  accumulate=numerics.accumulate)
         for name in strategies:
             make_strategy(name, options)  # refuses an infeasible K before anything runs
             rows.append(Row(name, variant, measure_strategy,
@@ -188,6 +194,10 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
         speedups = [r[sequential].seconds_per_step / r[i].seconds_per_step for r in rounds]
         vs_peer = [min(r[pytorch].seconds_per_step, r[ddp].seconds_per_step)
                    / r[i].seconds_per_step for r in rounds]
+        # Memory against the peer that is faster over the rounds (its largest peak).
+        peer = min((pytorch, ddp), key=lambda p: statistics.median(
+            r[p].seconds_per_step for r in rounds))
+        peer_hwm = max(r[peer].peak_hwm_bytes for r in rounds)
         last = timings[-1]
         summary.append({
             "name": row.name, "variant": row.variant, "strategy": last.strategy,
@@ -200,6 +210,7 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
             "peak_rss_bytes": max(t.peak_rss_bytes for t in timings),
             "peak_pss_bytes": max(t.peak_pss_bytes for t in timings),
             "peak_hwm_bytes": max(t.peak_hwm_bytes for t in timings),
+            "hwm_vs_faster_peer": max(t.peak_hwm_bytes for t in timings) / peer_hwm,
             "step_seconds": [t.step_seconds for t in timings]})
     return summary
 
@@ -215,20 +226,22 @@ def table(result: dict) -> Table:
              f"{result['steps']} steps after {result['warmup']} warm-up); (min-max) over rounds")
     table = Table(title=title)
     for column in ("strategy", "numerics", "s/step (min-max)", "images/s", "speedup",
-                   "vs faster peer", "peak RSS MiB", "peak PSS MiB", "peak HWM MiB"):
+                   "vs faster peer", "peak RSS MiB", "peak PSS MiB", "peak HWM MiB",
+                   "HWM vs peer"):
         table.add_column(column, justify="left" if column in ("strategy", "numerics") else "right",
                          no_wrap=True)
     for row in result["rows"]:
         mib = [f"{row[key] / 2**20:.0f}"
                for key in ("peak_rss_bytes", "peak_pss_bytes", "peak_hwm_bytes")]
         description = {k: v for k, v in row["strategy"].items()
-                       if k not in ("precision", "channels_last")}
+                       if k not in ("precision", "channels_last", "accumulate")}
         table.add_row(label(description), row["variant"],
                       f"{row['seconds_per_step']:.3f} ({row['seconds_min']:.3f}-"
                       f"{row['seconds_max']:.3f})",
                       f"{row['images_per_second']:.1f}", f"{row['speedup']:.2f}x",
                       f"{row['vs_faster_peer']:.2f}x ({row['vs_faster_peer_min']:.2f}-"
-                      f"{row['vs_faster_peer_max']:.2f})", *mib)
+                      f"{row['vs_faster_peer_max']:.2f})", *mib,
+                      f"{row['hwm_vs_faster_peer']:.2f}x")
     return table
 
 

@@ -31,6 +31,10 @@ SECONDS = {("sequential", "fp32"): [4.0, 8.0, 4.4], ("layerwise", "fp32"): [2.0,
            ("pytorch", "fp32-kept"): [1.0, 1.0, 1.0]}
 
 
+# Plain PyTorch peaks at twice every other row's high-water mark.
+MEMORY = {("pytorch", "fp32"): 2}
+
+
 def fake_run(monkeypatch, tmp_path, *flags):
     order = []
     rounds_seen = {}
@@ -43,7 +47,7 @@ def fake_run(monkeypatch, tmp_path, *flags):
         seconds = SECONDS[key][round_]
         return StepTiming({"name": row.name}, 16, seconds, [seconds] * common["steps"],
                           peak_rss_bytes=2**30 * (1 + round_), peak_pss_bytes=2**29,
-                          peak_hwm_bytes=2**31 * (1 + round_))
+                          peak_hwm_bytes=2**31 * (1 + round_) * MEMORY.get(key, 1))
 
     monkeypatch.setattr(bench_local.Row, "measure", measure)
     output = tmp_path / "bench.json"
@@ -75,6 +79,9 @@ def test_rows_report_median_spread_and_ratios_within_rounds(monkeypatch, tmp_pat
     assert rows[("layerwise", "bf16-cl")]["vs_faster_peer"] == pytest.approx(2.4 / 1.1)
     assert layerwise["peak_rss_bytes"] == 3 * 2**30  # the highest of the rounds
     assert layerwise["peak_hwm_bytes"] == 3 * 2**31
+    # Memory against the peer faster over the rounds (pytorch, median 2.4 s against 3.0 s),
+    # its highest peak, 6 * 2**31; not against DDP's 3 * 2**31.
+    assert layerwise["hwm_vs_faster_peer"] == pytest.approx(0.5)
     assert result["rounds"] == 3
 
 
@@ -84,4 +91,5 @@ def test_unknown_variant_is_one_line_and_exit_2():
                           capture_output=True, text=True, env=hybriddl_env(), timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "bench_local: error: --variants fp8: choose from fp32, fp32-cl, bf16, bf16-cl"]
+        "bench_local: error: --variants fp8: choose from fp32, fp32-cl, bf16, bf16-cl, "
+        "fp32-cl-acc2, fp32-cl-acc4"]

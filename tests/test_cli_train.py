@@ -108,12 +108,15 @@ def test_max_steps_stops_across_epochs(cli, tmp_path):
 
 def test_train_records_the_numerics_it_ran_in(cli, tmp_path):
     run_dir = tmp_path / "run"
-    done = cli("train", "--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "4",
+    # Batch 8: two chunks of 4 over 2 workers leave BatchNorm 2 samples per worker.
+    done = cli("train", "--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "8",
                "--max-steps", "1", "--strategy", "layerwise", "--workers", "2", "--oversubscribe",
-               "--precision", "bf16", "--channels-last", "--run-dir", str(run_dir))
+               "--precision", "bf16", "--channels-last", "--accumulate", "2",
+               "--run-dir", str(run_dir))
     assert done.returncode == 0, done.stderr
     strategy = json.loads((run_dir / METRICS).read_text())["config"]["strategy"]
     assert (strategy["precision"], strategy["channels_last"]) == ("bf16", True)
+    assert strategy["accumulate"] == 2
     state = torch.load(run_dir / MODEL, weights_only=True)
     assert all(t.dtype != torch.bfloat16 for t in state.values())  # float32 master weights
 
@@ -181,6 +184,6 @@ def test_python_m_hybriddl_help_lists_the_subcommands(cli):
     train_help = cli("train", "--help")
     for flag in ("--usecase", "--model", "--image-size", "--batch-size", "--epochs", "--lr",
                  "--momentum", "--dropout", "--seed", "--max-steps", "--data", "--run-dir",
-                 "--classes", "--precision", "--channels-last"):
+                 "--classes", "--precision", "--channels-last", "--accumulate"):
         assert flag in train_help.stdout
 

@@ -23,6 +23,7 @@ from torch import nn
 from conftest import hybriddl_env
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
+from hybriddl.strategies.base import host_gradients
 from hybriddl.strategies.pipeline import split_stages
 from hybriddl.dropout import dropout_keys, key_dropout, sample_keys
 from hybriddl.usecases import PIPELINE_SPLITS, build_model
@@ -64,7 +65,7 @@ def train(strategy: str, options: StrategyOptions, model_name: str) -> list[torc
             for x, y in batches(model_name):
                 optimizer.zero_grad(set_to_none=False)
                 with dropout_keys(sample_keys(7, 0, torch.arange(first, first + len(y)))):
-                    stats = local.compute_gradients(x, y)
+                    stats = host_gradients(local, x, y)
                 first += len(y)
                 assert stats.samples == len(y)
                 optimizer.step()
@@ -299,6 +300,40 @@ def test_every_registered_strategy_matches_sequential(name):
     except UsageError as exc:
         pytest.skip(f"{name} cannot run on this host: {exc}")
     assert_matches_sequential(name, options, "alexnet")
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("sequential", StrategyOptions(accumulate=2)),
+    ("sequential", StrategyOptions(accumulate=3)),  # chunks of 2, 2, 1 and 3, 2, 2
+    ("intraop", StrategyOptions(workers=2, oversubscribe=True, accumulate=2)),
+    ("threads", StrategyOptions(workers=2, oversubscribe=True, accumulate=3)),
+    ("processes", StrategyOptions(workers=2, oversubscribe=True, accumulate=2)),
+    ("layerwise", StrategyOptions(workers=2, oversubscribe=True, accumulate=3)),
+    ("pipeline", StrategyOptions(micro_batches=2, devices=("cpu", "cpu"), accumulate=2)),
+])
+def test_accumulated_gradients_match_sequential(strategy, options):
+    """Gradient accumulation computes the same step, uneven chunks and dropout included."""
+    assert_matches_sequential(strategy, options, "alexnet")
+
+
+def test_accumulation_runs_the_model_on_chunks():
+    """The memory it saves is real: no forward pass sees more than a chunk of the batch."""
+    seen = []
+    model = slim_model("alexnet")
+    model.features.register_forward_hook(lambda module, args, out: seen.append(len(args[0])))
+    with make_strategy("sequential", StrategyOptions(accumulate=3)) as local:
+        local.setup(model)
+        x, y = batches("alexnet")[2]  # 7 samples
+        stats = host_gradients(local, x, y)
+    assert seen == [3, 2, 2]
+    assert stats.samples == 7 and stats.extra["chunks"] == 3
+    assert local.writes_gradients_once is False  # .grad is final only after the last chunk
+    assert local.describe()["accumulate"] == 3
+
+
+def test_accumulate_below_one_is_refused():
+    with pytest.raises(UsageError, match="--accumulate 0: give at least 1"):
+        make_strategy("sequential", StrategyOptions(accumulate=0))
 
 
 def test_every_strategy_is_registered():

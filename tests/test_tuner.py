@@ -581,10 +581,11 @@ def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
     run_dir = tmp_path / "run"
     done = cli("train", "--strategy", "auto", "--image-size", "32", "--batch-size", "4",
                "--max-steps", "1", "--epochs", "1", "--run-dir", str(run_dir),
-               "--profile-dir", str(tmp_path / "profiles"))
+               "--profile-dir", str(tmp_path / "profiles"), "--accumulate", "2")
     assert done.returncode == 0, done.stderr
     config = json.loads((run_dir / METRICS).read_text())["config"]
     assert config["strategy"]["name"] == "sequential"
+    assert config["strategy"]["accumulate"] == 2  # the user's memory choice, on the pick
     assert config["strategy_choice"]["source"] == "profile"
     assert config["strategy_choice"]["profile"] == str(path)
     assert "strategy auto: sequential" in done.stderr and "tuning first" not in done.stderr

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from torch.optim import Optimizer
 
 from hybriddl.strategies import LocalStrategy, StepStats
+from hybriddl.strategies.base import host_gradients
 
 
 def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
@@ -18,7 +19,7 @@ def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
     """One step on (x, y); `average` turns the host's gradient into the global one."""
     optimizer.zero_grad(set_to_none=False)
     # A host whose share of a short batch is empty contributes a zero gradient.
-    stats = strategy.compute_gradients(x, y) if len(y) else StepStats(0, 0.0)
+    stats = host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
     if average is not None:
         average(stats)
     optimizer.step()

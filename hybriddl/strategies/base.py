@@ -56,6 +56,8 @@ class LocalStrategy(ABC):
     def __init__(self, options: StrategyOptions = StrategyOptions()):
         self.options = options
         self.model: nn.Module | None = None
+        if options.accumulate > 1:  # chunks add into .grad: no hook sees a final gradient
+            self.writes_gradients_once = False
 
     @classmethod
     def check_feasible(cls, options: StrategyOptions) -> None:
@@ -75,9 +77,11 @@ class LocalStrategy(ABC):
         return {"name": self.name, **self.numerics()}
 
     def numerics(self) -> dict:
-        """Precision and memory format, where they differ from the default."""
+        """Precision, memory format and gradient accumulation, where they differ from the
+        default."""
         default = StrategyOptions()
-        return {key: getattr(self.options, key) for key in ("precision", "channels_last")
+        return {key: getattr(self.options, key) for key in ("precision", "channels_last",
+                                                            "accumulate")
                 if getattr(self.options, key) != getattr(default, key)}
 
     @property
@@ -140,12 +144,42 @@ class CoreWorkersStrategy(LocalStrategy):
 
 def check_numerics(strategy: type[LocalStrategy], options: StrategyOptions) -> None:
     """Raise UsageError when `strategy` cannot run in the numerics `options` ask for."""
+    if options.accumulate < 1:
+        raise UsageError(f"--accumulate {options.accumulate}: give at least 1 (1 computes the "
+                         "whole host batch at once)")
     if options.precision not in PRECISIONS:
         raise UsageError(f"--precision {options.precision} goes with --strategy auto (the tuner "
                          f"tries both); with a named strategy choose {' or '.join(PRECISIONS)}")
     if not strategy.honours_numerics and (options.precision != "fp32" or options.channels_last):
         raise UsageError(f"strategy {strategy.name!r} runs in float32 with the default memory "
                          "format only: leave out --precision bf16 and --channels-last")
+
+
+def host_gradients(strategy: LocalStrategy, x: torch.Tensor, y: torch.Tensor) -> StepStats:
+    """The host batch's mean gradient in .grad, computed in `options.accumulate` chunks.
+
+    Each chunk goes through the strategy's own compute_gradients, which adds the chunk's
+    mean gradient into .grad. Rescaling .grad between chunks keeps the invariant
+    .grad = (sum of the chunks' size * mean gradient so far) / (size of the last chunk),
+    and the last rescale divides by the batch size: the batch's mean gradient, as
+    sequential SGD has it, with activations held for one chunk at a time. Each chunk
+    draws the dropout masks of its own samples (their slice of the keys).
+    """
+    chunks = sub_batches(len(y), strategy.options.accumulate)
+    if len(chunks) == 1:
+        return strategy.compute_gradients(x, y)
+    grads = lambda: [p.grad for p in strategy.model.parameters() if p.grad is not None]  # noqa: E731
+    total, last = StepStats(0, 0.0), None
+    for a, b in chunks:
+        if last is not None and last != b - a:
+            torch._foreach_mul_(grads(), last / (b - a))
+        with dropout_keys(current_keys(a, b)):
+            stats = strategy.compute_gradients(x[a:b], y[a:b])
+        total = StepStats(total.samples + stats.samples, total.loss_sum + stats.loss_sum,
+                          total.seconds + stats.seconds, {**stats.extra, "chunks": len(chunks)})
+        last = b - a
+    torch._foreach_mul_(grads(), last / len(y))
+    return total
 
 
 def prepare_model(model: nn.Module, options: StrategyOptions) -> None:

@@ -22,6 +22,10 @@ class StrategyOptions:
     # conv weights NHWC, which oneDNN's CPU convolutions prefer; still float32.
     precision: str = "fp32"
     channels_last: bool = False
+    # Gradient accumulation (base.py:host_gradients): the host batch is computed in this
+    # many sequential chunks whose gradients add up to the batch's, so activations are
+    # held for one chunk at a time. Same step, less memory; 1 = the whole batch at once.
+    accumulate: int = 1
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -41,13 +45,15 @@ class StrategySpec:
     devices: tuple[str, ...] = ()
     precision: str = "fp32"
     channels_last: bool = False
+    accumulate: int = 1
 
     def options(self, oversubscribe: bool = False) -> StrategyOptions:
         default = StrategyOptions()
         return StrategyOptions(workers=self.workers,
                                micro_batches=self.micro_batches or default.micro_batches,
                                devices=self.devices, oversubscribe=oversubscribe,
-                               precision=self.precision, channels_last=self.channels_last)
+                               precision=self.precision, channels_last=self.channels_last,
+                               accumulate=self.accumulate)
 
     @property
     def label(self) -> str:
@@ -62,6 +68,8 @@ class StrategySpec:
             parts.append(self.precision)
         if self.channels_last:
             parts.append("channels_last")
+        if self.accumulate != 1:
+            parts.append(f"accumulate={self.accumulate}")
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -72,6 +80,8 @@ class StrategySpec:
             record["precision"] = self.precision
         if self.channels_last:
             record["channels_last"] = True
+        if self.accumulate != 1:
+            record["accumulate"] = self.accumulate
         return record
 
     @classmethod
@@ -80,7 +90,8 @@ class StrategySpec:
                    micro_batches=_optional_int(record.get("micro_batches")),
                    devices=tuple(str(d) for d in record.get("devices") or ()),
                    precision=str(record.get("precision") or "fp32"),
-                   channels_last=bool(record.get("channels_last", False)))
+                   channels_last=bool(record.get("channels_last", False)),
+                   accumulate=int(record.get("accumulate") or 1))
 
     def infeasibility(self) -> str | None:
         """Why this host cannot run it, or None when it can."""
