@@ -187,3 +187,16 @@ def test_python_m_hybriddl_help_lists_the_subcommands(cli):
                  "--classes", "--precision", "--channels-last", "--accumulate"):
         assert flag in train_help.stdout
 
+
+
+def test_a_one_sample_forward_through_batchnorm_is_one_line(cli, tmp_path):
+    """Batch 2 over 2 worker threads: each forward pass has one sample, which BatchNorm
+    cannot train on; the user gets what to change, not torch's traceback."""
+    done = cli("train", "--model", "mobilenet_v3_small", "--image-size", "32", "--batch-size", "2",
+               "--max-steps", "1", "--strategy", "threads", "--workers", "2", "--oversubscribe",
+               "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert "a forward pass of one sample reached BatchNorm" in lines[-1]
+    assert "fewer --workers or --accumulate chunks" in lines[-1]

@@ -151,11 +151,14 @@ def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequ
 
 
 @pytest.mark.skipif("threads" not in STRATEGIES, reason="the threads strategy is not here yet")
-def test_threads_and_sequential_hosts_match_sequential(images, sequential, tmp_path, launcher):
+def test_threads_and_accumulating_sequential_hosts_match_sequential(images, sequential, tmp_path, launcher):
     run_dir = tmp_path / "run"
     common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
     done = mpirun((1, [*common, "--strategy", "threads", "--workers", "2", "--oversubscribe"]),
-                  (1, [*common, "--strategy", "sequential"]), launcher=launcher)
+                  # Gradient accumulation on one host: its share of 4 in chunks of 2, 1, 1,
+                  # into .grad fields that are views of the fusion buffers.
+                  (1, [*common, "--strategy", "sequential", "--accumulate", "3"]),
+                  launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
     config, _ = epoch_of(run_dir)

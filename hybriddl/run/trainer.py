@@ -169,6 +169,10 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     return metrics
 
 
+# torch's message when a training-mode BatchNorm gets one value per channel.
+_BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
+
+
 def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
                 observer, keeper, seed: int) -> dict:
     """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
@@ -192,7 +196,16 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                                             f"step {step + 1}: lower --lr; {keeper.kept()}")
                     average_over_hosts(stats.samples)
 
-                stats = optimizer_step(strategy, optimizer, x, y, average)
+                try:
+                    stats = optimizer_step(strategy, optimizer, x, y, average)
+                except ValueError as exc:
+                    if _BATCHNORM_ONE_SAMPLE not in str(exc):
+                        raise
+                    raise TrainingError(
+                        f"epoch {epoch + 1}, step {step + 1}: a forward pass of one sample "
+                        f"reached BatchNorm, which needs two or more to train: give a larger "
+                        f"--batch-size, or fewer --workers or --accumulate chunks; "
+                        f"{keeper.kept()}") from None
             now = time.perf_counter()
             progress.add_step(share.global_samples, stats.samples, stats.loss_sum, now - last)
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds
