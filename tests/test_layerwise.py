@@ -10,7 +10,7 @@ from torch import nn
 from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.strategies.layerwise import split_at_classifier
+from hybriddl.strategies.layerwise import AccumulatingLinear, split_at_classifier
 from hybriddl.usecases import build_model
 from test_strategies import (assert_matches_sequential, assert_same_parameters, batches,
                              local_threads, slim_model)
@@ -91,3 +91,56 @@ def test_tuner_tries_layerwise_only_on_models_with_the_cut(monkeypatch):
         tuner.tune_host(Settings("ComplexSmall", model, 32, 2), tiny_images(), budget=600,
                         steps=1, host=tuner.HostResources(cores=2))
         assert ("layerwise" in tried) == (model == "vgg16")
+
+
+class WideClassifier(nn.Module):
+    """features -> avgpool -> classifier, with one 32 MiB classifier weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Conv2d(3, 8, 3, padding=1)
+        self.avgpool = nn.AdaptiveAvgPool2d(16)  # 8 * 16 * 16 = 2048 features
+        self.classifier = nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 3))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def largest_backward_allocation(strategy: str, options: StrategyOptions) -> int:
+    """Bytes of the largest block allocated by one op during a steady step (the second:
+    .grad exists and is accumulated into, as the trainer zeroes it without freeing it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = WideClassifier()
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(3, (8,))
+    with make_strategy(strategy, options) as local:
+        local.setup(model)
+        local.compute_gradients(x, y)
+        for p in model.parameters():
+            p.grad.zero_()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            local.compute_gradients(x, y)
+        return max(event.cpu_memory_usage for event in prof.events())
+
+
+def test_layerwise_classifier_adds_weight_gradients_in_place():
+    """No temporary of the weight's size: sequential's backward allocates one (32 MiB for
+    the 4096 x 2048 weight), layerwise's classifier adds straight into .grad."""
+    weight_bytes = 4096 * 2048 * 4
+    assert largest_backward_allocation("sequential", StrategyOptions()) >= weight_bytes
+    layerwise = StrategyOptions(workers=2, oversubscribe=True)
+    assert largest_backward_allocation("layerwise", layerwise) < weight_bytes / 4
+
+
+def test_layerwise_gives_the_model_back_as_it_came():
+    model = slim_model("alexnet")
+    with make_strategy("layerwise", StrategyOptions(workers=2, oversubscribe=True)) as local:
+        local.setup(model)
+        assert {type(m).__name__ for m in model.classifier} >= {"AccumulatingLinear"}
+    assert all(type(m) is not AccumulatingLinear for m in model.modules())
+    # bf16 leaves autocast's linear layers alone.
+    with make_strategy("layerwise", StrategyOptions(workers=2, oversubscribe=True,
+                                                    precision="bf16")) as local:
+        local.setup(model)
+        assert all(type(m) is not AccumulatingLinear for m in model.modules())

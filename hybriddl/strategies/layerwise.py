@@ -16,6 +16,13 @@ for the convolutions, another parallelism for the fully-connected layers):
 3. The gradient of the classifier's input, cut into the same sub-batches, goes back
    to the workers, which run the convolutional part backward.
 
+In float32 the classifier's linear layers add their weight gradient straight into .grad
+(`AccumulatingLinear`, the "gradient accumulation fusion" of Megatron-LM's linear layers):
+autograd would first compute it into a tensor of the weight's size (411 MB for VGG16's
+first classifier layer), then add that to .grad and free it, which costs the memory of the
+temporary at the moment every activation of the convolutions is still held, and one more
+pass over it.
+
 The loss is the mean over the whole batch, so the classifier's gradient is exactly
 sequential's and each worker's backward leaves exactly its share of the convolutions'
 mean gradient: their sum is sequential's. As in `threads`, only the master thread
@@ -54,6 +61,7 @@ class LayerWise(CoreWorkersStrategy):
         self.convolutions: nn.Module | None = None
         self.classifier: nn.Module | None = None
         self.cut_checked = False
+        self.fused: list[nn.Linear] = []
 
     @classmethod
     def check_model(cls, model) -> None:
@@ -61,6 +69,8 @@ class LayerWise(CoreWorkersStrategy):
 
     def setup(self, model) -> None:
         self.convolutions, self.classifier = split_at_classifier(model)
+        if self.options.precision == "fp32":  # bf16 keeps autocast's own linear
+            self.fused = accumulate_linear_gradients(self.classifier)
         # Never more threads than cores this process may use (ranks sharing a machine
         # are pinned to their own cores): oversubscribed matrix products crawl.
         self.classifier_threads = max(1, min(self.workers, usable_cores()))
@@ -137,6 +147,9 @@ class LayerWise(CoreWorkersStrategy):
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+        for linear in self.fused:  # the model leaves as it came
+            linear.__class__ = nn.Linear
+        self.fused = []
 
 
 _MODEL_SHAPE = "features -> avgpool -> flatten -> classifier"
@@ -167,3 +180,51 @@ def _convolutions_backward(output: torch.Tensor, params: list[torch.Tensor],
                            output_grad: torch.Tensor):
     set_torch_threads(1)
     return torch.autograd.grad(output, params, output_grad, allow_unused=True)
+
+
+class AccumulatingLinear(nn.Linear):
+    """nn.Linear whose backward adds its weight and bias gradients into .grad in place
+    (one addmm_) instead of returning them to autograd. Only for a module whose backward
+    runs in one thread per step (the classifier here, in the master thread)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().forward(x)
+        return _AccumulatingLinearFunction.apply(x, self.weight, self.bias)
+
+
+class _AccumulatingLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        # Rows of x and grad_out are samples: weight.grad += grad_out^T x, bias += sum.
+        flat_x, flat_g = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.no_grad():
+            if weight.requires_grad:
+                if weight.grad is None:
+                    weight.grad = flat_g.t().mm(flat_x)
+                else:
+                    weight.grad.addmm_(flat_g.t(), flat_x)
+            if bias is not None and bias.requires_grad:
+                if bias.grad is None:
+                    bias.grad = flat_g.sum(0)
+                else:
+                    bias.grad.add_(flat_g.sum(0))
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
+def accumulate_linear_gradients(module: nn.Module) -> list[nn.Linear]:
+    """Turn the float32 nn.Linear layers of `module` into AccumulatingLinear, in place
+    (same parameters, same state_dict); returns them so that close() can turn them back."""
+    fused = []
+    for linear in module.modules():
+        if type(linear) is nn.Linear and linear.weight.dtype == torch.float32:
+            linear.__class__ = AccumulatingLinear
+            fused.append(linear)
+    return fused
