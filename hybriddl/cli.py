@@ -111,12 +111,16 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oversubscribe", action="store_true",
                         help="allow more local workers than usable cores")
     add_numerics_args(parser, channels_last=True)
-    parser.add_argument("--accumulate", type=int, metavar="N",
-                        help="compute each host batch in N sequential chunks and add their "
-                             "gradients: the same step with activations for one chunk at a time "
-                             "(less memory; default: 1)")
+    add_accumulate_arg(parser, "with auto, the profile tuned with the same N")
     parser.add_argument("--monitor-interval", type=float,
                         help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
+
+
+def add_accumulate_arg(parser: argparse.ArgumentParser, where: str) -> None:
+    parser.add_argument("--accumulate", type=int, metavar="N",
+                        help="compute each host batch in N sequential chunks and add their "
+                             "gradients: the same step with activations for one chunk at a "
+                             f"time (less memory; default: 1); {where}")
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +143,8 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
     parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
     add_numerics_args(parser, channels_last=False)
+    add_accumulate_arg(parser, "every candidate computes the batch in N chunks; train "
+                               "--accumulate N with --strategy auto uses this profile")
 
 
 def add_hosts_args(parser: argparse.ArgumentParser) -> None:
@@ -235,7 +241,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from hybriddl.tuning import profiles, tuner
 
     settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
-                             args.precision)
+                             args.precision, args.accumulate)
     output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "

@@ -39,15 +39,24 @@ def use_case_workload(usecase: str, model: str | None, image_size: int | None,
 
 
 def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
-                  batch_size: int | None = None, precision: str | None = None) -> Settings:
+                  batch_size: int | None = None, precision: str | None = None,
+                  accumulate: int | None = None) -> Settings:
     """What a profile is measured at: the use case's defaults for what was left out
-    (precision: fp32), every number checked as for training."""
+    (precision: fp32, accumulate: 1), every number checked as for training."""
     precision = precision or "fp32"
     if precision not in NUMERICS:
         raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
     model, image_size, batch_size = use_case_workload(usecase, model, image_size, batch_size)
+    accumulate = 1 if accumulate is None else accumulate
+    check_accumulate(accumulate, batch_size)
     return Settings(usecase=get_usecase(usecase).name, model=model, image_size=image_size,
-                    batch_size=batch_size, precision=precision)
+                    batch_size=batch_size, precision=precision, accumulate=accumulate)
+
+
+def check_accumulate(accumulate: int, batch_size: int) -> None:
+    if not 1 <= accumulate <= batch_size:
+        raise UsageError(f"--accumulate {accumulate}: give 1 to the batch size ({batch_size}); "
+                         "each chunk needs a sample")
 
 
 @dataclass
@@ -99,9 +108,7 @@ class TrainConfig:
                                       or options.channels_last):
             raise UsageError("--workers, --devices and --channels-last go with a named "
                              "--strategy; with auto the profile decides (or name the strategy)")
-        if not 1 <= options.accumulate <= filled.batch_size:
-            raise UsageError(f"--accumulate {options.accumulate}: give 1 to the batch size "
-                             f"({filled.batch_size}); each chunk needs a sample")
+        check_accumulate(options.accumulate, filled.batch_size)
         if not math.isfinite(filled.lr) or filled.lr <= 0:
             raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
@@ -181,16 +188,15 @@ def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[
     """
     host_batch = -(-config.batch_size // hosts_count)
     decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
-                                           host_batch, config.strategy_options.precision),
+                                           host_batch, config.strategy_options.precision,
+                                           config.strategy_options.accumulate),
                              images, directory=config.profile_dir, budget=config.tune_budget,
                              observer=observer)
     throughput = (config.throughput if config.throughput is not None
                   else decision.profile.pick_result.images_per_second)
-    # --accumulate is the user's memory choice, kept on top of the pick (tuned without it).
-    options = replace(decision.choice.options(config.strategy_options.oversubscribe),
-                      accumulate=config.strategy_options.accumulate)
+    # The profile was measured with the run's --accumulate (it is one of its settings).
     settled = replace(config, strategy=decision.choice.name, throughput=throughput,
-                      strategy_options=options)
+                      strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
     return settled, {**decision.describe(), "message": decision.message()}
 
 

@@ -20,6 +20,9 @@ $PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --rounds 3 --
 $PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --rounds 3 --steps 3 \
     --strategies processes,layerwise --variants fp32,fp32-cl \
     --output $out/bench_local-ComplexSmall.json
+$PY scripts/bench_local.py --usecase ComplexSmall --image-size 224 --rounds 3 --steps 3 \
+    --strategies intraop,layerwise --variants fp32,fp32-cl,fp32-cl-acc2,fp32-cl-acc4 \
+    --output $out/bench_local-ComplexSmall-accumulate.json
 
 step "freed memory kept against glibc's defaults, AlexNet 224 px"
 $PY scripts/bench_memory_reuse.py --usecase SimpleBig --image-size 224 --strategy intraop \
@@ -27,6 +30,7 @@ $PY scripts/bench_memory_reuse.py --usecase SimpleBig --image-size 224 --strateg
 
 step "tuner at 224 px (profiles kept in profiles/)"
 $PY -m hybriddl tune --usecase ComplexSmall --image-size 224 --profile-dir profiles
+$PY -m hybriddl tune --usecase ComplexSmall --image-size 224 --accumulate 4 --profile-dir profiles
 $PY -m hybriddl tune --usecase SimpleBig --image-size 224 --profile-dir profiles
 
 step "tuner pick vs re-measured fastest, small image size"

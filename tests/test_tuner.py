@@ -557,12 +557,29 @@ def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
         f"{profiles.this_host()}-ComplexSmall-resnet18-b2-32px.json"]
 
 
+def test_tune_with_accumulate_measures_every_candidate_with_it(cli, tmp_path):
+    done = cli("tune", "--usecase", "ComplexSmall", "--model", "squeezenet1_1", "--image-size",
+               "32", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--second-look", "0",
+               "--accumulate", "2", HYBRIDDL_PROFILES=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    # Its own file: a tune with accumulation never replaces the one without.
+    [path] = list(tmp_path.iterdir())
+    assert path.name == f"{profiles.this_host()}-ComplexSmall-squeezenet1_1-b4-32px-acc2.json"
+    profile = load_profile(path)
+    assert profile.settings == Settings("ComplexSmall", "squeezenet1_1", 32, 4, accumulate=2)
+    assert {c.choice.accumulate for c in profile.candidates} == {2}
+    assert profile.candidates[0].choice.name == "sequential"
+    assert profile.candidates[0].speedup == 1.0  # still the baseline of the speedups
+    assert "accumulate=2" in profile.pick.label
+
+
 @pytest.mark.parametrize("args, message", [
     (["--budget", "0"], "--budget 0.0: give a positive number of seconds"),
     (["--image-size", "8"], "--image-size 8 does not work with this model"),
     (["--usecase", "Nope"], "unknown use case 'Nope'"),
     (["--steps", "0"], "give at least 1 timed step"),
     (["--rounds", "0"], "give at least 1 round"),
+    (["--accumulate", "3"], "--accumulate 3: give 1 to the batch size (2)"),
 ])
 def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path, args, message):
     output = tmp_path / "p.json"
@@ -573,9 +590,11 @@ def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path,
 
 
 def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
-    settings = Settings("ComplexSmall", "vgg16", 32, 4)
+    # Tuned with --accumulate 2, so train --accumulate 2 finds it.
+    settings = Settings("ComplexSmall", "vgg16", 32, 4, accumulate=2)
     profile = matching_profile()
     profile.settings = settings
+    profile.pick = profile.candidates[0].choice = StrategySpec("sequential", accumulate=2)
     path = save_profile(profile, profile_path(tmp_path / "profiles", settings))
     before = path.read_bytes()
     run_dir = tmp_path / "run"
@@ -585,7 +604,8 @@ def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
     assert done.returncode == 0, done.stderr
     config = json.loads((run_dir / METRICS).read_text())["config"]
     assert config["strategy"]["name"] == "sequential"
-    assert config["strategy"]["accumulate"] == 2  # the user's memory choice, on the pick
+    assert config["strategy"]["accumulate"] == 2
+    assert path.name.endswith("-32px-acc2.json")
     assert config["strategy_choice"]["source"] == "profile"
     assert config["strategy_choice"]["profile"] == str(path)
     assert "strategy auto: sequential" in done.stderr and "tuning first" not in done.stderr

@@ -16,9 +16,10 @@ rounds, is still read)::
         "cpu_model": "Intel(R) Xeon(R) ...", "cores_usable": 2, "ram_gib": 7.8,
         "gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.14.1"
       },
-      "settings": {                            # what was measured; train matches all five
+      "settings": {                            # what was measured; train matches all six
         "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16,
-        "precision": "fp32"                    # --precision: fp32, bf16 or auto
+        "precision": "fp32",                   # --precision: fp32, bf16 or auto
+        "accumulate": 1                        # --accumulate (absent in older profiles: 1)
       },
       "measurement": {"warmup_steps": 1, "timed_steps": 2,   # per visit of a candidate
                       "rounds": 3, "second_look_rounds": 2, "tie_tolerance": 0.03,
@@ -41,8 +42,9 @@ rounds, is still read)::
         }
       ],
       "pick": {"name": "threads", "workers": 2, "micro_batches": null, "devices": []}
-      # A strategy dict carries "precision": "bf16" and/or "channels_last": true only where
-      # they differ from float32 / the default memory format, so older profiles read the same.
+      # A strategy dict carries "precision": "bf16", "channels_last": true and "accumulate": N
+      # only where they differ from float32 / the default memory format / 1, so older
+      # profiles read the same.
     }
 
 ``pick`` is the measured candidate with the lowest median seconds per step, unless the
@@ -91,12 +93,15 @@ def this_host() -> str:
 
 
 def profile_path(directory: str | os.PathLike, settings: Settings, host: str | None = None) -> Path:
-    """<host>-<usecase>-<model>-b<batch>-<size>px.json: one file per measured setting, so
+    """<host>-<usecase>-<model>-b<batch>-<size>px[-bf16|-auto][-accN].json: one file per
+    measured setting, so
     tuning at one image size or batch never overwrites the profile of another."""
     host = (host or this_host()).replace(os.sep, "_")
     s = settings
     numerics = "" if s.precision == "fp32" else f"-{s.precision}"  # a bf16 tune keeps fp32's
-    name = f"{host}-{s.usecase}-{s.model}-b{s.batch_size}-{s.image_size}px{numerics}.json"
+    chunks = "" if s.accumulate == 1 else f"-acc{s.accumulate}"
+    name = (f"{host}-{s.usecase}-{s.model}-b{s.batch_size}-{s.image_size}px{numerics}"
+            f"{chunks}.json")
     return Path(directory) / name.replace(os.sep, "_")
 
 
@@ -126,11 +131,13 @@ class Settings:
     image_size: int
     batch_size: int
     precision: str = "fp32"  # what the user allows: fp32, bf16 or auto (the tuner tries both)
+    accumulate: int = 1  # every candidate computes the batch in this many chunks
 
     def describe(self) -> str:
         precision = "" if self.precision == "fp32" else f", precision {self.precision}"
+        chunks = "" if self.accumulate == 1 else f", accumulate {self.accumulate}"
         return (f"{self.usecase} ({self.model}), {self.image_size} px, batch {self.batch_size}"
-                f"{precision}")
+                f"{precision}{chunks}")
 
 
 @dataclass

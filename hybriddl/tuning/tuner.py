@@ -149,7 +149,7 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
             now = clock()
             share = max(budget - (now - started), 0.0) / (len(racing) - position)
             observer.on_candidate_start(index, state.choice, share)
-            is_baseline = state.choice == BASELINE
+            is_baseline = is_the_baseline(state.choice)
             if share <= 0 and not is_baseline:
                 state.stop("not started: the budget was spent")
                 continue
@@ -270,10 +270,15 @@ def _visit_one(index, state, measure, deadline, share, is_baseline, warmup, step
         state.notes.append("the baseline ran past its share: every speedup is relative to it")
 
 
+def is_the_baseline(choice: StrategySpec) -> bool:
+    """Sequential, in whatever --accumulate the tune measured every candidate with."""
+    return replace(choice, accumulate=1) == BASELINE
+
+
 def add_speedups(results: list[CandidateResult]) -> None:
     """Speedup = t_baseline / t_candidate (the paper's definition), over one core and one GPU."""
     measured = [r for r in results if r.measured]
-    cpu = next((r for r in measured if r.choice == BASELINE), None)
+    cpu = next((r for r in measured if is_the_baseline(r.choice)), None)
     gpu = next((r for r in measured if r.choice.name == Gpu.name), None)
     for r in measured:
         r.speedup = cpu.seconds_per_step / r.seconds_per_step if cpu else None
@@ -335,9 +340,10 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
     model = timing_model(settings.model, num_classes)
     check_image_size(model, settings.image_size, num_classes)
     observer = observer or TuneObserver()
-    candidates = [spec for spec in enumerate_candidates(host or HostResources.here(),
-                                                        settings.batch_size,
-                                                        precision=settings.precision)
+    candidates = [replace(spec, accumulate=settings.accumulate)
+                  for spec in enumerate_candidates(host or HostResources.here(),
+                                                   settings.batch_size,
+                                                   precision=settings.precision)
                   if _runs_model(spec, model)]
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
 
