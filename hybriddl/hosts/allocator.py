@@ -51,3 +51,28 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success; both, or neither (the first alone changes nothing).
     _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
     return _kept
+
+
+def give_back_freed_memory() -> bool:
+    """Return the heap's free pages to the kernel now (glibc's malloc_trim).
+
+    For measurements taken one after another in one process (the tuner's candidates):
+    with freed memory kept, the process would otherwise still hold the pages of every
+    earlier candidate, and each one's peak would read as the largest so far. True when
+    glibc gave something back.
+    """
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return False
+
+
+def reset_high_water_mark() -> bool:
+    """Set this process's VmHWM to its current RSS (Linux >= 4.0: /proc/self/clear_refs),
+    so that a peak read later is the peak since now. False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False

@@ -23,7 +23,8 @@ from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.usecases import build_model
-from hybriddl.hosts.allocator import keep_freed_memory
+from hybriddl.hosts.allocator import (give_back_freed_memory, keep_freed_memory,
+                                      reset_high_water_mark)
 from hybriddl.hosts.cpu_threads import torch_threads
 
 
@@ -40,7 +41,8 @@ class StepTiming:
     peak_pss_bytes: int = 0
     # The kernel's high-water mark (VmHWM) summed over the processes: a peak inside a step,
     # which samples between steps miss when the allocator gives memory back before the
-    # sample. A process keeps its mark for life: meaningful in a fresh process only.
+    # sample. measure_strategy gives freed memory back and resets the mark first, so it
+    # is the candidate's own peak (plus what the process held before it started).
     peak_hwm_bytes: int = 0
 
     @property
@@ -107,6 +109,9 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
     `keep_going(step, seconds)` is asked after every step, warm-up included, whether to
     take the next one: the tuner's budget stops a slow candidate there.
     """
+    # This candidate's memory from here on, not what earlier ones in this process held.
+    give_back_freed_memory()
+    reset_high_water_mark()
     torch.manual_seed(seed)
     model = timing_model(model_name, num_classes)
     # Strategies pin threads; leave the caller as it was.
