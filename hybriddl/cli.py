@@ -9,8 +9,9 @@ from pathlib import Path
 
 from hybriddl import __version__
 from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
-from hybriddl.config import (DEFAULT_USECASE, add_numerics_args, hosts_options, ignored_flags,
-                             resume_if_exists, training_config, tune_settings)
+from hybriddl.config import (DEFAULT_USECASE, add_accumulate_arg, add_numerics_args,
+                             hosts_options, ignored_flags, resume_if_exists, training_config,
+                             tune_settings)
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
@@ -114,13 +115,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     add_accumulate_arg(parser, "with auto, the profile tuned with the same N")
     parser.add_argument("--monitor-interval", type=float,
                         help="seconds between pidstat/sar-style samples (default: 1; 0 disables)")
-
-
-def add_accumulate_arg(parser: argparse.ArgumentParser, where: str) -> None:
-    parser.add_argument("--accumulate", type=int, metavar="N",
-                        help="compute each host batch in N sequential chunks and add their "
-                             "gradients: the same step with activations for one chunk at a "
-                             f"time (less memory; default: 1); {where}")
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:

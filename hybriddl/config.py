@@ -144,6 +144,14 @@ def add_numerics_args(parser: argparse.ArgumentParser, *, channels_last: bool) -
                                  "format (with a named --strategy; auto decides itself)")
 
 
+def add_accumulate_arg(parser: argparse.ArgumentParser, where: str) -> None:
+    """--accumulate (train and tune): gradient accumulation, a strategy option."""
+    parser.add_argument("--accumulate", type=int, metavar="N",
+                        help="compute each host batch in N sequential chunks and add their "
+                             "gradients: the same step with activations for one chunk at a "
+                             f"time (less memory; default: 1); {where}")
+
+
 def resume_if_exists(args: argparse.Namespace) -> bool:
     """Turn --resume-if-exists into --resume or --run-dir; False if its run already finished."""
     run_dir = args.resume_if_exists
