@@ -168,18 +168,24 @@ def host_gradients(strategy: LocalStrategy, x: torch.Tensor, y: torch.Tensor) ->
     chunks = sub_batches(len(y), strategy.options.accumulate)
     if len(chunks) == 1:
         return strategy.compute_gradients(x, y)
-    grads = lambda: [p.grad for p in strategy.model.parameters() if p.grad is not None]  # noqa: E731
     total, last = StepStats(0, 0.0), None
     for a, b in chunks:
         if last is not None and last != b - a:
-            torch._foreach_mul_(grads(), last / (b - a))
+            _scale_gradients(strategy.model, last / (b - a))
         with dropout_keys(current_keys(a, b)):
             stats = strategy.compute_gradients(x[a:b], y[a:b])
         total = StepStats(total.samples + stats.samples, total.loss_sum + stats.loss_sum,
                           total.seconds + stats.seconds, {**stats.extra, "chunks": len(chunks)})
         last = b - a
-    torch._foreach_mul_(grads(), last / len(y))
+    _scale_gradients(strategy.model, last / len(y))
     return total
+
+
+def _scale_gradients(model: nn.Module, factor: float) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
 
 def prepare_model(model: nn.Module, options: StrategyOptions) -> None:
