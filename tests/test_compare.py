@@ -137,11 +137,14 @@ def test_flat_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
 
 def test_no_host_counts_intra_host_traffic(comparison):
     """Every rank of every flat contender hands 2(P-1)/P S to its allreduce; a host's NIC
-    carries only what one rank of it sends across, not what its K ranks send in all."""
+    carries only what one rank of it sends across, not what its K ranks send in all.
+    Counting the K ranks would read K = 2 times the payload; the NIC also carries TCP/IP
+    headers, the receiver's ACKs and whatever else crossed in that step (one DDP step, on
+    one host, once read 1.105x the payload, the other host 1.003x), hence 1.25x."""
     for name in ("flat-mpi", "flat-ring", "ddp"):
         c = contender(comparison, name)
         per_rank = ring_bytes_per_rank(c["gradient_bytes"], H * K)
-        assert max(c["host_nic_bytes_per_step"]) <= 1.1 * per_rank, name
+        assert max(c["host_nic_bytes_per_step"]) <= 1.25 * per_rank, name
 
 
 def test_bandwidth_limits_the_hybrids_step(comparison):
