@@ -14,6 +14,7 @@ from hybriddl.errors import UsageError
 from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.run import checkpoint
 from hybriddl.strategies import PRECISIONS, STRATEGIES, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
@@ -84,6 +85,7 @@ class TrainConfig:
     monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
     balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (hosts/base.py)
     throughput: float | None = None  # this host's images/s (its profile's) for --balance
+    host_parallel: str = "auto"  # across hosts: "data", "hybrid" or "auto" (hybrid/parallel.py)
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -113,6 +115,9 @@ class TrainConfig:
             raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
             raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
+        if filled.host_parallel not in HOST_PARALLEL:
+            raise UsageError(f"--host-parallel {filled.host_parallel}: choose one of "
+                             f"{', '.join(HOST_PARALLEL)}")
         return filled
 
 

@@ -173,6 +173,10 @@ class TrainDisplay:
                 console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
                               f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
                               "on the wire")
+            scheme = info.get("host_parallel")
+            if scheme and (hosts["count"] > 1 or scheme["scheme"] != "data"):
+                console.print(f"across hosts: [bold]{scheme['scheme']}[/] ({scheme['reason']})",
+                              highlight=False)
             for note in hosts.get("notes", []):
                 console.print(f"[yellow]note:[/] {note}", highlight=False)
 

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
@@ -65,6 +66,9 @@ class Hosts:
         self.notes: list[str] = []  # things the user should know, for the CLI to show
         self.weights = [1.0] * self.size
         self.balance = "even"
+        # Bytes per second the slowest host's link carried when measured (link_rate);
+        # None alone or before: what --host-parallel auto predicts communication with.
+        self.link_bytes_per_second: float | None = None
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
@@ -157,6 +161,31 @@ class Hosts:
 
     def mean_over_hosts(self, total: float, samples: int) -> float:
         return total / max(samples, 1)
+
+    def link_rate(self) -> float | None:
+        """Bytes per second each host's link carries (the slowest's), measured now."""
+        return None
+
+    # ------------------------------------------------------------------ tensors
+    # The collectives of the classifier split across hosts (hybriddl.hybrid). `counts`
+    # are every host's number of rows (samples, or a layer's slice), in rank order.
+    # Alone, a host already holds every row and every sum.
+    def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every host's rows of `tensor`, concatenated in rank order."""
+        return tensor
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The sum over hosts of `tensor` (the same shape everywhere), cut into rows by
+        `counts`: this host's part."""
+        return tensor
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over hosts of `tensor`, the same bits on every host."""
+        return tensor
+
+    def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """Every host's rows concatenated on rank 0 (None elsewhere)."""
+        return tensor
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:

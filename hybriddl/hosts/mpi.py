@@ -36,6 +36,9 @@ from hybriddl.hosts.traffic import TrafficMeter
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 # Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
 PIECE_BYTES = 8 * 2**20
+# The link measurement at start: large enough that latency is a small part of it.
+LINK_PROBE_BYTES = 8 * 2**20
+LINK_PROBE_TAG = 7301
 
 
 def library_versions() -> dict:
@@ -359,6 +362,67 @@ class MPIHosts(Hosts):
         if self.rank == 0:
             self.traffic.sent(sum(host.nbytes for _, host in staged))
 
+    def link_rate(self, nbytes: int = LINK_PROBE_BYTES) -> float:
+        """Bytes per second a host's link carries, the slowest host's: every host sends
+        `nbytes` to the next in a ring and receives as many from the previous one, so each
+        link carries one message at once, as in a ring allreduce. Measured once at start
+        (tens of milliseconds at 1 Gbit/s) for --host-parallel auto."""
+        send = np.ones(nbytes, dtype=np.uint8)
+        receive = np.empty_like(send)
+        self.barrier()
+        started = time.perf_counter()
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self._wait([self.comm.Isend(send, dest=right, tag=LINK_PROBE_TAG),
+                    self.comm.Irecv(receive, source=left, tag=LINK_PROBE_TAG)],
+                   "measuring the link to the next host")
+        mine = nbytes / max(time.perf_counter() - started, 1e-9)
+        self.traffic.sent(nbytes)
+        self.link_bytes_per_second = min(self.allgather(mine))
+        return self.link_bytes_per_second
+
+    # ------------------------------------------------------------------ tensors
+    def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        tensor = tensor.detach().contiguous()
+        row = _row_elements(tensor)
+        out = torch.empty((sum(counts), *tensor.shape[1:]), dtype=tensor.dtype)
+        sizes = [c * row for c in counts]
+        self._wait([self.comm.Iallgatherv(_as_mpi(tensor), [_as_mpi(out), sizes])],
+                   "exchanging classifier inputs")
+        self.traffic.sent(tensor.nbytes)
+        return out
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        tensor = tensor.detach().contiguous()
+        row = _row_elements(tensor)
+        out = torch.empty((counts[self.rank], *tensor.shape[1:]), dtype=tensor.dtype)
+        self._wait([self.comm.Ireduce_scatter(_as_mpi(tensor), _as_mpi(out),
+                                              [c * row for c in counts], self.MPI.SUM)],
+                   "returning classifier input gradients")
+        self.traffic.sent(tensor.nbytes)
+        return out
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach().contiguous()
+        out = torch.empty_like(tensor)
+        # Out of place, through libnbc's ring (set in _initialise): every host ends with
+        # the same bits, so the classifier's replicated layers stay identical.
+        self._wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
+                   "summing a classifier layer's partial outputs")
+        self.traffic.sent(tensor.nbytes)
+        return out
+
+    def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        tensor = tensor.detach().contiguous()
+        row = _row_elements(tensor)
+        out = torch.empty((sum(counts), *tensor.shape[1:]), dtype=tensor.dtype) \
+            if self.rank == 0 else None
+        target = [_as_mpi(out), [c * row for c in counts]] if out is not None else None
+        self._wait([self.comm.Igatherv(_as_mpi(tensor), target, root=0)],
+                   "gathering the classifier's slices")
+        if self.rank != 0:
+            self.traffic.sent(tensor.nbytes)
+        return out
+
     # ------------------------------------------------------------------ gradients
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
         """Lay out the fusion buckets; with --overlap and a strategy whose backward writes
@@ -490,6 +554,10 @@ class MPIHosts(Hosts):
 def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor as the array MPI reads or writes in place."""
     return tensor.numpy()
+
+
+def _row_elements(tensor: torch.Tensor) -> int:
+    return int(tensor[0].numel()) if tensor.dim() > 1 else 1
 
 
 def _launcher_cores() -> list[int]:

@@ -15,11 +15,18 @@ from hybriddl.strategies.base import host_gradients
 
 
 def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
-                   average: Callable[[StepStats], None] | None = None) -> StepStats:
-    """One step on (x, y); `average` turns the host's gradient into the global one."""
+                   average: Callable[[StepStats], None] | None = None,
+                   gradients: Callable[[LocalStrategy, object, object], StepStats] | None = None
+                   ) -> StepStats:
+    """One step on (x, y); `gradients` leaves the host's gradient in .grad (the hosts'
+    scheme's, hybriddl.hybrid.parallel; by default the strategy's over the host batch),
+    `average` turns it into the global one."""
     optimizer.zero_grad(set_to_none=False)
-    # A host whose share of a short batch is empty contributes a zero gradient.
-    stats = host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
+    if gradients is not None:
+        stats = gradients(strategy, x, y)
+    else:
+        # A host whose share of a short batch is empty contributes a zero gradient.
+        stats = host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
     if average is not None:
         average(stats)
     optimizer.step()

@@ -23,6 +23,8 @@ from hybriddl.config import AUTO, TrainConfig, auto_pick
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
+from hybriddl.hybrid.classifier import NotSplittable
+from hybriddl.hybrid.parallel import HybridParallel, choose, traffic_bytes
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir, remove_partial_writes)
@@ -96,12 +98,14 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     check_image_size(model, config.image_size, len(split.classes))
     if strategy is not None:
         strategy.check_model(model)  # before the run directory exists
+        check_host_parallel(config, model, strategy)
     choice = None
     if auto:
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
             picked, choice = auto_pick(config, split.train, observer, hosts_count)
         strategy = make_strategy(picked.strategy, picked.strategy_options)
+        check_host_parallel(config, model, strategy)
         # The run stays "auto" (a resume picks again); the host's weight is the pick's.
         config = replace(config, throughput=picked.throughput)
     if resume is not None:
@@ -125,17 +129,19 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring:
         hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
-        strategy.setup(model)
-        hosts.broadcast_parameters(model)
-        hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
+        host_batch = -(-config.batch_size // hosts.size)
+        scheme = choose(config.host_parallel, model, strategy, hosts, config.batch_size,
+                        config.image_size,
+                        host_batch / config.throughput if config.throughput else None)
+        scheme.setup(model, strategy, hosts)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
-        metrics = resumed_metrics(prepared, hosts) if prepared.resume else {
-            "config": config_record(prepared, hosts), "epochs": []}
+        metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
+            "config": config_record(prepared, hosts, scheme), "epochs": []}
         optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
         keeper = monitoring.enter_context(ckpt.Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
-            config.checkpoint_every))
+            config.checkpoint_every, layout=scheme))
         if prepared.resume:
             keeper.restore(prepared.resume, config.lr, config.momentum)
         if hosts.rank == 0:
@@ -151,7 +157,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if not todo and progress.steps == 0:
                 break
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
-                                 optimizer, hosts, observer, keeper, config.seed)
+                                 optimizer, hosts, observer, keeper, config.seed, scheme)
             record["val_accuracy"] = evaluate(strategy, split.val, transform,
                                               2 * config.batch_size)
             metrics["epochs"].append(record)
@@ -163,9 +169,10 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                 break
         metrics["monitor"] = monitor.stop()
         keeper.wait_for_write()  # one large write at a time: the space check counts on it
+        whole = scheme.model_state(model, hosts)  # collective where the classifier is split
         if hosts.rank == 0:
             atomic_write_json(run_dir / METRICS, metrics)
-            atomic_torch_save(run_dir / MODEL, model.state_dict())
+            atomic_torch_save(run_dir / MODEL, whole)
     return metrics
 
 
@@ -174,7 +181,7 @@ _BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
 
 
 def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
-                observer, keeper, seed: int) -> dict:
+                observer, keeper, seed: int, scheme) -> dict:
     """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
     model.train()
     observer.on_epoch_start(epoch, len(batches))
@@ -196,8 +203,11 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                                             f"step {step + 1}: lower --lr; {keeper.kept()}")
                     average_over_hosts(stats.samples)
 
+                def gradients(strategy, x, y, share=share):
+                    return scheme.gradients(strategy, x, y, share)
+
                 try:
-                    stats = optimizer_step(strategy, optimizer, x, y, average)
+                    stats = optimizer_step(strategy, optimizer, x, y, average, gradients)
                 except ValueError as exc:
                     if _BATCHNORM_ONE_SAMPLE not in str(exc):
                         raise
@@ -238,7 +248,7 @@ def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch
     return correct / len(images)
 
 
-def resumed_metrics(prepared: PreparedRun, hosts) -> dict:
+def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     """The checkpoint's metrics, noting where this run took over and how it runs."""
     config, metrics = prepared.config, prepared.resume.metrics
     position = prepared.resume.position
@@ -247,7 +257,8 @@ def resumed_metrics(prepared: PreparedRun, hosts) -> dict:
                              momentum=config.momentum, checkpoint_every=config.checkpoint_every)
     metrics.setdefault("resumes", []).append({
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
-        "strategy": prepared.strategy.describe(), "hosts": hosts.describe()})
+        "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
+        "host_parallel": host_parallel_record(prepared, hosts, scheme)})
     return metrics
 
 
@@ -264,12 +275,42 @@ def settings_hosts_share(prepared: PreparedRun) -> dict:
     config = prepared.config
     return {**{key: getattr(config, key) for key in (
         "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
-        "momentum", "dropout", "seed")}, "train_images": len(prepared.split.train)}
+        "momentum", "dropout", "seed", "host_parallel")},
+        "train_images": len(prepared.split.train)}
 
 
-def config_record(prepared: PreparedRun, hosts) -> dict:
+def check_host_parallel(config: TrainConfig, model, strategy: LocalStrategy) -> None:
+    """--host-parallel hybrid with a strategy that cannot run it: refused before anything
+    starts (a model that cannot be split falls back to data, said when the run starts)."""
+    if config.host_parallel == "hybrid":
+        try:
+            HybridParallel.check(model, strategy)
+        except NotSplittable:
+            pass
+
+
+def host_parallel_record(prepared: PreparedRun, hosts, scheme) -> dict:
+    """The scheme, why, what this host holds, and each scheme's bytes per host per step
+    in theory (the measured ones are the epochs' mpi_bytes_sent and the NIC counters)."""
+    record = {"asked": prepared.config.host_parallel, **scheme.describe(prepared.model),
+              "theory_bytes_per_host_per_step": traffic_bytes(
+                  prepared.model if scheme.name == "data" else _whole_shape(prepared),
+                  hosts.size, prepared.config.batch_size)}
+    if hosts.link_bytes_per_second:
+        record["link_bytes_per_second"] = hosts.link_bytes_per_second
+    return record
+
+
+def _whole_shape(prepared: PreparedRun):
+    """The whole model's shape, on the meta device (the run's holds a slice)."""
+    with torch.device("meta"):
+        return build_model(prepared.config.model, len(prepared.split.classes), prepared.config.dropout)
+
+
+def config_record(prepared: PreparedRun, hosts, scheme) -> dict:
     config = prepared.config
     return {
+        "host_parallel": host_parallel_record(prepared, hosts, scheme),
         "usecase": config.usecase, "model": config.model, "data": datamod.describe(prepared.split),
         "strategy": prepared.strategy.describe(), "strategy_choice": prepared.strategy_choice,
         "hosts": hosts.describe(),

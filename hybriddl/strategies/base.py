@@ -108,6 +108,20 @@ class LocalStrategy(ABC):
         with torch.no_grad():
             return run_forward(self.model, x.to(self.device), self.options).cpu()
 
+    # The convolutions alone, for a classifier split across hosts (hybriddl.hybrid): the
+    # strategies that can run them set this and implement the two calls below.
+    runs_convolutions_alone: bool = False
+
+    def convolutions_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The features (features + avgpool + flatten) of x, detached; the graph is kept
+        for `convolutions_backward`."""
+        raise UsageError(f"strategy {self.name!r} cannot run the convolutions alone")
+
+    def convolutions_backward(self, features_grad: torch.Tensor) -> None:
+        """Backward of the last `convolutions_forward` from its features' gradient, added
+        into the convolutions' .grad."""
+        raise UsageError(f"strategy {self.name!r} cannot run the convolutions alone")
+
     def close(self) -> None:
         """Stop every worker; safe to call twice and after a failed setup."""
 
@@ -140,6 +154,58 @@ class CoreWorkersStrategy(LocalStrategy):
 
     def describe(self) -> dict:
         return {"name": self.name, "workers": self.workers, **self.numerics()}
+
+
+class PlainConvolutions:
+    """convolutions_forward/backward as one plain loop: for strategies whose step is one
+    forward and one backward of the whole batch in this process (sequential, intraop, gpu)."""
+
+    runs_convolutions_alone = True
+    _convolutions: nn.Module | None = None
+    _features: torch.Tensor | None = None
+
+    def convolutions_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._convolutions is None:
+            self._convolutions = split_at_classifier(self.model, self.name)[0]
+        self._features = run_forward(self._convolutions, x.to(self.device), self.options)
+        return self._features.detach()
+
+    def convolutions_backward(self, features_grad: torch.Tensor) -> None:
+        features, self._features = self._features, None
+        features.backward(features_grad.to(features.device, features.dtype))
+
+
+MODEL_SHAPE = "features -> avgpool -> flatten -> classifier"
+
+
+def split_at_classifier(model: nn.Module, who: str = "this strategy",
+                        advice: str = "use another --strategy") -> tuple[nn.Module, nn.Module]:
+    """(features + avgpool + flatten, classifier) of a torchvision model built that way
+    (AlexNet, VGG, MobileNetV3, EfficientNet); UsageError for any other."""
+    parts = [getattr(model, name, None) for name in ("features", "avgpool", "classifier")]
+    if not all(isinstance(part, nn.Module) for part in parts):
+        raise UsageError(f"{who} needs a model made of {MODEL_SHAPE} (AlexNet, VGG, ...); "
+                         f"{type(model).__name__} is not: {advice}")
+    features, avgpool, classifier = parts
+    return nn.Sequential(features, avgpool, nn.Flatten(1)), classifier
+
+
+def cut_computes_model(model: nn.Module, probe: torch.Tensor) -> bool:
+    """Whether classifier(convolutions(x)) is the model's own forward: torchvision models
+    with these attributes whose forward does more (DenseNet's final ReLU) are not."""
+    convolutions, classifier = split_at_classifier(model)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            whole = model(probe)
+            try:
+                cut = classifier(convolutions(probe))
+            except RuntimeError:
+                return False
+    finally:
+        model.train(training)
+    return cut.shape == whole.shape and torch.allclose(cut, whole, rtol=1e-4, atol=1e-5)
 
 
 def check_numerics(strategy: type[LocalStrategy], options: StrategyOptions) -> None:

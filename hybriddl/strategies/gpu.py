@@ -7,12 +7,12 @@ import time
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion, run_forward
+from hybriddl.strategies.base import LocalStrategy, PlainConvolutions, StepStats, criterion, run_forward
 from hybriddl.strategies.resources import parse_devices, require_cuda
 from hybriddl.strategies.spec import StrategySpec
 
 
-class Gpu(LocalStrategy):
+class Gpu(PlainConvolutions, LocalStrategy):
     name = "gpu"
 
     @classmethod

@@ -5,11 +5,11 @@ What a PyTorch user gets without doing anything (the default is one thread per c
 
 from __future__ import annotations
 
-from hybriddl.strategies.base import CoreWorkersStrategy, StepStats, plain_step
+from hybriddl.strategies.base import CoreWorkersStrategy, PlainConvolutions, StepStats, plain_step
 from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
-class IntraOp(CoreWorkersStrategy):
+class IntraOp(PlainConvolutions, CoreWorkersStrategy):
     name = "intraop"
     splits_batch = False  # its K threads share every operator, not the batch
     writes_gradients_once = True  # one backward pass: buckets may leave during it

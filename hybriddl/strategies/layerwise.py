@@ -47,8 +47,9 @@ from torch import nn
 from hybriddl.errors import UsageError
 from hybriddl.hosts.cpu_threads import set_torch_threads
 from hybriddl.hosts.hostinfo import usable_cores
-from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, criterion,
-                                      run_forward, sub_batches)
+from hybriddl.strategies.base import (MODEL_SHAPE, CoreWorkersStrategy, StepStats, add_gradients,
+                                      criterion, cut_computes_model, run_forward,
+                                      split_at_classifier, sub_batches)
 from hybriddl.strategies.spec import StrategyOptions
 
 
@@ -62,13 +63,15 @@ class LayerWise(CoreWorkersStrategy):
         self.classifier: nn.Module | None = None
         self.cut_checked = False
         self.fused: list[nn.Linear] = []
+        self._parts: list[tuple[int, int]] = []
+        self._outputs: list[torch.Tensor] = []
 
     @classmethod
     def check_model(cls, model) -> None:
-        split_at_classifier(model)
+        split_at_classifier(model, f"strategy {cls.name!r}")
 
     def setup(self, model) -> None:
-        self.convolutions, self.classifier = split_at_classifier(model)
+        self.convolutions, self.classifier = split_at_classifier(model, f"strategy {self.name!r}")
         if self.options.precision == "fp32":  # bf16 keeps autocast's own linear
             self.fused = accumulate_linear_gradients(self.classifier)
         # Never more threads than cores this process may use (ranks sharing a machine
@@ -78,32 +81,45 @@ class LayerWise(CoreWorkersStrategy):
         if self.workers > 1:
             self.pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="hybriddl-layer")
 
+    runs_convolutions_alone = True
+
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         if not self.cut_checked:
             self._check_cut(x[:1])
         n = len(y)
-        parts = sub_batches(n, self.workers)
-        conv_params = [p for p in self.convolutions.parameters() if p.requires_grad]
+        features = self.convolutions_forward(x).requires_grad_()
+        classifier_started = time.perf_counter()
+        loss = criterion(run_forward(self.classifier, features, self.options), y)
+        loss.backward()
+        classifier_seconds = time.perf_counter() - classifier_started
+        reduce_seconds = self.convolutions_backward(features.grad)
+        return StepStats(n, loss.item() * n, time.perf_counter() - started,
+                         {"parts": len(self._parts), "classifier_seconds": classifier_seconds,
+                          "reduce_seconds": reduce_seconds})
 
+    def convolutions_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The K workers' features of their sub-batches, concatenated (detached); the
+        master's threads are the classifier's when it returns."""
+        self._parts = sub_batches(len(x), self.workers)
         set_torch_threads(1)
         futures = [self.pool.submit(_convolutions_forward, self.convolutions, x[a:b], self.options)
-                   for a, b in parts[1:]]
+                   for a, b in self._parts[1:]]
         try:
-            a, b = parts[0]
+            a, b = self._parts[0]
             outputs = [_convolutions_forward(self.convolutions, x[a:b], self.options)]
         finally:
             wait(futures)  # no worker may still run when this step ends, even on error
-        outputs += [future.result() for future in futures]
-
+        self._outputs = outputs + [future.result() for future in futures]
         set_torch_threads(self.classifier_threads)
-        classifier_started = time.perf_counter()
-        features = torch.cat([out.detach() for out in outputs]).requires_grad_()
-        loss = criterion(run_forward(self.classifier, features, self.options), y)
-        loss.backward()
-        features_grad = features.grad
-        classifier_seconds = time.perf_counter() - classifier_started
+        return torch.cat([out.detach() for out in self._outputs])
 
+    def convolutions_backward(self, features_grad: torch.Tensor) -> float:
+        """The workers' backward of their sub-batches; returns the seconds spent adding
+        the pool threads' gradients into .grad."""
+        outputs, parts, self._outputs = self._outputs, self._parts, []
+        features_grad = features_grad.to(outputs[0].dtype)
+        conv_params = [p for p in self.convolutions.parameters() if p.requires_grad]
         set_torch_threads(1)
         futures = [self.pool.submit(_convolutions_backward, out, conv_params, features_grad[a:b])
                    for out, (a, b) in zip(outputs[1:], parts[1:])]
@@ -117,29 +133,11 @@ class LayerWise(CoreWorkersStrategy):
         with torch.no_grad():
             for future in futures:
                 add_gradients(conv_params, future.result())
-        done = time.perf_counter()
-        return StepStats(n, loss.item() * n, done - started,
-                         {"parts": len(parts), "classifier_seconds": classifier_seconds,
-                          "reduce_seconds": done - reduce_started})
+        return time.perf_counter() - reduce_started
 
     def _check_cut(self, probe: torch.Tensor) -> None:
-        """The model's own forward must be the cut's: torchvision models with these
-        attributes whose forward does more (DenseNet's final ReLU) are refused here."""
-        training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                whole = self.model(probe)
-                try:
-                    cut = self.classifier(_convolutions_forward(self.convolutions, probe,
-                                                                StrategyOptions()))
-                except RuntimeError:
-                    cut = None
-        finally:
-            self.model.train(training)
-        if cut is None or cut.shape != whole.shape or not torch.allclose(cut, whole, rtol=1e-4,
-                                                                          atol=1e-5):
-            raise UsageError(f"{_MODEL_SHAPE} does not compute this model "
+        if not cut_computes_model(self.model, probe):
+            raise UsageError(f"{MODEL_SHAPE} does not compute this model "
                              f"({type(self.model).__name__}): use another --strategy")
         self.cut_checked = True
 
@@ -150,20 +148,6 @@ class LayerWise(CoreWorkersStrategy):
         for linear in self.fused:  # the model leaves as it came
             linear.__class__ = nn.Linear
         self.fused = []
-
-
-_MODEL_SHAPE = "features -> avgpool -> flatten -> classifier"
-
-
-def split_at_classifier(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """(features + avgpool + flatten, classifier) of a torchvision model built that way
-    (AlexNet, VGG, MobileNetV3, EfficientNet); UsageError for any other."""
-    parts = [getattr(model, name, None) for name in ("features", "avgpool", "classifier")]
-    if not all(isinstance(part, nn.Module) for part in parts):
-        raise UsageError(f"strategy {LayerWise.name!r} needs a model made of {_MODEL_SHAPE} (AlexNet, "
-                         f"VGG, ...); {type(model).__name__} is not: use another --strategy")
-    features, avgpool, classifier = parts
-    return nn.Sequential(features, avgpool, nn.Flatten(1)), classifier
 
 
 def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options) -> torch.Tensor:

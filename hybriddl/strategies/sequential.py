@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from hybriddl.strategies.base import LocalStrategy, StepStats, plain_step
+from hybriddl.strategies.base import LocalStrategy, PlainConvolutions, StepStats, plain_step
 from hybriddl.strategies.spec import StrategySpec
 from hybriddl.hosts.cpu_threads import set_torch_threads
 
 
-class Sequential(LocalStrategy):
+class Sequential(PlainConvolutions, LocalStrategy):
     name = "sequential"
     writes_gradients_once = True
 

@@ -1,0 +1,1 @@
+"""Hosts dividing a step between them: data parallelism or the classifier split across hosts."""

@@ -1,0 +1,288 @@
+"""How hosts divide the work of a step (`--host-parallel`): the two schemes and the choice.
+
+- `DataParallel` ("data"): every host holds the whole model, computes the gradient of its
+  share with its local strategy, and the hosts average the whole gradient (the paper's
+  design, Horovod's model).
+- `HybridParallel` ("hybrid"): the convolutions stay data-parallel, and only their
+  gradients are averaged; the classifier's linear layers are split across hosts
+  (hybriddl.hybrid.classifier), so each host holds and updates 1/H of them.
+
+Both leave every host with what sequential SGD on the global batch has: the same update
+of the same (whole, or sliced) parameters. Checkpoints and model.pt stay the whole
+torchvision state_dict in both (`model_state`, `optimizer_state`), so a run resumes on
+another host count and in the other scheme.
+
+`choose` settles "auto" from the predicted step time: the profile's compute plus the
+bytes each scheme sends over the link rate the hosts measured at start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hybriddl.data.sharding import split_bounds, split_counts
+from hybriddl.dropout import current_keys, dropout_keys
+from hybriddl.errors import UsageError
+from hybriddl.hybrid.classifier import (GatherRows, NotSplittable, SplitClassifier, plan,
+                                        slice_counts, split_classifier)
+from hybriddl.strategies import LocalStrategy, StepStats
+from hybriddl.strategies.base import cut_computes_model, host_gradients, run_forward, \
+    split_at_classifier
+
+HOST_PARALLEL = ("auto", "data", "hybrid")
+
+
+class DataParallel:
+    """The whole model on every host; the whole gradient averaged."""
+
+    name = "data"
+
+    def __init__(self, reason: str = ""):
+        self.reason = reason
+
+    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts) -> None:
+        strategy.setup(model)
+        hosts.broadcast_parameters(model)
+        hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
+
+    def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
+        # A host whose share of a short batch is empty contributes a zero gradient.
+        return host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
+
+    def model_state(self, model: nn.Module, hosts) -> dict | None:
+        """The whole model's state_dict on rank 0 (None elsewhere); collective."""
+        return model.state_dict() if hosts.rank == 0 else None
+
+    def optimizer_state(self, optimizer, model: nn.Module, hosts) -> dict | None:
+        return optimizer.state_dict() if hosts.rank == 0 else None
+
+    def local_optimizer_state(self, state: dict, model: nn.Module) -> dict:
+        """This host's part of a whole optimizer state_dict (a checkpoint's)."""
+        return state
+
+    def describe(self, model: nn.Module | None = None) -> dict:
+        return {"scheme": self.name, "reason": self.reason}
+
+
+class HybridParallel(DataParallel):
+    """Convolutions data-parallel, the classifier's linear layers split across hosts."""
+
+    name = "hybrid"
+
+    def __init__(self, reason: str = ""):
+        super().__init__(reason)
+        self.split: SplitClassifier | None = None
+        self.hosts = None
+        self.features_width = 0
+
+    @staticmethod
+    def check(model: nn.Module, strategy: LocalStrategy) -> None:
+        """NotSplittable or UsageError, before anything starts, when this cannot run."""
+        plan(getattr(model, "classifier", None) or nn.Identity())
+        split_at_classifier(model, "--host-parallel hybrid", "use --host-parallel data")
+        if not strategy.runs_convolutions_alone:
+            from hybriddl.strategies import STRATEGIES
+            able = ", ".join(name for name, cls in STRATEGIES.items()
+                             if cls.runs_convolutions_alone)
+            raise UsageError(f"--host-parallel hybrid: strategy {strategy.name!r} cannot run the "
+                             f"convolutions apart from the classifier; use one of {able}, or "
+                             "--host-parallel data")
+
+    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts) -> None:
+        hosts.broadcast_parameters(model)  # the whole model, before it is cut
+        self.hosts = hosts
+        self.split = split_classifier(model, hosts)
+        self.features_width = next(s.in_features for s in self.split.splits)
+        strategy.setup(model)
+        convolutions = split_at_classifier(model)[0]
+        hosts.attach(convolutions, gradient_hooks=strategy.writes_gradients_once)
+        self.classifier = model.classifier
+
+    def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
+        """The step's gradients: the convolutions' host mean (averaged after, as in data)
+        and this host's slices of the classifier's global mean, over `accumulate` chunks
+        (every host goes through the same number of chunks, empty ones included)."""
+        started = time.perf_counter()
+        hosts = self.hosts
+        total, mine = share.global_samples, share.samples
+        rows = split_counts(total, hosts.weights)
+        if rows[hosts.rank] != mine:
+            raise RuntimeError(f"host share {mine} is not the split's {rows[hosts.rank]}")
+        chunks = strategy.options.accumulate
+        bounds = [split_bounds(count, [1.0] * chunks) for count in rows]
+        keys = current_keys()
+        loss_sum, exchange = 0.0, 0.0
+        for k in range(chunks):
+            counts = [host_bounds[k][1] - host_bounds[k][0] for host_bounds in bounds]
+            if not sum(counts):
+                continue
+            a, b = bounds[hosts.rank][k]
+            # Every sample's label and dropout key, for the classifier's global chunk.
+            chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
+            meta = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
+            tick = time.perf_counter()
+            everyone = hosts.allgather_rows(meta, counts)
+            exchange += time.perf_counter() - tick
+            if b > a:
+                with dropout_keys(chunk_keys if keys is not None else None):
+                    features = strategy.convolutions_forward(x[a:b])
+            else:
+                features = torch.zeros((0, self.features_width))
+            local = features.float().cpu().requires_grad_()
+            whole = GatherRows.apply(local, hosts, counts)
+            global_keys = everyone[:, 1] if keys is not None else None
+            with dropout_keys(global_keys):
+                logits = run_forward(self.classifier, whole.to(strategy.device), strategy.options)
+            losses = F.cross_entropy(logits, everyone[:, 0].to(logits.device), reduction="none")
+            (losses.sum() / total).backward()
+            first = sum(counts[:hosts.rank])
+            loss_sum += float(losses.detach()[first:first + b - a].sum())
+            if b > a:
+                # The features' gradient is of the global mean loss; scaled to this host's
+                # mean, so the averaging weighs it by mine / total as in data parallelism.
+                strategy.convolutions_backward(local.grad * (total / mine))
+        return StepStats(mine, loss_sum, time.perf_counter() - started,
+                         {"host_parallel": self.name})
+
+    # ------------------------------------------------------------------ whole state
+    def model_state(self, model: nn.Module, hosts) -> dict | None:
+        slices = self.split.parameter_slices(model)
+        state = {}
+        for name, tensor in model.state_dict().items():
+            state[name] = self._gather(tensor, slices[name]) if name in slices else tensor
+        return state if hosts.rank == 0 else None
+
+    def optimizer_state(self, optimizer, model: nn.Module, hosts) -> dict | None:
+        whole = optimizer.state_dict()
+        slices = self.split.parameter_slices(model)
+        names = [name for name, _ in model.named_parameters()]
+        state = {}
+        for index, entry in sorted(whole["state"].items()):
+            cut = slices.get(names[index])
+            state[index] = {key: self._gather(value, cut)
+                            if cut is not None and isinstance(value, torch.Tensor) and value.dim()
+                            else value for key, value in entry.items()}
+        return {**whole, "state": state} if hosts.rank == 0 else None
+
+    def local_optimizer_state(self, state: dict, model: nn.Module) -> dict:
+        slices = self.split.parameter_slices(model)
+        names = [name for name, _ in model.named_parameters()]
+        local = {}
+        for index, entry in state["state"].items():
+            cut = slices.get(names[int(index)])
+            local[index] = {key: _slice(value, cut)
+                            if cut is not None and isinstance(value, torch.Tensor) and value.dim()
+                            else value for key, value in entry.items()}
+        return {**state, "state": local}
+
+    def _gather(self, tensor: torch.Tensor, cut: tuple[int, int, int, int]) -> torch.Tensor | None:
+        dim, width = cut[:2]
+        counts = slice_counts(width, self.hosts.size)
+        rows = tensor.detach().cpu()
+        rows = rows.t().contiguous() if dim == 1 else rows.contiguous()
+        whole = self.hosts.gather_rows(rows, counts)
+        if whole is None:
+            return None
+        return whole.t().contiguous() if dim == 1 else whole
+
+    def describe(self, model: nn.Module | None = None) -> dict:
+        record = {"scheme": self.name, "reason": self.reason}
+        if self.split is not None:
+            record["classifier"] = [{"layer": s.index, "split": s.kind,
+                                     "in": s.in_features, "out": s.out_features}
+                                    for s in self.split.splits]
+        if model is not None:
+            record["held_parameter_bytes"] = held_bytes(model)
+        return record
+
+
+def _slice(tensor: torch.Tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:
+    dim, width, start, stop = cut
+    if tensor.shape[dim] != width:
+        raise UsageError(f"a checkpoint's optimizer state has {tensor.shape[dim]} where the "
+                         f"classifier layer has {width}: it is of another model")
+    return tensor.narrow(dim, start, stop - start).clone()
+
+
+def held_bytes(model: nn.Module) -> dict:
+    """Bytes of parameters this host holds: the convolutions' and the classifier's."""
+    classifier = sum(p.numel() * p.element_size() for p in model.classifier.parameters())
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"classifier": classifier, "other": whole - classifier}
+
+
+# --------------------------------------------------------------------------- the choice
+
+@dataclass(frozen=True)
+class Prediction:
+    """One scheme's predicted step: compute (the profile's) + its bytes over the link."""
+
+    scheme: str
+    bytes_per_host: float
+    seconds: float | None
+
+
+def traffic_bytes(model: nn.Module, hosts: int, global_batch: int) -> dict[str, float]:
+    """Bytes each host's link sends per step, in theory, for each scheme (ring collectives):
+    averaging S bytes sends 2(H-1)/H S; gathering B rows of F floats sends (H-1)/H B F 4,
+    and the reduce-scatter of their gradient as much again; the row-parallel layer's sum
+    of B x hidden floats is an allreduce."""
+    ring = (hosts - 1) / hosts
+    whole = sum(p.numel() for p in model.parameters()) * 4
+    try:
+        splits = plan(model.classifier)
+    except (NotSplittable, AttributeError):
+        return {"data": 2 * ring * whole}
+    linear = sum(p.numel() for m in model.classifier.modules() if isinstance(m, nn.Linear)
+                 for p in m.parameters()) * 4
+    features = next(s.in_features for s in splits)
+    sums = sum(s.out_features for s in splits if s.kind == "row")
+    exchange = 2 * ring * global_batch * features * 4 + 2 * ring * global_batch * sums * 4
+    return {"data": 2 * ring * whole, "hybrid": 2 * ring * (whole - linear) + exchange,
+            "hybrid_convolutions": 2 * ring * (whole - linear), "hybrid_activations": exchange}
+
+
+def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_batch: int,
+           image_size: int, compute_seconds: float | None) -> DataParallel:
+    """The scheme for `--host-parallel asked`, the same on every host (rank 0 decides)."""
+    if asked not in HOST_PARALLEL:
+        raise UsageError(f"--host-parallel {asked}: choose one of {', '.join(HOST_PARALLEL)}")
+    if asked == "data":
+        return DataParallel("asked for (--host-parallel data)")
+    try:
+        HybridParallel.check(model, strategy)
+        if not cut_computes_model(model, torch.zeros(1, 3, image_size, image_size)):
+            raise NotSplittable("its forward does more than features -> avgpool -> classifier")
+    except NotSplittable as exc:
+        return DataParallel(f"hybrid cannot split {type(model).__name__}: {exc}; averaging "
+                            "the whole gradient instead")
+    except UsageError as exc:
+        if asked == "hybrid":
+            raise
+        return DataParallel(f"{exc}")
+    if asked == "hybrid":
+        return HybridParallel("asked for (--host-parallel hybrid)")
+    if hosts.size == 1:
+        return DataParallel("one host: nothing to split or average")
+    rate = hosts.link_rate()
+    theory = traffic_bytes(model, hosts.size, global_batch)
+    compute = max(hosts.allgather(compute_seconds)) if compute_seconds is not None else None
+    decision = hosts.broadcast_object(_decide(theory, rate, compute) if hosts.rank == 0 else None)
+    scheme, reason = decision
+    return (HybridParallel if scheme == "hybrid" else DataParallel)(reason)
+
+
+def _decide(theory: dict, rate: float, compute: float | None) -> tuple[str, str]:
+    predicted = {scheme: (compute or 0.0) + theory[scheme] / rate for scheme in ("data", "hybrid")}
+    scheme = min(predicted, key=predicted.get)
+    base = "profile's compute " + (f"{compute:.3f} s + " if compute is not None else "unknown, ")
+    reason = (f"auto: predicted step {predicted['hybrid']:.3f} s hybrid, {predicted['data']:.3f} s "
+              f"data ({base}bytes per host {theory['hybrid'] / 1e6:.1f} MB vs "
+              f"{theory['data'] / 1e6:.1f} MB over the measured link "
+              f"{rate * 8 / 1e9:.3f} Gbit/s)")
+    return scheme, reason
