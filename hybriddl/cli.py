@@ -154,6 +154,11 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
                             "even (default: throughput when the hosts' figures differ)")
     group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
                        help="this host's images/s for --balance (default: its profile's, if any)")
+    group.add_argument("--host-parallel", choices=("auto", "data", "hybrid"),
+                       help="data: average the whole gradient; hybrid: convolutions data-parallel, "
+                            "the classifier's linear layers split across hosts (exact; far fewer "
+                            "bytes for AlexNet and VGG); auto (default): the faster, predicted "
+                            "from the profile and the link the hosts measure at start")
     group.add_argument("--fusion-mib", type=float,
                        help="size of the gradient fusion buffers in MiB (default: 64)")
     group.add_argument("--host-timeout", type=float,

@@ -245,8 +245,11 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, hosts, stop: StopRequest, model: nn.Module,
                  optimizer: torch.optim.Optimizer, metrics: dict, about: dict,
-                 every: int | None = None):
+                 every: int | None = None, layout=None):
         self.run_dir, self.hosts, self.stop = Path(run_dir), hosts, stop
+        # How the whole model's state is had from this host's (hybrid/parallel.py): the
+        # hosts' scheme, or the model and optimizer as they are.
+        self.layout = layout
         self.model, self.optimizer, self.metrics = model, optimizer, metrics
         self.about = about  # config, identity, strategy, profile: fixed for the run
         self.every = every
@@ -275,7 +278,10 @@ class Checkpointer:
 
     def restore(self, checkpoint: Checkpoint, lr: float, momentum: float) -> None:
         """Optimizer, RNG and position from a checkpoint (the model was loaded in prepare)."""
-        self.optimizer.load_state_dict(checkpoint.optimizer)
+        state = checkpoint.optimizer
+        if self.layout is not None:
+            state = self.layout.local_optimizer_state(state, self.model)
+        self.optimizer.load_state_dict(state)
         for group in self.optimizer.param_groups:  # a resumed run may change these
             group["lr"], group["momentum"] = lr, momentum
         restore_rng(checkpoint.rng)
@@ -300,7 +306,8 @@ class Checkpointer:
     def step_done(self, progress: EpochProgress) -> None:
         self.position.step += 1
         self.position.steps_done += 1
-        if self._staging is None and self._preparing is None and self.hosts.rank == 0:
+        if self._staging is None and self._preparing is None and self.hosts.rank == 0 \
+                and getattr(self.layout, "name", "data") == "data":
             self._prepare_staging()
         due = self.every is not None and self.position.steps_done % self.every == 0
         if self._pending is not None and self._pending.done():
@@ -352,12 +359,12 @@ class Checkpointer:
         self.wait_for_write()  # its staging buffers are about to be overwritten
         if self._preparing is not None:
             self._staging, self._preparing = self._preparing.result(), None
+        whole = self._whole_state()  # collective where the model is split across hosts
         if self.hosts.rank != 0:
             self.check_finite(self.model.state_dict())
             self.saved = Position(**asdict(self.position))
             return
-        self._staging = stage(self._staging, {"model": self.model.state_dict(),
-                                              "optimizer": self.optimizer.state_dict()})
+        self._staging = stage(self._staging, whole)
         self.check_finite(self._staging["model"])
         total = EpochProgress(steps=progress.steps, global_samples=progress.global_samples,
                               samples=progress.global_samples,
@@ -373,6 +380,15 @@ class Checkpointer:
         self._pending = self._executor().submit(atomic_torch_save, self.run_dir / CHECKPOINT,
                                             checkpoint.to_payload())
         self._pending_position = checkpoint.position
+
+    def _whole_state(self) -> dict | None:
+        """The whole model's and optimizer's state on rank 0 (None elsewhere)."""
+        if self.layout is None:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()} \
+                if self.hosts.rank == 0 else None
+        model = self.layout.model_state(self.model, self.hosts)
+        optimizer = self.layout.optimizer_state(self.optimizer, self.model, self.hosts)
+        return {"model": model, "optimizer": optimizer} if self.hosts.rank == 0 else None
 
     def check_finite(self, state: dict) -> None:
         # aminmax: NaN and inf show in the extremes, at a tenth of isfinite().all()'s cost
