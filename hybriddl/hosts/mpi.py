@@ -75,7 +75,12 @@ def _initialise():
 
 
 class HostFailure(TrainingError):
-    """Another host died, hung or could not be reached."""
+    """Another host died, hung or could not be reached; `lost` maps each rank named lost
+    to its host's name (empty when MPI could not say who), for a launcher to drop it."""
+
+    def __init__(self, message: str, lost: dict[int, str] | None = None):
+        super().__init__(message)
+        self.lost = dict(lost or {})
 
 
 class ProgressThread:
@@ -282,7 +287,8 @@ class MPIHosts(Hosts):
         who = ", ".join(f"rank {r} on host {self.names[r]} ({why})"
                         for r, why in sorted(lost.items()))
         return HostFailure(f"lost {who} while {what}: it died, hung or lost its network "
-                           "link; the run stops on every host")
+                           "link; the run stops on every host",
+                           {r: self.names[r] for r in lost})
 
     def _failure(self, exc, what: str) -> HostFailure:
         failed = []
@@ -298,7 +304,7 @@ class MPIHosts(Hosts):
         if failed:
             who = ", ".join(f"rank {r} on host {self.names[r]}" for r in sorted(failed))
             return HostFailure(f"{who} failed while {what} ({reason}); the run stops on "
-                               "every host")
+                               "every host", {r: self.names[r] for r in failed})
         return HostFailure(f"communication between hosts failed while {what} ({reason})")
 
     # ------------------------------------------------------------------ small values
