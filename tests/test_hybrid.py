@@ -1,0 +1,247 @@
+"""The classifier split across hosts (--host-parallel hybrid) trains exactly what sequential
+SGD on the global batch trains: on 1, 2 and 3 hosts, with keyed dropout, uneven shares, an
+empty share, --accumulate, every local strategy that can run the convolutions alone; its
+checkpoints and model.pt are the whole torchvision state_dict, so a run resumes on another
+host count and in the other scheme."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import hybriddl_env
+from emulated import hosts_launcher
+from hybriddl.hosts.cluster import SingleHost
+from hybriddl.hybrid.classifier import NotSplittable, plan, split_classifier
+from hybriddl.hybrid.parallel import DataParallel, HybridParallel, choose, traffic_bytes
+from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
+from hybriddl.errors import UsageError
+from hybriddl.usecases import build_model
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+# AlexNet: the smallest torchvision model made of features -> avgpool -> classifier without
+# batch normalisation (whose statistics would differ with the host's share), with the
+# default dropout of its classifier.
+TRAIN = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",
+         "--epochs", "1", "--monitor-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """3 classes x 8 images: batches of 8, 8 and a short last one."""
+    root = tmp_path_factory.mktemp("images")
+    generator = torch.Generator().manual_seed(2)
+    for label, name in enumerate(("fire", "smoke", "clear")):
+        (root / name).mkdir()
+        for i in range(8):
+            pixels = torch.randint(0, 256, (24, 24, 3), generator=generator, dtype=torch.uint8)
+            pixels[..., label] = 255
+            Image.fromarray(pixels.numpy()).save(root / name / f"{i}.png")
+    return root
+
+
+def train(run_dir: Path, *args: str, images: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybriddl", *TRAIN, "--data", str(images),
+                           "--run-dir", str(run_dir), *args], capture_output=True, text=True,
+                          timeout=300, env=hybriddl_env())
+
+
+@pytest.fixture(scope="module")
+def sequential(images, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("sequential") / "run"
+    done = train(run_dir, "--strategy", "sequential", "--host-parallel", "data", images=images)
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def assert_same_model(run_dir: Path, reference: Path, rtol: float = 1e-5) -> None:
+    got, want = torch.load(run_dir / MODEL), torch.load(reference / MODEL)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        scale = want[name].abs().max().clamp_min(1e-12)
+        error = float((got[name] - want[name]).abs().max() / scale)
+        assert error <= rtol, f"{name}: relative difference {error:.2e}"
+
+
+def metrics_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / METRICS).read_text())
+
+
+# --------------------------------------------------------------------------- the split
+
+def test_alexnet_and_vgg16_classifiers_split_column_then_row_then_replicated():
+    for name in ("alexnet", "vgg16"):
+        with torch.device("meta"):
+            model = build_model(name, 3)
+        assert [s.kind for s in plan(model.classifier)] == ["column", "row", "replicated"]
+
+
+def test_a_split_host_holds_its_slice_of_the_classifier():
+    model = build_model("alexnet", 3)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class ThirdHost(SingleHost):
+        rank, size = 2, 3
+    split = split_classifier(model, ThirdHost())
+    held = model.state_dict()
+    # 4096 outputs over 3 hosts: 1366, 1365, 1365; the third holds [2731, 4096).
+    assert held["classifier.1.weight"].shape == (1365, 9216)
+    assert torch.equal(held["classifier.1.weight"], whole["classifier.1.weight"][2731:])
+    assert torch.equal(held["classifier.4.weight"], whole["classifier.4.weight"][:, 2731:])
+    assert torch.equal(held["classifier.4.bias"], whole["classifier.4.bias"])
+    assert torch.equal(held["classifier.6.weight"], whole["classifier.6.weight"])
+    assert split.parameter_slices(model)["classifier.1.weight"] == (0, 4096, 2731, 4096)
+    linear = sum(whole[k].numel() for k in whole if k.startswith("classifier."))
+    kept = sum(held[k].numel() for k in held if k.startswith("classifier."))
+    # Memory: a third of the split layers, the replicated 4096 x 3 layer and bias whole.
+    assert kept < linear / 3 + 4096 * 4 + 4
+
+
+def test_models_without_a_splittable_classifier_get_data_with_the_reason():
+    model = build_model("squeezenet1_1", 3)
+    scheme = choose("hybrid", model, make_strategy("sequential"), SingleHost(), 8, 32, None)
+    assert isinstance(scheme, DataParallel) and not isinstance(scheme, HybridParallel)
+    assert "hybrid cannot split SqueezeNet" in scheme.reason
+    with pytest.raises(NotSplittable):
+        plan(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+
+
+def test_a_strategy_that_cannot_run_the_convolutions_alone_is_refused_for_hybrid():
+    model = build_model("alexnet", 3)
+    strategy = make_strategy("threads", StrategyOptions(workers=1))
+    with pytest.raises(UsageError, match="cannot run the convolutions apart"):
+        choose("hybrid", model, strategy, SingleHost(), 8, 64, None)
+    # auto falls back to data with the reason instead.
+    assert choose("auto", model, strategy, SingleHost(), 8, 64, None).name == "data"
+
+
+def test_traffic_theory_is_design_md_s():
+    with torch.device("meta"):
+        alexnet, vgg16 = build_model("alexnet", 3), build_model("vgg16", 3)
+    for model, convolutions, features in ((alexnet, 9.9e6, 9216), (vgg16, 58.9e6, 25088)):
+        bytes_ = traffic_bytes(model, hosts=2, global_batch=64)
+        # 2(H-1)/H = 1 at H = 2: the convolutions' gradient once, the features there and back.
+        assert bytes_["hybrid_convolutions"] == pytest.approx(convolutions, rel=0.02)
+        assert bytes_["hybrid_activations"] == 64 * (features + 4096) * 4
+        assert bytes_["hybrid"] < bytes_["data"] / 5
+
+
+# --------------------------------------------------------------------------- one host
+
+CAN_RUN_ALONE = [name for name, cls in STRATEGIES.items() if cls.runs_convolutions_alone]
+
+
+def feasible(name: str) -> bool:
+    try:
+        STRATEGIES[name].check_feasible(StrategyOptions(workers=2, oversubscribe=True))
+        return True
+    except UsageError:
+        return False
+
+
+@pytest.mark.parametrize("name", CAN_RUN_ALONE)
+def test_hybrid_on_one_host_matches_sequential_for_every_strategy_that_can_run_it(
+        name, images, sequential, tmp_path):
+    if not feasible(name):
+        pytest.skip(f"strategy {name!r} cannot run on this host (no GPU)")
+    options = ["--workers", "2", "--oversubscribe"] if name in ("intraop", "layerwise") else []
+    done = train(tmp_path / "run", "--strategy", name, *options, "--host-parallel", "hybrid",
+                 "--accumulate", "2", images=images)
+    assert done.returncode == 0, done.stderr
+    assert_same_model(tmp_path / "run", sequential)
+    assert metrics_of(tmp_path / "run")["config"]["host_parallel"]["scheme"] == "hybrid"
+
+
+def test_hybrid_with_a_strategy_that_cannot_is_one_line_exit_2(images, tmp_path):
+    done = train(tmp_path / "run", "--strategy", "threads", "--workers", "2", "--oversubscribe",
+                 "--host-parallel", "hybrid", images=images)
+    assert done.returncode == 2
+    assert "cannot run the convolutions apart from the classifier" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- across hosts
+
+needs_mpi = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    with hosts_launcher(3) as launcher:
+        yield launcher
+
+
+def mpirun(launcher, hosts: int, args: list[str]) -> subprocess.CompletedProcess:
+    command = [*launcher.argv, "-np", str(hosts), *launcher.place(0, hosts), sys.executable,
+               "-m", "hybriddl", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=400,
+                          env=hybriddl_env())
+
+
+@needs_mpi
+@pytest.mark.parametrize("hosts, strategy", [(2, ["--strategy", "layerwise", "--workers", "1"]),
+                                             (3, ["--strategy", "sequential", "--accumulate", "2",
+                                                  "--overlap"])])
+def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequential, tmp_path,
+                                                launcher):
+    """At 3 hosts 8 = 3 + 3 + 2, and the short last batch of 2 leaves one host empty."""
+    run_dir = tmp_path / "run"
+    done = mpirun(launcher, hosts, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                                    "--host-parallel", "hybrid", *strategy])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+    record = metrics_of(run_dir)["config"]["host_parallel"]
+    assert record["scheme"] == "hybrid"
+    # Rank 0 holds 1/H of the split layers (4096 x 9216 and 4096 x 4096, plus biases).
+    split = 4096 * 9216 + 4096 + 4096 * 4096
+    assert record["held_parameter_bytes"]["classifier"] < 4 * (split / hosts + 4096 * 4 + 4100)
+    # Checkpoint: the whole torchvision state_dict and momentum, not this host's slices.
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    fresh = build_model("alexnet", 3).state_dict()
+    assert {k: v.shape for k, v in checkpoint["model"].items()} == \
+        {k: v.shape for k, v in fresh.items()}
+    momentum = checkpoint["optimizer"]["state"][10]["momentum_buffer"]  # classifier.1.weight
+    assert momentum.shape == (4096, 9216)
+
+
+@needs_mpi
+def test_a_hybrid_run_resumes_on_another_host_count_and_as_data(images, sequential, tmp_path,
+                                                              launcher):
+    run_dir = tmp_path / "run"
+    done = mpirun(launcher, 2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                                "--strategy", "sequential", "--host-parallel", "hybrid",
+                                "--max-steps", "1"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = mpirun(launcher, 3, ["train", "--resume", str(run_dir), "--max-steps", "2",
+                                "--host-parallel", "hybrid"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, "-m", "hybriddl", "train", "--resume", str(run_dir),
+                           "--max-steps", "3", "--host-parallel", "data"],
+                          capture_output=True, text=True, timeout=300, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    assert_same_model(run_dir, sequential)
+    resumes = metrics_of(run_dir)["resumes"]
+    assert [r["host_parallel"]["scheme"] for r in resumes] == ["hybrid", "data"]
+    assert [r["hosts"]["count"] for r in resumes] == [3, 1]
+
+
+@needs_mpi
+def test_auto_decides_from_the_measured_link_and_says_why(images, tmp_path, launcher):
+    run_dir = tmp_path / "run"
+    done = mpirun(launcher, 2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                                "--strategy", "sequential", "--max-steps", "1"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    record = metrics_of(run_dir)["config"]["host_parallel"]
+    assert record["asked"] == "auto" and record["scheme"] in ("data", "hybrid")
+    assert record["link_bytes_per_second"] > 0
+    assert "predicted step" in record["reason"] and "measured link" in record["reason"]
+    theory = record["theory_bytes_per_host_per_step"]
+    assert theory["hybrid"] < theory["data"] / 5
