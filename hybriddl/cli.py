@@ -17,6 +17,7 @@ from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, conso
                               show_pick)
 from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
+from hybriddl.launch.command import add_launch_parser
 from hybriddl.strategies import STRATEGIES
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import USECASES
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
     add_emulate_parser(commands)
+    add_launch_parser(commands)
     return parser
 
 
@@ -170,6 +172,7 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
+    from hybriddl.run.failure_record import StepsSeen, record_failure
     from hybriddl.run.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
@@ -180,6 +183,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     hosts = connect(**hosts_options(args))
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     stop = StopRequest()
+    steps = StepsSeen(display)  # how far this attempt came, should it fail
     try:
         with stop.handling_signals():
             config, resume = training_config(args)
@@ -190,7 +194,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 config.run_dir = hosts.broadcast_object(
                     str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
             prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
-            metrics = trainer.run(prepared, display, hosts, stop=stop)
+            metrics = trainer.run(prepared, steps, hosts, stop=stop)
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
         display.stop()
@@ -198,6 +202,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     except (Exception, KeyboardInterrupt) as exc:
         display.stop()
+        record_failure(args.run_dir or args.resume, hosts.rank, exc, steps)
         stop_every_host(hosts, exc, show_host_failure)
         raise
     finally:

@@ -359,6 +359,8 @@ class EmulatedHosts:
             "host, command = sys.argv[start], ' '.join(sys.argv[start + 1:])\n"
             "if host not in HOSTS:\n"
             "    sys.exit(f'emulated hosts: no host {host!r}')\n"
+            # As ssh does, a host whose link is down (set_link) does not answer.
+            + _AGENT_LINK_CHECK.format(nics=dict(zip(self.addresses, self.namespaces)), nic=NIC) +
             "argv = HOSTS[host] + ['sh', '-c', command]\n"
             "os.execvp(argv[0], argv)\n")
         agent.chmod(0o755)
@@ -385,6 +387,17 @@ class EmulatedHosts:
         seconds = time.monotonic() - started
         traffic = [after - early for after, early in zip(self.counters(), before)]
         return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr)
+
+
+# Part of the rsh agent (see EmulatedHosts._write_agent): ssh's exit code and message
+# for a host that cannot be reached, when the host's NIC is down.
+_AGENT_LINK_CHECK = (
+    "import subprocess\n"
+    "link = subprocess.run(['ip', '-n', {nics!r}[host], '-o', 'link', 'show', {nic!r}],\n"
+    "                      capture_output=True, text=True).stdout\n"
+    "if 'UP' not in link.partition('<')[2].partition('>')[0].split(','):\n"
+    "    sys.stderr.write(f'ssh: connect to host {{host}} port 22: No route to host\\n')\n"
+    "    sys.exit(255)\n")
 
 
 def stop(process: subprocess.Popen, grace: float = 10) -> None:

@@ -1,0 +1,1 @@
+"""`hybriddl launch`: mpirun -npernode 1 under a supervisor that relaunches without a lost host."""
