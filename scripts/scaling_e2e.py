@@ -1,0 +1,209 @@
+"""Weak scaling measured end to end on emulated hosts that run at their real speed.
+
+Each cell is one `hybriddl emulate --hosts H --cores-per-host C --bandwidth R -- hybriddl
+train ...` run: H emulated hosts of C cores (time slowed down by D = H*C / this machine's
+cores when they do not fit side by side: a CPU quota of C/D cores per host, links at R/D),
+each with the use case's per-host batch (AlexNet 32, VGG16 16), so the global batch is H
+times it. Nothing is composed from parts: a step's time is the trainer's own (metrics.json
+per_step seconds, wall time), divided by D for emulated time; a host's bytes on the network
+are what its own interface sent during each step (per_step nic_bytes_sent), with each
+scheme's theory beside them.
+
+Contenders, per cell: `hybrid` (--host-parallel hybrid), `data` (--host-parallel data),
+`flat` (Horovod's model: one rank per core, each sequential, the whole gradient averaged
+over all H*C ranks), and `auto` (what --host-parallel auto picks, and how fast it ran).
+Cells run in interleaved rounds (every contender of a cell, then the next round), and the
+report gives medians and spread of the timed steps.
+
+    python scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 4 --bandwidth 1gbit \\
+        --output results/scaling_e2e-SimpleBig.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from hybriddl.run.rundir import atomic_write_json  # noqa: E402
+from hybriddl.usecases import get_usecase  # noqa: E402
+
+CONTENDERS = ("hybrid", "data", "flat", "auto")
+# The profiled pick for both use cases at 224 px on 2-core hosts (profiles/).
+LOCAL = {"SimpleBig": ["--strategy", "layerwise", "--workers", "2", "--channels-last"],
+         "ComplexSmall": ["--strategy", "intraop", "--workers", "2", "--channels-last"]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--usecase", default="SimpleBig")
+    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cores-per-host", type=int, default=2)
+    parser.add_argument("--bandwidth", nargs="+", default=["1gbit"])
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--output", required=True)
+    return parser.parse_args(argv)
+
+
+def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[str], int]:
+    """(hybriddl train arguments, ranks per host) of one contender."""
+    case = get_usecase(args.usecase)
+    common = ["train", "--usecase", args.usecase, "--image-size", str(args.image_size),
+              "--batch-size", str(case.batch_size * hosts), "--epochs", "1",
+              "--max-steps", str(args.warmup + args.steps), "--monitor-interval", "0",
+              "--run-dir", str(run_dir)]
+    if contender == "flat":
+        return [*common, "--strategy", "flat", "--overlap", "--host-parallel", "data"], \
+            args.cores_per_host
+    # --overlap for every contender: where the local strategy allows it, gradients leave
+    # during backward (the hybrid's: the convolutions').
+    return [*common, *LOCAL[args.usecase], "--overlap", "--host-parallel", contender], 1
+
+
+def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) -> dict:
+    run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
+    report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
+    train, ranks = train_args(args, contender, hosts, run_dir)
+    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
+               "--cores-per-host", str(args.cores_per_host), "--ranks-per-host", str(ranks),
+               "--bandwidth", bandwidth, "--report", str(report), "--", "hybriddl", *train]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+        return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
+                "failed": done.returncode, "output_tail": tail}
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    emulation = json.loads(report.read_text())
+    scale = emulation.get("time_scale", 1.0)
+    epoch = metrics["epochs"][0]
+    seconds = epoch["per_step"]["seconds"][args.warmup:]
+    nic = epoch["per_step"].get("nic_bytes_sent", [])[args.warmup:]
+    emulated = [s / scale for s in seconds]
+    record = {
+        "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
+        "ranks_per_host": ranks, "time_scale": scale,
+        "global_batch": metrics["config"]["global_batch"],
+        "emulated_step_seconds": emulated,
+        "median_emulated_step_seconds": statistics.median(emulated),
+        "images_per_second": metrics["config"]["global_batch"] / statistics.median(emulated),
+        "nic_bytes_per_step_rank0_host": nic,
+        "median_nic_bytes_per_step": statistics.median(nic) if nic else None,
+        "host_parallel": metrics["config"].get("host_parallel"),
+        "strategy": metrics["config"]["strategy"],
+        "wall_seconds": round(time.time() - started, 1),
+        "command": shlex.join(["hybriddl", *command[3:]]),
+    }
+    (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+    (run_dir / "model.pt").unlink(missing_ok=True)
+    return record
+
+
+def theory(usecase: str, hosts: int, cores: int) -> dict:
+    """Bytes per host NIC per step, in theory, for each contender."""
+    import torch
+
+    from hybriddl.hybrid.parallel import traffic_bytes
+    from hybriddl.usecases import build_model
+
+    case = get_usecase(usecase)
+    with torch.device("meta"):
+        model = build_model(case.model, case.num_classes)
+    bytes_ = traffic_bytes(model, hosts, case.batch_size * hosts)
+    whole = sum(p.numel() for p in model.parameters()) * 4
+    ranks = hosts * cores
+    # A ring over H*K ranks placed host-contiguously crosses each host's NIC on one edge.
+    flat = 2 * (ranks - 1) / ranks * whole if hosts > 1 else 0.0
+    return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat}
+
+
+def summarise(cells: list[dict]) -> list[dict]:
+    """Per (bandwidth, contender, H): median img/s over rounds, and efficiency against the
+    same contender's... and against one host of `data` (the same model on one host)."""
+    rows = {}
+    for cell in cells:
+        if "failed" in cell:
+            continue
+        key = (cell["bandwidth"], cell["contender"], cell["hosts"])
+        rows.setdefault(key, []).append(cell)
+    one_host = {}
+    for (bandwidth, contender, hosts), group in rows.items():
+        if hosts == 1 and contender == "data":
+            one_host[bandwidth] = statistics.median(c["images_per_second"] for c in group)
+    out = []
+    for (bandwidth, contender, hosts), group in sorted(rows.items()):
+        speeds = [c["images_per_second"] for c in group]
+        steps = [s for c in group for s in c["emulated_step_seconds"]]
+        base = one_host.get(bandwidth)
+        speed = statistics.median(speeds)
+        out.append({
+            "bandwidth": bandwidth, "contender": contender, "hosts": hosts,
+            "images_per_second": speed,
+            "step_seconds_median": statistics.median(steps),
+            "step_seconds_spread": [min(steps), max(steps)],
+            "efficiency": speed / (hosts * base) if base else None,
+            "nic_bytes_per_step": statistics.median(
+                c["median_nic_bytes_per_step"] for c in group
+                if c["median_nic_bytes_per_step"] is not None) if hosts > 1 else 0,
+            "picked": group[0]["host_parallel"]["scheme"] if group[0].get("host_parallel") else None,
+        })
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    output = Path(args.output)
+    info = host_info()
+    result = {
+        "what": __doc__.splitlines()[0],
+        "usecase": args.usecase, "image_size": args.image_size,
+        "cores_per_host": args.cores_per_host, "warmup": args.warmup, "steps": args.steps,
+        "rounds": args.rounds,
+        "cpu_model": info.get("cpu_model") or platform.processor(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": __import__("torch").__version__,
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=REPO).stdout.strip(),
+        "command": shlex.join(["python", "scripts/scaling_e2e.py", *(argv or sys.argv[1:])]),
+        "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host)
+                                      for h in args.hosts},
+        "cells": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="hybriddl-scaling-") as scratch:
+        for round_ in range(args.rounds):
+            for bandwidth in args.bandwidth:
+                for hosts in args.hosts:
+                    for contender in args.contenders:
+                        if hosts == 1 and contender in ("flat", "auto", "hybrid"):
+                            continue  # one host: data is the reference; nothing crosses a link
+                        cell = run_cell(args, contender, hosts, bandwidth, Path(scratch))
+                        cell["round"] = round_
+                        result["cells"].append(cell)
+                        print(json.dumps({k: cell.get(k) for k in (
+                            "contender", "hosts", "bandwidth", "images_per_second",
+                            "median_nic_bytes_per_step", "time_scale", "failed",
+                            "wall_seconds")}), flush=True)
+                        result["summary"] = summarise(result["cells"])
+                        atomic_write_json(output, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
