@@ -1,4 +1,5 @@
-"""`hybriddl emulate`: run a command under mpirun across H emulated hosts, report each NIC."""
+"""`hybriddl emulate`: run a command under mpirun across H emulated hosts, report each NIC
+(and the time scale, when the hosts are emulated slower than real time)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,38 @@ from hybriddl.emulation.hosts import EmulationFailed
 from hybriddl.errors import UsageError
 
 
+EPILOG = """\
+time scale: H hosts of C cores that do not fit this machine's cores run with time slowed
+down by D = H x C / cores (rounded up to a whole number when C is fewer than the
+machine's cores, so no core carries more than its share): each host's processes get C/D
+cores of CPU time (a cgroup per host), links run at rate/D and latencies are x D. The
+report and the console give D and the emulated seconds (wall / D). What the command
+itself measures stays in wall time: a run's metrics.json reports wall seconds and
+images_per_second, so on the emulated hosts img/s = images_per_second x D and step
+seconds = step seconds / D. NIC bytes do not depend on D.
+
+limits: compute is assumed to scale with cores (a host of C cores is C/D cores' worth of
+CPU time; a host of more cores than the machine has runs the machine's cores' threads);
+the kernel's networking (veth, tc) and the MPI daemons' polling share the machine and
+are not scaled.
+"""
+
+
 def add_emulate_parser(commands) -> argparse.ArgumentParser:
     """Register `emulate` on the CLI's subparsers."""
     emulate = commands.add_parser(
         "emulate", help="run a command under mpirun across H emulated hosts (network "
-        "namespaces, needs root) and report the bytes each host's NIC sent and received")
+        "namespaces, needs root) and report the bytes each host's NIC sent and received",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     emulate.add_argument("--hosts", type=int, required=True, help="H emulated hosts")
     emulate.add_argument("--cores-per-host", type=int,
-                         help="cores pinned to each host when H x C fits the machine "
-                              "(default: the machine's cores / H, at least 1)")
+                         help="C cores per host; when H x C exceeds the machine's cores, time "
+                              "is slowed down (see below) (default: the machine's cores / H, "
+                              "at least 1)")
+    emulate.add_argument("--time-scale", type=float, metavar="D",
+                         help="slow time down by D (default: the least D at which the hosts "
+                              "fit, 1 when they do); a D below that shares every core between "
+                              "the hosts, unfaithfully")
     emulate.add_argument("--ranks-per-host", type=int, default=1,
                          help="MPI ranks per host, mpirun -npernode K (default: 1)")
     emulate.add_argument("--bandwidth", help="every link's rate in both directions, tc units "
@@ -28,7 +52,8 @@ def add_emulate_parser(commands) -> argparse.ArgumentParser:
     emulate.add_argument("--latency", help="one-way delay per link, tc units (e.g. 0.1ms)")
     emulate.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
                          help="extra Open MPI parameter for mpirun (repeatable)")
-    emulate.add_argument("--report", help="JSON file: per host its name and NIC bytes")
+    emulate.add_argument("--report", help="JSON file: time scale, wall and emulated "
+                         "seconds, per host its name and NIC bytes")
     emulate.add_argument("command", nargs=argparse.REMAINDER,
                          help="-- COMMAND...: what mpirun starts on every rank ('hybriddl ...' "
                               "runs this installation's hybriddl)")
@@ -86,23 +111,32 @@ def _run(args, command, report, env, console) -> int:
     from hybriddl.run.rundir import atomic_write_json
 
     with EmulatedHosts(hosts=args.hosts, cores_per_host=args.cores_per_host,
-                       bandwidth=args.bandwidth, latency=args.latency) as cluster:
+                       bandwidth=args.bandwidth, latency=args.latency,
+                       time_scale=args.time_scale) as cluster:
         for note in cluster.notes:
             console.print(f"hybriddl: note: {note}", markup=False, highlight=False,
                           soft_wrap=True)
         run = cluster.run(command, ranks_per_host=args.ranks_per_host,
                           mca=dict(args.mca or []), env=env)
-    table = Table(title=f"NIC bytes during the run ({run.seconds:.1f} s, exit {run.returncode})")
+    wall = " wall" if run.time_scale != 1 else ""
+    table = Table(title=f"NIC bytes during the run ({run.seconds:.1f} s{wall}, "
+                        f"exit {run.returncode})")
     for column in ("host", "sent", "received"):
         table.add_column(column, justify="left" if column == "host" else "right")
     for host in run.traffic:
         table.add_row(host.host, f"{host.bytes_sent:,}", f"{host.bytes_received:,}")
     console.print(table)
+    if run.time_scale != 1:
+        console.print(f"hybriddl: time scale {run.time_scale:g}: {run.seconds:.1f} s wall = "
+                      f"{run.emulated_seconds:.1f} s on the emulated hosts", markup=False,
+                      highlight=False, soft_wrap=True)
     if report:
         atomic_write_json(report, {
-            "emulated_hosts": args.hosts, "ranks_per_host": args.ranks_per_host,
+            "emulated_hosts": args.hosts, "cores_per_host": cluster.cores_per_host,
+            "ranks_per_host": args.ranks_per_host,
             "bandwidth": args.bandwidth, "latency": args.latency,
-            "command": command, "returncode": run.returncode,
+            "time_scale": run.time_scale, "command": command, "returncode": run.returncode,
             "seconds": round(run.seconds, 3),
+            "emulated_seconds": round(run.emulated_seconds, 3),
             "hosts": [host.as_dict() for host in run.traffic]})
     return run.returncode

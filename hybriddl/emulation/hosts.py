@@ -3,11 +3,16 @@
 Each host is a network namespace with one NIC (`eth0`, one end of a veth pair whose
 other end sits on a bridge in a switch namespace), an address in the benchmarking range
 198.18.0.0/15, its own hostname (a UTS namespace per launch) and its own TMPDIR, and,
-where the machine has enough cores, its own cores (taskset). Open MPI then sees H
-machines: ranks of one host talk through shared memory, ranks of different hosts through
-TCP over their NICs, so each NIC's counters are exactly what that host put on the
-network. `tc` on both ends of each veth gives every link a rate (full duplex) and a
-one-way latency.
+its own cores (taskset). Open MPI then sees H machines: ranks of one host talk through
+shared memory, ranks of different hosts through TCP over their NICs, so each NIC's
+counters are exactly what that host put on the network. `tc` on both ends of each veth
+gives every link a rate (full duplex) and a one-way latency.
+
+Time scale. H hosts of C cores that do not fit this machine's cores are emulated with
+time slowed down by D = H x C / cores (DESIGN.md, "Time scale"): each host's processes
+share a cgroup whose CPU quota is C/D cores, links run at rate/D, latencies are x D, and
+emulated time is wall time / D. A host still sees C cores (or all of the machine's, if
+fewer) so its ranks run C threads, each at 1/D of a core's speed.
 
 Nothing is created or changed in the root network namespace: the veth pairs are made
 directly inside the namespaces. Every namespace is named `hybriddl-emu-<pid>-...` after
@@ -17,7 +22,9 @@ and cleaned by the next one.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import shlex
@@ -43,6 +50,8 @@ MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
 RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)$", re.IGNORECASE)
 DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# The kernel's CFS period; quotas below 1 ms are refused, so tiny shares lengthen it.
+PERIOD_US, LEAST_QUOTA_US, LONGEST_PERIOD_US = 100_000, 1_000, 1_000_000
 
 
 class EmulationUnavailable(UsageError):
@@ -75,10 +84,16 @@ class EmulatedRun:
     """A finished command and what each host's NIC carried while it ran."""
 
     returncode: int
-    seconds: float
+    seconds: float  # wall time
     traffic: list[NicCounters]
     stdout: str | None = None
     stderr: str | None = None
+    time_scale: float = 1.0
+
+    @property
+    def emulated_seconds(self) -> float:
+        """What the run took on the emulated hosts: wall time / D."""
+        return self.seconds / self.time_scale
 
 
 def bits_per_second(rate: str) -> float:
@@ -139,7 +154,11 @@ def _owner_alive(name: str) -> bool:
 
 
 def _kill_namespace_processes(namespace: str, grace: float) -> None:
-    pids = [int(p) for p in _ip("netns", "pids", namespace, check=False).stdout.split()]
+    _end_processes([int(p) for p in _ip("netns", "pids", namespace, check=False).stdout.split()],
+                   grace)
+
+
+def _end_processes(pids: list[int], grace: float) -> None:
     processes = []
     for pid in pids:
         try:
@@ -160,15 +179,119 @@ def _kill_namespace_processes(namespace: str, grace: float) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
+# ---------------------------------------------------------------------- CPU quotas
+def least_time_scale(hosts: int, cores_per_host: int, machine_cores: int) -> float:
+    """The smallest D at which `hosts` hosts of `cores_per_host` cores fit `machine_cores`.
+
+    H x C / cores, at least 1. A host smaller than the machine is pinned to C cores taken
+    in turn (host i: cores i*C.. mod the machine's), so some core carries ceil(H x C /
+    cores) hosts: D is rounded up to that, or that core would give its hosts less than
+    their 1/D each (3 hosts of 1 core on 2 cores: D = 2, not 1.5)."""
+    if cores_per_host >= machine_cores:
+        return max(1.0, hosts * cores_per_host / machine_cores)
+    return float(max(1, math.ceil(hosts * cores_per_host / machine_cores)))
+
+
+def cpu_hierarchy() -> tuple[Path, int] | None:
+    """Where cgroups with the cpu controller are made, and the cgroup version: v2 where
+    its cpu controller is available, else v1's cpu hierarchy; None without either."""
+    mounts = psutil.disk_partitions(all=True)
+    for mount in mounts:
+        if mount.fstype == "cgroup2":
+            controllers = Path(mount.mountpoint, "cgroup.controllers")
+            try:
+                if "cpu" in controllers.read_text().split():
+                    return Path(mount.mountpoint), 2
+            except OSError:
+                pass
+    for mount in mounts:
+        if mount.fstype == "cgroup" and "cpu" in mount.opts.split(","):
+            return Path(mount.mountpoint), 1
+    return None
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """One emulated host's cgroup: its processes together get at most `cores` cores."""
+
+    path: Path
+    version: int
+
+    @classmethod
+    def create(cls, hierarchy: tuple[Path, int], name: str, cores: float) -> "CpuQuota":
+        root, version = hierarchy
+        period = PERIOD_US
+        if cores * period < LEAST_QUOTA_US:
+            period = min(LONGEST_PERIOD_US, math.ceil(LEAST_QUOTA_US / cores))
+        quota = max(LEAST_QUOTA_US, round(cores * period))
+        try:
+            if version == 2:
+                # Children get the cpu controller only if their parent hands it down.
+                (root / "cgroup.subtree_control").write_text("+cpu")
+            (root / name).mkdir()
+            made = cls(root / name, version)
+            if version == 2:
+                (made.path / "cpu.max").write_text(f"{quota} {period}")
+            else:
+                (made.path / "cpu.cfs_period_us").write_text(str(period))
+                (made.path / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError as exc:
+            raise EmulationFailed(f"cannot make the CPU quota cgroup {root / name} "
+                                  f"({exc.strerror})") from None
+        return made
+
+    @property
+    def procs(self) -> Path:
+        """Write a PID here to put that process (and what it starts) under the quota."""
+        return self.path / "cgroup.procs"
+
+    def cores(self) -> float:
+        """The quota as the kernel holds it, in cores."""
+        if self.version == 2:
+            quota, period = (self.path / "cpu.max").read_text().split()
+        else:
+            quota = (self.path / "cpu.cfs_quota_us").read_text()
+            period = (self.path / "cpu.cfs_period_us").read_text()
+        return int(quota) / int(period)
+
+    def remove(self, grace: float) -> None:
+        """End the processes still in it, then delete it. Safe to call twice."""
+        for attempt in range(50):
+            try:
+                _end_processes([int(p) for p in self.procs.read_text().split()], grace)
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                # A process just ended may still be counted for a moment.
+                if exc.errno != errno.EBUSY or attempt == 49:
+                    raise EmulationFailed(f"cannot delete the cgroup {self.path} "
+                                          f"({exc.strerror})") from None
+                time.sleep(0.1)
+
+
+def _leftover_quotas() -> list[CpuQuota]:
+    hierarchy = cpu_hierarchy()
+    if hierarchy is None:
+        return []
+    root, version = hierarchy
+    return [CpuQuota(path, version) for path in root.glob(f"{PREFIX}*")
+            if path.is_dir() and not _owner_alive(path.name)]
+
+
 def remove_leftovers() -> list[str]:
-    """Delete the namespaces (and their processes, veths, qdiscs) and files of emulations
-    whose process is gone; returns the namespaces removed."""
+    """Delete the namespaces (and their processes, veths, qdiscs), CPU quota cgroups and
+    files of emulations whose process is gone; returns the namespaces and cgroups removed."""
     removed = []
     for name in _namespaces():
         if name.startswith(PREFIX) and not _owner_alive(name):
             _kill_namespace_processes(name, grace=0)
             _ip("netns", "delete", name, check=False)
             removed.append(name)
+    for quota in _leftover_quotas():
+        quota.remove(grace=0)
+        removed.append(str(quota.path))
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         if not _owner_alive(folder.name + "-"):
             shutil.rmtree(folder, ignore_errors=True)
@@ -182,13 +305,20 @@ class EmulatedHosts:
             run = cluster.run(["python", "-m", "hybriddl", "train", ...])
             run.traffic   # one NicCounters per host: bytes its NIC sent/received
 
-    Host i is named `h<i>` and has address 198.18.0.<i+1>. `cores_per_host` cores are
-    pinned to each host when hosts x cores_per_host fits the machine; otherwise every host
-    shares every core (said in `notes`).
+    Host i is named `h<i>` and has address 198.18.0.<i+1>. `rate` and `delay` are the
+    emulated link's; `tc` applies them scaled by `time_scale`.
+
+    time_scale D: 1 (the default) runs in real time, each host pinned to its own
+    `cores_per_host` cores where hosts x cores_per_host fits the machine, every host
+    sharing every core otherwise (said in `notes`). None takes the least D at which the
+    hosts fit (`least_time_scale`; 1 when they fit); a number forces D. With D > 1 each
+    host gets a CPU quota of cores_per_host / D cores (a cgroup), links run at rate / D
+    and latencies are x D: time on the emulated hosts is wall time / D.
     """
 
     def __init__(self, hosts: int, cores_per_host: int | None = None,
-                 bandwidth: str | None = None, latency: str | None = None):
+                 bandwidth: str | None = None, latency: str | None = None,
+                 time_scale: float | None = 1.0):
         if hosts < 1 or hosts > 250:
             raise UsageError(f"--hosts {hosts}: give between 1 and 250 hosts")
         cores = sorted(os.sched_getaffinity(0))
@@ -196,6 +326,11 @@ class EmulatedHosts:
             cores_per_host = max(1, len(cores) // hosts)
         if cores_per_host < 1:
             raise UsageError(f"--cores-per-host {cores_per_host}: give at least 1")
+        fits = least_time_scale(hosts, cores_per_host, len(cores))
+        if time_scale is not None and not time_scale >= 1:
+            raise UsageError(f"--time-scale {time_scale:g}: give 1 or more (at least "
+                             f"{fits:g} for {hosts} hosts x {cores_per_host} cores here)")
+        self.time_scale = fits if time_scale is None else float(time_scale)
         self.bandwidth, self.latency = bandwidth, latency
         self.rate = bits_per_second(bandwidth) if bandwidth else None
         self.delay = seconds_of(latency) if latency else None
@@ -203,16 +338,33 @@ class EmulatedHosts:
         self.addresses = [f"198.18.0.{i + 1}" for i in range(hosts)]
         self.cores_per_host = cores_per_host
         self.notes: list[str] = []
-        if hosts * cores_per_host <= len(cores):
-            self.cores = [cores[i * cores_per_host:(i + 1) * cores_per_host]
+        if self.time_scale >= fits:
+            # In turn from host 0: disjoint blocks when the hosts fit, and otherwise C cores
+            # each (all of the machine's if fewer), so a host's ranks run C threads.
+            self.cores = [[cores[(i * cores_per_host + j) % len(cores)]
+                           for j in range(min(cores_per_host, len(cores)))]
                           for i in range(hosts)]
         else:
             self.cores = [None] * hosts
             self.notes.append(f"{hosts} hosts x {cores_per_host} cores do not fit this "
-                              f"machine's {len(cores)} cores: the hosts share every core")
+                              f"machine's {len(cores)} cores at time scale "
+                              f"{self.time_scale:g}: the hosts share every core (a time "
+                              f"scale of {fits:g} would emulate them faithfully)")
+        if self.time_scale > 1:
+            self.notes.append(
+                f"time scale {self.time_scale:g}: each host gets "
+                f"{cores_per_host / self.time_scale:.3g} core(s) of CPU time, links run at "
+                f"rate/{self.time_scale:g} and latencies x{self.time_scale:g}; emulated "
+                f"seconds = wall seconds / {self.time_scale:g}")
+        if cores_per_host > len(cores):
+            self.notes.append(f"a host of {cores_per_host} cores runs {len(cores)} threads "
+                              f"(this machine's cores) at the speed of {cores_per_host} "
+                              f"emulated cores: compute is assumed to scale with cores")
         tag = f"{PREFIX}{os.getpid()}-{id(self) % 100000}"
         self.switch = f"{tag}-switch"
         self.namespaces = [f"{tag}-{name}" for name in self.names]
+        self.quotas: list[CpuQuota | None] = [None] * hosts
+        self._owner = os.getpid()
         self.folder: Path | None = None
         self._up = False
 
@@ -237,6 +389,16 @@ class EmulatedHosts:
     def _create(self) -> None:
         self._up = True
         self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        if self.time_scale > 1:
+            hierarchy = cpu_hierarchy()
+            if hierarchy is None:
+                raise EmulationUnavailable(
+                    f"time scale {self.time_scale:g} needs the cgroup cpu controller "
+                    "(v2, or v1 mounted with 'cpu'), which this machine lacks: mount it, or "
+                    "emulate fewer hosts x cores")
+            for index, namespace in enumerate(self.namespaces):
+                self.quotas[index] = CpuQuota.create(
+                    hierarchy, namespace, self.cores_per_host / self.time_scale)
         done = _ip("netns", "add", self.switch, check=False)
         if done.returncode != 0:
             raise EmulationUnavailable(f"cannot create a network namespace "
@@ -258,18 +420,21 @@ class EmulatedHosts:
         self._write_agent()
 
     def _limit(self, namespace: str, device: str, delay: bool) -> None:
-        """Egress of `device`: the link rate (both directions), latency once per direction."""
+        """Egress of `device`: the link rate (both directions), latency once per direction,
+        both in wall time (rate / D, latency x D)."""
         parent = ["root"]
         if delay and self.delay:
             _tc(namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem",
-                "delay", f"{self.delay * 1e6:.0f}us", "limit", "100000")
+                "delay", f"{self.delay * self.time_scale * 1e6:.0f}us", "limit", "100000")
             parent = ["parent", "1:1"]
         if self.rate:
+            rate = self.rate / self.time_scale
             # A burst of 1 ms at the link rate (at least a jumbo frame): short enough that
             # a transfer's time is its bytes over the rate.
-            burst = max(int(self.rate / 8 * 1e-3), 65536)
+            burst = max(int(rate / 8 * 1e-3), 65536)
+            # tbf's queue holds 100 ms of wall time at the scaled rate, as at D = 1.
             _tc(namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf",
-                "rate", f"{self.rate:.0f}bit", "burst", str(burst), "latency", "100ms")
+                "rate", f"{rate:.0f}bit", "burst", str(burst), "latency", "100ms")
 
     def close(self) -> None:
         """Stop every process still on the hosts, delete the namespaces (and with them
@@ -284,6 +449,10 @@ class EmulatedHosts:
                 if namespace in _namespaces():
                     _kill_namespace_processes(namespace, grace=5)
                     _ip("netns", "delete", namespace, check=False)
+            for index, quota in enumerate(self.quotas):
+                if quota is not None:
+                    quota.remove(grace=5)
+                    self.quotas[index] = None
             if self.folder:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self._up = False
@@ -308,13 +477,22 @@ class EmulatedHosts:
 
     # ------------------------------------------------------------------ commands
     def on_host(self, index: int, command: list[str]) -> list[str]:
-        """argv that runs `command` on host `index` (its namespace, hostname, TMPDIR, cores)."""
+        """argv that runs `command` on host `index` (its namespace, hostname, TMPDIR, cores,
+        CPU quota)."""
         folder = self.folder / self.names[index]
         pin = f"taskset -c {','.join(map(str, self.cores[index]))} " if self.cores[index] else ""
         setup = (f"hostname {self.names[index]} && export TMPDIR={shlex.quote(str(folder))} "
                  f'&& exec {pin}"$@"')
-        return ["ip", "netns", "exec", self.namespaces[index], "unshare", "--uts", "sh", "-c",
+        argv = ["ip", "netns", "exec", self.namespaces[index], "unshare", "--uts", "sh", "-c",
                 setup, "sh", *command]
+        quota = self.quotas[index]
+        if quota is None:
+            return argv
+        # `ip netns exec` mounts a sysfs of the host's own that hides /sys/fs/cgroup, and
+        # mpirun calls the agent from inside host 0: the cgroup is reached through our own
+        # mount namespace. Joined before the exec, so all the host starts inherits it.
+        procs = f"/proc/{self._owner}/root{quota.procs}"
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv]
 
     def mpirun(self, command: list[str], ranks_per_host: int = 1,
                mca: dict[str, str] | None = None, mpirun: str | None = None) -> list[str]:
@@ -346,7 +524,9 @@ class EmulatedHosts:
         return self.on_host(0, argv)
 
     def _write_agent(self) -> None:
-        """The rsh agent mpirun uses to start its daemon on host i: no ssh, just `on_host`."""
+        """The rsh agent mpirun uses to start its daemon on host i: no ssh, just `on_host`
+        (which first puts the agent's process, and so the daemon and its ranks, in the
+        host's CPU quota)."""
         table = {address: self.on_host(i, []) for i, address in enumerate(self.addresses)}
         agent = self.folder / "agent"
         agent.write_text(
@@ -386,7 +566,8 @@ class EmulatedHosts:
             raise
         seconds = time.monotonic() - started
         traffic = [after - early for after, early in zip(self.counters(), before)]
-        return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr)
+        return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr,
+                           self.time_scale)
 
 
 # Part of the rsh agent (see EmulatedHosts._write_agent): ssh's exit code and message
