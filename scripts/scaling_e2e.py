@@ -87,7 +87,8 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
-        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        tail = [line for line in lines if "hybriddl:" in line or "rror" in line][-5:] or lines[-5:]
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": done.returncode, "output_tail": tail}
     metrics = json.loads((run_dir / "metrics.json").read_text())

@@ -3,7 +3,9 @@
 Every contender runs, one after the other, on the same H emulated hosts (network
 namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 
-- hybrid:    one MPI rank per host, its local strategy over K workers;
+- hybrid:    one MPI rank per host, its local strategy over K workers, the classifier's
+             linear layers split across hosts (--host-parallel hybrid);
+- data:      the same hosts averaging the whole gradient (--host-parallel data);
 - flat-mpi:  H*K ranks, one sequential worker each (Horovod's model), the MPI library's
              default collectives;
 - flat-ring: the same with a ring allreduce over all H*K ranks (Horovod's gloo/NCCL ring);
@@ -38,7 +40,7 @@ from hybriddl.run.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
-CONTENDERS = ("hybrid", FLAT_MPI, FLAT_RING, "ddp")
+CONTENDERS = ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")
 RESULT = "comparison.json"
 REPORT = "comparison.md"
 
@@ -185,7 +187,8 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError(f"--steps {settings.steps} --warmup {settings.warmup}: "
                          "give at least 1 timed step and no negative warm-up")
     workers = None if config.local_strategy == Sequential.name else config.workers_per_host
-    if workers is None and config.workers_per_host != 1 and "hybrid" in config.contenders:
+    if workers is None and config.workers_per_host != 1 and \
+            {"hybrid", "data"} & set(config.contenders):
         raise UsageError("--local-strategy sequential has one worker per host: give "
                          "--workers-per-host 1 or a parallel local strategy")
     options = StrategyOptions(workers=workers, oversubscribe=True)
@@ -240,7 +243,11 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
     mpirun = mpi_launcher()
     launches = {
         "hybrid": lambda: cluster.mpirun(worker("hybrid", "--strategy", config.local_strategy,
-                                                *workers, "--oversubscribe"), mpirun=mpirun),
+                                                *workers, "--oversubscribe", "--overlap",
+                                                "--host-parallel", "hybrid"), mpirun=mpirun),
+        "data": lambda: cluster.mpirun(worker("data", "--strategy", config.local_strategy,
+                                              *workers, "--oversubscribe", "--overlap",
+                                              "--host-parallel", "data"), mpirun=mpirun),
         FLAT_MPI: lambda: cluster.mpirun(worker(FLAT_MPI, *flat), ranks_per_host=k,
                                          mpirun=mpirun),
         FLAT_RING: lambda: cluster.mpirun(worker(FLAT_RING, *flat), ranks_per_host=k,
@@ -250,13 +257,13 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
             str(cluster.count), "--host-index", str(i), "--master-addr", cluster.addresses[0],
             "--interface", HOST_NIC, *common, *result("ddp")]) for i in range(cluster.count)],
     }
-    ranks = {"hybrid": config.hosts, FLAT_MPI: config.workers, FLAT_RING: config.workers,
+    ranks = {"hybrid": config.hosts, "data": config.hosts, FLAT_MPI: config.workers, FLAT_RING: config.workers,
              "ddp": config.workers}
     # With --overlap the flat ranks post MPI_Iallreduce, which Open MPI 5 hands to coll/libnbc
     # whatever the placement; its default for 4 or more ranks and large buffers is a ring
     # (its blocking MPI_Allreduce would take the hierarchical coll/han instead, which sends
     # 2(H-1)/H S per host). gloo's allreduce is a ring too.
-    algorithms = {"hybrid": "ring", FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
+    algorithms = {"hybrid": "split", "data": "ring", FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
                   FLAT_RING: "ring", "ddp": "ring"}
     return Contender(name, ranks[name], launches[name](), algorithms[name])
 
@@ -347,11 +354,18 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
                             f"{', '.join(missing)}: its placement is wrong")
     # Every rank of a host reads the same NIC over (nearly) the same window: take one.
     nic = [mine[0]["nic_bytes_sent"] / steps for mine in on_host.values()]
-    theory = host_nic_theory(contender.algorithm, payload, config.hosts, contender.ranks)
+    scheme = (records[0].get("host_parallel") or {}).get("scheme", "data")
+    if contender.algorithm == "split" and scheme == "hybrid":
+        # The hybrid's own theory (hybriddl.hybrid.parallel.traffic_bytes), as it recorded it.
+        theory = records[0]["host_parallel"]["theory_bytes_per_host_per_step"]["hybrid"]
+    else:  # a model the hybrid cannot split runs as data
+        theory = host_nic_theory("ring" if contender.algorithm == "split" else
+                                 contender.algorithm, payload, config.hosts, contender.ranks)
     return {
         "name": contender.name, "ranks": contender.ranks, "workers": config.workers,
         "strategy": records[0]["strategy"], "launch": contender.describe_launch(),
-        "allreduce": contender.algorithm,
+        "allreduce": contender.algorithm if scheme != "data" or contender.algorithm != "split"
+        else "ring", "host_parallel": scheme,
         "seconds_per_step": seconds, "step_seconds": per_step,
         "images_per_second": settings.batch_size / seconds,
         "comm_bytes_per_step": sum(r["comm_bytes"] for r in records) / steps,

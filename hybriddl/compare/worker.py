@@ -27,12 +27,12 @@ from hybriddl.strategies import StrategyOptions
 
 
 def measure_training(settings: MeasureSettings, strategy: str, options: StrategyOptions,
-                     hosts, run_dir: Path) -> dict:
+                     hosts, run_dir: Path, host_parallel: str = "data") -> dict:
     """Train warm-up plus timed steps with `trainer.run`; this rank's figures."""
     steps = settings.warmup + settings.steps
     # Every epoch has at least one step, so `steps` epochs always reach max_steps.
     config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
-                     max_steps=steps, epochs=steps)
+                     max_steps=steps, epochs=steps, host_parallel=host_parallel)
     prepared = trainer.prepare(config, hosts_count=hosts.size)
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.traffic.bytes_sent)
     metrics = trainer.run(prepared, meter, hosts)
@@ -43,6 +43,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
             (run_dir / name).unlink(missing_ok=True)
     return {**meter.result(), "strategy": metrics["config"]["strategy"],
             "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model),
+            "host_parallel": metrics["config"]["host_parallel"],
             "monitor": metrics.get("monitor")}
 
 
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", action="store_true",
                         help="send gradient buckets while backward runs (as Horovod does)")
     parser.add_argument("--fusion-mib", type=float, default=64, help="fusion buffer size")
+    parser.add_argument("--host-parallel", default="data", choices=("auto", "data", "hybrid"),
+                        help="as for 'hybriddl train'")
     parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
     return parser
 
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                             else Compression.none)
     try:
         record = measure_training(settings, args.strategy, options, hosts,
-                                  Path(args.result_dir) / "run")
+                                  Path(args.result_dir) / "run", args.host_parallel)
         write_rank_result(args.result_dir, hosts.rank, record)
     except BaseException as exc:
         stop_every_host(hosts, exc, show_host_failure)
