@@ -13,7 +13,7 @@ from torch import nn
 from hybriddl.data import GlobalBatch, HostShare
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.naming import host_name
-from hybriddl.hosts.traffic import TrafficMeter
+from hybriddl.hosts.traffic import TrafficMeter, interface_bytes_sent
 
 BALANCE_POLICIES = ("throughput", "even")
 DEFAULT_TIMEOUT_SECONDS = 120.0
@@ -117,6 +117,7 @@ class Hosts:
         """
         started = time.perf_counter()
         bytes_at_start = self.traffic.bytes_sent
+        nic_at_start = interface_bytes_sent() if self.size > 1 else 0
         self._arm(share)
 
         def average(samples: int) -> None:
@@ -127,7 +128,9 @@ class Hosts:
             self._average(share)
             self.traffic.step_done(bytes_at_start=bytes_at_start,
                                    compute_seconds=entered - started,
-                                   comm_seconds=time.perf_counter() - entered)
+                                   comm_seconds=time.perf_counter() - entered,
+                                   nic_bytes=(interface_bytes_sent() - nic_at_start
+                                              if self.size > 1 else 0))
 
         try:
             yield average

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-STEP_FIGURES = ("mpi_bytes_sent", "comm_seconds", "compute_seconds")
+import psutil
+
+STEP_FIGURES = ("mpi_bytes_sent", "nic_bytes_sent", "comm_seconds", "compute_seconds")
+
+
+def interface_bytes_sent() -> int:
+    """Bytes this host's network interfaces (loopback aside) have sent: what crossed the
+    network, beside what the application handed to MPI. In an emulated host's namespace
+    these are its own NIC's counters."""
+    return sum(counters.bytes_sent for name, counters in
+               psutil.net_io_counters(pernic=True).items() if name != "lo")
 
 
 class TrafficMeter:
@@ -36,15 +46,18 @@ class TrafficMeter:
         self.buckets_sent_in_backward = 0
 
     def step_done(self, *, bytes_at_start: int, compute_seconds: float,
-                  comm_seconds: float) -> None:
-        """One step's figures; `bytes_at_start` is `bytes_sent` when the step began."""
+                  comm_seconds: float, nic_bytes: int = 0) -> None:
+        """One step's figures; `bytes_at_start` is `bytes_sent` when the step began,
+        `nic_bytes` what the host's interfaces sent during it."""
         self._steps["mpi_bytes_sent"].append(self.bytes_sent - bytes_at_start)
+        self._steps["nic_bytes_sent"].append(nic_bytes)
         self._steps["comm_seconds"].append(comm_seconds)
         self._steps["compute_seconds"].append(compute_seconds)
 
     def epoch_figures(self) -> dict:
         """This rank's totals over the epoch so far."""
         figures = {"mpi_bytes_sent": self.bytes_sent - self._epoch_bytes_at,
+                   "nic_bytes_sent": sum(self._steps["nic_bytes_sent"]),
                    "comm_seconds": sum(self._steps["comm_seconds"]),
                    "compute_seconds": sum(self._steps["compute_seconds"])}
         if self._counts_buckets:
