@@ -1,7 +1,8 @@
 """Emulated hosts: H network namespaces joined by a switch, each host's NIC counted.
 
 `hybriddl emulate` trains what one sequential process trains, counts on each host's NIC
-only what crossed the network, applies the link rate, and leaves nothing behind, even
+only what crossed the network, applies the link rate, slows time down by D when the
+hosts' cores exceed the machine's (a CPU quota per host), and leaves nothing behind, even
 when interrupted or killed. Needs root and iproute2; skipped (saying so) otherwise.
 """
 
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -22,11 +24,13 @@ import torch
 
 from conftest import REPO, hybriddl_env
 from held_run import wait_for
-from hybriddl.emulation.hosts import PREFIX, NicCounters
+from hybriddl.emulation.hosts import (PREFIX, EmulatedHosts, NicCounters, cpu_hierarchy,
+                                      least_time_scale)
 from hybriddl.run.rundir import MODEL
 
 BENCH = REPO / "scripts" / "bench_allreduce.py"
 MIB = 2**20
+MACHINE_CORES = len(os.sched_getaffinity(0))
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)"),
@@ -49,12 +53,15 @@ def root_namespace() -> tuple[list[str], str]:
 
 
 def leftovers(owner: int | str, marker: str | None = None) -> list[str]:
-    """Namespaces, folders and marked processes an emulation run by `owner` (any: "") left."""
+    """Namespaces, folders, CPU quota cgroups and marked processes an emulation run by
+    `owner` (any: "") left."""
     tag = f"{PREFIX}{owner}-" if owner != "" else PREFIX
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found = [line.split()[0] for line in namespaces.splitlines()
              if line.startswith(tag)]
     found += [str(p) for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{tag}*")]
+    if cpu_hierarchy():
+        found += [str(p) for p in cpu_hierarchy()[0].glob(f"{tag}*")]
     if marker:
         found += [f"process {p.pid}" for p in marked(marker)]
     return found
@@ -182,10 +189,13 @@ def test_without_root_emulate_says_so_in_one_line_and_exits_2():
 
 
 def start_sleeping(marker: str) -> subprocess.Popen:
-    """`hybriddl emulate --hosts 2` whose ranks sleep, once both ranks are running."""
+    """`hybriddl emulate --hosts 2` whose ranks sleep, once both ranks are running; at a
+    time scale of 2 where the machine has the cgroup cpu controller, so that the hosts'
+    CPU quotas must be cleaned up too."""
+    scaled = ["--time-scale", "2"] if cpu_hierarchy() else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--", sys.executable,
-         "-c", f"import time; time.sleep(600)  # {marker}"],
+        [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", *scaled, "--",
+         sys.executable, "-c", f"import time; time.sleep(600)  # {marker}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
     ranks = [sys.executable, "-c"]
     wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[:2] == ranks]) == 2,
@@ -228,7 +238,96 @@ def test_nic_counters_subtract_to_what_a_span_carried():
 
 def test_bad_rates_and_missing_commands_are_one_line_and_exit_2(cli_here):
     for args in (["--hosts", "2", "--bandwidth", "fast", "--", "true"],
-                 ["--hosts", "0", "--", "true"], ["--hosts", "2"]):
+                 ["--hosts", "0", "--", "true"], ["--hosts", "2"],
+                 ["--hosts", "2", "--cores-per-host", "0", "--", "true"],
+                 ["--hosts", "2", "--time-scale", "0.5", "--", "true"]):
         done = cli_here("emulate", *args)
         assert done.returncode == 2, args
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------------- time scale
+def test_time_scale_is_hosts_times_cores_over_the_machines_cores():
+    assert least_time_scale(2, 1, 2) == 1       # fits: real time
+    assert least_time_scale(1, 1, 2) == 1
+    assert least_time_scale(2, 2, 2) == 2
+    assert least_time_scale(4, 2, 2) == 4
+    assert least_time_scale(1, 4, 2) == 2
+    assert least_time_scale(1, 3, 2) == 1.5     # one host spans the machine: no rounding
+    assert least_time_scale(3, 1, 2) == 2       # core 0 carries hosts 0 and 2
+    assert least_time_scale(4, 3, 8) == 2       # 12 cores in turn on 8: some core has 2
+    cluster = EmulatedHosts(hosts=2, cores_per_host=MACHINE_CORES, bandwidth="1gbit",
+                            latency="1ms", time_scale=None)
+    assert cluster.time_scale == 2
+    # Each host still sees C cores (so its ranks run C threads), each at 1/D of its speed.
+    assert [len(cores) for cores in cluster.cores] == [MACHINE_CORES] * 2
+    assert EmulatedHosts(hosts=1, time_scale=None).time_scale == 1
+    assert EmulatedHosts(hosts=2, cores_per_host=MACHINE_CORES).time_scale == 1  # default
+
+
+def quota_run(tmp_path: Path, *args: str, program: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hybriddl", "emulate", *args, "--report",
+         str(tmp_path / "report.json"), "--", sys.executable, "-c", program],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
+
+
+@pytest.mark.skipif(cpu_hierarchy() is None, reason="needs the cgroup cpu controller")
+def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
+    go = tmp_path / "go"
+    # Each rank says which cgroup it is in and how many cores it may use, then waits.
+    program = (
+        "import os, time, pathlib\n"
+        f"folder = pathlib.Path({str(tmp_path)!r})\n"
+        "rank = os.environ['OMPI_COMM_WORLD_RANK']\n"
+        "cpu = [l for l in open('/proc/self/cgroup') if l.split(':')[1] in ('cpu', '')][0]\n"
+        "text = f\"{cpu.strip().split(':')[2]} {len(os.sched_getaffinity(0))}\"\n"
+        "(folder / f'rank{rank}.tmp').write_text(text)\n"
+        "(folder / f'rank{rank}.tmp').rename(folder / f'rank{rank}')\n"
+        "deadline = time.time() + 60\n"
+        "while not (folder / 'go').exists() and time.time() < deadline:\n"
+        "    time.sleep(0.05)\n")
+    process = quota_run(tmp_path, "--hosts", "2", "--cores-per-host", str(MACHINE_CORES),
+                        program=program)
+    wait_for(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)),
+             "both ranks running", process)
+    root, version = cpu_hierarchy()
+    for rank in range(2):
+        cgroup, cores = (tmp_path / f"rank{rank}").read_text().split()
+        assert cgroup.startswith(f"/{PREFIX}{process.pid}-") and cgroup.endswith(f"-h{rank}")
+        assert int(cores) == MACHINE_CORES
+        folder = root / cgroup.lstrip("/")
+        if version == 2:
+            quota, period = (folder / "cpu.max").read_text().split()
+        else:
+            quota = (folder / "cpu.cfs_quota_us").read_text()
+            period = (folder / "cpu.cfs_period_us").read_text()
+        assert int(quota) / int(period) == pytest.approx(MACHINE_CORES / 2)
+    go.touch()
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err[-3000:]
+    assert "time scale 2" in err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["time_scale"] == 2
+    assert report["emulated_seconds"] == pytest.approx(report["seconds"] / 2, abs=0.002)
+    assert leftovers(process.pid) == []
+
+
+@pytest.mark.skipif(cpu_hierarchy() is None, reason="needs the cgroup cpu controller")
+def test_a_cpu_bound_loop_takes_about_d_times_longer_at_time_scale_2(tmp_path):
+    program = ("import time, pathlib\n"
+               "start = time.perf_counter()\n"
+               "sum(i * i for i in range(3_000_000))\n"
+               f"pathlib.Path({str(tmp_path / 'seconds')!r}).write_text("
+               "str(time.perf_counter() - start))\n")
+    seconds = {}
+    for scale in ("1", "2", "1", "2"):  # interleaved: a busy machine slows both alike
+        process = quota_run(tmp_path, "--hosts", "1", "--cores-per-host", "1",
+                            "--time-scale", scale, program=program)
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+        seconds.setdefault(scale, []).append(float((tmp_path / "seconds").read_text()))
+        assert leftovers(process.pid) == []
+    # The CFS quota: 50 ms of each 100 ms period; loose, the machine is shared.
+    assert min(seconds["2"]) > 1.5 * min(seconds["1"]), seconds
+    assert min(seconds["2"]) < 3 * min(seconds["1"]), seconds
