@@ -17,6 +17,7 @@ from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, conso
                               show_pick)
 from hybriddl.emulation.command import add_emulate_parser
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
+from hybriddl.inference.command import add_inference_parsers
 from hybriddl.launch.command import add_launch_parser
 from hybriddl.strategies import STRATEGIES
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
     add_emulate_parser(commands)
+    add_inference_parsers(commands)
     add_launch_parser(commands)
     return parser
 
@@ -88,6 +90,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, help="SGD momentum (default: 0.9)")
     parser.add_argument("--dropout", type=float,
                         help="dropout of the torchvision model; 0 makes runs comparable step for step")
+    parser.add_argument("--weights", metavar="FILE", help="start from a state_dict, e.g. a run's model.pt")
     parser.add_argument("--seed", type=int,
                         help="initialisation, shuffling and augmentation seed (default: 0)")
     parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")

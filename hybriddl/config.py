@@ -86,6 +86,7 @@ class TrainConfig:
     balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (hosts/base.py)
     throughput: float | None = None  # this host's images/s (its profile's) for --balance
     host_parallel: str = "auto"  # across hosts: "data", "hybrid" or "auto" (hybrid/parallel.py)
+    weights: str | None = None  # a state_dict to start from (run/weights.py); None: fresh
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""

@@ -161,6 +161,8 @@ class TrainDisplay:
         self.task = None
         if self.enabled and info.get("strategy_choice"):
             console.print(info["strategy_choice"]["message"], markup=False, highlight=False)
+        if self.enabled and info.get("weights"):
+            show_start_weights(info["weights"])
         if self.enabled:
             strategy = ", ".join(f"{k}={v}" for k, v in info["strategy"].items() if k != "name")
             console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
@@ -272,3 +274,25 @@ def show_host_failure(where: str, exc: BaseException) -> None:
 
 def show_error(prefix: str, exc: BaseException | str) -> None:
     console.print(f"hybriddl: {prefix}{exc}", markup=False, highlight=False, soft_wrap=True)
+
+
+def evaluation_table(evaluation) -> Table:
+    """Per class: precision, recall, F1 and support; '-' where a figure is undefined."""
+    table = Table(title="Per class")
+    table.add_column("class")
+    for column in ("precision", "recall", "F1", "support"):
+        table.add_column(column, justify="right")
+    for scores in evaluation.per_class:
+        table.add_row(scores.name, *(f"{value:.3f}" if value is not None else "-"
+                                     for value in (scores.precision, scores.recall, scores.f1)),
+                      str(scores.support))
+    return table
+
+
+def show_start_weights(record: dict) -> None:
+    """The one line that says which weights a run starts from, and the head it replaced."""
+    head = record.get("replaced_head")
+    replaced = (f"; its {head['file_classes']}-class head {head['layer']} replaced by a "
+                f"re-initialised {head['classes']}-class one" if head else "")
+    console.print(f"starting from weights {record['file']} (sha256 {record['sha256'][:12]}){replaced}",
+                  markup=False, highlight=False, soft_wrap=True)

@@ -30,6 +30,7 @@ from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch
                              check_new_run_dir, default_run_dir, remove_partial_writes)
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.run.step import optimizer_step
+from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
@@ -61,6 +62,7 @@ class PreparedRun:
     run_dir: Path
     strategy_choice: dict | None = None  # auto: the profile and figures behind the strategy
     resume: ckpt.Checkpoint | None = None
+    start_weights: dict | None = None  # --weights: file, sha256, the head replaced
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
@@ -96,6 +98,9 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
+    # A resumed run's model comes from its checkpoint, whatever it started from.
+    start = (load_start_weights(model, config.weights, len(split.classes))
+             if config.weights and resume is None else None)
     if strategy is not None:
         strategy.check_model(model)  # before the run directory exists
         check_host_parallel(config, model, strategy)
@@ -111,7 +116,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     if resume is not None:
         ckpt.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
-    return PreparedRun(config, split, model, strategy, run_dir, choice, resume)
+    return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
 
 
 def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
@@ -318,5 +323,6 @@ def config_record(prepared: PreparedRun, hosts, scheme) -> dict:
         "epochs": config.epochs, "max_steps": config.max_steps,
         "checkpoint_every": config.checkpoint_every, "lr": config.lr,
         "momentum": config.momentum, "dropout": config.dropout, "seed": config.seed,
+        "weights": prepared.start_weights,
         "torch": torch.__version__, "python": platform.python_version(),
     }
