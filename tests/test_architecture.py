@@ -120,5 +120,11 @@ def test_strategy_name_check_sees_a_literal():
     assert flagged == ["threads"]
 
 
-def test_cli_stays_small():
-    assert len((PACKAGE / "cli.py").read_text().splitlines()) < 300
+def test_the_cli_parses_and_displays_and_never_trains_or_sends():
+    """The real rule behind a small cli.py: it may import the library, but it builds no
+    model, runs no step and calls no collective itself."""
+    tree = ast.parse((PACKAGE / "cli.py").read_text())
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+              for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not called & {"build_model", "optimizer_step", "compute_gradients", "backward",
+                         "allgather_rows", "allreduce_sum", "broadcast_parameters"}
