@@ -198,8 +198,16 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
                                     "--host-parallel", "hybrid", *strategy])
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
-    record = metrics_of(run_dir)["config"]["host_parallel"]
+    metrics = metrics_of(run_dir)
+    record = metrics["config"]["host_parallel"]
     assert record["scheme"] == "hybrid"
+    if launcher.emulated:
+        # Bytes on the network: what host 0's own interface sent in each full step (8
+        # samples), against the scheme's theory; data parallelism would send 23x more.
+        theory = record["theory_bytes_per_host_per_step"]
+        for sent in metrics["epochs"][0]["per_step"]["nic_bytes_sent"][:2]:
+            assert abs(sent - theory["hybrid"]) <= 0.1 * theory["hybrid"]
+            assert sent < theory["data"] / 8
     # Rank 0 holds 1/H of the split layers (4096 x 9216 and 4096 x 4096, plus biases).
     split = 4096 * 9216 + 4096 + 4096 * 4096
     assert record["held_parameter_bytes"]["classifier"] < 4 * (split / hosts + 4096 * 4 + 4100)
