@@ -1,0 +1,415 @@
+"""A seeded chaos run: one training under `hybriddl launch` on 3 emulated hosts survives
+faults at seeded random steps and ends with the parameters of an uninterrupted run.
+
+    sudo python scripts/chaos.py --seed 0 --output results/chaos.json
+
+Faults (each once, in a seeded order, each at a seeded random step of the run and a
+seeded delay after that step's checkpoint): `kill` (SIGKILL of a rank), `stop` (SIGSTOP
+of a rank for longer than the heartbeat's silence, then SIGCONT), `link` (a host's link
+down for 20 s, then up), `disk` (the run directory's file system filled up before a
+checkpoint, emptied once the run has stopped on it), `sigterm` (SIGTERM to the launcher,
+then the same command again). Host 0 is spared the link fault: the launcher and mpirun
+live there, as on a real head node.
+
+The JSON holds one entry per fault (what, where, at which step, the launcher's steps
+redone and seconds lost), the largest parameter difference against the uninterrupted
+run, the checkpoint bytes written, and the machine, torch version, commit and command.
+Nothing is left behind: no process, namespace, mount, temporary file or /dev/shm file;
+the run ends by checking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces  # noqa: E402
+from hybriddl.launch.emulated import launch_on  # noqa: E402
+from hybriddl.launch.launcher import EVENTS  # noqa: E402
+from hybriddl.run.rundir import CHECKPOINT, MODEL  # noqa: E402
+
+FAULTS = ("kill", "stop", "link", "disk", "sigterm")
+HOSTS = 3
+CHECKPOINT_EVERY = 4
+OUTAGE_SECONDS = 20.0  # SIGSTOP and link down: longer than the heartbeat's 15 s of silence
+DISK_MB = 48  # room for the run (two ~10 MB checkpoints, model.pt) and little more
+DEADLINE_SECONDS = 600
+
+
+def train_args(run_dir: Path, steps: int) -> list[str]:
+    """squeezenet1_1 at 32 px with the default dropout: steps of a tenth of a second, so a
+    run is quick and faults still land between its checkpoints."""
+    return ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "24",
+            "--max-steps", str(steps), "--strategy", "sequential", "--checkpoint-every",
+            str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir)]
+
+
+def launch_args(run_dir: Path, steps: int) -> list[str]:
+    return ["--min-hosts", "2", "--restarts", "8", "--retry-delay", "2", "--",
+            *train_args(run_dir, steps)]
+
+
+class CheckpointWatch:
+    """Follows checkpoint.pt from a thread: each new file (atomic rename: a new inode) is a
+    checkpoint written; its position says how far the run is."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / CHECKPOINT
+        self.bytes_written = 0
+        self.writes = 0
+        self.steps = 0
+        self.changed_at = 0.0
+        self._seen: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import torch
+
+        while not self._stop.wait(0.02):
+            try:
+                stat = self.path.stat()
+            except FileNotFoundError:
+                continue
+            if stat.st_ino in self._seen:
+                continue
+            self._seen.add(stat.st_ino)
+            self.writes += 1
+            self.bytes_written += stat.st_size
+            try:
+                payload = torch.load(self.path, map_location="cpu", weights_only=True)
+                self.steps = payload["position"]["steps_done"]
+            except Exception:  # replaced while read: the next file says it
+                pass
+            self.changed_at = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
+    """The training ranks under the launcher now, by rank."""
+    ranks = {}
+    try:
+        children = launcher.children(recursive=True)
+    except psutil.Error:
+        return ranks
+    for child in children:
+        try:
+            rank = child.environ().get("OMPI_COMM_WORLD_RANK")
+            if rank is not None and "hybriddl" in " ".join(child.cmdline()) \
+                    and child.status() != psutil.STATUS_ZOMBIE:
+                ranks[int(rank)] = child
+        except psutil.Error:
+            pass
+    return ranks
+
+
+def host_of(process: psutil.Process, cluster: EmulatedHosts) -> int:
+    name = subprocess.run(["ip", "netns", "identify", str(process.pid)], capture_output=True,
+                          text=True).stdout.strip()
+    return cluster.namespaces.index(name)
+
+
+def wait_until(condition, what: str, seconds: float = DEADLINE_SECONDS) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"chaos: no {what} after {seconds:.0f} s")
+        time.sleep(0.05)
+
+
+def final_difference(model_a: Path, model_b: Path) -> float:
+    import torch
+
+    a = torch.load(model_a, map_location="cpu", weights_only=True)
+    b = torch.load(model_b, map_location="cpu", weights_only=True)
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) if a[k].numel() else 0.0
+               for k in a if a[k].is_floating_point())
+
+
+class ChaosRun:
+    """The launcher on the emulated hosts, and the faults applied to it."""
+
+    def __init__(self, cluster: EmulatedHosts, run_dir: Path, disk: Path | None, steps: int,
+                 rng: random.Random, log):
+        self.cluster, self.run_dir, self.disk, self.steps = cluster, run_dir, disk, steps
+        self.rng, self.log = rng, log
+        self.argv, self.env = launch_on(cluster, launch_args(run_dir, steps))
+        self.process: subprocess.Popen | None = None
+        self.seen_pids: set[int] = set()
+        self.exit_codes: list[int] = []
+        self.timers: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+
+    def fresh_ranks(self) -> dict[int, psutil.Process]:
+        """The ranks of a launch that no fault has touched yet, once all of them run."""
+        ranks = rank_processes(psutil.Process(self.process.pid))
+        if not ranks or any(p.pid in self.seen_pids for p in ranks.values()):
+            return {}
+        size = int(next(iter(ranks.values())).environ().get("OMPI_COMM_WORLD_SIZE", "0"))
+        return ranks if len(ranks) == size else {}
+
+    def apply(self, kind: str, ranks: dict[int, psutil.Process]) -> dict:
+        self.seen_pids.update(p.pid for p in ranks.values())
+        rank = self.rng.choice(sorted(ranks))
+        host = host_of(ranks[rank], self.cluster)
+        fault = {"kind": kind, "at": time.time()}
+        if kind == "kill":
+            ranks[rank].kill()
+            fault.update(rank=rank, host=self.cluster.names[host])
+        elif kind == "stop":
+            victim = ranks[rank]
+            victim.suspend()
+            self._later(OUTAGE_SECONDS, lambda: _resume(victim))
+            fault.update(rank=rank, host=self.cluster.names[host], seconds=OUTAGE_SECONDS)
+        elif kind == "link":
+            # Not host 0: the launcher and mpirun run there, as on a head node.
+            host = self.rng.choice([host_of(p, self.cluster) for r, p in sorted(ranks.items())
+                                    if host_of(p, self.cluster) != 0])
+            self.cluster.set_link(host, up=False)
+            self._later(OUTAGE_SECONDS, lambda: self.cluster.set_link(host, up=True))
+            fault.update(host=self.cluster.names[host], seconds=OUTAGE_SECONDS)
+        elif kind == "disk":
+            free = shutil.disk_usage(self.disk).free
+            filler = self.disk / "filler"
+            with open(filler, "wb") as handle:  # all but 1 MB: the next checkpoint fails
+                handle.write(b"\0" * max(0, free - 2**20))
+            wait_until(lambda: any(self.run_dir.glob("rank*-failure.json")), "storage failure")
+            filler.unlink()
+            fault.update(host=self.cluster.names[host], filled_bytes=free - 2**20)
+        elif kind == "sigterm":
+            self.process.send_signal(signal.SIGTERM)
+            self.exit_codes.append(self.process.wait(timeout=STOP_WAIT_SECONDS))
+            fault.update(launcher_exit=self.exit_codes[-1], host=None)
+            self.start()  # the same command again
+        return fault
+
+    def _later(self, seconds: float, action) -> None:
+        def run():
+            time.sleep(seconds)
+            action()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.timers.append(thread)
+
+    def finish(self) -> int:
+        code = self.process.wait(timeout=DEADLINE_SECONDS)
+        for thread in self.timers:
+            thread.join()
+        self.exit_codes.append(code)
+        return code
+
+
+STOP_WAIT_SECONDS = 180
+
+
+def _resume(process: psutil.Process) -> None:
+    try:
+        process.resume()
+    except psutil.Error:
+        pass
+
+
+def schedule(rng: random.Random, kinds: list[str], steps: int) -> list[tuple[str, int, float]]:
+    """(fault, step, delay): the step whose checkpoint a fault waits for, one per span of
+    the run so each fault has steps to land in, and a delay after it (mid-way to the
+    next checkpoint, so steps are redone)."""
+    order = list(kinds)
+    rng.shuffle(order)
+    span = (steps - CHECKPOINT_EVERY) // len(order)
+    plan = []
+    for i, kind in enumerate(order):
+        low = CHECKPOINT_EVERY + i * span
+        step = rng.randrange(low, low + max(1, span - CHECKPOINT_EVERY))
+        step -= step % CHECKPOINT_EVERY
+        plan.append((kind, max(CHECKPOINT_EVERY, step), round(rng.uniform(0.0, 0.3), 3)))
+    return plan
+
+
+def leftovers(before_shm: set[str], owner_pid: int, scratch: Path) -> list[str]:
+    """What the run left: processes, namespaces, cgroups, mounts, files."""
+    left = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if (str(scratch) in cmdline or f"{PREFIX}{owner_pid}-" in cmdline) \
+                and process.pid != os.getpid():
+            left.append(f"process {process.pid}: {cmdline[:120]}")
+    left += [f"namespace {n}" for n in _namespaces() if n.startswith(f"{PREFIX}{owner_pid}-")]
+    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/cpu"):
+        if os.path.isdir(root):
+            left += [f"cgroup {p}" for p in Path(root).glob(f"{PREFIX}{owner_pid}-*")]
+    mounts = Path("/proc/mounts").read_text()
+    left += [f"mount {line.split()[1]}" for line in mounts.splitlines()
+             if str(scratch) in line]
+    left += [f"/dev/shm/{name}" for name in set(os.listdir("/dev/shm")) - before_shm]
+    left += [f"temp {p}" for p in Path(tempfile.gettempdir()).glob(f"{PREFIX}{owner_pid}-*")]
+    left += [f"temp {p}" for p in Path(tempfile.gettempdir()).glob("hybriddl-hosts-*")]
+    if scratch.exists():
+        left.append(f"temp {scratch}")
+    return left
+
+
+def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None) -> dict:
+    """Run the uninterrupted run, then the chaos run; returns the results (see module doc)."""
+    rng = random.Random(seed)
+    plan = schedule(rng, kinds, steps)
+    before_shm = set(os.listdir("/dev/shm"))
+    scratch = Path(tempfile.mkdtemp(prefix="hybriddl-chaos-"))
+    log = open(log_path or scratch / "log.txt", "a")
+    disk = scratch / "disk"
+    disk.mkdir()
+    mounted = False
+    result: dict = {}
+    try:
+        if "disk" in kinds:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs",
+                            str(disk)], check=True, capture_output=True)
+            mounted = True
+        with EmulatedHosts(hosts=HOSTS) as cluster:
+            # The uninterrupted run: the same launch on the same hosts, no fault.
+            reference = ChaosRun(cluster, scratch / "reference", None, steps, rng, log)
+            started = time.monotonic()
+            reference.start()
+            if reference.finish() != 0:
+                raise RuntimeError(f"chaos: the uninterrupted run failed; see {log.name}")
+            reference_seconds = time.monotonic() - started
+
+            run_dir = disk / "run"
+            run = ChaosRun(cluster, run_dir, disk, steps, rng, log)
+            watch = CheckpointWatch(run_dir)
+            faults = []
+            started = time.monotonic()
+            run.start()
+            try:
+                for kind, step, delay in plan:
+                    wait_until(lambda: watch.steps >= step and run.fresh_ranks(),
+                               f"checkpoint of step {step} before the {kind} fault")
+                    time.sleep(delay)
+                    ranks = run.fresh_ranks()
+                    if not ranks:
+                        continue
+                    fault = run.apply(kind, ranks)
+                    fault.update(after_checkpoint_of_step=watch.steps, delay_seconds=delay)
+                    faults.append(fault)
+                code = run.finish()
+            finally:
+                if run.process.poll() is None:
+                    run.process.kill()
+                    run.process.wait()
+                watch.close()
+            chaos_seconds = time.monotonic() - started
+            events = [json.loads(line) for line in (run_dir / EVENTS).read_text().splitlines()]
+            _match(faults, events)
+            result = {
+                "seed": seed, "steps": steps, "hosts": HOSTS, "exit_code": code,
+                "launcher_exit_codes": run.exit_codes,
+                "finished": (run_dir / MODEL).exists(),
+                "max_abs_diff": final_difference(run_dir / MODEL,
+                                                 scratch / "reference" / MODEL),
+                "faults": faults, "events": events,
+                "steps_redone": sum(f.get("steps_redone") or 0 for f in faults),
+                "seconds_lost": round(sum(f.get("seconds_lost") or 0 for f in faults), 2),
+                "checkpoint_bytes_written": watch.bytes_written,
+                "checkpoints_written": watch.writes,
+                "seconds": {"uninterrupted": round(reference_seconds, 2),
+                            "chaos": round(chaos_seconds, 2)},
+                "train_args": train_args(Path("RUN_DIR"), steps),
+            }
+    finally:
+        log.close()
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False, capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    result["left_behind"] = leftovers(before_shm, os.getpid(), scratch)
+    result.update(machine())
+    return result
+
+
+def _match(faults: list[dict], events: list[dict]) -> None:
+    """Each fault takes the launcher's first event after it: steps redone, seconds lost."""
+    remaining = sorted(events, key=lambda e: e["time"])
+    for fault in faults:
+        event = next((e for e in remaining if e["time"] >= fault["at"]), None)
+        if event is None:
+            continue
+        remaining.remove(event)
+        fault.update(cause=event["cause"], launcher_host=event["host"],
+                     steps_redone=event["steps_redone"], seconds_lost=event["seconds_lost"],
+                     action=event["action"])
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    return {"cpu_model": cpu, "cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "git_commit": commit,
+            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=48, help="optimizer steps (default: 48)")
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated, each once (default: {','.join(FAULTS)})")
+    parser.add_argument("--output", default=str(REPO / "results" / "chaos.json"))
+    parser.add_argument("--log", help="the launchers' output (default: discarded)")
+    args = parser.parse_args()
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    if os.geteuid() != 0:
+        print("chaos.py: emulated hosts and a tmpfs need root: run it as root", file=sys.stderr)
+        return 2
+    if not kinds or set(kinds) - set(FAULTS) or len(set(kinds)) != len(kinds):
+        print(f"chaos.py: --faults {args.faults}: each of {', '.join(FAULTS)} at most once",
+              file=sys.stderr)
+        return 2
+    if args.steps < CHECKPOINT_EVERY * (2 * len(kinds) + 1):
+        print(f"chaos.py: --steps {args.steps}: give at least "
+              f"{CHECKPOINT_EVERY * (2 * len(kinds) + 1)} for {len(kinds)} faults",
+              file=sys.stderr)
+        return 2
+    result = chaos(args.seed, args.steps, kinds, Path(args.log) if args.log else None)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    for fault in result["faults"]:
+        print(f"{fault['kind']:8} {fault.get('host') or '-':3} after step "
+              f"{fault['after_checkpoint_of_step']:3}: {fault.get('cause')}, "
+              f"{fault.get('steps_redone')} steps redone, {fault.get('seconds_lost')} s lost")
+    print(f"max |diff| against the uninterrupted run: {result['max_abs_diff']:.3g}; "
+          f"checkpoints {result['checkpoint_bytes_written'] / 2**20:.1f} MiB; "
+          f"left behind: {result['left_behind'] or 'nothing'}; written {args.output}")
+    return 0 if result["finished"] and result["max_abs_diff"] <= 1e-5 \
+        and not result["left_behind"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`hybriddl launch` on 3 emulated hosts: a host whose rank is killed is left out of the
+relaunch, the run goes on from its checkpoint on the 2 others, the host is taken back at
+the next relaunch, and the run ends with the parameters of an uninterrupted run; nothing
+is left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, run_cli
+from emulated import can_emulate
+from hybriddl.emulation import EmulatedHosts
+from hybriddl.launch.command import split_training
+from hybriddl.launch.emulated import launch_on
+from hybriddl.launch.launcher import EVENTS, read_hostfile
+from hybriddl.errors import UsageError
+from hybriddl.run.rundir import MODEL
+
+spec = importlib.util.spec_from_file_location("chaos", REPO / "scripts" / "chaos.py")
+chaos = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chaos)
+
+STEPS = 24
+
+
+def test_the_training_must_name_one_run_directory():
+    assert split_training(["--", "train", "--run-dir=a", "--max-steps", "3"]) == \
+        (["train", "--max-steps", "3"], Path("a").resolve())
+    for command in (["train", "--max-steps", "3"], ["tune"],
+                    ["train", "--run-dir", "a", "--resume", "b"]):
+        with pytest.raises(UsageError):
+            split_training(command)
+
+
+def test_hostfile_lines_are_hosts_in_order(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode2 slots=4\n\nnode1  # spare\n")
+    assert read_hostfile(hostfile) == ["node2", "node1"]
+
+
+def test_bad_launch_input_is_one_line_and_exit_2(tmp_path):
+    done = run_cli("launch", "--hostfile", str(tmp_path / "none"), "--", "train",
+                   "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(not can_emulate(), reason="emulated hosts need root, ip, tc and unshare")
+def test_a_lost_host_sits_out_one_relaunch_and_the_run_ends_as_uninterrupted(tmp_path):
+    before_shm = set(os.listdir("/dev/shm"))
+    reference = tmp_path / "reference"
+    done = run_cli(*chaos.train_args(reference, STEPS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "log.txt", "w")
+    with EmulatedHosts(hosts=3) as cluster:
+        argv, env = launch_on(cluster, chaos.launch_args(run_dir, STEPS))
+        env["PYTHONPATH"] = str(REPO)
+        launcher = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        watch = chaos.CheckpointWatch(run_dir)
+        seen: set[int] = set()
+        try:
+            for host, after_step, on_hosts in ((2, 4, {0, 1, 2}), (1, 12, {0, 1})):
+                def ready():
+                    assert launcher.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+                    ranks = chaos.rank_processes(psutil.Process(launcher.pid))
+                    fresh = ranks and not {p.pid for p in ranks.values()} & seen
+                    return fresh and watch.steps >= after_step and len(ranks) == len(on_hosts)
+                chaos.wait_until(ready, f"a checkpoint of step {after_step}", 300)
+                ranks = chaos.rank_processes(psutil.Process(launcher.pid))
+                placed = {chaos.host_of(p, cluster): p for p in ranks.values()}
+                assert set(placed) == on_hosts
+                seen.update(p.pid for p in ranks.values())
+                placed[host].kill()
+            assert launcher.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+            watch.close()
+            log.close()
+        names = dict(zip(cluster.addresses, cluster.names))
+    events = [json.loads(line) for line in (run_dir / EVENTS).read_text().splitlines()]
+    assert [(names[e["host"]], e["cause"]) for e in events] == [("h2", "host lost"),
+                                                                ("h1", "host lost")]
+    assert events[0]["action"].startswith("relaunch on 198.18.0.1,198.18.0.2 ")
+    assert events[1]["action"].startswith("relaunch on 198.18.0.1,198.18.0.3 ")
+    assert "take back 198.18.0.3" in events[1]["action"]
+    assert all(e["steps_redone"] is not None and e["seconds_lost"] > 0 for e in events)
+    assert chaos.final_difference(run_dir / MODEL, reference / MODEL) <= 1e-5
+    assert not list(run_dir.glob("rank*-failure.json"))
+    assert chaos.leftovers(before_shm, os.getpid(), tmp_path / "nothing") == []
