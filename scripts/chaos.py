@@ -244,7 +244,7 @@ def schedule(rng: random.Random, kinds: list[str], steps: int) -> list[tuple[str
     plan = []
     for i, kind in enumerate(order):
         low = CHECKPOINT_EVERY + i * span
-        step = rng.randrange(low, low + max(1, span - CHECKPOINT_EVERY))
+        step = rng.randrange(low, low + max(1, span - CHECKPOINT_EVERY + 1))
         step -= step % CHECKPOINT_EVERY
         plan.append((kind, max(CHECKPOINT_EVERY, step), round(rng.uniform(0.0, 0.3), 3)))
     return plan
