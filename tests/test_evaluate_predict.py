@@ -1,0 +1,187 @@
+"""`hybriddl evaluate` and `hybriddl predict` on a tiny trained run."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hybriddl.inference.predict import predict
+from hybriddl.inference.trained import load_trained
+from hybriddl.run.rundir import METRICS, MODEL
+from sample_data import write_tinted_classes
+
+CLASSES = ["clear", "fire", "smoke"]
+PER_CLASS = 20
+# squeezenet learns the tinted classes at this lr in 3 epochs (val accuracy ~0.9, 0.33 at start).
+TRAIN = ["--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8", "--epochs", "3",
+         "--lr", "0.001", "--dropout", "0", "--strategy", "sequential", "--monitor-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data") / "photos"
+    root.mkdir()
+    return write_tinted_classes(root, per_class=PER_CLASS)
+
+
+@pytest.fixture(scope="module")
+def run_dir(photos, tmp_path_factory) -> Path:
+    from conftest import run_cli
+
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    done = run_cli("train", "--data", str(photos), *TRAIN, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def one_line_refusal(done) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- evaluate
+
+def test_evaluate_writes_scores_matrix_and_chart_in_the_run(cli, run_dir, photos):
+    done = cli("evaluate", str(run_dir), "--data", str(photos))
+    assert done.returncode == 0, done.stderr
+    result = json.loads((run_dir / "evaluation" / "evaluation.json").read_text())
+    assert result["classes"] == CLASSES and result["images"] == 3 * PER_CLASS
+    matrix = result["confusion_matrix"]
+    assert [sum(row) for row in matrix] == [PER_CLASS] * 3
+    assert result["accuracy"] == pytest.approx(sum(matrix[k][k] for k in range(3)) / (3 * PER_CLASS))
+    assert result["accuracy"] >= 0.6  # the trained model, not a fresh one (about 0.33)
+    for k, scores in enumerate(result["per_class"]):
+        assert scores["name"] == CLASSES[k] and scores["support"] == PER_CLASS
+        assert scores["recall"] == pytest.approx(matrix[k][k] / PER_CLASS)
+        predicted = sum(row[k] for row in matrix)
+        if predicted:
+            assert scores["precision"] == pytest.approx(matrix[k][k] / predicted)
+    png = (run_dir / "evaluation" / "confusion_matrix.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert f"{result['accuracy']:.3f}" in done.stdout
+    assert all(name in done.stdout for name in CLASSES)
+    assert not list((run_dir / "evaluation").glob(".*tmp*"))
+
+
+def test_evaluate_a_folder_with_fewer_classes_into_another_output(cli_here, run_dir, photos,
+                                                                  tmp_path):
+    shutil.copytree(photos / "fire", tmp_path / "only" / "fire")
+    done = cli_here("evaluate", str(run_dir), "--data", str(tmp_path / "only"),
+                    "--output", str(tmp_path / "out"), "--batch-size", "7")
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "out" / "evaluation.json").read_text())
+    supports = {s["name"]: s["support"] for s in result["per_class"]}
+    assert supports == {"clear": 0, "fire": PER_CLASS, "smoke": 0}
+    assert [s["recall"] for s in result["per_class"] if s["name"] != "fire"] == [None, None]
+    assert result["data"] == str((tmp_path / "only").resolve())
+
+
+# --------------------------------------------------------------------------- predict
+
+def csv_rows(text: str) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_predict_gives_one_csv_line_per_image_agreeing_with_evaluate(cli, run_dir, photos,
+                                                                      tmp_path):
+    done = cli("predict", str(run_dir), str(photos), str(photos / "fire" / "0.png"),
+               "--batch-size", "16")
+    assert done.returncode == 0, done.stderr
+    rows = csv_rows(done.stdout)
+    assert list(rows[0]) == ["file", "class", "probability"]
+    assert len(rows) == 3 * PER_CLASS + 1
+    assert rows[-1]["file"] == str(photos / "fire" / "0.png")
+    assert all(row["class"] in CLASSES and 1 / 3 <= float(row["probability"]) <= 1 for row in rows)
+    folder_rows = rows[:-1]
+    assert sorted(row["file"] for row in folder_rows) == sorted(
+        str(p) for p in photos.rglob("*.png"))
+    # The same model on the same images: predict's hits are evaluate's accuracy.
+    evaluated = cli("evaluate", str(run_dir), "--data", str(photos), "--output", str(tmp_path))
+    assert evaluated.returncode == 0, evaluated.stderr
+    accuracy = json.loads((tmp_path / "evaluation.json").read_text())["accuracy"]
+    hits = sum(Path(row["file"]).parent.name == row["class"] for row in folder_rows)
+    assert hits / len(folder_rows) == pytest.approx(accuracy)
+
+
+def test_predict_writes_json_or_csv_by_the_output_extension(cli_here, run_dir, photos, tmp_path):
+    for name in ("p.json", "p.csv"):
+        done = cli_here("predict", str(run_dir), str(photos / "smoke"), "--output",
+                        str(tmp_path / name))
+        assert done.returncode == 0, done.stderr
+        assert f"{PER_CLASS} predictions written" in done.stdout
+    as_json = json.loads((tmp_path / "p.json").read_text())
+    as_csv = csv_rows((tmp_path / "p.csv").read_text())
+    assert len(as_json) == PER_CLASS
+    assert [r["file"] for r in as_json] == [r["file"] for r in as_csv]
+    assert [r["class"] for r in as_json] == [r["class"] for r in as_csv]
+    assert all(abs(r["probability"] - float(c["probability"])) < 1e-6
+               for r, c in zip(as_json, as_csv))
+
+
+def test_predict_reads_a_batch_at_a_time(run_dir, photos):
+    # Streamed: the first predictions come before the rest of the files are even listed.
+    listed = []
+
+    def files():
+        for path in sorted(photos.rglob("*.png")):
+            listed.append(path)
+            yield str(path)
+
+    predictions = predict(load_trained(run_dir), files(), batch_size=4)
+    first = next(predictions)
+    assert first.file == str(sorted(photos.rglob("*.png"))[0])
+    assert len(listed) <= 5
+    assert len(list(predictions)) == 3 * PER_CLASS - 1
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_classes_that_do_not_match_are_refused(cli_here, run_dir, tmp_path):
+    (tmp_path / "other").mkdir()
+    write_tinted_classes(tmp_path / "other", per_class=1)
+    (tmp_path / "other" / "fire").rename(tmp_path / "other" / "rain")
+    line = one_line_refusal(cli_here("evaluate", str(run_dir), "--data", str(tmp_path / "other")))
+    assert "rain" in line and "clear, fire, smoke" in line
+
+
+def test_a_file_that_is_not_an_image_is_refused(cli_here, run_dir, photos, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not an image")
+    line = one_line_refusal(cli_here("predict", str(run_dir), str(text)))
+    assert str(text) in line and "not an image" in line
+    fake = tmp_path / "folder" / "fire" / "fake.png"
+    fake.parent.mkdir(parents=True)
+    fake.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    line = one_line_refusal(cli_here("evaluate", str(run_dir), "--data", str(tmp_path / "folder"),
+                                     "--output", str(tmp_path / "out")))
+    assert str(fake) in line
+    assert not (tmp_path / "out" / "evaluation.json").exists()
+
+
+def test_a_run_without_model_pt_is_refused(cli_here, run_dir, photos, tmp_path):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    shutil.copy(run_dir / METRICS, unfinished / METRICS)
+    for command in (["predict", str(unfinished), str(photos)],
+                    ["evaluate", str(unfinished), "--data", str(photos)]):
+        line = one_line_refusal(cli_here(*command))
+        assert MODEL in line and str(unfinished) in line
+
+
+@pytest.mark.parametrize("case", ["no_run", "missing_image", "bad_output", "bad_batch"])
+def test_other_bad_input_is_one_line(cli_here, run_dir, photos, tmp_path, case):
+    command = {
+        "no_run": ["predict", str(tmp_path), str(photos)],
+        "missing_image": ["predict", str(run_dir), str(tmp_path / "nowhere.png")],
+        "bad_output": ["predict", str(run_dir), str(photos), "--output", str(tmp_path / "p.txt")],
+        "bad_batch": ["evaluate", str(run_dir), "--data", str(photos), "--batch-size", "0"],
+    }[case]
+    one_line_refusal(cli_here(*command))
