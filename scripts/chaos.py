@@ -306,8 +306,13 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
             run.start()
             try:
                 for kind, step, delay in plan:
-                    wait_until(lambda: watch.steps >= step and run.fresh_ranks(),
-                               f"checkpoint of step {step} before the {kind} fault")
+                    def ready() -> bool:
+                        code = run.process.poll()
+                        if code is not None:
+                            raise RuntimeError(f"chaos: the launcher ended ({code}) before "
+                                               f"the {kind} fault; see {log.name}")
+                        return watch.steps >= step and bool(run.fresh_ranks())
+                    wait_until(ready, f"checkpoint of step {step} before the {kind} fault")
                     time.sleep(delay)
                     ranks = run.fresh_ranks()
                     if not ranks:
@@ -397,6 +402,9 @@ def main() -> int:
               f"{CHECKPOINT_EVERY * (2 * len(kinds) + 1)} for {len(kinds)} faults",
               file=sys.stderr)
         return 2
+    # A stop (Ctrl-C, kill, a background job's SIGINT ignored) still tears everything down.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
     result = chaos(args.seed, args.steps, kinds, Path(args.log) if args.log else None)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")

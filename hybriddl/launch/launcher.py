@@ -171,6 +171,7 @@ class Launcher:
         self.events: list[Event] = []
         self._unwritten: list[str] = []  # events.jsonl lines held while a fresh start needs
         # an empty run directory
+        self._answering_at_failure: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ stopping
     def request_stop(self, signum: int) -> None:
@@ -233,7 +234,7 @@ class Launcher:
             records = read_failures(run_dir)
             if self.stop_signal is not None:
                 return self._stopped(attempt, None)
-            lost = self._lost_hosts(records, hosts)
+            lost = self._lost_hosts(records, hosts, self._answering_at_failure)
             failed_attempt = self._progress(records, started, started_steps, hosts)
             cause = next((r["cause"] for r in records if r["cause"] != "host lost"), None) \
                 if not lost else "host lost"
@@ -291,10 +292,15 @@ class Launcher:
         """mpirun's exit code; mpirun ended by us when it outlives its ranks' failure (a
         cut-off host) or a stop request by more than its grace."""
         failed_at = stop_at = None
+        self._answering_at_failure = {}
+        probe = None
         while process.poll() is None:
             now = time.monotonic()
             if failed_at is None and any(self.config.run_dir.glob("rank*-failure.json")):
                 failed_at = now
+                # Asked at once: a link that is down now may be back by the relaunch.
+                probe = threading.Thread(target=self._probe_at_failure, daemon=True)
+                probe.start()
             if stop_at is None and self.stop_signal is not None:
                 stop_at = now
             if (failed_at is not None and now - failed_at > MPIRUN_GRACE_SECONDS) or \
@@ -306,13 +312,39 @@ class Launcher:
                     _end_group(process, signal.SIGKILL)
                 break
             time.sleep(0.2)
-        return process.wait()
+        code = process.wait()
+        if probe is not None:
+            probe.join()
+        return code
+
+    def _probe_at_failure(self) -> None:
+        self._answering_at_failure = answering(self.config.hosts, self.config.rsh_agent,
+                                               self.config.probe_seconds)
 
     # ------------------------------------------------------------------ what a fault cost
     @staticmethod
-    def _lost_hosts(records: list[dict], hosts: list[str]) -> list[str]:
-        ranks = sorted({int(r) for record in records for r in record["lost"]})
-        return [hosts[r] for r in ranks if r < len(hosts)]
+    def _lost_hosts(records: list[dict], hosts: list[str],
+                    answering_then: dict[str, bool]) -> list[str]:
+        """The hosts of this launch that were lost, from the ranks' records.
+
+        Ranks do not agree: a rank cut off names every other rank silent, and a rank that
+        aborted on a loss looks failed to those still waiting. So, of the ranks named: those
+        whose host did not answer when the failure was noticed (a cut cable, a dead
+        machine); else those that wrote no record themselves (killed or hung); else the
+        ones named most often.
+        """
+        named = [int(r) for record in records for r in record["lost"] if int(r) < len(hosts)]
+        if not named:
+            return []
+        candidates = sorted(set(named))
+        silent = [r for r in candidates if answering_then.get(hosts[r]) is False]
+        if not silent:
+            wrote = {record["rank"] for record in records}
+            silent = [r for r in candidates if r not in wrote]
+        if not silent:
+            most = max(named.count(r) for r in candidates)
+            silent = [r for r in candidates if named.count(r) == most]
+        return [hosts[r] for r in silent]
 
     @staticmethod
     def _progress(records: list[dict], started: float, started_steps: int,
