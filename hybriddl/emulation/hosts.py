@@ -180,6 +180,10 @@ def _end_processes(pids: list[int], grace: float) -> None:
 
 
 # ---------------------------------------------------------------------- CPU quotas
+# Set in every rank of hosts emulated with D > 1 (read by hybriddl.hosts.mpi).
+TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
+
+
 def least_time_scale(hosts: int, cores_per_host: int, machine_cores: int) -> float:
     """The smallest D at which `hosts` hosts of `cores_per_host` cores fit `machine_cores`.
 
@@ -519,6 +523,10 @@ class EmulatedHosts:
         if self.cores[0] is None or ranks_per_host > len(self.cores[0]):
             map_by += ":oversubscribe"
         argv = [launcher, "--hostfile", str(hostfile), "--map-by", map_by, "--bind-to", "none"]
+        if self.time_scale > 1:
+            # The ranks' own deadlines (heartbeat silence, --host-timeout) are in emulated
+            # time too: a host's 15 s of silence is 15 x D s of wall time here.
+            argv += ["-x", f"{TIME_SCALE_VARIABLE}={self.time_scale:g}"]
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
         return self.on_host(0, argv)

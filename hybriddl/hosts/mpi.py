@@ -151,6 +151,11 @@ class MPIHosts(Hosts):
             raise UsageError(f"--fusion-mib gives {bucket_bytes} bytes: give a positive size")
         if not timeout > 0:
             raise UsageError(f"--host-timeout {timeout}: give a positive number of seconds")
+        # On emulated hosts slowed down by D (hybriddl emulate), every wait on another host
+        # lasts D times longer in wall time: deadlines follow, or a broadcast that takes 15
+        # emulated seconds would read as a lost host.
+        self.time_scale = time_scale()
+        timeout *= self.time_scale
         self.MPI = MPI = _initialise()
         self.comm = MPI.COMM_WORLD
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -200,8 +205,9 @@ class MPIHosts(Hosts):
         comm = self.comm.Dup()
         comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
-        silence = min(SILENCE_SECONDS, max(self.timeout, 3 * INTERVAL_SECONDS))
-        return Heartbeat(self.MPI, comm, silence=silence)
+        interval = INTERVAL_SECONDS * self.time_scale
+        silence = min(SILENCE_SECONDS * self.time_scale, max(self.timeout, 3 * interval))
+        return Heartbeat(self.MPI, comm, interval=interval, silence=silence)
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -560,6 +566,14 @@ class MPIHosts(Hosts):
 def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor as the array MPI reads or writes in place."""
     return tensor.numpy()
+
+
+def time_scale() -> float:
+    """D of emulated hosts slowed down in time (1 on real hosts)."""
+    try:
+        return max(1.0, float(os.environ.get("HYBRIDDL_TIME_SCALE", "1")))
+    except ValueError:
+        return 1.0
 
 
 def _row_elements(tensor: torch.Tensor) -> int:
