@@ -383,7 +383,7 @@ def machine() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=48, help="optimizer steps (default: 48)")
+    parser.add_argument("--steps", type=int, default=96, help="optimizer steps (default: 96)")
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help=f"comma-separated, each once (default: {','.join(FAULTS)})")
     parser.add_argument("--output", default=str(REPO / "results" / "chaos.json"))

@@ -30,13 +30,16 @@ def test_schedule_is_seeded_and_each_fault_lands_between_checkpoints():
 
 
 def test_a_full_disk_and_a_stopped_launcher_still_end_as_uninterrupted(tmp_path):
-    result = chaos.chaos(seed=1, steps=20, kinds=["disk", "sigterm"],
+    result = chaos.chaos(seed=1, steps=24, kinds=["disk", "sigterm"],
                          log_path=tmp_path / "log.txt")
     log = (tmp_path / "log.txt").read_text()[-3000:]
     assert result["finished"] and result["exit_code"] == 0, log
     assert [f["kind"] for f in result["faults"]] in (["disk", "sigterm"], ["sigterm", "disk"])
     causes = {f["kind"]: f["cause"] for f in result["faults"]}
-    assert causes == {"disk": "storage", "sigterm": "stopped by SIGTERM"}, log
+    # A full disk stops the run where it is noticed: rank 0's checkpoint write (storage),
+    # or another rank's check for room (UsageError: free some space).
+    assert causes["disk"] in ("storage", "UsageError"), log
+    assert causes["sigterm"] == "stopped by SIGTERM", log
     assert 143 in result["launcher_exit_codes"]
     assert result["max_abs_diff"] <= 1e-5
     assert result["checkpoint_bytes_written"] > 0

@@ -242,9 +242,10 @@ class Launcher:
                 cause = records[0]["cause"] if records else f"exit {code}"
             where = lost or [hosts[r["rank"]] for r in records[:1]
                              if not lost and r["cause"] == "storage"]
-            names = [n for r in records for n in r["lost"].values()]
+            named = {int(r): name for record in records for r, name in record["lost"].items()}
+            names = [named[hosts.index(h)] for h in lost if hosts.index(h) in named]
             pending = Event(time.time(), ",".join(where) or None, cause, None, None, attempt,
-                            "", name=",".join(sorted(set(names))) or None,
+                            "", name=",".join(names) or None,
                             detail=next((r["message"] for r in records), ""))
             if code == 2 and not records:
                 # Bad input, or a run directory the trainer refuses: the same again would
