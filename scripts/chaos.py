@@ -240,7 +240,8 @@ def schedule(rng: random.Random, kinds: list[str], steps: int) -> list[tuple[str
     next checkpoint, so steps are redone)."""
     order = list(kinds)
     rng.shuffle(order)
-    span = (steps - CHECKPOINT_EVERY) // len(order)
+    # The last fault leaves the run a few checkpoints to end after it.
+    span = (steps - 3 * CHECKPOINT_EVERY) // len(order)
     plan = []
     for i, kind in enumerate(order):
         low = CHECKPOINT_EVERY + i * span
@@ -397,9 +398,9 @@ def main() -> int:
         print(f"chaos.py: --faults {args.faults}: each of {', '.join(FAULTS)} at most once",
               file=sys.stderr)
         return 2
-    if args.steps < CHECKPOINT_EVERY * (2 * len(kinds) + 1):
+    if args.steps < CHECKPOINT_EVERY * (2 * len(kinds) + 3):
         print(f"chaos.py: --steps {args.steps}: give at least "
-              f"{CHECKPOINT_EVERY * (2 * len(kinds) + 1)} for {len(kinds)} faults",
+              f"{CHECKPOINT_EVERY * (2 * len(kinds) + 3)} for {len(kinds)} faults",
               file=sys.stderr)
         return 2
     # A stop (Ctrl-C, kill, a background job's SIGINT ignored) still tears everything down.
