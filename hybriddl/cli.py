@@ -79,6 +79,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-cache", metavar="DIR",
                         help="where decoded data are cached for every later run and tune "
                              "(default: $XDG_CACHE_HOME/hybriddl or ~/.cache/hybriddl)")
+    # default None, not False: --resume tells a typed flag from one left out by None.
+    parser.add_argument("--strict-data", action="store_true", default=None,
+                        help="stop (exit 2) if any file of --data is no usable image, instead "
+                             "of leaving it out and listing it beside the cache")
     parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
     parser.add_argument("--val-fraction", type=float,
                         help="share of each class held out for validation (default: 0.2)")
@@ -173,6 +177,7 @@ def add_hosts_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from hybriddl.data.loading import data_notes, data_repairs
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
     from hybriddl.run.failure_record import StepsSeen, record_failure
@@ -197,7 +202,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 config.run_dir = hosts.broadcast_object(
                     str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
             prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
+            for line in data_notes(prepared.split):
+                display.warn(line)
             metrics = trainer.run(prepared, steps, hosts, stop=stop)
+            for line in data_repairs(prepared.split):
+                display.warn(line)
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
         display.stop()

@@ -66,6 +66,7 @@ class TrainConfig:
     model: str | None = None  # None: the use case's model
     data: str = "synthetic"
     data_cache: str | None = None  # None: hybriddl.data.cache.default_cache_dir()
+    strict_data: bool = False  # a file that is no usable image stops the run (data/loading.py)
     classes: int | None = None
     val_fraction: float = 0.2
     image_size: int | None = None

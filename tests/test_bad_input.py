@@ -21,14 +21,15 @@ def class_without_images(tmp: Path) -> list[str]:
 def corrupt_image(tmp: Path) -> list[str]:
     write_imagefolder(tmp / "images", per_class=2)
     (tmp / "images" / "smoke" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
-    return ["--data", str(tmp / "images")]
+    # Without --strict-data such a file is left out and listed (tests/test_bad_images.py).
+    return ["--data", str(tmp / "images"), "--strict-data"]
 
 
 def truncated_jpeg(tmp: Path) -> list[str]:
     write_imagefolder(tmp / "images", per_class=2)
     good = write_image(tmp / "images" / "fire" / "big.jpg", (200, 200), (200, 10, 10))
     good.write_bytes(good.read_bytes()[:300])
-    return ["--data", str(tmp / "images")]
+    return ["--data", str(tmp / "images"), "--strict-data"]
 
 
 def one_class(tmp: Path) -> list[str]:

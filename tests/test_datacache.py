@@ -12,6 +12,7 @@ from sample_data import CIFAR_FOLDER, write_cifar10, write_image, write_imagefol
 from hybriddl import data
 from hybriddl.data.loading import load_data
 from hybriddl.data import cache as datacache
+from hybriddl.data import sources
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.data.sharding import split_bounds
 
@@ -94,16 +95,17 @@ class Counting:
 
     started_at = None
 
-    def rows(self, start):
-        self.started_at = start
-        yield from super().rows(start)
+    def items(self, start):
+        if self.started_at is None:  # the build's call, not a repair's
+            self.started_at = start
+        yield from super().items(start)
 
 
-class CountingSynthetic(Counting, datacache.SyntheticSource):
+class CountingSynthetic(Counting, sources.SyntheticSource):
     pass
 
 
-class CountingFolder(Counting, datacache.ImageFolderSource):
+class CountingFolder(Counting, sources.ImageFolderSource):
     pass
 
 
@@ -112,17 +114,34 @@ def test_interrupted_build_continues_where_it_stopped(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     stops = iter([None] * 9 + [signal.SIGINT])
     with pytest.raises(datacache.CacheBuildInterrupted, match="10 of 40 images kept") as caught:
-        datacache.open_cache(datacache.SyntheticSource(40), cache, stop_signal=lambda: next(stops))
+        datacache.open_cache(sources.SyntheticSource(40), cache, stop_signal=lambda: next(stops))
     assert caught.value.exit_code == 130
     assert not [p for p in cache.iterdir() if p.suffix == ".cache"], \
         "an unfinished build must never look like a cache"
     source = CountingSynthetic(40)
     _, resumed = datacache.open_cache(source, cache)
     assert source.started_at == 10
-    _, fresh = datacache.open_cache(datacache.SyntheticSource(40), tmp_path / "fresh")
+    _, fresh = datacache.open_cache(sources.SyntheticSource(40), tmp_path / "fresh")
     assert torch.equal(resumed.images[:], fresh.images[:])
     assert torch.equal(resumed.labels, fresh.labels)
     assert sorted(p.name.split(".", 1)[1] for p in cache.iterdir()) == ["cache", "cache.lock"]
+
+
+def test_an_interrupted_build_keeps_the_files_it_skipped(tmp_path, monkeypatch):
+    monkeypatch.setattr(datacache, "SYNC_EVERY_SECONDS", 0.0)
+    root = write_imagefolder(tmp_path / "images", per_class=5)
+    (root / "fire" / "0a.png").write_bytes(b"not an image")  # the 2nd item of 11
+    stops = iter([None] * 3 + [signal.SIGTERM])
+    with pytest.raises(datacache.CacheBuildInterrupted):
+        datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "cache",
+                             stop_signal=lambda: next(stops))
+    source = CountingFolder(str(root), 16)
+    cache, every = datacache.open_cache(source, tmp_path / "cache")
+    assert source.started_at == 4
+    assert cache.header["skipped"] == [[str(root / "fire" / "0a.png"),
+                                        "not an image file PIL can identify"]]
+    _, fresh = datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "fresh")
+    assert torch.equal(every.images[:], fresh.images[:]) and len(every) == 10
 
 
 def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monkeypatch):
@@ -130,14 +149,14 @@ def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monke
     root = write_imagefolder(tmp_path / "images", per_class=5)
     stops = iter([None] * 3 + [signal.SIGTERM])
     with pytest.raises(datacache.CacheBuildInterrupted) as caught:
-        datacache.open_cache(datacache.ImageFolderSource(str(root), 16), tmp_path / "cache",
+        datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "cache",
                              stop_signal=lambda: next(stops))
     assert caught.value.exit_code == 143
     change_by_modifying(root)
     source = CountingFolder(str(root), 16)
     _, after = datacache.open_cache(source, tmp_path / "cache")
     assert source.started_at == 0
-    _, fresh = datacache.open_cache(datacache.ImageFolderSource(str(root), 16), tmp_path / "fresh")
+    _, fresh = datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "fresh")
     assert torch.equal(after.images[:], fresh.images[:])
 
 
@@ -147,21 +166,30 @@ def damage_by_truncating(path):
 
 
 def damage_the_header(path):
+    header = datacache._read_header(path)
     with open(path, "r+b") as handle:
-        handle.seek(30)
+        handle.seek(datacache._header_at(header["count"], header["stored_size"]) + 1)
         handle.write(b"\xff\xfe")
 
 
 def damage_the_labels(path):
     header = datacache._read_header(path)
+    records_at = (datacache._header_at(header["count"], header["stored_size"])
+                  - header["count"] * datacache.RECORD.itemsize)
     with open(path, "r+b") as handle:
-        handle.seek(datacache._layout(header)[0])
+        handle.seek(records_at)
         handle.write(np.int64(1).tobytes())
-        handle.seek(datacache._layout(header)[0] + 8)
+        handle.seek(records_at + datacache.RECORD.itemsize)
         handle.write(np.int64(0).tobytes())
 
 
-@pytest.mark.parametrize("damage", [damage_by_truncating, damage_the_header, damage_the_labels])
+def damage_by_an_old_format(path):
+    """A cache of format 1 (hybriddl before skipped files were listed) is rebuilt."""
+    path.write_bytes(b"HYBRIDDL-CACHE1\n" + path.read_bytes()[16:])
+
+
+@pytest.mark.parametrize("damage", [damage_by_truncating, damage_the_header, damage_the_labels,
+                                    damage_by_an_old_format])
 def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
     root = write_imagefolder(tmp_path / "images", per_class=5)
     before, _ = load(str(root), tmp_path / "cache")
@@ -173,17 +201,42 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
     assert torch.equal(before.train.labels, after.train.labels)
 
 
-def test_a_damaged_image_is_refused_when_it_is_read(tmp_path):
-    split, _ = load("synthetic:30", tmp_path / "cache", image_size=64)
-    path = cache_file(tmp_path / "cache")
+def flip_a_byte_of_image(path, row, offset=5):
     header = datacache._read_header(path)
     with open(path, "r+b") as handle:
-        handle.seek(datacache._layout(header)[2] + 5)  # inside image 0
+        handle.seek(datacache.IMAGES_AT + row * 3 * header["stored_size"] ** 2 + offset)
         byte = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    every = datacache.open_cache(datacache.SyntheticSource(30), tmp_path / "cache")[1]
-    with pytest.raises(TrainingError, match=f"{path}.*damaged.*image 0"):
+
+
+def test_a_flipped_byte_is_caught_named_and_the_row_rebuilt(tmp_path):
+    root = write_imagefolder(tmp_path / "images", per_class=5)
+    source = sources.ImageFolderSource(str(root), 16)
+    cache, every = datacache.open_cache(source, tmp_path / "cache")
+    expected = every.images[:]
+    flip_a_byte_of_image(cache.path, 3)
+    cache, every = datacache.open_cache(sources.ImageFolderSource(str(root), 16),
+                                        tmp_path / "cache")
+    assert cache.repairs == []  # opening checks the header and records, not every image
+    assert torch.equal(every.images[[5, 3, 0]], expected[[5, 3, 0]])
+    file = source.where(int(cache.items[3]))
+    assert len(cache.repairs) == 1
+    assert f"{cache.path}: image 3 ({file})" in cache.repairs[0]
+    assert "written back" in cache.repairs[0]
+    again, every = datacache.open_cache(sources.ImageFolderSource(str(root), 16),
+                                        tmp_path / "cache")
+    assert torch.equal(every.images[:], expected) and again.repairs == []
+
+
+def test_a_damaged_row_that_its_file_no_longer_gives_is_refused(tmp_path, monkeypatch):
+    cache, every = datacache.open_cache(sources.SyntheticSource(30), tmp_path / "cache")
+    flip_a_byte_of_image(cache.path, 0)
+    cache, every = datacache.open_cache(sources.SyntheticSource(30), tmp_path / "cache")
+    other = sources.Item(0, np.zeros((3, 64, 64), dtype=np.uint8))
+    monkeypatch.setattr(cache.source, "item", lambda index: other)
+    with pytest.raises(TrainingError, match=f"{cache.path}: image 0 .*does not match its "
+                                            "checksum.*delete"):
         every.images[[3, 0]]
     assert every.images[[1, 2]].shape == (2, 3, 64, 64)
 
@@ -216,7 +269,7 @@ def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(datacache.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
     with pytest.raises(UsageError, match=r"needs 0\.00 GiB but only 0\.00 GiB is free"):
-        datacache.open_cache(datacache.SyntheticSource(20), tmp_path / "cache")
+        datacache.open_cache(sources.SyntheticSource(20), tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir() if "partial" in p.name] == []
 
 
@@ -265,9 +318,9 @@ def test_synthetic_n_generates_each_image_from_its_index(tmp_path):
     assert split.classes == data.SYNTHETIC_CLASSES
     assert len(split.train) + len(split.val) == 50
     assert torch.bincount(torch.cat([split.train.labels, split.val.labels])).tolist() == [17, 17, 16]
-    index = int(split.train.images._positions[4])
+    index = int(split.train.images.cache.items[split.train.images._positions[4]])
     assert np.array_equal(split.train.images[4].numpy(),
-                          data.render_synthetic(index % 3, index, datacache.SYNTHETIC_SIZE))
+                          data.render_synthetic(index % 3, index, sources.SYNTHETIC_SIZE))
 
 
 @pytest.mark.parametrize("spec", ["synthetic:", "synthetic:1", "synthetic:ten", "synthetic:-5"])

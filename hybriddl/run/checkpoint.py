@@ -23,8 +23,10 @@ hosts see (as SLURM clusters provide).
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import signal
+import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -139,17 +141,126 @@ def load(run_dir: str | Path) -> Checkpoint:
         raise UsageError(f"--resume {run_dir}: no {CHECKPOINT} there, so nothing to resume; "
                          "start a new run instead")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        checkpoint = Checkpoint.from_payload(payload)
-    except Exception as exc:  # torch.load raises many types for damaged or foreign files
-        raise UsageError(f"--resume {run_dir}: {CHECKPOINT} cannot be loaded "
-                         f"({type(exc).__name__}); it is damaged or not a hybriddl checkpoint: "
-                         "start a new run") from None
+        checkpoint = _read_checkpoint(path)
+    except UnreadableFile as exc:
+        if exc.kind == HOSTILE:
+            raise UsageError(f"--resume {run_dir}: {exc}") from None
+        raise UsageError(f"--resume {run_dir}: {exc}; {_last_good(path)}") from None
     if checkpoint.format != FORMAT:
         raise UsageError(f"--resume {run_dir}: {CHECKPOINT} has format {checkpoint.format}, "
                          f"this hybriddl reads format {FORMAT}: resume it with the version "
                          "that wrote it")
     return checkpoint
+
+
+def load_state_dict_file(path: str | Path) -> dict:
+    """A state_dict (tensor names to tensors) from a file the user gave, e.g. `--weights`.
+
+    Loaded so that no code in it can run; anything else is a one-line UsageError naming
+    the file and what to give instead.
+    """
+    path = Path(path)
+    try:
+        state = safe_load(path)
+    except UnreadableFile as exc:
+        raise UsageError(f"{exc}; give a state_dict saved with torch.save, such as a run's "
+                         "model.pt") from None
+    if not isinstance(state, dict) or not state or not all(
+            isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()):
+        raise UsageError(f"{path}: not a state_dict (a mapping of names to tensors); give a "
+                         "model's state_dict such as a run's model.pt")
+    return state
+
+
+# Why a file given by the user could not be loaded.
+HOSTILE, TRUNCATED, FOREIGN = "hostile", "truncated", "foreign"
+
+
+class UnreadableFile(Exception):
+    """A file torch.load refused or failed on; `kind` is HOSTILE, TRUNCATED or FOREIGN."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def safe_load(path: Path):
+    """torch.load of a file the user gave, with weights_only: tensors and plain data only.
+
+    A .pt file is a pickle, and unpickling can call anything it names (os.system...):
+    weights_only refuses every global but tensors' own, so such a file is refused before
+    any of it runs. A hybriddl checkpoint needs no more than that (metrics are JSON types).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "Weights only load failed" in text and "GLOBAL " in text:
+            raise UnreadableFile(HOSTILE, f"{path} is refused: it asks to call "
+                                 f"{_named_global(text)}, which a file of weights never needs "
+                                 "(loading it could run any code); nothing of it was run") from None
+        raise UnreadableFile(*_damaged(path, exc)) from None
+    except MemoryError:
+        raise UnreadableFile(FOREIGN, f"{path} is too large to load here") from None
+    except Exception as exc:  # torch.load raises many types for damaged or foreign files
+        raise UnreadableFile(*_damaged(path, exc)) from None
+
+
+def _named_global(text: str) -> str:
+    # torch names the refused callable as "Unsupported global: GLOBAL posix.system ...".
+    for line in text.splitlines():
+        if "GLOBAL " in line:
+            return line.split("GLOBAL ", 1)[1].split()[0].rstrip(".,")
+    return "a Python object other than tensors"
+
+
+def _damaged(path: Path, exc: Exception) -> tuple[str, str]:
+    if _cut_short(path, exc):
+        return TRUNCATED, (f"{path} is cut short ({path.stat().st_size:,} bytes; an "
+                           "interrupted copy or a full disk)")
+    if isinstance(exc, OSError) and exc.strerror:
+        return FOREIGN, f"{path} cannot be read ({exc.strerror})"
+    return FOREIGN, f"{path} is not a PyTorch file this can load ({type(exc).__name__})"
+
+
+def _cut_short(path: Path, exc: Exception) -> bool:
+    # torch.save writes a zip archive, whose directory is at its end: cut short, the file
+    # still starts as a zip but is none (torch then reports EINVAL or a missing central
+    # directory). A legacy pickle cut short ends in EOFError or "truncated".
+    try:
+        with open(path, "rb") as handle:
+            zip_start = handle.read(4) == b"PK\x03\x04"
+        if zip_start:
+            return not zipfile.is_zipfile(path)
+    except OSError:
+        return False
+    return isinstance(exc, EOFError) or "truncated" in str(exc)
+
+
+def _read_checkpoint(path: Path) -> Checkpoint:
+    payload = safe_load(path)
+    try:
+        return Checkpoint.from_payload(payload)
+    except (TypeError, KeyError, AttributeError):
+        raise UnreadableFile(FOREIGN, f"{path} is a PyTorch file but not a hybriddl "
+                             "checkpoint") from None
+
+
+def _last_good(damaged: Path) -> str:
+    """Which other checkpoint of the run directory loads, newest first, to resume from."""
+    others = sorted((p for p in damaged.parent.glob("checkpoint*.pt*")
+                     if p != damaged and p.is_file()),
+                    key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for other in others:
+        try:
+            checkpoint = _read_checkpoint(other)
+        except UnreadableFile:
+            continue
+        position = checkpoint.position
+        return (f"the last good checkpoint is {other} (epoch {position.epoch + 1}, step "
+                f"{position.step}): copy it to {damaged} to resume from there, or start a "
+                "new run")
+    return "no other checkpoint is kept there: start a new run"
 
 
 # What `train --resume-if-exists RUN_DIR` finds there (a job scheduler restarts the same

@@ -89,7 +89,8 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     split = load_data(config.data, variant=case.dataset, image_size=config.image_size,
                       classes=config.classes, val_fraction=config.val_fraction,
                       progress=observer.on_data_progress, cache_dir=config.data_cache,
-                      stop_signal=lambda: stop.signum if stop else None)
+                      stop_signal=lambda: stop.signum if stop else None,
+                      strict=config.strict_data)
     if config.batch_size > len(split.train):
         # A global batch cut down to the data would silently train another model.
         raise UsageError(f"--batch-size {config.batch_size} is larger than the "
