@@ -331,8 +331,8 @@ class Launcher:
         Ranks do not agree: a rank cut off names every other rank silent, and a rank that
         aborted on a loss looks failed to those still waiting. So, of the ranks named: those
         whose host did not answer when the failure was noticed (a cut cable, a dead
-        machine); else those that wrote no record themselves (killed or hung); else the
-        ones named most often.
+        machine); else those that wrote no record themselves (killed or hung); else those
+        named by the first record written.
         """
         named = [int(r) for record in records for r in record["lost"] if int(r) < len(hosts)]
         if not named:
@@ -343,8 +343,10 @@ class Launcher:
             wrote = {record["rank"] for record in records}
             silent = [r for r in candidates if r not in wrote]
         if not silent:
-            most = max(named.count(r) for r in candidates)
-            silent = [r for r in candidates if named.count(r) == most]
+            # A rank that was stopped (SIGSTOP) names the others too once it runs again,
+            # later than they named it: the first to notice is the one to believe.
+            first = min((r for r in records if r["lost"]), key=lambda r: r.get("at", 0))
+            silent = [int(r) for r in first["lost"] if int(r) < len(hosts)]
         return [hosts[r] for r in silent]
 
     @staticmethod
