@@ -146,7 +146,7 @@ def test_load_state_dict_file_reads_a_state_dict_and_refuses_the_rest(tmp_path):
     cases = {"hostile": (hostile_file(tmp_path / "hostile.pt", marker, "torch_zip_open"),
                          "is refused"),
              "cut": (tmp_path / "cut.pt", "is cut short"),
-             "text": (tmp_path / "notes.pt", "is not a PyTorch file"),
+             "text": (tmp_path / "notes.pt", "cannot be loaded: it is no PyTorch file"),
              "a list": (tmp_path / "list.pt", "not a state_dict")}
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:200])
     (tmp_path / "notes.pt").write_text("not weights\n")

@@ -220,7 +220,7 @@ def _damaged(path: Path, exc: Exception) -> tuple[str, str]:
                            "interrupted copy or a full disk)")
     if isinstance(exc, OSError) and exc.strerror:
         return FOREIGN, f"{path} cannot be read ({exc.strerror})"
-    return FOREIGN, f"{path} is not a PyTorch file this can load ({type(exc).__name__})"
+    return FOREIGN, f"{path} cannot be loaded: it is no PyTorch file ({type(exc).__name__})"
 
 
 def _cut_short(path: Path, exc: Exception) -> bool:
@@ -242,8 +242,8 @@ def _read_checkpoint(path: Path) -> Checkpoint:
     try:
         return Checkpoint.from_payload(payload)
     except (TypeError, KeyError, AttributeError):
-        raise UnreadableFile(FOREIGN, f"{path} is a PyTorch file but not a hybriddl "
-                             "checkpoint") from None
+        raise UnreadableFile(FOREIGN, f"{path} cannot be loaded: it is a PyTorch file but "
+                             "no hybriddl checkpoint") from None
 
 
 def _last_good(damaged: Path) -> str:
