@@ -240,4 +240,4 @@ def test_train_shows_the_summary_and_strict_data_exits_2_in_one_line(cli, cli_he
     assert done.returncode == 0, done.stderr
     assert f"1 of 10 files of imagefolder:{photos_with_junk} skipped" in done.stderr
     assert f"see {listed}" in done.stderr
-    assert "1 images of" in done.stderr and "converted to RGB (1 CMYK)" in done.stderr
+    assert "1 image of" in done.stderr and "converted to RGB (1 CMYK)" in done.stderr

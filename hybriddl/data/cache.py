@@ -140,8 +140,9 @@ class CacheFile:
         if not modes:
             return None
         counts = ", ".join(f"{count:,} {mode}" for mode, count in sorted(modes.items()))
-        return f"{sum(modes.values()):,} images of {self.header['source']} converted to RGB " \
-               f"({counts})"
+        total = sum(modes.values())
+        return (f"{total:,} image{'s' if total != 1 else ''} of {self.header['source']} "
+                f"converted to RGB ({counts})")
 
 
 class DiskImages:
