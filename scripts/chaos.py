@@ -76,7 +76,7 @@ class CheckpointWatch:
         self.writes = 0
         self.steps = 0
         self.changed_at = 0.0
-        self._seen: set[int] = set()
+        self._seen: set[tuple] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -89,9 +89,11 @@ class CheckpointWatch:
                 stat = self.path.stat()
             except FileNotFoundError:
                 continue
-            if stat.st_ino in self._seen:
+            # tmpfs reuses inode numbers: a new file is a new (inode, mtime, size).
+            key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if key in self._seen:
                 continue
-            self._seen.add(stat.st_ino)
+            self._seen.add(key)
             self.writes += 1
             self.bytes_written += stat.st_size
             try:
@@ -160,6 +162,8 @@ class ChaosRun:
         self.seen_pids: set[int] = set()
         self.exit_codes: list[int] = []
         self.timers: list[threading.Thread] = []
+        self.ranks_key: frozenset = frozenset()
+        self.ranks_since = float("inf")
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv, env=self.env, stdout=self.log,
@@ -312,7 +316,13 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
                         if code is not None:
                             raise RuntimeError(f"chaos: the launcher ended ({code}) before "
                                                f"the {kind} fault; see {log.name}")
-                        return watch.steps >= step and bool(run.fresh_ranks())
+                        ranks = run.fresh_ranks()
+                        key = frozenset(p.pid for p in ranks.values())
+                        if ranks and key != run.ranks_key:
+                            run.ranks_key, run.ranks_since = key, time.monotonic()
+                        # A checkpoint of this launch: the fault hits it while it trains.
+                        return bool(ranks) and watch.steps >= step \
+                            and watch.changed_at > run.ranks_since
                     wait_until(ready, f"checkpoint of step {step} before the {kind} fault")
                     time.sleep(delay)
                     ranks = run.fresh_ranks()
