@@ -17,7 +17,8 @@ EPILOG = """\
 time scale: H hosts of C cores that do not fit this machine's cores run with time slowed
 down by D = H x C / cores (rounded up to a whole number when C is fewer than the
 machine's cores, so no core carries more than its share): each host's processes get C/D
-cores of CPU time (a cgroup per host), links run at rate/D and latencies are x D. The
+cores of CPU time and each of their threads 1/D of a core (a cgroup per host, one per
+thread inside it), links run at rate/D and latencies are x D. The
 report and the console give D and the emulated seconds (wall / D). What the command
 itself measures stays in wall time: a run's metrics.json reports wall seconds and
 images_per_second, so on the emulated hosts img/s = images_per_second x D and step

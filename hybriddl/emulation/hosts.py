@@ -10,8 +10,8 @@ gives every link a rate (full duplex) and a one-way latency.
 
 Time scale. H hosts of C cores that do not fit this machine's cores are emulated with
 time slowed down by D = H x C / cores (DESIGN.md, "Time scale"): each host's processes
-share a cgroup whose CPU quota is C/D cores, links run at rate/D, latencies are x D, and
-emulated time is wall time / D. A host still sees C cores (or all of the machine's, if
+share a cgroup whose CPU quota is C/D cores, each thread of theirs sits in a child cgroup
+of 1/D core, links run at rate/D, latencies are x D, and emulated time is wall time / D. A host still sees C cores (or all of the machine's, if
 fewer) so its ranks run C threads, each at 1/D of a core's speed.
 
 Nothing is created or changed in the root network namespace: the veth pairs are made
@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,8 @@ DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 # The kernel's CFS period; quotas below 1 ms are refused, so tiny shares lengthen it.
 PERIOD_US, LEAST_QUOTA_US, LONGEST_PERIOD_US = 100_000, 1_000, 1_000_000
+# How soon a new thread gets its own 1/D core; until then it shares its creator's.
+CONFINE_INTERVAL = 0.05
 
 
 class EmulationUnavailable(UsageError):
@@ -214,31 +217,45 @@ def cpu_hierarchy() -> tuple[Path, int] | None:
     return None
 
 
+def _write_quota(folder: Path, version: int, cores: float) -> None:
+    period = PERIOD_US
+    if cores * period < LEAST_QUOTA_US:
+        period = min(LONGEST_PERIOD_US, math.ceil(LEAST_QUOTA_US / cores))
+    quota = max(LEAST_QUOTA_US, round(cores * period))
+    if version == 2:
+        (folder / "cpu.max").write_text(f"{quota} {period}")
+    else:
+        (folder / "cpu.cfs_period_us").write_text(str(period))
+        (folder / "cpu.cfs_quota_us").write_text(str(quota))
+
+
 @dataclass(frozen=True)
 class CpuQuota:
-    """One emulated host's cgroup: its processes together get at most `cores` cores."""
+    """One emulated host's cgroup: its processes together get at most `cores` cores, and
+    each of their threads at most `thread_cores` (1/D: one emulated core).
+
+    The limit per thread is what makes a host's serial phases slow too: with only the
+    host's C/D cores, one thread of a host of 2 cores at D = 2 ran at full speed (the
+    Python between torch's parallel regions, measured: not slowed at all). `confine_threads`
+    gives every thread a child cgroup of its own (v1: any thread may sit in its own; v2:
+    a threaded subtree); it is called every CONFINE_INTERVAL seconds while the hosts live.
+    """
 
     path: Path
     version: int
+    thread_cores: float | None = None
 
     @classmethod
-    def create(cls, hierarchy: tuple[Path, int], name: str, cores: float) -> "CpuQuota":
+    def create(cls, hierarchy: tuple[Path, int], name: str, cores: float,
+               thread_cores: float) -> "CpuQuota":
         root, version = hierarchy
-        period = PERIOD_US
-        if cores * period < LEAST_QUOTA_US:
-            period = min(LONGEST_PERIOD_US, math.ceil(LEAST_QUOTA_US / cores))
-        quota = max(LEAST_QUOTA_US, round(cores * period))
         try:
             if version == 2:
                 # Children get the cpu controller only if their parent hands it down.
                 (root / "cgroup.subtree_control").write_text("+cpu")
             (root / name).mkdir()
-            made = cls(root / name, version)
-            if version == 2:
-                (made.path / "cpu.max").write_text(f"{quota} {period}")
-            else:
-                (made.path / "cpu.cfs_period_us").write_text(str(period))
-                (made.path / "cpu.cfs_quota_us").write_text(str(quota))
+            made = cls(root / name, version, thread_cores)
+            _write_quota(made.path, version, cores)
         except OSError as exc:
             raise EmulationFailed(f"cannot make the CPU quota cgroup {root / name} "
                                   f"({exc.strerror})") from None
@@ -249,6 +266,13 @@ class CpuQuota:
         """Write a PID here to put that process (and what it starts) under the quota."""
         return self.path / "cgroup.procs"
 
+    @property
+    def _threads_file(self) -> str:
+        return "cgroup.threads" if self.version == 2 else "tasks"
+
+    def _groups(self) -> list[Path]:
+        return [self.path, *(p for p in self.path.iterdir() if p.is_dir())]
+
     def cores(self) -> float:
         """The quota as the kernel holds it, in cores."""
         if self.version == 2:
@@ -258,21 +282,56 @@ class CpuQuota:
             period = (self.path / "cpu.cfs_period_us").read_text()
         return int(quota) / int(period)
 
+    def confine_threads(self) -> None:
+        """Move every thread not yet alone in a child cgroup (new threads and processes
+        start in their creator's) into one of its own; delete the children of ended
+        threads."""
+        for group in self._groups():
+            try:
+                threads = (group / self._threads_file).read_text().split()
+            except OSError:
+                continue  # deleted meanwhile
+            for tid in threads:
+                if group == self.path or group.name != f"t{tid}":
+                    self._confine(tid)
+            if group != self.path and not threads:
+                try:
+                    group.rmdir()
+                except OSError:
+                    pass  # a thread came in meanwhile
+
+    def _confine(self, tid: str) -> None:
+        child = self.path / f"t{tid}"
+        try:
+            if not child.is_dir():
+                child.mkdir()
+                if self.version == 2:
+                    (child / "cgroup.type").write_text("threaded")
+                    (self.path / "cgroup.subtree_control").write_text("+cpu")
+                _write_quota(child, self.version, self.thread_cores)
+            (child / self._threads_file).write_text(tid)
+        except OSError:
+            pass  # the thread ended meanwhile; its child goes at the next pass
+
     def remove(self, grace: float) -> None:
         """End the processes still in it, then delete it. Safe to call twice."""
         for attempt in range(50):
             try:
-                _end_processes([int(p) for p in self.procs.read_text().split()], grace)
-                self.path.rmdir()
+                pids = {int(p) for group in self._groups()
+                        for p in (group / "cgroup.procs").read_text().split()}
+                _end_processes(sorted(pids), grace)
+                for group in reversed(self._groups()):
+                    group.rmdir()
                 return
             except FileNotFoundError:
-                return
+                if not self.path.exists():
+                    return
             except OSError as exc:
                 # A process just ended may still be counted for a moment.
                 if exc.errno != errno.EBUSY or attempt == 49:
                     raise EmulationFailed(f"cannot delete the cgroup {self.path} "
                                           f"({exc.strerror})") from None
-                time.sleep(0.1)
+            time.sleep(0.1)
 
 
 def _leftover_quotas() -> list[CpuQuota]:
@@ -369,6 +428,8 @@ class EmulatedHosts:
         self.namespaces = [f"{tag}-{name}" for name in self.names]
         self.quotas: list[CpuQuota | None] = [None] * hosts
         self._owner = os.getpid()
+        self._confiner: threading.Thread | None = None
+        self._stop_confining = threading.Event()
         self.folder: Path | None = None
         self._up = False
 
@@ -402,7 +463,11 @@ class EmulatedHosts:
                     "emulate fewer hosts x cores")
             for index, namespace in enumerate(self.namespaces):
                 self.quotas[index] = CpuQuota.create(
-                    hierarchy, namespace, self.cores_per_host / self.time_scale)
+                    hierarchy, namespace, self.cores_per_host / self.time_scale,
+                    1 / self.time_scale)
+            self._confiner = threading.Thread(target=self._confine_threads, daemon=True,
+                                              name="emulation-thread-quotas")
+            self._confiner.start()
         done = _ip("netns", "add", self.switch, check=False)
         if done.returncode != 0:
             raise EmulationUnavailable(f"cannot create a network namespace "
@@ -453,6 +518,10 @@ class EmulatedHosts:
                 if namespace in _namespaces():
                     _kill_namespace_processes(namespace, grace=5)
                     _ip("netns", "delete", namespace, check=False)
+            self._stop_confining.set()
+            if self._confiner is not None:
+                self._confiner.join()
+                self._confiner = None
             for index, quota in enumerate(self.quotas):
                 if quota is not None:
                     quota.remove(grace=5)
@@ -463,6 +532,12 @@ class EmulatedHosts:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+    def _confine_threads(self) -> None:
+        while not self._stop_confining.wait(CONFINE_INTERVAL):
+            for quota in self.quotas:
+                if quota is not None:
+                    quota.confine_threads()
 
     # ------------------------------------------------------------------ NICs
     def counters(self) -> list[NicCounters]:
@@ -601,5 +676,4 @@ def stop(process: subprocess.Popen, grace: float = 10) -> None:
 
 
 def _main_thread() -> bool:
-    import threading
     return threading.current_thread() is threading.main_thread()
