@@ -1,0 +1,281 @@
+"""Is time on emulated hosts slowed down faithfully? Compute, link rate and NIC bytes at D.
+
+    sudo flock /tmp/hybriddl-cpu.lock .venv/bin/python scripts/emulation_fidelity.py \
+        --output results/emulation_fidelity.json
+
+`hybriddl emulate` emulates H hosts of C cores that exceed this machine's cores by
+slowing time down by D (DESIGN.md, "Time scale"); `--time-scale D` forces D, so each
+check compares the same emulated hosts at D = 1 and at D > 1:
+
+(a) compute: one host of --cores cores trains (`hybriddl train`, sequential strategy,
+    --steps steps, the first --warmup left out) at each D; its step (metrics.json's
+    per-step wall seconds) should be D x the step at D = 1, within 15 %.
+(b) link: two hosts of 1 core at --bandwidth; host h0 streams --mib MiB over one TCP
+    connection to h1, then 50 one-byte round trips (at --latency, if given). The wire
+    rate (h0's NIC bytes over the receiver's first-to-last-byte seconds) should be
+    bandwidth / D within 10 %; goodput (payload bytes) is beside it, and with --latency
+    the round trip should be 2 x latency x D.
+(c) NIC bytes: two hosts of 1 core train --nic-steps steps at each D: each host's NIC
+    bytes (the emulate report) should not depend on D.
+
+Each check runs its D values interleaved, --rounds times; figures are medians over the
+rounds with their spread [lowest, highest]. Needs root (emulated hosts) and the cgroup
+cpu controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PORT = 5202
+CHUNK = 1 << 20
+PINGS = 50
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scales", type=float, nargs="+", default=[2, 4],
+                        help="time scales D compared with D = 1 (default: 2 4)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds (default: 2)")
+    parser.add_argument("--cores", type=int, default=2,
+                        help="cores of the emulated host in (a) (default: 2)")
+    parser.add_argument("--usecase", default="SimpleBig", help="(a), (c) (default: SimpleBig)")
+    parser.add_argument("--image-size", type=int, default=64, help="(a), (c) (default: 64)")
+    parser.add_argument("--steps", type=int, default=5, help="(a) steps (default: 5)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="(a) first steps left out (default: 2)")
+    parser.add_argument("--bandwidth", default="200mbit", help="(b) (default: 200mbit)")
+    parser.add_argument("--latency", help="(b) one-way delay, e.g. 1ms (needs the kernel's "
+                        "netem; default: none, no round trips measured)")
+    parser.add_argument("--mib", type=float, default=16, help="(b) MiB streamed (default: 16)")
+    parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
+    parser.add_argument("--output", required=True, help="JSON file to write")
+    parser.add_argument("--link-worker", help=argparse.SUPPRESS)  # OUTPUT_FOLDER,BYTES
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------- (b)'s ranks
+def link_worker(folder: Path, size: int) -> None:
+    """Rank 1 (host h1) receives the stream and answers the pings; rank 0 (h0) sends."""
+    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    if rank == 1:
+        with socket.create_server(("0.0.0.0", PORT)) as server:
+            connection, _ = server.accept()
+            with connection:
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                buffer, got, first = bytearray(CHUNK), 0, None
+                while got < size:
+                    n = connection.recv_into(buffer, min(CHUNK, size - got))
+                    if n == 0:
+                        raise SystemExit("sender closed early")
+                    first = first or time.perf_counter()
+                    got += n
+                seconds = time.perf_counter() - first
+                connection.sendall(b"k")
+                for _ in range(PINGS):
+                    connection.sendall(connection.recv(1))
+        (folder / "receiver.json").write_text(json.dumps({"seconds": seconds, "bytes": got}))
+        return
+    tx = Path("/sys/class/net/eth0/statistics/tx_bytes")  # this host's NIC
+    for _ in range(400):
+        try:
+            connection = socket.create_connection(("198.18.0.2", PORT))
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        raise SystemExit("cannot reach h1")
+    with connection:
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        before = int(tx.read_text())
+        payload, sent = memoryview(bytes(CHUNK)), 0
+        while sent < size:
+            sent += connection.send(payload[:min(CHUNK, size - sent)])
+        connection.recv(1)
+        wire = int(tx.read_text()) - before
+        trips = []
+        for _ in range(PINGS):
+            start = time.perf_counter()
+            connection.sendall(b"p")
+            connection.recv(1)
+            trips.append(time.perf_counter() - start)
+    (folder / "sender.json").write_text(json.dumps({"wire_bytes": wire,
+                                                    "round_trips": trips}))
+
+
+# ---------------------------------------------------------------- runs
+def emulate(options: list[str], command: list[str], scratch: Path) -> dict:
+    """One `hybriddl emulate` run; its --report."""
+    report = scratch / "report.json"
+    report.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-m", "hybriddl", "emulate", *options, "--report",
+                           str(report), "--", *command], capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"emulate {shlex.join(options)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(report.read_text())
+
+
+def train(args, scale: float, hosts: int, cores: int, steps: int, scratch: Path) -> dict:
+    run_dir = scratch / f"run-{hosts}-{scale:g}"
+    report = emulate(["--hosts", str(hosts), "--cores-per-host", str(cores),
+                      "--time-scale", str(scale)],
+                     ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
+                      str(args.image_size), "--max-steps", str(steps), "--strategy",
+                      "sequential", "--dropout", "0", "--run-dir", str(run_dir)], scratch)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {"report": report, "step_seconds": metrics["epochs"][0]["per_step"]["seconds"]}
+
+
+def compute_check(args, scratch: Path) -> dict:
+    scales = [1.0, *args.scales]
+    steps: dict[float, list[list[float]]] = {d: [] for d in scales}
+    for _ in range(args.rounds):
+        for scale in scales:
+            run = train(args, scale, 1, args.cores, args.steps, scratch)
+            assert run["report"]["time_scale"] == scale
+            steps[scale].append(run["step_seconds"][args.warmup:])
+            print(f"(a) D={scale:g}: steps {run['step_seconds']}", flush=True)
+    base = statistics.median(s for r in steps[1.0] for s in r)
+    rows = []
+    for scale in scales:
+        every = [s for r in steps[scale] for s in r]
+        median = statistics.median(every)
+        rows.append({"time_scale": scale, "step_seconds_median": median,
+                     "step_seconds_spread": [min(every), max(every)],
+                     "step_seconds_by_round": steps[scale],
+                     "ratio_to_d1": median / base, "error": median / base / scale - 1,
+                     "within_15_percent": abs(median / base / scale - 1) <= 0.15})
+    return {"what": f"1 host of {args.cores} cores, hybriddl train {args.usecase} "
+                    f"{args.image_size}px sequential, {args.steps} steps, first "
+                    f"{args.warmup} left out; wall step seconds at D vs D x those at D = 1",
+            "rows": rows}
+
+
+def link_check(args, scratch: Path) -> dict:
+    from hybriddl.emulation import bits_per_second, seconds_of
+
+    rate = bits_per_second(args.bandwidth)
+    delay = seconds_of(args.latency) if args.latency else 0.0
+    latency = ["--latency", args.latency] if args.latency else []
+    size = int(args.mib * 2**20)
+    scales = [1.0, *args.scales]
+    runs: dict[float, list[dict]] = {d: [] for d in scales}
+    for _ in range(args.rounds):
+        for scale in scales:
+            for name in ("sender.json", "receiver.json"):
+                (scratch / name).unlink(missing_ok=True)
+            emulate(["--hosts", "2", "--cores-per-host", "1", "--time-scale", str(scale),
+                     "--bandwidth", args.bandwidth, *latency],
+                    [sys.executable, str(Path(__file__).resolve()), "--output", "-",
+                     "--link-worker", f"{scratch},{size}"], scratch)
+            sender = json.loads((scratch / "sender.json").read_text())
+            receiver = json.loads((scratch / "receiver.json").read_text())
+            run = {"seconds": receiver["seconds"],
+                   "wire_bits_per_second": sender["wire_bytes"] * 8 / receiver["seconds"],
+                   "goodput_bits_per_second": receiver["bytes"] * 8 / receiver["seconds"],
+                   "round_trip_seconds": statistics.median(sender["round_trips"])}
+            runs[scale].append(run)
+            print(f"(b) D={scale:g}: {json.dumps(run)}", flush=True)
+    rows = []
+    for scale in scales:
+        wire = [r["wire_bits_per_second"] for r in runs[scale]]
+        goodput = [r["goodput_bits_per_second"] for r in runs[scale]]
+        trips = [r["round_trip_seconds"] for r in runs[scale]]
+        expected = rate / scale
+        rows.append({"time_scale": scale, "expected_bits_per_second": expected,
+                     "wire_bits_per_second_median": statistics.median(wire),
+                     "wire_bits_per_second_spread": [min(wire), max(wire)],
+                     "wire_error": statistics.median(wire) / expected - 1,
+                     "within_10_percent": abs(statistics.median(wire) / expected - 1) <= 0.10,
+                     "goodput_bits_per_second_median": statistics.median(goodput),
+                     "goodput_error": statistics.median(goodput) / expected - 1,
+                     "expected_round_trip_seconds": 2 * delay * scale,
+                     "round_trip_seconds_median": statistics.median(trips),
+                     "round_trip_seconds_spread": [min(trips), max(trips)]})
+    return {"what": f"2 hosts of 1 core at {args.bandwidth}, {args.latency or 'no'} "
+                    f"added delay one way: h0 "
+                    f"streams {args.mib:g} MiB to h1 over TCP (wire: h0's NIC bytes; "
+                    f"goodput: payload), then {PINGS} one-byte round trips",
+            "rows": rows}
+
+
+def nic_check(args, scratch: Path) -> dict:
+    scales = [1.0, max(args.scales)]
+    sent: dict[float, list[list[int]]] = {d: [] for d in scales}
+    for _ in range(args.rounds):
+        for scale in scales:
+            run = train(args, scale, 2, 1, args.nic_steps, scratch)
+            sent[scale].append([h["bytes_sent"] for h in run["report"]["hosts"]])
+            print(f"(c) D={scale:g}: bytes sent {sent[scale][-1]}", flush=True)
+    medians = {d: [statistics.median(r[h] for r in sent[d]) for h in range(2)]
+               for d in scales}
+    scaled = max(args.scales)
+    return {"what": f"2 hosts of 1 core, hybriddl train {args.usecase} {args.image_size}px "
+                    f"sequential, {args.nic_steps} steps: each host's NIC bytes sent",
+            "rows": [{"time_scale": d, "host_bytes_sent_median": medians[d],
+                      "host_bytes_sent_by_round": sent[d]} for d in scales],
+            "relative_difference": max(abs(a / b - 1)
+                                       for a, b in zip(medians[scaled], medians[1.0]))}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.link_worker:
+        folder, size = args.link_worker.split(",")
+        link_worker(Path(folder), int(size))
+        return 0
+    import torch
+
+    from hybriddl.hosts.hostinfo import cpu_model
+    from hybriddl.run.rundir import atomic_write_json
+
+    result = {
+        "what": __doc__.splitlines()[0],
+        "cpu_model": cpu_model() or platform.processor(),
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=REPO).stdout.strip(),
+        "command": shlex.join(["python", "scripts/emulation_fidelity.py",
+                               *(argv if argv is not None else sys.argv[1:])]),
+        "rounds": args.rounds,
+        "limits": "compute is assumed to scale with cores; the kernel's networking (veth, "
+                  "tc) shares the machine and is not slowed down",
+    }
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hybriddl-fidelity-") as scratch:
+        result["compute"] = compute_check(args, Path(scratch))
+        result["link"] = link_check(args, Path(scratch))
+        result["nic_bytes"] = nic_check(args, Path(scratch))
+    result["seconds"] = round(time.monotonic() - started, 1)
+    atomic_write_json(Path(args.output), result)
+    for row in result["compute"]["rows"]:
+        print(f"(a) D={row['time_scale']:g}: step {row['step_seconds_median']:.3f} s, "
+              f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
+    for row in result["link"]["rows"]:
+        print(f"(b) D={row['time_scale']:g}: wire {row['wire_bits_per_second_median'] / 1e6:.1f}"
+              f" Mbit/s ({row['wire_error']:+.1%} from rate/D), round trip "
+              f"{row['round_trip_seconds_median'] * 1e3:.2f} ms (expected "
+              f"{row['expected_round_trip_seconds'] * 1e3:.2f})")
+    print(f"(c) NIC bytes differ by {result['nic_bytes']['relative_difference']:.2%} "
+          f"between D=1 and D={max(args.scales):g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
