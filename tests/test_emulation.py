@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -275,13 +274,12 @@ def quota_run(tmp_path: Path, *args: str, program: str) -> subprocess.Popen:
 @pytest.mark.skipif(cpu_hierarchy() is None, reason="needs the cgroup cpu controller")
 def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
     go = tmp_path / "go"
-    # Each rank says which cgroup it is in and how many cores it may use, then waits.
+    # Each rank says who it is and how many cores it may use, then waits.
     program = (
         "import os, time, pathlib\n"
         f"folder = pathlib.Path({str(tmp_path)!r})\n"
         "rank = os.environ['OMPI_COMM_WORLD_RANK']\n"
-        "cpu = [l for l in open('/proc/self/cgroup') if l.split(':')[1] in ('cpu', '')][0]\n"
-        "text = f\"{cpu.strip().split(':')[2]} {len(os.sched_getaffinity(0))}\"\n"
+        "text = f'{os.getpid()} {len(os.sched_getaffinity(0))}'\n"
         "(folder / f'rank{rank}.tmp').write_text(text)\n"
         "(folder / f'rank{rank}.tmp').rename(folder / f'rank{rank}')\n"
         "deadline = time.time() + 60\n"
@@ -292,17 +290,28 @@ def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
     wait_for(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)),
              "both ranks running", process)
     root, version = cpu_hierarchy()
-    for rank in range(2):
-        cgroup, cores = (tmp_path / f"rank{rank}").read_text().split()
-        assert cgroup.startswith(f"/{PREFIX}{process.pid}-") and cgroup.endswith(f"-h{rank}")
-        assert int(cores) == MACHINE_CORES
-        folder = root / cgroup.lstrip("/")
+
+    def cgroup_of(pid: str) -> str:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        return [line for line in lines if line.split(":")[1] in ("cpu", "")][0].split(":")[2]
+
+    def cores_of(folder: Path) -> float:
         if version == 2:
             quota, period = (folder / "cpu.max").read_text().split()
         else:
             quota = (folder / "cpu.cfs_quota_us").read_text()
             period = (folder / "cpu.cfs_period_us").read_text()
-        assert int(quota) / int(period) == pytest.approx(MACHINE_CORES / 2)
+        return int(quota) / int(period)
+
+    for rank in range(2):
+        pid, cores = (tmp_path / f"rank{rank}").read_text().split()
+        assert int(cores) == MACHINE_CORES  # C cores: a host runs C threads
+        # A new process starts in its creator's thread cgroup; within 50 ms it has its own.
+        wait_for(lambda: cgroup_of(pid).endswith(f"/t{pid}"), "the rank confined", process)
+        host, thread = cgroup_of(pid).strip("/").split("/")
+        assert host.startswith(f"{PREFIX}{process.pid}-") and host.endswith(f"-h{rank}")
+        assert cores_of(root / host) == pytest.approx(MACHINE_CORES / 2)
+        assert cores_of(root / host / thread) == pytest.approx(1 / 2)
     go.touch()
     _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err[-3000:]
