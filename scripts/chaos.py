@@ -174,7 +174,10 @@ class ChaosRun:
         ranks = rank_processes(psutil.Process(self.process.pid))
         if not ranks or any(p.pid in self.seen_pids for p in ranks.values()):
             return {}
-        size = int(next(iter(ranks.values())).environ().get("OMPI_COMM_WORLD_SIZE", "0"))
+        try:
+            size = int(next(iter(ranks.values())).environ().get("OMPI_COMM_WORLD_SIZE", "0"))
+        except psutil.Error:  # ended since it was listed
+            return {}
         return ranks if len(ranks) == size else {}
 
     def apply(self, kind: str, ranks: dict[int, psutil.Process]) -> dict:
