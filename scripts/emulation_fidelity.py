@@ -126,12 +126,13 @@ def emulate(options: list[str], command: list[str], scratch: Path) -> dict:
                            str(report), "--", *command], capture_output=True, text=True,
                           timeout=600)
     if done.returncode != 0:
-        raise SystemExit(f"emulate {shlex.join(options)} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"emulate {shlex.join(options)} failed:\n{done.stderr[-3000:]}\n"
+                         f"{done.stdout[-3000:]}")
     return json.loads(report.read_text())
 
 
 def train(args, scale: float, hosts: int, cores: int, steps: int, scratch: Path) -> dict:
-    run_dir = scratch / f"run-{hosts}-{scale:g}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"run-{hosts}-{scale:g}-", dir=scratch)) / "run"
     report = emulate(["--hosts", str(hosts), "--cores-per-host", str(cores),
                       "--time-scale", str(scale)],
                      ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
