@@ -55,9 +55,11 @@ DEADLINE_SECONDS = 600
 
 def train_args(run_dir: Path, steps: int) -> list[str]:
     """squeezenet1_1 at 32 px with the default dropout: steps of a tenth of a second, so a
-    run is quick and faults still land between its checkpoints."""
+    run is quick and faults still land between its checkpoints. The embedded set has 20
+    steps an epoch: --max-steps ends the run."""
     return ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "24",
-            "--max-steps", str(steps), "--strategy", "sequential", "--checkpoint-every",
+            "--epochs", "100", "--max-steps", str(steps), "--strategy", "sequential",
+            "--checkpoint-every",
             str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir)]
 
 
