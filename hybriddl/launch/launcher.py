@@ -240,8 +240,8 @@ class Launcher:
                 if not lost else "host lost"
             if cause is None:
                 cause = records[0]["cause"] if records else f"exit {code}"
-            where = lost or [hosts[r["rank"]] for r in records[:1]
-                             if not lost and r["cause"] == "storage"]
+            where = lost or [hosts[r["rank"]] for r in records
+                             if r["cause"] != "host lost" and r["rank"] < len(hosts)][:1]
             named = {int(r): name for record in records for r, name in record["lost"].items()}
             names = [named[hosts.index(h)] for h in lost if hosts.index(h) in named]
             pending = Event(time.time(), ",".join(where) or None, cause, None, None, attempt,
@@ -334,7 +334,11 @@ class Launcher:
         machine); else those that wrote no record themselves (killed or hung); else those
         named by the first record written.
         """
-        named = [int(r) for record in records for r in record["lost"] if int(r) < len(hosts)]
+        # A rank that stopped on its own error (a full disk) aborted the others, who then
+        # name it failed: its host is not lost.
+        own = {record["rank"] for record in records if record["cause"] != "host lost"}
+        named = [int(r) for record in records for r in record["lost"]
+                 if int(r) < len(hosts) and int(r) not in own]
         if not named:
             return []
         candidates = sorted(set(named))
@@ -345,8 +349,9 @@ class Launcher:
         if not silent:
             # A rank that was stopped (SIGSTOP) names the others too once it runs again,
             # later than they named it: the first to notice is the one to believe.
-            first = min((r for r in records if r["lost"]), key=lambda r: r.get("at", 0))
-            silent = [int(r) for r in first["lost"] if int(r) < len(hosts)]
+            first = min((r for r in records if set(map(int, r["lost"])) & set(candidates)),
+                        key=lambda r: r.get("at", 0))
+            silent = [int(r) for r in first["lost"] if int(r) in candidates]
         return [hosts[r] for r in silent]
 
     @staticmethod
