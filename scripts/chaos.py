@@ -209,7 +209,8 @@ class ChaosRun:
                 handle.write(b"\0" * max(0, free - 2**20))
             wait_until(lambda: any(self.run_dir.glob("rank*-failure.json")), "storage failure")
             filler.unlink()
-            fault.update(host=self.cluster.names[host], filled_bytes=free - 2**20)
+            # The run directory is rank 0's (host 0's) to write, as on a shared file system.
+            fault.update(host=self.cluster.names[0], filled_bytes=free - 2**20)
         elif kind == "sigterm":
             self.process.send_signal(signal.SIGTERM)
             self.exit_codes.append(self.process.wait(timeout=STOP_WAIT_SECONDS))
