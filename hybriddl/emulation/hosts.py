@@ -51,11 +51,11 @@ MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
 RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)$", re.IGNORECASE)
 DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-# The CFS period of the quotas: 20 ms, not the kernel's 100 ms, because a host's threads
-# meet at barriers and each is throttled on its own clock: a training step of 2 threads
-# at D = 4 measured 4.9 x its D = 1 step at 100 ms, 4.5 x at 20 ms. Quotas below 1 ms
-# are refused, so tiny shares lengthen the period.
-PERIOD_US, LEAST_QUOTA_US, LONGEST_PERIOD_US = 20_000, 1_000, 1_000_000
+# The kernel's CFS period of 100 ms: a 2-thread training step measured 2.00 x (D = 2) and
+# 4.90 x (D = 4) its D = 1 step with it, 2.65 x and 4.80 x with 20 ms (the threads meet
+# at barriers and each is throttled on its own clock). Quotas below 1 ms are refused,
+# so tiny shares lengthen the period.
+PERIOD_US, LEAST_QUOTA_US, LONGEST_PERIOD_US = 100_000, 1_000, 1_000_000
 # How soon a new thread gets its own 1/D core; until then it shares its creator's.
 CONFINE_INTERVAL = 0.05
 
