@@ -85,7 +85,7 @@ def bench(tmp_path: Path, *args: str) -> dict:
 
 def test_two_emulated_hosts_train_what_one_sequential_process_trains(tmp_path):
     train = ["train", "--usecase", "SimpleBig", "--image-size", "64", "--max-steps", "3",
-             "--strategy", "sequential", "--dropout", "0"]
+             "--strategy", "sequential", "--dropout", "0", "--host-parallel", "data"]
     before = root_namespace()
     report = tmp_path / "report.json"
     done = emulate("--hosts", "2", "--report", str(report), "--", "hybriddl", *train,
