@@ -96,3 +96,19 @@ def write_tinted_classes(root: Path, per_class: int = 6, size: int = 32) -> Path
             pixels[..., label] += 100
             Image.fromarray(pixels).save(root / name / f"{i}.png")
     return root
+
+
+def write_saturated_classes(root: Path, seed: int = 1, per_class: int = 8) -> Path:
+    """fire/smoke/clear, `per_class` random 24 px images each with one channel saturated
+    (3 x 8 = 24 images: batches of 8, 8 and a short one after the validation split)."""
+    import torch
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    for label, name in enumerate(("fire", "smoke", "clear")):
+        (root / name).mkdir()
+        for i in range(per_class):
+            pixels = torch.randint(0, 256, (24, 24, 3), generator=generator, dtype=torch.uint8)
+            pixels[..., label] = 255
+            Image.fromarray(pixels.numpy()).save(root / name / f"{i}.png")
+    return root

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image
 
 from conftest import hybriddl_env
 from emulated import hosts_launcher
+from sample_data import write_saturated_classes
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hybrid.classifier import NotSplittable, plan, split_classifier
 from hybriddl.hybrid.parallel import DataParallel, HybridParallel, choose, traffic_bytes
@@ -36,15 +36,7 @@ TRAIN = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """3 classes x 8 images: batches of 8, 8 and a short last one."""
-    root = tmp_path_factory.mktemp("images")
-    generator = torch.Generator().manual_seed(2)
-    for label, name in enumerate(("fire", "smoke", "clear")):
-        (root / name).mkdir()
-        for i in range(8):
-            pixels = torch.randint(0, 256, (24, 24, 3), generator=generator, dtype=torch.uint8)
-            pixels[..., label] = 255
-            Image.fromarray(pixels.numpy()).save(root / name / f"{i}.png")
-    return root
+    return write_saturated_classes(tmp_path_factory.mktemp("images"), seed=2)
 
 
 def train(run_dir: Path, *args: str, images: Path) -> subprocess.CompletedProcess:

@@ -19,8 +19,6 @@ bytes each scheme sends over the link rate the hosts measured at start.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -217,15 +215,6 @@ def held_bytes(model: nn.Module) -> dict:
 
 
 # --------------------------------------------------------------------------- the choice
-
-@dataclass(frozen=True)
-class Prediction:
-    """One scheme's predicted step: compute (the profile's) + its bytes over the link."""
-
-    scheme: str
-    bytes_per_host: float
-    seconds: float | None
-
 
 def traffic_bytes(model: nn.Module, hosts: int, global_batch: int) -> dict[str, float]:
     """Bytes each host's link sends per step, in theory, for each scheme (ring collectives):

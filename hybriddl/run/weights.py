@@ -9,11 +9,7 @@ import torch
 from torch import nn
 
 from hybriddl.errors import UsageError
-
-try:  # the shared safe loader, where this checkout has it
-    from hybriddl.run.checkpoint import load_state_dict_file
-except ImportError:  # pragma: no cover - until hybriddl/run/checkpoint.py provides it
-    load_state_dict_file = None
+from hybriddl.run.checkpoint import load_state_dict_file
 
 
 def read_state_dict(path: str | Path, flag: str = "--weights") -> dict[str, torch.Tensor]:
@@ -24,20 +20,7 @@ def read_state_dict(path: str | Path, flag: str = "--weights") -> dict[str, torc
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{flag} {path}: no such file; give a state_dict such as a run's model.pt")
-    if load_state_dict_file is not None:
-        state = load_state_dict_file(path)
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch.load raises many types for foreign or damaged files
-            raise UsageError(f"{flag} {path}: cannot be loaded as PyTorch weights "
-                             f"({type(exc).__name__}); give a state_dict saved with "
-                             "torch.save, such as a run's model.pt") from None
-    if not isinstance(state, dict) or not state or not all(
-            isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()):
-        raise UsageError(f"{flag} {path}: not a state_dict (a mapping of names to tensors); "
-                         "give a model's state_dict such as a run's model.pt")
-    return state
+    return load_state_dict_file(path)  # no code in the file runs; one line if unusable
 
 
 def file_sha256(path: str | Path) -> str:
