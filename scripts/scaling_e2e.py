@@ -177,6 +177,7 @@ def main(argv=None) -> int:
         "usecase": args.usecase, "image_size": args.image_size,
         "cores_per_host": args.cores_per_host, "warmup": args.warmup, "steps": args.steps,
         "rounds": args.rounds,
+        "date": __import__("datetime").date.today().isoformat(),
         "cpu_model": info.get("cpu_model") or platform.processor(),
         "cores": len(os.sched_getaffinity(0)),
         "torch": __import__("torch").__version__,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,13 +84,6 @@ def measured_date(data: dict, commit: str) -> str:
     recorded = _field(data, "date", "created", "measured_at")
     if recorded:
         return str(recorded)
-    try:
-        day = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%cs", commit],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        day = ""
-    if day:
-        return f"not recorded in the JSON; the code measured is of {day}"
     return "not recorded in the JSON"
 
 

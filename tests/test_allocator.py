@@ -13,9 +13,10 @@ from conftest import REPO, hybriddl_env
 
 # In a child: the setting is for the life of a process, and this one must stay as it was.
 # A step's large temporaries, freed together at its end, far above glibc's largest mmap
-# threshold (32 MiB); after a few steps the heap holds what a step needs (steady state:
-# one step measured after 3 warm-up steps grew it by 48 MiB once in 8 runs, so 5 warm-up
-# steps, then 3 measured: 16 runs of 16 found no growth).
+# threshold (32 MiB); after a few steps the heap holds what a step needs. Steady state is
+# judged on the median of 5 measured steps: on CI one step in 3 once faulted one 40 MiB
+# block in again (glibc placing a block in a new spot), which a single window reads as
+# "no reuse", though the other steps faulted nothing.
 STEADY_STEP_FAULTS = """
 import resource, torch
 from hybriddl.hosts.allocator import keep_freed_memory
@@ -26,17 +27,19 @@ def step():
     (a[: 10 * 2**20] * b).sum()
 for _ in range(5):
     step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+faults, growth = [], []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF)
     step()
-usage = resource.getrusage(resource.RUSAGE_SELF)
-print(kept, usage.ru_minflt - before, usage.ru_maxrss - peak)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    faults.append(after.ru_minflt - before.ru_minflt)
+    growth.append(after.ru_maxrss - before.ru_maxrss)
+print(kept, sorted(faults)[2], sorted(growth)[2])
 """
 
 
 def steady_step(**env: str) -> tuple[str, int, int]:
-    """(kept?, page faults of steps 6-8, growth of the peak RSS in kB during them)."""
+    """(kept?, median page faults of steps 6-10, median growth of the peak RSS in kB)."""
     done = subprocess.run([sys.executable, "-c", STEADY_STEP_FAULTS], capture_output=True,
                           text=True, timeout=120, env=hybriddl_env(**env))
     assert done.returncode == 0, done.stderr
@@ -51,7 +54,7 @@ def test_a_steps_freed_memory_is_reused_without_page_faults_or_growth():
     assert kept == "True" and faults < 1000 and growth < 1024
     # The opt-out leaves glibc's defaults: the same step faults every page in again.
     kept, faults, growth = steady_step(HYBRIDDL_MALLOC="system")
-    assert kept == "False" and faults > 3 * 20000
+    assert kept == "False" and faults > 20000
 
 
 def test_bench_memory_reuse_measures_both_modes_in_alternating_rounds(tmp_path):

@@ -14,6 +14,7 @@ deadline (--host-timeout).
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import threading
@@ -577,7 +578,8 @@ def time_scale() -> float:
 
 
 def _row_elements(tensor: torch.Tensor) -> int:
-    return int(tensor[0].numel()) if tensor.dim() > 1 else 1
+    """Elements in one row; a host whose share is empty sends 0 rows of the same shape."""
+    return math.prod(tensor.shape[1:])
 
 
 def _launcher_cores() -> list[int]:
