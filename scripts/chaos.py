@@ -207,7 +207,11 @@ class ChaosRun:
             filler = self.disk / "filler"
             with open(filler, "wb") as handle:  # all but 1 MB: the next checkpoint fails
                 handle.write(b"\0" * max(0, free - 2**20))
-            wait_until(lambda: any(self.run_dir.glob("rank*-failure.json")), "storage failure")
+            # Noticed once a rank has recorded it, or once the attempt's ranks have ended
+            # (the launcher may have read and cleared the records already; on a starved
+            # 2-core CI runner the poll was seen to miss them).
+            wait_until(lambda: any(self.run_dir.glob("rank*-failure.json"))
+                       or not any(_alive(p) for p in ranks.values()), "storage failure")
             filler.unlink()
             # The run directory is rank 0's (host 0's) to write, as on a shared file system.
             fault.update(host=self.cluster.names[0], filled_bytes=free - 2**20)
@@ -235,6 +239,13 @@ class ChaosRun:
 
 
 STOP_WAIT_SECONDS = 180
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _resume(process: psutil.Process) -> None:
