@@ -109,6 +109,7 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
         "median_nic_bytes_per_step": statistics.median(nic) if nic else None,
         "host_parallel": metrics["config"].get("host_parallel"),
         "strategy": metrics["config"]["strategy"],
+        "memory": metrics.get("memory"),
         "wall_seconds": round(time.time() - started, 1),
         "command": shlex.join(["hybriddl", *command[3:]]),
     }
@@ -133,6 +134,14 @@ def theory(usecase: str, hosts: int, cores: int) -> dict:
     # A ring over H*K ranks placed host-contiguously crosses each host's NIC on one edge.
     flat = 2 * (ranks - 1) / ranks * whole if hosts > 1 else 0.0
     return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat}
+
+
+def _classifier_held(cell: dict) -> int | None:
+    """Host 0's classifier parameters plus their momentum, measured at the run's end."""
+    memory = cell.get("memory")
+    if not memory:
+        return None
+    return memory["parameters"]["classifier"] + memory["optimizer_state"]["classifier"]
 
 
 def summarise(cells: list[dict]) -> list[dict]:
@@ -164,6 +173,7 @@ def summarise(cells: list[dict]) -> list[dict]:
                 c["median_nic_bytes_per_step"] for c in group
                 if c["median_nic_bytes_per_step"] is not None) if hosts > 1 else 0,
             "picked": group[0]["host_parallel"]["scheme"] if group[0].get("host_parallel") else None,
+            "classifier_bytes_held": _classifier_held(group[0]),
         })
     return out
 

@@ -111,8 +111,8 @@ def scaling_e2e_table(data: dict) -> str:
                                                   list(CONTENDER_WORDS).index(r["contender"])
                                                   if r["contender"] in CONTENDER_WORDS else 9))
     lines = ["| link | hosts | contender | images/s | step s (median, spread) | efficiency "
-             "| MB per host NIC per step | MB in theory |",
-             "|---|---:|---|---:|---|---:|---:|---:|"]
+             "| MB per host NIC per step | MB in theory | classifier MB held |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         contender = CONTENDER_WORDS.get(r["contender"], r["contender"])
         if r["contender"] == "auto" and r.get("picked"):
@@ -123,7 +123,8 @@ def scaling_e2e_table(data: dict) -> str:
         lines.append(f"| {r['bandwidth']} | {r['hosts']} | {contender} | "
                      f"{r['images_per_second']:.1f} | {r['step_seconds_median']:.2f} "
                      f"({low:.2f}–{high:.2f}) | {_eff(r['efficiency'])} | "
-                     f"{_mb(r['nic_bytes_per_step'])} | {_mb(expected)} |")
+                     f"{_mb(r['nic_bytes_per_step'])} | {_mb(expected)} | "
+                     f"{_mb(r.get('classifier_bytes_held'))} |")
     return "\n".join(lines)
 
 
@@ -139,7 +140,9 @@ How to read it: each row is one `hybriddl emulate -- hybriddl train` run per rou
 scaling: each host keeps the use case's per-host batch, so the global batch grows with the
 hosts). *Efficiency* is images/s over (hosts × images/s of `data` on one host). *MB per
 host NIC* is the median over timed steps of what rank 0's host interface sent; *in theory*
-is the scheme's own count. Emulated hosts that do not fit this machine side by side run
+is the scheme's own count. *Classifier MB held* is what host 0 held at the end of the run:
+the classifier's parameters and their momentum, counted from the tensors (runs older than
+this column show –). Emulated hosts that do not fit this machine side by side run
 slowed down by D = H·C / cores (see [methodology](../methodology.md)): the figures are
 emulated time, compute assumed to scale with cores."""
 

@@ -203,6 +203,12 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
     # Rank 0 holds 1/H of the split layers (4096 x 9216 and 4096 x 4096, plus biases).
     split = 4096 * 9216 + 4096 + 4096 * 4096
     assert record["held_parameter_bytes"]["classifier"] < 4 * (split / hosts + 4096 * 4 + 4100)
+    # ... and, measured at the end, 1/H of their momentum too (a data run holds it all).
+    held = metrics["memory"]
+    assert held["parameters"] == {"classifier": record["held_parameter_bytes"]["classifier"],
+                                  "other": record["held_parameter_bytes"]["other"]}
+    assert held["optimizer_state"]["classifier"] == held["parameters"]["classifier"]
+    assert held["peak_rss_bytes"] > held["parameters"]["other"]
     # Checkpoint: the whole torchvision state_dict and momentum, not this host's slices.
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     fresh = build_model("alexnet", 3).state_dict()

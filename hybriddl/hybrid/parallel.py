@@ -207,11 +207,22 @@ def _slice(tensor: torch.Tensor, cut: tuple[int, int, int, int]) -> torch.Tensor
     return tensor.narrow(dim, start, stop - start).clone()
 
 
-def held_bytes(model: nn.Module) -> dict:
-    """Bytes of parameters this host holds: the convolutions' and the classifier's."""
-    classifier = sum(p.numel() * p.element_size() for p in model.classifier.parameters())
-    whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"classifier": classifier, "other": whole - classifier}
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Bytes this host holds: parameters, and with `optimizer` its state (SGD's momentum),
+    each as the classifier's and the rest's. Counted from the tensors themselves, so a
+    split classifier shows its 1/H."""
+    mine = {id(p) for p in model.classifier.parameters()}
+    held = {"classifier": sum(p.numel() * p.element_size() for p in model.classifier.parameters()),
+            "other": sum(p.numel() * p.element_size() for p in model.parameters()
+                         if id(p) not in mine)}
+    if optimizer is None:
+        return held
+    state = {"classifier": 0, "other": 0}
+    for parameter, entry in optimizer.state.items():
+        size = sum(v.numel() * v.element_size() for v in entry.values()
+                   if isinstance(v, torch.Tensor))
+        state["classifier" if id(parameter) in mine else "other"] += size
+    return {"parameters": held, "optimizer_state": state}
 
 
 # --------------------------------------------------------------------------- the choice

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import resource
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
-from hybriddl.hybrid.parallel import HybridParallel, choose, traffic_bytes
+from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
                              check_new_run_dir, default_run_dir, remove_partial_writes)
@@ -174,6 +175,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
                 break
         metrics["monitor"] = monitor.stop()
+        metrics["memory"] = memory_record(model, optimizer)
         keeper.wait_for_write()  # one large write at a time: the space check counts on it
         whole = scheme.model_state(model, hosts)  # collective where the classifier is split
         if hosts.rank == 0:
@@ -293,6 +295,14 @@ def check_host_parallel(config: TrainConfig, model, strategy: LocalStrategy) -> 
             HybridParallel.check(model, strategy)
         except NotSplittable:
             pass
+
+
+def memory_record(model, optimizer) -> dict:
+    """What this host (rank 0's, in metrics.json) held at the end: parameter and optimizer
+    state bytes, the classifier's and the rest's (a split classifier holds 1/H), and the
+    process's peak resident memory."""
+    return {**held_bytes(model, optimizer),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def host_parallel_record(prepared: PreparedRun, hosts, scheme) -> dict:
