@@ -1,0 +1,137 @@
+"""Time to accuracy of the main job on 1, 2 and 4 emulated hosts: the same model, so the
+same validation accuracy per epoch, reached in less emulated time with more hosts.
+
+Each host count is one `hybriddl emulate --hosts H --cores-per-host C --bandwidth R --
+hybriddl train --usecase ComplexSmall ...` run with the same global batch (the use case's),
+so every host count takes the same optimizer steps (`--host-parallel` hybrid and data are
+both exact): the accuracies must match to the reported digits, and only the time differs.
+Time is the trainer's own (metrics.json's epoch spans: the epoch's steps, without its
+evaluation, which every host runs whole) divided by the emulation's time scale D (emulated
+time), epoch by epoch; beside it, the whole command's emulated seconds (start-up and
+evaluations included) from the emulation's report.
+
+    python scripts/time_to_accuracy.py --hosts 1 2 4 --epochs 3 \\
+        --output results/time_to_accuracy-ComplexSmall-1gbit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from hybriddl.run.rundir import atomic_write_json  # noqa: E402
+
+# The main job's profiled pick at 224 px on a 2-core host (profiles/); pinned so that no
+# host count tunes a profile of its own first (that would be time outside the training).
+LOCAL = ["--strategy", "intraop", "--workers", "2", "--channels-last"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--usecase", default="ComplexSmall")
+    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cores-per-host", type=int, default=2)
+    parser.add_argument("--bandwidth", default="1gbit")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--host-parallel", default="auto", choices=["auto", "hybrid", "data"])
+    parser.add_argument("--output", required=True)
+    return parser.parse_args(argv)
+
+
+def run_hosts(args, hosts: int, scratch: Path) -> dict:
+    run_dir = scratch / f"h{hosts}"
+    report = scratch / f"h{hosts}.report.json"
+    train = ["train", "--usecase", args.usecase, "--epochs", str(args.epochs),
+             "--monitor-interval", "0", "--run-dir", str(run_dir), *LOCAL, "--overlap",
+             "--host-parallel", args.host_parallel]
+    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
+               "--cores-per-host", str(args.cores_per_host), "--bandwidth", args.bandwidth,
+               "--report", str(report), "--", "hybriddl", *train]
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return {"hosts": hosts, "failed": done.returncode, "output_tail": lines[-8:]}
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    emulation = json.loads(report.read_text())
+    scale = emulation.get("time_scale", 1.0)
+    epochs, elapsed = [], 0.0
+    for epoch in metrics["epochs"]:
+        # The epoch's span (its steps), in emulated seconds.
+        span = epoch["ended_at"] - epoch["started_at"]
+        elapsed += span / scale
+        epochs.append({"epoch": epoch["epoch"], "val_accuracy": epoch["val_accuracy"],
+                       "train_loss": epoch["train_loss"],
+                       "emulated_seconds": round(span / scale, 2),
+                       "emulated_seconds_total": round(elapsed, 2)})
+    return {"hosts": hosts, "time_scale": scale,
+            "host_parallel": metrics["config"]["host_parallel"]["scheme"],
+            "global_batch": metrics["config"]["global_batch"],
+            "strategy": metrics["config"]["strategy"], "epochs": epochs,
+            "command_emulated_seconds": emulation.get("emulated_seconds"),
+            "wall_seconds": round(time.time() - started, 1),
+            "command": shlex.join(["hybriddl", *command[3:]])}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = host_info()
+    result = {
+        "what": __doc__.splitlines()[0], "usecase": args.usecase,
+        "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
+        "date": datetime.date.today().isoformat(),
+        "cpu_model": info.get("cpu_model") or platform.processor(),
+        "cores": len(os.sched_getaffinity(0)), "torch": __import__("torch").__version__,
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=REPO).stdout.strip(),
+        "command": shlex.join(["python", "scripts/time_to_accuracy.py",
+                               *(argv or sys.argv[1:])]),
+        "runs": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
+        for hosts in args.hosts:
+            run = run_hosts(args, hosts, Path(scratch))
+            result["runs"].append(run)
+            print(json.dumps({k: run.get(k) for k in ("hosts", "host_parallel", "failed",
+                                                      "wall_seconds")}), flush=True)
+            result["summary"] = summarise(result["runs"])
+            atomic_write_json(Path(args.output), result)
+    return 0
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per host count: each epoch's accuracy and emulated time, and the speed-up of the
+    whole training against one host."""
+    done = [r for r in runs if "failed" not in r]
+    one = next((r for r in done if r["hosts"] == 1), None)
+    rows = []
+    for run in done:
+        total = run["epochs"][-1]["emulated_seconds_total"]
+        rows.append({
+            "hosts": run["hosts"], "host_parallel": run["host_parallel"],
+            "val_accuracy": [e["val_accuracy"] for e in run["epochs"]],
+            "emulated_seconds_total": total,
+            "speedup": (one["epochs"][-1]["emulated_seconds_total"] / total) if one else None,
+            "same_accuracy_as_one_host": ([e["val_accuracy"] for e in run["epochs"]] ==
+                                          [e["val_accuracy"] for e in one["epochs"]])
+            if one else None,
+        })
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
