@@ -118,6 +118,25 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     return record
 
 
+def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int) -> str | None:
+    """Why a cell would not fit this machine's memory, from the peak RSS its contender's
+    rank 0 measured at fewer hosts (each rank's share of work is the same in weak
+    scaling); None when it fits or nothing was measured yet."""
+    import psutil
+
+    measured = [c for c in cells if c["contender"] == contender and c.get("memory")]
+    if not measured:
+        return None
+    peak = max(c["memory"]["peak_rss_bytes"] for c in measured)
+    ranks = hosts * (cores if contender == "flat" else 1)
+    total = psutil.virtual_memory().total
+    if ranks * peak <= 0.85 * total:
+        return None
+    return (f"not run: {ranks} ranks x {peak / 2**30:.1f} GiB (rank 0's peak RSS measured "
+            f"at {measured[-1]['hosts']} hosts) exceed 85 % of this machine's "
+            f"{total / 2**30:.0f} GiB")
+
+
 def theory(usecase: str, hosts: int, cores: int) -> dict:
     """Bytes per host NIC per step, in theory, for each contender."""
     import torch
@@ -149,7 +168,7 @@ def summarise(cells: list[dict]) -> list[dict]:
     same contender's... and against one host of `data` (the same model on one host)."""
     rows = {}
     for cell in cells:
-        if "failed" in cell:
+        if "failed" in cell or "skipped" in cell:
             continue
         key = (cell["bandwidth"], cell["contender"], cell["hosts"])
         rows.setdefault(key, []).append(cell)
@@ -205,13 +224,17 @@ def main(argv=None) -> int:
                     for contender in args.contenders:
                         if hosts == 1 and contender in ("flat", "auto", "hybrid"):
                             continue  # one host: data is the reference; nothing crosses a link
-                        cell = run_cell(args, contender, hosts, bandwidth, Path(scratch))
+                        too_big = memory_refusal(result["cells"], contender, hosts,
+                                                 args.cores_per_host)
+                        cell = {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
+                                "skipped": too_big} if too_big else \
+                            run_cell(args, contender, hosts, bandwidth, Path(scratch))
                         cell["round"] = round_
                         result["cells"].append(cell)
                         print(json.dumps({k: cell.get(k) for k in (
                             "contender", "hosts", "bandwidth", "images_per_second",
                             "median_nic_bytes_per_step", "time_scale", "failed",
-                            "wall_seconds")}), flush=True)
+                            "skipped", "wall_seconds")}), flush=True)
                         result["summary"] = summarise(result["cells"])
                         atomic_write_json(output, result)
     return 0

@@ -125,6 +125,12 @@ def scaling_e2e_table(data: dict) -> str:
                      f"({low:.2f}–{high:.2f}) | {_eff(r['efficiency'])} | "
                      f"{_mb(r['nic_bytes_per_step'])} | {_mb(expected)} | "
                      f"{_mb(r.get('classifier_bytes_held'))} |")
+    for cell in data["cells"]:
+        if "skipped" in cell or "failed" in cell:
+            why = cell.get("skipped") or ("failed (exit %s): %s" % (
+                cell["failed"], " / ".join(cell.get("output_tail", [])[-2:])))
+            lines.append(f"\n{cell['bandwidth']}, {cell['hosts']} hosts, "
+                         f"{CONTENDER_WORDS.get(cell['contender'], cell['contender'])}: {why}")
     return "\n".join(lines)
 
 
