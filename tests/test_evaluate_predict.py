@@ -185,3 +185,23 @@ def test_other_bad_input_is_one_line(cli_here, run_dir, photos, tmp_path, case):
         "bad_batch": ["evaluate", str(run_dir), "--data", str(photos), "--batch-size", "0"],
     }[case]
     one_line_refusal(cli_here(*command))
+
+
+def test_a_16_bit_image_reads_in_use_as_in_training(tmp_path):
+    """PIL's convert("RGB") clips 16-bit samples at 255 (a white image); predict and
+    evaluate read a file through the cache's own decoding, which scales them."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from hybriddl.data.images import open_rgb, square_scaler
+    from hybriddl.inference.images import ImageReader
+
+    ramp = np.tile(np.linspace(0, 65535, 40, dtype=np.uint16), (40, 1))
+    path = tmp_path / "scan.png"
+    Image.fromarray(ramp).save(path)
+    assert Image.open(path).mode.startswith("I")
+    seen = ImageReader(32).read(path)
+    trained_on = square_scaler(32)(open_rgb(path)[0])
+    assert torch.equal(seen, trained_on)
+    assert 100 < float(seen.float().mean()) < 155  # a ramp from black to white, not white

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torchvision
 from PIL import Image
+from torchvision.transforms import v2
 from torchvision.datasets.folder import has_file_allowed_extension
 
 from hybriddl.errors import UsageError
@@ -76,6 +77,14 @@ def open_rgb(path: str | Path) -> tuple[Image.Image, str | None]:
         raise UnusableImage(f"damaged image data ({type(exc).__name__}: {_first_line(exc)})") \
             from None
     return rgb, None if mode == "RGB" else mode
+
+
+def square_scaler(image_size: int) -> v2.Compose:
+    """An RGB image to a 3 x S x S uint8 tensor: shorter side scaled to S, centre-cropped.
+    How the cache stores an image folder's images, and how `evaluate`/`predict` read a
+    file: a model sees a file the same way in training and in use."""
+    return v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True),
+                       v2.CenterCrop(image_size)])
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from torchvision.transforms import v2
 
 from hybriddl.data import SYNTHETIC_CLASSES, render_synthetic
-from hybriddl.data.images import CheckedImageFolder, UnusableImage, open_rgb
+from hybriddl.data.images import CheckedImageFolder, UnusableImage, open_rgb, square_scaler
 from hybriddl.errors import UsageError
 
 SYNTHETIC_SIZE = 64  # native pixels of the generated images, as the embedded set
@@ -121,8 +120,7 @@ class ImageFolderSource(Source):
         self.name = f"imagefolder:{root}"
         self.stored_size = image_size
         self.classes = list(self.folder.classes)
-        self._scale = v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True),
-                                  v2.CenterCrop(image_size)])
+        self._scale = square_scaler(image_size)
 
     def key(self) -> str:
         return str(self.root)

@@ -7,28 +7,25 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
-from torchvision.transforms import v2
 
+from hybriddl.data.images import UnusableImage, open_rgb, square_scaler
 from hybriddl.errors import UsageError
 
 
 class ImageReader:
-    """Decodes a file to a 3 x S x S uint8 tensor: RGB, shorter side scaled to S,
-    centre-cropped, as the data cache stores an ImageFolder's images for training."""
+    """Decodes a file to a 3 x S x S uint8 tensor exactly as the data cache decodes an
+    ImageFolder's images for training (data/images.py: modes converted, 16-bit scaled,
+    decompression bombs refused; shorter side scaled to S, centre-cropped)."""
 
     def __init__(self, image_size: int):
-        self._scale = v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True),
-                                  v2.CenterCrop(image_size)])
+        self._scale = square_scaler(image_size)
 
     def read(self, path: Path) -> torch.Tensor:
         try:
-            with Image.open(path) as image:
-                rgb = image.convert("RGB")
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise UsageError(f"{path} is not an image PIL can read ({type(exc).__name__}): "
-                             "remove it or give image files only") from None
+            rgb, _ = open_rgb(path)
+        except UnusableImage as exc:
+            raise UsageError(f"{path}: {exc}; remove it or give image files only") from None
         return self._scale(rgb)
 
     def read_batch(self, paths: list[Path]) -> torch.Tensor:
