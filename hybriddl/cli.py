@@ -254,6 +254,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from hybriddl.data.loading import image_notes
     from hybriddl.tuning import profiles, tuner
 
     settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
@@ -265,6 +266,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     loading = TrainDisplay()
     try:
         images = tuner.tune_images(settings, args.data, args.data_cache, loading.on_data_progress)
+        for line in image_notes(images):
+            loading.warn(line)
     finally:
         loading.stop()
     display = TuneDisplay()

@@ -241,3 +241,14 @@ def test_train_shows_the_summary_and_strict_data_exits_2_in_one_line(cli, cli_he
     assert f"1 of 10 files of imagefolder:{photos_with_junk} skipped" in done.stderr
     assert f"see {listed}" in done.stderr
     assert "1 image of" in done.stderr and "converted to RGB (1 CMYK)" in done.stderr
+
+
+def test_tune_shows_the_same_summary(cli, tmp_path, photos_with_junk):
+    """`hybriddl tune --data` measures on the same cache, and says what it left out."""
+    done = cli("tune", "--usecase", "ComplexSmall", "--model", "squeezenet1_1", "--image-size",
+               "32", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--second-look", "0",
+               "--data", str(photos_with_junk), "--data-cache", str(tmp_path / "cache"),
+               "--output", str(tmp_path / "profile.json"))
+    assert done.returncode == 0, done.stderr
+    assert f"1 of 10 files of imagefolder:{photos_with_junk} skipped" in done.stderr
+    assert "converted to RGB (1 CMYK)" in done.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from hybriddl.data import DataSplit, Progress, stratified_split, synthetic_split
+from hybriddl.data import DataSplit, ImageSet, Progress, stratified_split, synthetic_split
 from hybriddl.data.cache import CacheFile, StreamedImageSet, open_cache
 from hybriddl.data.sources import Cifar10Source, source_for
 from hybriddl.errors import UsageError
@@ -118,8 +118,15 @@ def _cifar10_split(source: Cifar10Source, cache: CacheFile, every: StreamedImage
 def data_notes(split: DataSplit) -> list[str]:
     """What the user should know about the data: files skipped (naming their list), images
     converted to RGB. Empty for the embedded set."""
-    cache = _cache_of(split)
-    return [line for line in (cache.summary(), cache.converted()) if line] if cache else []
+    return image_notes(split.train)
+
+
+def image_notes(images: ImageSet) -> list[str]:
+    """`data_notes` for a set of images alone (what `hybriddl tune` measures on)."""
+    cache = getattr(images.images, "cache", None)
+    if not isinstance(cache, CacheFile):
+        return []
+    return [line for line in (cache.summary(), cache.converted()) if line]
 
 
 def data_repairs(split: DataSplit) -> list[str]:
