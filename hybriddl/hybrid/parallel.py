@@ -209,10 +209,13 @@ def _slice(tensor: torch.Tensor, cut: tuple[int, int, int, int]) -> torch.Tensor
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Bytes this host holds: parameters, and with `optimizer` its state (SGD's momentum),
-    each as the classifier's and the rest's. Counted from the tensors themselves, so a
+    each as the classifier's (the head: `classifier`, or `fc` for a resnet; none for a
+    model with neither) and the rest's. Counted from the tensors themselves, so a
     split classifier shows its 1/H."""
-    mine = {id(p) for p in model.classifier.parameters()}
-    held = {"classifier": sum(p.numel() * p.element_size() for p in model.classifier.parameters()),
+    head = getattr(model, "classifier", None) or getattr(model, "fc", None)  # resnet: fc
+    head_parameters = list(head.parameters()) if isinstance(head, nn.Module) else []
+    mine = {id(p) for p in head_parameters}
+    held = {"classifier": sum(p.numel() * p.element_size() for p in head_parameters),
             "other": sum(p.numel() * p.element_size() for p in model.parameters()
                          if id(p) not in mine)}
     if optimizer is None:
