@@ -23,6 +23,11 @@ $PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 4 --bandwidth 1gbit \
     --contenders hybrid data flat auto --warmup 2 --steps 3 \
     --output $out/scaling_e2e-SimpleBig-1gbit-h4.json
 
+step "weak scaling end to end, AlexNet, 10 Gbit/s: 1 and 2 hosts"
+$PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 --bandwidth 10gbit \
+    --contenders hybrid data flat auto --warmup 2 --steps 3 \
+    --output $out/scaling_e2e-SimpleBig-10gbit.json
+
 step "weak scaling end to end, VGG16, 1 Gbit/s: 1, 2 and 4 hosts"
 $PY scripts/scaling_e2e.py --usecase ComplexSmall --hosts 1 2 4 --bandwidth 1gbit \
     --contenders hybrid data flat auto --warmup 2 --steps 3 \
