@@ -113,7 +113,9 @@ class Monitor:
         self._stop.set()
         self._thread.join()  # before the last sample: the two must never write at once
         try:
-            if time.perf_counter() - self._last >= self.interval / 10:
+            # A tail too short to sample is dropped, unless it is the whole run: a run
+            # shorter than a tenth of an interval still reports its totals.
+            if time.perf_counter() - self._last >= self.interval / 10 or not self._peaks.samples:
                 self._sample_safely()
         finally:
             for handle in self._files:
