@@ -180,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.data.loading import data_notes, data_repairs
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
-    from hybriddl.run.failure_record import StepsSeen, record_failure
+    from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
     from hybriddl.run.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
@@ -210,6 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
         display.stop()
+        record_stop(args.run_dir or args.resume, hosts.rank, steps)
         hosts.close()
         raise
     except (Exception, KeyboardInterrupt) as exc:

@@ -4,9 +4,12 @@
         --rounds 3 --output bench-vgg16.json
 
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
-threads K, processes K, layerwise K, plain PyTorch with its default threads, and PyTorch
-DDP over gloo with K processes; then plain PyTorch again with freed memory kept (variant
-fp32-kept, as in every hybriddl row: hosts/allocator.py), which is not a peer.
+threads K, processes K, layerwise K, and the peers: PyTorch DDP over gloo with K
+processes, and plain PyTorch (its default threads) as it comes and tuned: glibc told to
+keep freed memory (fp32-kept, as every hybriddl row does: hosts/allocator.py) or
+tcmalloc preloaded (fp32-tcmalloc, Debian's libtcmalloc-minimal4), each also with
+channels_last (-cl), and with --compile-peer torch.compile too (fp32-kept-compile, its
+compile inside the warm-up). "Tuned PyTorch" is the fastest of these plain rows.
 `--variants` adds the hybriddl rows again in other numerics (channels_last, bf16
 autocast, gradient accumulation in 2 or 4 chunks: -acc2, -acc4); a bf16 variant also
 adds plain PyTorch with autocast, the bf16 peer. Each row
@@ -18,15 +21,18 @@ This machine's steps vary by 15-20 %, and slowly (other tenants), so rows are
 interleaved: R rounds of every row in turn (A B C A B C ...). A row's seconds/step is
 the median of its rounds' medians (each over the timed steps after the warm-up); its
 spread is the lowest and highest round median. speedup = t_sequential / t_row (the
-paper's definition); vs_faster_peer = t_peer / t_row against the faster of plain
-PyTorch and DDP in float32, each ratio taken within a round, median over the rounds;
-hwm_vs_faster_peer = the row's peak HWM / that of the peer faster over the rounds.
+paper's definition); vs_faster_peer = t_peer / t_row against the fastest float32 peer
+(any plain PyTorch row, tuned or not, or DDP), each ratio taken within a round, median
+over the rounds; hwm_vs_faster_peer = the row's peak HWM / that of the peer fastest over
+the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import multiprocessing
+import os
 import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -54,6 +60,15 @@ VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=
             # Gradient accumulation: the same step in 2 or 4 chunks (less activation memory).
             "fp32-cl-acc2": StrategyOptions(channels_last=True, accumulate=2),
             "fp32-cl-acc4": StrategyOptions(channels_last=True, accumulate=4)}
+TCMALLOC = "tcmalloc_minimal"
+# Plain PyTorch rows that are float32 peers: variant -> (keep freed memory, preload
+# tcmalloc, channels_last, torch.compile).
+PEER_VARIANTS = {"fp32": (False, False, False, False),
+                 "fp32-kept": (True, False, False, False),
+                 "fp32-kept-cl": (True, False, True, False),
+                 "fp32-tcmalloc": (False, True, False, False),
+                 "fp32-tcmalloc-cl": (False, True, True, False),
+                 "fp32-kept-compile": (True, False, False, True)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,8 +93,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{', '.join(VARIANTS)} (default: fp32); sequential is always fp32")
     parser.add_argument("--strategies", default=",".join(STRATEGY_ROWS[1:]),
                         help="hybriddl rows besides sequential (default: all)")
+    parser.add_argument("--compile-peer", action="store_true",
+                        help="add plain PyTorch with torch.compile to the peers (its compile "
+                             "runs in the warm-up; slower than eager where measured here)")
     parser.add_argument("--output", help="write the table as JSON here")
     return parser.parse_args(argv)
+
+
+def tcmalloc_path() -> str | None:
+    """Where tcmalloc is, for LD_PRELOAD (None when it is not installed)."""
+    found = ctypes.util.find_library(TCMALLOC)
+    if found is None:
+        return None
+    for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                   "/usr/lib"):
+        if Path(folder, found).exists():
+            return str(Path(folder, found))
+    return found
 
 
 def batch(model: str, batch_size: int, image_size: int, num_classes: int):
@@ -91,9 +121,20 @@ def batch(model: str, batch_size: int, image_size: int, num_classes: int):
     return sample_batch(ImageSet(images, labels, list(SYNTHETIC_CLASSES)), batch_size, image_size)
 
 
-def in_fresh_process(function, *args, **kwargs) -> StepTiming:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args, **kwargs).result()
+def in_fresh_process(function, *args, env: dict | None = None, **kwargs) -> StepTiming:
+    """Run `function` in a spawned process; `env` is added to its environment (the
+    process is exec'd with it, so LD_PRELOAD takes effect)."""
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(function, *args, **kwargs).result()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -105,9 +146,16 @@ class Row:
     function: object
     args: tuple
     kwargs: tuple = ()
+    env: tuple = ()
+
+    @property
+    def peer(self) -> bool:
+        """A float32 peer: plain PyTorch (as it comes or tuned) or DDP."""
+        return (self.name == "pytorch" and self.variant in PEER_VARIANTS) or self.name == "ddp"
 
     def measure(self, common: dict) -> StepTiming:
-        return in_fresh_process(self.function, *self.args, **common, **dict(self.kwargs))
+        return in_fresh_process(self.function, *self.args, env=dict(self.env), **common,
+                                **dict(self.kwargs))
 
 
 def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
@@ -136,13 +184,18 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
             rows.append(Row(name, variant, measure_strategy,
                             (name, options, model_name, num_classes, x, y)))
     default_threads = torch.get_num_threads()  # PyTorch's own choice, before anyone pins it
-    rows.append(Row("pytorch", "fp32", measure_pytorch,
-                    (default_threads, model_name, num_classes, x, y)))
-    rows.append(Row("ddp", "fp32", measure_ddp, (args.workers, model_name, num_classes, x, y)))
-    # Not a peer (the ratios ignore it): plain PyTorch with glibc keeping freed memory, as
-    # every hybriddl row does, so the table shows what that setting alone is worth.
-    rows.append(Row("pytorch", "fp32-kept", measure_pytorch,
-                    (default_threads, model_name, num_classes, x, y), (("keep_memory", True),)))
+    tcmalloc = tcmalloc_path()
+    for variant, (kept, preload, channels_last, compiled) in PEER_VARIANTS.items():
+        if (preload and tcmalloc is None) or (compiled and not args.compile_peer):
+            continue  # said in the result's notes
+        kwargs = (("keep_memory", kept), ("compile", compiled),
+                  ("numerics", StrategyOptions(channels_last=channels_last)))
+        rows.append(Row("pytorch", variant, measure_pytorch,
+                        (default_threads, model_name, num_classes, x, y), kwargs,
+                        (("LD_PRELOAD", tcmalloc),) if preload else ()))
+        if variant == "fp32":
+            rows.append(Row("ddp", "fp32", measure_ddp,
+                            (args.workers, model_name, num_classes, x, y)))
     for variant in variants:
         if VARIANTS[variant].precision == "bf16":
             rows.append(Row("pytorch", variant, measure_pytorch,
@@ -173,10 +226,20 @@ def run(args, on_measured=lambda round_, row, timing: None) -> dict:
             timing = row.measure(common)
             rounds[-1].append(timing)
             on_measured(round_, row, timing)
+    notes = []
+    if tcmalloc_path() is None:
+        notes.append("the tcmalloc peers were left out: tcmalloc is not installed (Debian: "
+                     "apt-get install libtcmalloc-minimal4)")
+    summary = summarise(rows, rounds)
+    plain = [r for r in summary if r["name"] == "pytorch" and r["variant"] in PEER_VARIANTS]
+    peers = plain + [r for r in summary if r["name"] == "ddp"]
     return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "workers": args.workers, "warmup": args.warmup,
             "steps": args.steps, "rounds": args.rounds, "host": host_info(),
-            "rows": summarise(rows, rounds)}
+            "tuned_pytorch": min(plain, key=lambda r: r["seconds_per_step"])["variant"],
+            "fastest_peer": "{name} {variant}".format(
+                **min(peers, key=lambda r: r["seconds_per_step"])),
+            "notes": notes, "rows": summary}
 
 
 def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
@@ -184,7 +247,8 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
     def index(name, variant="fp32"):
         return next(i for i, row in enumerate(rows) if (row.name, row.variant) == (name, variant))
 
-    sequential, pytorch, ddp = index("sequential"), index("pytorch"), index("ddp")
+    sequential = index("sequential")
+    peers = [i for i, row in enumerate(rows) if row.peer]
     summary = []
     for i, row in enumerate(rows):
         timings = [timings[i] for timings in rounds]
@@ -192,10 +256,10 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
         median = statistics.median(seconds)
         # Within a round the rows ran minutes apart at most: the VM's slow drifts cancel.
         speedups = [r[sequential].seconds_per_step / r[i].seconds_per_step for r in rounds]
-        vs_peer = [min(r[pytorch].seconds_per_step, r[ddp].seconds_per_step)
+        vs_peer = [min(r[p].seconds_per_step for p in peers)
                    / r[i].seconds_per_step for r in rounds]
-        # Memory against the peer that is faster over the rounds (its largest peak).
-        peer = min((pytorch, ddp), key=lambda p: statistics.median(
+        # Memory against the peer that is fastest over the rounds (its largest peak).
+        peer = min(peers, key=lambda p: statistics.median(
             r[p].seconds_per_step for r in rounds))
         peer_hwm = max(r[peer].peak_hwm_bytes for r in rounds)
         last = timings[-1]
@@ -256,6 +320,10 @@ def main(argv=None) -> int:
         Console(stderr=True).print(f"bench_local: error: {exc}", markup=False, soft_wrap=True)
         return 2
     console.print(table(result))
+    console.print(f"tuned PyTorch: pytorch {result['tuned_pytorch']}; fastest peer: "
+                  f"{result['fastest_peer']}", highlight=False)
+    for note in result["notes"]:
+        console.print(f"note: {note}", highlight=False)
     if args.output:
         atomic_write_json(Path(args.output), result)
         console.print(f"saved {args.output}")

@@ -40,7 +40,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces  # noqa: E402
+from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces, freezer_hierarchy  # noqa: E402
 from hybriddl.launch.emulated import launch_on  # noqa: E402
 from hybriddl.launch.launcher import EVENTS  # noqa: E402
 from hybriddl.run.rundir import CHECKPOINT, MODEL  # noqa: E402
@@ -281,9 +281,9 @@ def leftovers(before_shm: set[str], owner_pid: int, scratch: Path) -> list[str]:
                 and process.pid != os.getpid():
             left.append(f"process {process.pid}: {cmdline[:120]}")
     left += [f"namespace {n}" for n in _namespaces() if n.startswith(f"{PREFIX}{owner_pid}-")]
-    for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/cpu"):
-        if os.path.isdir(root):
-            left += [f"cgroup {p}" for p in Path(root).glob(f"{PREFIX}{owner_pid}-*")]
+    hierarchy = freezer_hierarchy()
+    if hierarchy:
+        left += [f"cgroup {p}" for p in hierarchy[0].glob(f"{PREFIX}{owner_pid}-*")]
     mounts = Path("/proc/mounts").read_text()
     left += [f"mount {line.split()[1]}" for line in mounts.splitlines()
              if str(scratch) in line]

@@ -17,10 +17,15 @@ check compares the same emulated hosts at D = 1 and at D > 1:
     the round trip should be 2 x latency x D.
 (c) NIC bytes: two hosts of 1 core train --nic-steps steps at each D: each host's NIC
     bytes (the emulate report) should not depend on D.
+(d) side by side: H hosts of --cores cores that fill the machine (D = H, for each H in
+    --side-hosts) each train as in (a), on their own (one single-process run per host,
+    no MPI between them): every host's step should be D x the step of one such host at
+    D = 1, within 15 %. This is the case of every multi-host cell in the scaling tables:
+    the hosts take turns on the cores, and a host's threads must run together.
 
 Each check runs its D values interleaved, --rounds times; figures are medians over the
-rounds with their spread [lowest, highest]. Needs root (emulated hosts) and the cgroup
-cpu controller.
+rounds with their spread [lowest, highest]. Needs root (emulated hosts) and cgroups that
+can be frozen (v2, or v1's freezer).
 """
 
 from __future__ import annotations
@@ -63,9 +68,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "netem; default: none, no round trips measured)")
     parser.add_argument("--mib", type=float, default=16, help="(b) MiB streamed (default: 16)")
     parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
+    parser.add_argument("--side-hosts", type=int, nargs="+", default=[2],
+                        help="(d) host counts H (D = H) (default: 2)")
+    parser.add_argument("--checks", nargs="+", choices="abcd", default=list("abcd"),
+                        help="which checks to run (default: a b c d)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--link-worker", help=argparse.SUPPRESS)  # OUTPUT_FOLDER,BYTES
+    parser.add_argument("--alone-worker", help=argparse.SUPPRESS)  # RUN_DIR_PREFIX
+    parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------- (d)'s ranks
+def alone_worker(prefix: str, command: list[str]) -> int:
+    """Run `command` (hybriddl train) on this rank's host as a process of its own, outside
+    the MPI job that started it (a singleton: no MPI between the hosts), into its own run
+    dir, PREFIX<rank>."""
+    rank = os.environ["OMPI_COMM_WORLD_RANK"]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    return subprocess.run([*command, "--run-dir", f"{prefix}{rank}"], env=env).returncode
 
 
 # ---------------------------------------------------------------- (b)'s ranks
@@ -234,8 +256,47 @@ def nic_check(args, scratch: Path) -> dict:
                                        for a, b in zip(medians[scaled], medians[1.0]))}
 
 
+def side_by_side_check(args, scratch: Path) -> dict:
+    counts = [1, *args.side_hosts]
+    steps: dict[int, list[list[float]]] = {h: [] for h in counts}
+    for _ in range(args.rounds):
+        for hosts in counts:
+            prefix = Path(tempfile.mkdtemp(prefix=f"alone-{hosts}-", dir=scratch)) / "run"
+            report = emulate(
+                ["--hosts", str(hosts), "--cores-per-host", str(args.cores),
+                 "--time-scale", str(hosts)],
+                [sys.executable, str(Path(__file__).resolve()), "--output", "-",
+                 "--alone-worker", str(prefix), "--", "hybriddl", "train", "--usecase",
+                 args.usecase, "--image-size", str(args.image_size), "--max-steps",
+                 str(args.steps), "--strategy", "sequential", "--dropout", "0"], scratch)
+            assert report["time_scale"] == hosts
+            for host in range(hosts):
+                metrics = json.loads(Path(f"{prefix}{host}", "metrics.json").read_text())
+                steps[hosts].append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
+            print(f"(d) H=D={hosts}: steps {steps[hosts][-hosts:]}", flush=True)
+    base = statistics.median(s for r in steps[1] for s in r)
+    rows = []
+    for hosts in counts:
+        every = [s for r in steps[hosts] for s in r]
+        median = statistics.median(every)
+        rows.append({"hosts": hosts, "time_scale": float(hosts),
+                     "step_seconds_median": median,
+                     "step_seconds_spread": [min(every), max(every)],
+                     "step_seconds_by_host_and_round": steps[hosts],
+                     "ratio_to_d1": median / base, "error": median / base / hosts - 1,
+                     "within_15_percent": abs(median / base / hosts - 1) <= 0.15})
+    return {"what": f"H hosts of {args.cores} cores at D = H, each training on its own "
+                    f"(hybriddl train {args.usecase} {args.image_size}px sequential, "
+                    f"{args.steps} steps, first {args.warmup} left out): each host's wall "
+                    f"step vs D x one host's at D = 1",
+            "rows": rows}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.alone_worker:
+        return alone_worker(args.alone_worker, args.command[1:] if args.command[:1] == ["--"]
+                            else args.command)
     if args.link_worker:
         folder, size = args.link_worker.split(",")
         link_worker(Path(folder), int(size))
@@ -260,21 +321,27 @@ def main(argv=None) -> int:
     }
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hybriddl-fidelity-") as scratch:
-        result["compute"] = compute_check(args, Path(scratch))
-        result["link"] = link_check(args, Path(scratch))
-        result["nic_bytes"] = nic_check(args, Path(scratch))
+        checks = {"a": ("compute", compute_check), "b": ("link", link_check),
+                  "c": ("nic_bytes", nic_check), "d": ("side_by_side", side_by_side_check)}
+        for letter in args.checks:
+            key, check = checks[letter]
+            result[key] = check(args, Path(scratch))
     result["seconds"] = round(time.monotonic() - started, 1)
     atomic_write_json(Path(args.output), result)
-    for row in result["compute"]["rows"]:
+    for row in result.get("compute", {}).get("rows", []):
         print(f"(a) D={row['time_scale']:g}: step {row['step_seconds_median']:.3f} s, "
               f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
-    for row in result["link"]["rows"]:
+    for row in result.get("link", {}).get("rows", []):
         print(f"(b) D={row['time_scale']:g}: wire {row['wire_bits_per_second_median'] / 1e6:.1f}"
               f" Mbit/s ({row['wire_error']:+.1%} from rate/D), round trip "
               f"{row['round_trip_seconds_median'] * 1e3:.2f} ms (expected "
               f"{row['expected_round_trip_seconds'] * 1e3:.2f})")
-    print(f"(c) NIC bytes differ by {result['nic_bytes']['relative_difference']:.2%} "
-          f"between D=1 and D={max(args.scales):g}")
+    if "nic_bytes" in result:
+        print(f"(c) NIC bytes differ by {result['nic_bytes']['relative_difference']:.2%} "
+              f"between D=1 and D={max(args.scales):g}")
+    for row in result.get("side_by_side", {}).get("rows", []):
+        print(f"(d) H=D={row['hosts']}: step {row['step_seconds_median']:.3f} s, "
+              f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
     return 0
 
 

@@ -2,8 +2,8 @@
 
 Each cell is one `hybriddl emulate --hosts H --cores-per-host C --bandwidth R -- hybriddl
 train ...` run: H emulated hosts of C cores (time slowed down by D = H*C / this machine's
-cores when they do not fit side by side: a CPU quota of C/D cores per host, links at R/D),
-each with the use case's per-host batch (AlexNet 32, VGG16 16), so the global batch is H
+cores when they do not fit side by side: the hosts take turns on the cores, so each gets
+C/D cores of CPU time, and links run at R/D), each with the use case's per-host batch (AlexNet 32, VGG16 16), so the global batch is H
 times it. Nothing is composed from parts: a step's time is the trainer's own (metrics.json
 per_step seconds, wall time), divided by D for emulated time; a host's bytes on the network
 are what its own interface sent during each step (per_step nic_bytes_sent), with each

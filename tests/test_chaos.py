@@ -40,6 +40,10 @@ def test_a_full_disk_and_a_stopped_launcher_still_end_as_uninterrupted(tmp_path)
     # or another rank's check for room (UsageError: free some space).
     assert causes["disk"] in ("storage", "UsageError"), log
     assert causes["sigterm"] == "stopped by SIGTERM", log
+    # The ranks stopped together after one step and checkpointed it: nothing to redo, and
+    # the stop cost the time from that step to the end plus a start.
+    stopped = next(f for f in result["faults"] if f["kind"] == "sigterm")
+    assert stopped["steps_redone"] == 0 and stopped["seconds_lost"] > 0, stopped
     assert 143 in result["launcher_exit_codes"]
     assert result["max_abs_diff"] <= 1e-5
     assert result["checkpoint_bytes_written"] > 0

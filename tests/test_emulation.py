@@ -2,7 +2,7 @@
 
 `hybriddl emulate` trains what one sequential process trains, counts on each host's NIC
 only what crossed the network, applies the link rate, slows time down by D when the
-hosts' cores exceed the machine's (a CPU quota per host), and leaves nothing behind, even
+hosts' cores exceed the machine's (the hosts take turns, each thread at full speed), and leaves nothing behind, even
 when interrupted or killed. Needs root and iproute2; skipped (saying so) otherwise.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from conftest import REPO, hybriddl_env
 from held_run import wait_for
-from hybriddl.emulation.hosts import (PREFIX, EmulatedHosts, NicCounters, cpu_hierarchy,
+from hybriddl.emulation.hosts import (PREFIX, EmulatedHosts, NicCounters, freezer_hierarchy,
                                       least_time_scale)
 from hybriddl.run.rundir import MODEL
 
@@ -52,15 +52,15 @@ def root_namespace() -> tuple[list[str], str]:
 
 
 def leftovers(owner: int | str, marker: str | None = None) -> list[str]:
-    """Namespaces, folders, CPU quota cgroups and marked processes an emulation run by
+    """Namespaces, folders, host cgroups and marked processes an emulation run by
     `owner` (any: "") left."""
     tag = f"{PREFIX}{owner}-" if owner != "" else PREFIX
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found = [line.split()[0] for line in namespaces.splitlines()
              if line.startswith(tag)]
     found += [str(p) for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{tag}*")]
-    if cpu_hierarchy():
-        found += [str(p) for p in cpu_hierarchy()[0].glob(f"{tag}*")]
+    if freezer_hierarchy():
+        found += [str(p) for p in freezer_hierarchy()[0].glob(f"{tag}*")]
     if marker:
         found += [f"process {p.pid}" for p in marked(marker)]
     return found
@@ -189,9 +189,9 @@ def test_without_root_emulate_says_so_in_one_line_and_exits_2():
 
 def start_sleeping(marker: str) -> subprocess.Popen:
     """`hybriddl emulate --hosts 2` whose ranks sleep, once both ranks are running; at a
-    time scale of 2 where the machine has the cgroup cpu controller, so that the hosts'
-    CPU quotas must be cleaned up too."""
-    scaled = ["--time-scale", "2"] if cpu_hierarchy() else []
+    time scale of 2 where the machine has cgroups that can be frozen, so that the hosts'
+    cgroups must be cleaned up too (and what a killed run left frozen, thawed to end)."""
+    scaled = ["--time-scale", "2"] if freezer_hierarchy() else []
     process = subprocess.Popen(
         [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", *scaled, "--",
          sys.executable, "-c", f"import time; time.sleep(600)  # {marker}"],
@@ -264,15 +264,26 @@ def test_time_scale_is_hosts_times_cores_over_the_machines_cores():
     assert EmulatedHosts(hosts=2, cores_per_host=MACHINE_CORES).time_scale == 1  # default
 
 
-def quota_run(tmp_path: Path, *args: str, program: str) -> subprocess.Popen:
+def scaled_run(tmp_path: Path, *args: str, program: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "hybriddl", "emulate", *args, "--report",
          str(tmp_path / "report.json"), "--", sys.executable, "-c", program],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
 
 
-@pytest.mark.skipif(cpu_hierarchy() is None, reason="needs the cgroup cpu controller")
-def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
+def running(group: Path) -> bool:
+    """Whether a host cgroup is let run (thawed) now, as the time slicer last set it."""
+    if (group / "freezer.state").exists():
+        return (group / "freezer.state").read_text().strip() == "THAWED"
+    return (group / "cgroup.freeze").read_text().strip() == "0"
+
+
+needs_freezer = pytest.mark.skipif(freezer_hierarchy() is None,
+                                   reason="time scales above 1 need cgroups that can be frozen")
+
+
+@needs_freezer
+def test_each_host_runs_in_its_cgroup_and_the_hosts_take_turns(tmp_path):
     go = tmp_path / "go"
     # Each rank says who it is and how many cores it may use, then waits.
     program = (
@@ -285,33 +296,28 @@ def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
         "deadline = time.time() + 60\n"
         "while not (folder / 'go').exists() and time.time() < deadline:\n"
         "    time.sleep(0.05)\n")
-    process = quota_run(tmp_path, "--hosts", "2", "--cores-per-host", str(MACHINE_CORES),
-                        program=program)
+    process = scaled_run(tmp_path, "--hosts", "2", "--cores-per-host", str(MACHINE_CORES),
+                         program=program)
     wait_for(lambda: all((tmp_path / f"rank{r}").exists() for r in range(2)),
              "both ranks running", process)
-    root, version = cpu_hierarchy()
-
-    def cgroup_of(pid: str) -> str:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-        return [line for line in lines if line.split(":")[1] in ("cpu", "")][0].split(":")[2]
-
-    def cores_of(folder: Path) -> float:
-        if version == 2:
-            quota, period = (folder / "cpu.max").read_text().split()
-        else:
-            quota = (folder / "cpu.cfs_quota_us").read_text()
-            period = (folder / "cpu.cfs_period_us").read_text()
-        return int(quota) / int(period)
-
+    root, version = freezer_hierarchy()
+    groups = []
     for rank in range(2):
         pid, cores = (tmp_path / f"rank{rank}").read_text().split()
         assert int(cores) == MACHINE_CORES  # C cores: a host runs C threads
-        # A new process starts in its creator's thread cgroup; within 50 ms it has its own.
-        wait_for(lambda: cgroup_of(pid).endswith(f"/t{pid}"), "the rank confined", process)
-        host, thread = cgroup_of(pid).strip("/").split("/")
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        controllers = "freezer" if version == 1 else ""
+        group = [line for line in lines if line.split(":")[1] == controllers][0].split(":")[2]
+        host = group.strip("/")
         assert host.startswith(f"{PREFIX}{process.pid}-") and host.endswith(f"-h{rank}")
-        assert cores_of(root / host) == pytest.approx(MACHINE_CORES / 2)
-        assert cores_of(root / host / thread) == pytest.approx(1 / 2)
+        groups.append(root / host)
+    # The two hosts fill the machine: never both running at once, and each in turn.
+    seen = set()
+    for _ in range(2000):
+        state = tuple(running(group) for group in groups)
+        assert state != (True, True)
+        seen.add(state)
+    assert {(True, False), (False, True)} <= seen, seen
     go.touch()
     _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err[-3000:]
@@ -322,7 +328,7 @@ def test_each_host_runs_in_its_cgroup_with_a_quota_of_c_over_d_cores(tmp_path):
     assert leftovers(process.pid) == []
 
 
-@pytest.mark.skipif(cpu_hierarchy() is None, reason="needs the cgroup cpu controller")
+@needs_freezer
 def test_a_cpu_bound_loop_takes_about_d_times_longer_at_time_scale_2(tmp_path):
     program = ("import time, pathlib\n"
                "start = time.perf_counter()\n"
@@ -331,12 +337,40 @@ def test_a_cpu_bound_loop_takes_about_d_times_longer_at_time_scale_2(tmp_path):
                "str(time.perf_counter() - start))\n")
     seconds = {}
     for scale in ("1", "2", "1", "2"):  # interleaved: a busy machine slows both alike
-        process = quota_run(tmp_path, "--hosts", "1", "--cores-per-host", "1",
-                            "--time-scale", scale, program=program)
+        process = scaled_run(tmp_path, "--hosts", "1", "--cores-per-host", "1",
+                             "--time-scale", scale, program=program)
         _, err = process.communicate(timeout=120)
         assert process.returncode == 0, err[-3000:]
         seconds.setdefault(scale, []).append(float((tmp_path / "seconds").read_text()))
         assert leftovers(process.pid) == []
-    # The CFS quota: 50 ms of each 100 ms period; loose, the machine is shared.
+    # One thread runs 20 ms of every 40 ms; loose, the machine is shared.
     assert min(seconds["2"]) > 1.5 * min(seconds["1"]), seconds
     assert min(seconds["2"]) < 3 * min(seconds["1"]), seconds
+
+
+@needs_freezer
+def test_hosts_that_fill_the_machine_run_their_threads_together_at_time_scale_2(tmp_path):
+    """Two hosts of all the machine's cores, each running a multithreaded torch loop, take
+    D = 2 times one such host's time alone: a host's threads run together (per-thread
+    quotas made each rank run at half its share here: about 4x)."""
+    program = ("import os, time, pathlib, torch\n"
+               f"torch.set_num_threads({MACHINE_CORES})\n"
+               "a = torch.randn(384, 384)\n"
+               "for _ in range(5):\n"
+               "    a @ a\n"
+               "start = time.perf_counter()\n"
+               "for _ in range(400):\n"
+               "    (a @ a).sum().item()\n"
+               f"folder = pathlib.Path({str(tmp_path)!r})\n"
+               "(folder / ('seconds' + os.environ['OMPI_COMM_WORLD_RANK'])).write_text("
+               "str(time.perf_counter() - start))\n")
+    seconds = {}
+    for hosts in ("1", "2", "1", "2"):  # interleaved: a busy machine slows both alike
+        process = scaled_run(tmp_path, "--hosts", hosts, "--cores-per-host",
+                             str(MACHINE_CORES), "--time-scale", hosts, program=program)
+        _, err = process.communicate(timeout=180)
+        assert process.returncode == 0, err[-3000:]
+        seconds.setdefault(hosts, []).append(max(  # a step waits for the slowest host
+            float((tmp_path / f"seconds{rank}").read_text()) for rank in range(int(hosts))))
+    alone, together = min(seconds["1"]), min(seconds["2"])
+    assert 1.6 * alone < together < 2.6 * alone, seconds

@@ -15,11 +15,11 @@ from hybriddl.errors import UsageError
 
 EPILOG = """\
 time scale: H hosts of C cores that do not fit this machine's cores run with time slowed
-down by D = H x C / cores (rounded up to a whole number when C is fewer than the
-machine's cores, so no core carries more than its share): each host's processes get C/D
-cores of CPU time and each of their threads 1/D of a core (a cgroup per host, one per
-thread inside it), links run at rate/D and latencies are x D. The
-report and the console give D and the emulated seconds (wall / D). What the command
+down by D = H x C / cores (when C is fewer than the machine's cores, D is the number of
+turns: hosts that fit side by side run together, each on C cores of its own, and take
+turns with the others): each host gets C/D cores of CPU time, in slices of 20 ms in which
+all of its threads run at full speed while the hosts of other turns are frozen (a cgroup
+per host), links run at rate/D and latencies are x D. The report and the console give D and the emulated seconds (wall / D). What the command
 itself measures stays in wall time: a run's metrics.json reports wall seconds and
 images_per_second, so on the emulated hosts img/s = images_per_second x D and step
 seconds = step seconds / D. NIC bytes do not depend on D.
@@ -44,8 +44,8 @@ def add_emulate_parser(commands) -> argparse.ArgumentParser:
                               "at least 1)")
     emulate.add_argument("--time-scale", type=float, metavar="D",
                          help="slow time down by D (default: the least D at which the hosts "
-                              "fit, 1 when they do); a D below that shares every core between "
-                              "the hosts, unfaithfully")
+                              "fit, 1 when they do); 1 where they do not fit shares every "
+                              "core between the hosts, unfaithfully")
     emulate.add_argument("--ranks-per-host", type=int, default=1,
                          help="MPI ranks per host, mpirun -npernode K (default: 1)")
     emulate.add_argument("--bandwidth", help="every link's rate in both directions, tc units "

@@ -9,10 +9,16 @@ counters are exactly what that host put on the network. `tc` on both ends of eac
 gives every link a rate (full duplex) and a one-way latency.
 
 Time scale. H hosts of C cores that do not fit this machine's cores are emulated with
-time slowed down by D = H x C / cores (DESIGN.md, "Time scale"): each host's processes
-share a cgroup whose CPU quota is C/D cores, each thread of theirs sits in a child cgroup
-of 1/D core, links run at rate/D, latencies are x D, and emulated time is wall time / D. A host still sees C cores (or all of the machine's, if
-fewer) so its ranks run C threads, each at 1/D of a core's speed.
+time slowed down by D = H x C / cores (DESIGN.md, "Time scale"): each host gets C/D
+cores' worth of CPU time, links run at rate/D, latencies are x D, and emulated time is
+wall time / D. The hosts take turns (gang scheduling): each host's processes share a
+cgroup, and a `TimeSlicer` lets one slot of hosts (as many as fit the cores side by side)
+run at a time, every thread of theirs at full speed, while it freezes the others. A
+host still sees C cores (or all of the machine's, if fewer), so its ranks run C threads,
+and its parallel regions and its serial phases are both slowed D times. (Quotas per host
+(cgroup cpu) leave a serial phase at full speed; quotas per thread as well throttle each
+thread on its own clock, so threads that meet at barriers wait for one another: two
+2-core VGG16 hosts at D = 2 ran at half their speed.)
 
 Nothing is created or changed in the root network namespace: the veth pairs are made
 directly inside the namespaces. Every namespace is named `hybriddl-emu-<pid>-...` after
@@ -51,13 +57,8 @@ MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
 RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)$", re.IGNORECASE)
 DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-# The kernel's CFS period of 100 ms: a 2-thread training step measured 2.00 x (D = 2) and
-# 4.90 x (D = 4) its D = 1 step with it, 2.65 x and 4.80 x with 20 ms (the threads meet
-# at barriers and each is throttled on its own clock). Quotas below 1 ms are refused,
-# so tiny shares lengthen the period.
-PERIOD_US, LEAST_QUOTA_US, LONGEST_PERIOD_US = 100_000, 1_000, 1_000_000
-# How soon a new thread gets its own 1/D core; until then it shares its creator's.
-CONFINE_INTERVAL = 0.05
+# How long a slot of hosts runs before the next takes the cores (TimeSlicer).
+SLICE = 0.02
 
 
 class EmulationUnavailable(UsageError):
@@ -185,7 +186,7 @@ def _end_processes(pids: list[int], grace: float) -> None:
     psutil.wait_procs(alive, timeout=10)
 
 
-# ---------------------------------------------------------------------- CPU quotas
+# ---------------------------------------------------------------------- time slicing
 # Set in every rank of hosts emulated with D > 1 (read by hybriddl.hosts.mpi).
 TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
 
@@ -193,138 +194,79 @@ TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
 def least_time_scale(hosts: int, cores_per_host: int, machine_cores: int) -> float:
     """The smallest D at which `hosts` hosts of `cores_per_host` cores fit `machine_cores`.
 
-    H x C / cores, at least 1. A host smaller than the machine is pinned to C cores taken
-    in turn (host i: cores i*C.. mod the machine's), so some core carries ceil(H x C /
-    cores) hosts: D is rounded up to that, or that core would give its hosts less than
-    their 1/D each (3 hosts of 1 core on 2 cores: D = 2, not 1.5)."""
+    H x C / cores, at least 1, for hosts as large as the machine or larger. Smaller hosts
+    run side by side in slots of cores // C hosts (each on C cores of its own), and the
+    slots take turns: D is the number of slots, ceil(H / (cores // C)) (3 hosts of 1 core
+    on 2 cores: D = 2, not 1.5)."""
     if cores_per_host >= machine_cores:
         return max(1.0, hosts * cores_per_host / machine_cores)
-    return float(max(1, math.ceil(hosts * cores_per_host / machine_cores)))
+    return float(math.ceil(hosts / (machine_cores // cores_per_host)))
 
 
-def cpu_hierarchy() -> tuple[Path, int] | None:
-    """Where cgroups with the cpu controller are made, and the cgroup version: v2 where
-    its cpu controller is available, else v1's cpu hierarchy; None without either."""
+def _slots(hosts: int, cores_per_host: int, machine_cores: int) -> list[list[int]]:
+    """Hosts that run side by side, in turns (see least_time_scale)."""
+    side_by_side = max(1, machine_cores // cores_per_host)
+    return [list(range(first, min(hosts, first + side_by_side)))
+            for first in range(0, hosts, side_by_side)]
+
+
+def freezer_hierarchy() -> tuple[Path, int] | None:
+    """Where cgroups that can be frozen are made, and the cgroup version: v1's freezer
+    hierarchy where it is mounted, else a cgroup v2 mount (every v2 cgroup but the root has
+    cgroup.freeze); None without either."""
     mounts = psutil.disk_partitions(all=True)
     for mount in mounts:
-        if mount.fstype == "cgroup2":
-            controllers = Path(mount.mountpoint, "cgroup.controllers")
-            try:
-                if "cpu" in controllers.read_text().split():
-                    return Path(mount.mountpoint), 2
-            except OSError:
-                pass
-    for mount in mounts:
-        if mount.fstype == "cgroup" and "cpu" in mount.opts.split(","):
+        if mount.fstype == "cgroup" and "freezer" in mount.opts.split(","):
             return Path(mount.mountpoint), 1
+    for mount in mounts:
+        if mount.fstype == "cgroup2":
+            return Path(mount.mountpoint), 2
     return None
 
 
-def _write_quota(folder: Path, version: int, cores: float) -> None:
-    period = PERIOD_US
-    if cores * period < LEAST_QUOTA_US:
-        period = min(LONGEST_PERIOD_US, math.ceil(LEAST_QUOTA_US / cores))
-    quota = max(LEAST_QUOTA_US, round(cores * period))
-    if version == 2:
-        (folder / "cpu.max").write_text(f"{quota} {period}")
-    else:
-        (folder / "cpu.cfs_period_us").write_text(str(period))
-        (folder / "cpu.cfs_quota_us").write_text(str(quota))
-
-
 @dataclass(frozen=True)
-class CpuQuota:
-    """One emulated host's cgroup: its processes together get at most `cores` cores, and
-    each of their threads at most `thread_cores` (1/D: one emulated core).
-
-    The limit per thread is what makes a host's serial phases slow too: with only the
-    host's C/D cores, one thread of a host of 2 cores at D = 2 ran at full speed (the
-    Python between torch's parallel regions, measured: not slowed at all). `confine_threads`
-    gives every thread a child cgroup of its own (v1: any thread may sit in its own; v2:
-    a threaded subtree); it is called every CONFINE_INTERVAL seconds while the hosts live.
-    """
+class HostCgroup:
+    """One emulated host's cgroup: every process the host starts joins it, and the
+    `TimeSlicer` freezes and thaws them together."""
 
     path: Path
     version: int
-    thread_cores: float | None = None
 
     @classmethod
-    def create(cls, hierarchy: tuple[Path, int], name: str, cores: float,
-               thread_cores: float) -> "CpuQuota":
+    def create(cls, hierarchy: tuple[Path, int], name: str) -> "HostCgroup":
         root, version = hierarchy
         try:
-            if version == 2:
-                # Children get the cpu controller only if their parent hands it down.
-                (root / "cgroup.subtree_control").write_text("+cpu")
             (root / name).mkdir()
-            made = cls(root / name, version, thread_cores)
-            _write_quota(made.path, version, cores)
         except OSError as exc:
-            raise EmulationFailed(f"cannot make the CPU quota cgroup {root / name} "
+            raise EmulationFailed(f"cannot make the host cgroup {root / name} "
                                   f"({exc.strerror})") from None
-        return made
+        return cls(root / name, version)
 
     @property
     def procs(self) -> Path:
-        """Write a PID here to put that process (and what it starts) under the quota."""
+        """Write a PID here to put that process (and what it starts) in the host."""
         return self.path / "cgroup.procs"
 
-    @property
-    def _threads_file(self) -> str:
-        return "cgroup.threads" if self.version == 2 else "tasks"
-
-    def _groups(self) -> list[Path]:
-        return [self.path, *(p for p in self.path.iterdir() if p.is_dir())]
-
-    def cores(self) -> float:
-        """The quota as the kernel holds it, in cores."""
-        if self.version == 2:
-            quota, period = (self.path / "cpu.max").read_text().split()
-        else:
-            quota = (self.path / "cpu.cfs_quota_us").read_text()
-            period = (self.path / "cpu.cfs_period_us").read_text()
-        return int(quota) / int(period)
-
-    def confine_threads(self) -> None:
-        """Move every thread not yet alone in a child cgroup (new threads and processes
-        start in their creator's) into one of its own; delete the children of ended
-        threads."""
-        for group in self._groups():
-            try:
-                threads = (group / self._threads_file).read_text().split()
-            except OSError:
-                continue  # deleted meanwhile
-            for tid in threads:
-                if group == self.path or group.name != f"t{tid}":
-                    self._confine(tid)
-            if group != self.path and not threads:
-                try:
-                    group.rmdir()
-                except OSError:
-                    pass  # a thread came in meanwhile
-
-    def _confine(self, tid: str) -> None:
-        child = self.path / f"t{tid}"
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or let run again) every thread of the host's processes."""
         try:
-            if not child.is_dir():
-                child.mkdir()
-                if self.version == 2:
-                    (child / "cgroup.type").write_text("threaded")
-                    (self.path / "cgroup.subtree_control").write_text("+cpu")
-                _write_quota(child, self.version, self.thread_cores)
-            (child / self._threads_file).write_text(tid)
-        except OSError:
-            pass  # the thread ended meanwhile; its child goes at the next pass
+            if self.version == 2:
+                (self.path / "cgroup.freeze").write_text("1" if frozen else "0")
+            else:
+                (self.path / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+        except FileNotFoundError:
+            pass  # removed meanwhile (teardown)
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in self.procs.read_text().split()]
 
     def remove(self, grace: float) -> None:
-        """End the processes still in it, then delete it. Safe to call twice."""
+        """Let its processes run, end them, then delete it. Safe to call twice."""
         for attempt in range(50):
             try:
-                pids = {int(p) for group in self._groups()
-                        for p in (group / "cgroup.procs").read_text().split()}
-                _end_processes(sorted(pids), grace)
-                for group in reversed(self._groups()):
-                    group.rmdir()
+                self.freeze(False)  # a frozen process cannot act on SIGTERM (nor, in v1, die)
+                _end_processes(self.pids(), grace)
+                self.path.rmdir()
                 return
             except FileNotFoundError:
                 if not self.path.exists():
@@ -337,27 +279,68 @@ class CpuQuota:
             time.sleep(0.1)
 
 
-def _leftover_quotas() -> list[CpuQuota]:
-    hierarchy = cpu_hierarchy()
+class TimeSlicer(threading.Thread):
+    """Gang scheduling at time scale D: the hosts run in turns ("slots" of hosts that fit
+    the machine side by side, each host on its own cores), every thread of a running host
+    at full speed, the others frozen. A host runs SLICE seconds in every SLICE / share, so
+    it gets `share` of the wall time on its cores: a parallel region and a serial phase
+    are both slowed D times, as the hosts' threads run together, never one at a time."""
+
+    def __init__(self, slots: list[list[HostCgroup]], share: float):
+        super().__init__(daemon=True, name="emulation-time-slicer")
+        self.slots, self.share = slots, share
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        for slot in self.slots:
+            for group in slot:
+                group.freeze(True)
+        cycle = SLICE / self.share
+        start = time.monotonic()
+        while True:
+            for index, slot in enumerate(self.slots):
+                for group in slot:
+                    group.freeze(False)
+                ends = start + (index + 1) * SLICE
+                stopped = self._stop.wait(max(0.0, ends - time.monotonic()))
+                for group in slot:
+                    group.freeze(True)
+                if stopped:
+                    return
+            start += cycle  # absolute deadlines: no drift from the thread's own delays
+            if self._stop.wait(max(0.0, start - time.monotonic())):
+                return
+
+    def stop(self) -> None:
+        """Stop slicing and let every host run (to end its processes)."""
+        self._stop.set()
+        self.join()
+        for slot in self.slots:
+            for group in slot:
+                group.freeze(False)
+
+
+def _leftover_cgroups() -> list[HostCgroup]:
+    hierarchy = freezer_hierarchy()
     if hierarchy is None:
         return []
     root, version = hierarchy
-    return [CpuQuota(path, version) for path in root.glob(f"{PREFIX}*")
+    return [HostCgroup(path, version) for path in root.glob(f"{PREFIX}*")
             if path.is_dir() and not _owner_alive(path.name)]
 
 
 def remove_leftovers() -> list[str]:
-    """Delete the namespaces (and their processes, veths, qdiscs), CPU quota cgroups and
-    files of emulations whose process is gone; returns the namespaces and cgroups removed."""
+    """Delete the host cgroups, namespaces (and their processes, veths, qdiscs) and files
+    of emulations whose process is gone; returns the cgroups and namespaces removed."""
     removed = []
+    for group in _leftover_cgroups():  # first: it thaws what a killed run left frozen
+        group.remove(grace=0)
+        removed.append(str(group.path))
     for name in _namespaces():
         if name.startswith(PREFIX) and not _owner_alive(name):
             _kill_namespace_processes(name, grace=0)
             _ip("netns", "delete", name, check=False)
             removed.append(name)
-    for quota in _leftover_quotas():
-        quota.remove(grace=0)
-        removed.append(str(quota.path))
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
         if not _owner_alive(folder.name + "-"):
             shutil.rmtree(folder, ignore_errors=True)
@@ -378,7 +361,7 @@ class EmulatedHosts:
     `cores_per_host` cores where hosts x cores_per_host fits the machine, every host
     sharing every core otherwise (said in `notes`). None takes the least D at which the
     hosts fit (`least_time_scale`; 1 when they fit); a number forces D. With D > 1 each
-    host gets a CPU quota of cores_per_host / D cores (a cgroup), links run at rate / D
+    host gets cores_per_host / D cores of CPU time (TimeSlicer), links run at rate / D
     and latencies are x D: time on the emulated hosts is wall time / D.
     """
 
@@ -404,22 +387,29 @@ class EmulatedHosts:
         self.addresses = [f"198.18.0.{i + 1}" for i in range(hosts)]
         self.cores_per_host = cores_per_host
         self.notes: list[str] = []
+        self.slots = _slots(hosts, cores_per_host, len(cores))
         if self.time_scale >= fits:
-            # In turn from host 0: disjoint blocks when the hosts fit, and otherwise C cores
-            # each (all of the machine's if fewer), so a host's ranks run C threads.
-            self.cores = [[cores[(i * cores_per_host + j) % len(cores)]
-                           for j in range(min(cores_per_host, len(cores)))]
-                          for i in range(hosts)]
+            # Disjoint blocks of C cores for the hosts of a slot (all of the machine's for
+            # a host as large or larger), so a host's ranks run C threads.
+            width = min(cores_per_host, len(cores))
+            self.cores = [[cores[(i % (len(cores) // width)) * width + j]
+                           for j in range(width)] for i in range(hosts)]
         else:
             self.cores = [None] * hosts
             self.notes.append(f"{hosts} hosts x {cores_per_host} cores do not fit this "
                               f"machine's {len(cores)} cores at time scale "
                               f"{self.time_scale:g}: the hosts share every core (a time "
                               f"scale of {fits:g} would emulate them faithfully)")
+        if 1 < self.time_scale < fits:
+            raise UsageError(f"--time-scale {self.time_scale:g}: {hosts} hosts x "
+                             f"{cores_per_host} cores take turns on this machine's "
+                             f"{len(cores)} cores at {fits:g} or more: give at least {fits:g} "
+                             "(or 1, to let them share every core unslowed)")
         if self.time_scale > 1:
             self.notes.append(
                 f"time scale {self.time_scale:g}: each host gets "
-                f"{cores_per_host / self.time_scale:.3g} core(s) of CPU time, links run at "
+                f"{cores_per_host / self.time_scale:.3g} core(s) of CPU time (the hosts "
+                "take turns on the cores, all of a host's threads at once), links run at "
                 f"rate/{self.time_scale:g} and latencies x{self.time_scale:g}; emulated "
                 f"seconds = wall seconds / {self.time_scale:g}")
         if cores_per_host > len(cores):
@@ -429,10 +419,9 @@ class EmulatedHosts:
         tag = f"{PREFIX}{os.getpid()}-{id(self) % 100000}"
         self.switch = f"{tag}-switch"
         self.namespaces = [f"{tag}-{name}" for name in self.names]
-        self.quotas: list[CpuQuota | None] = [None] * hosts
+        self.cgroups: list[HostCgroup | None] = [None] * hosts
         self._owner = os.getpid()
-        self._confiner: threading.Thread | None = None
-        self._stop_confining = threading.Event()
+        self._slicer: TimeSlicer | None = None
         self.folder: Path | None = None
         self._up = False
 
@@ -458,19 +447,20 @@ class EmulatedHosts:
         self._up = True
         self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
         if self.time_scale > 1:
-            hierarchy = cpu_hierarchy()
+            hierarchy = freezer_hierarchy()
             if hierarchy is None:
                 raise EmulationUnavailable(
-                    f"time scale {self.time_scale:g} needs the cgroup cpu controller "
-                    "(v2, or v1 mounted with 'cpu'), which this machine lacks: mount it, or "
-                    "emulate fewer hosts x cores")
+                    f"time scale {self.time_scale:g} needs cgroups that can be frozen (v2, "
+                    "or v1's freezer), which this machine lacks: mount them, or emulate "
+                    "fewer hosts x cores")
             for index, namespace in enumerate(self.namespaces):
-                self.quotas[index] = CpuQuota.create(
-                    hierarchy, namespace, self.cores_per_host / self.time_scale,
-                    1 / self.time_scale)
-            self._confiner = threading.Thread(target=self._confine_threads, daemon=True,
-                                              name="emulation-thread-quotas")
-            self._confiner.start()
+                self.cgroups[index] = HostCgroup.create(hierarchy, namespace)
+            # A host runs on min(C, cores) cores for `share` of the time: C/D cores' worth.
+            width = len(self.cores[0])
+            share = self.cores_per_host / self.time_scale / width
+            self._slicer = TimeSlicer([[self.cgroups[i] for i in slot] for slot in self.slots],
+                                      share)
+            self._slicer.start()
         done = _ip("netns", "add", self.switch, check=False)
         if done.returncode != 0:
             raise EmulationUnavailable(f"cannot create a network namespace "
@@ -517,30 +507,23 @@ class EmulatedHosts:
         stoppers = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
         previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stoppers}
         try:
+            if self._slicer is not None:  # a frozen process cannot end: let them all run
+                self._slicer.stop()
+                self._slicer = None
             for namespace in [*self.namespaces, self.switch]:
                 if namespace in _namespaces():
                     _kill_namespace_processes(namespace, grace=5)
                     _ip("netns", "delete", namespace, check=False)
-            self._stop_confining.set()
-            if self._confiner is not None:
-                self._confiner.join()
-                self._confiner = None
-            for index, quota in enumerate(self.quotas):
-                if quota is not None:
-                    quota.remove(grace=5)
-                    self.quotas[index] = None
+            for index, group in enumerate(self.cgroups):
+                if group is not None:
+                    group.remove(grace=5)
+                    self.cgroups[index] = None
             if self.folder:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self._up = False
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-    def _confine_threads(self) -> None:
-        while not self._stop_confining.wait(CONFINE_INTERVAL):
-            for quota in self.quotas:
-                if quota is not None:
-                    quota.confine_threads()
 
     # ------------------------------------------------------------------ NICs
     def counters(self) -> list[NicCounters]:
@@ -560,20 +543,20 @@ class EmulatedHosts:
     # ------------------------------------------------------------------ commands
     def on_host(self, index: int, command: list[str]) -> list[str]:
         """argv that runs `command` on host `index` (its namespace, hostname, TMPDIR, cores,
-        CPU quota)."""
+        cgroup)."""
         folder = self.folder / self.names[index]
         pin = f"taskset -c {','.join(map(str, self.cores[index]))} " if self.cores[index] else ""
         setup = (f"hostname {self.names[index]} && export TMPDIR={shlex.quote(str(folder))} "
                  f'&& exec {pin}"$@"')
         argv = ["ip", "netns", "exec", self.namespaces[index], "unshare", "--uts", "sh", "-c",
                 setup, "sh", *command]
-        quota = self.quotas[index]
-        if quota is None:
+        group = self.cgroups[index]
+        if group is None:
             return argv
         # `ip netns exec` mounts a sysfs of the host's own that hides /sys/fs/cgroup, and
         # mpirun calls the agent from inside host 0: the cgroup is reached through our own
         # mount namespace. Joined before the exec, so all the host starts inherits it.
-        procs = f"/proc/{self._owner}/root{quota.procs}"
+        procs = f"/proc/{self._owner}/root{group.procs}"
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv]
 
     def mpirun(self, command: list[str], ranks_per_host: int = 1,
@@ -612,7 +595,7 @@ class EmulatedHosts:
     def _write_agent(self) -> None:
         """The rsh agent mpirun uses to start its daemon on host i: no ssh, just `on_host`
         (which first puts the agent's process, and so the daemon and its ranks, in the
-        host's CPU quota)."""
+        host's cgroup, which the time slicer freezes and thaws)."""
         table = {address: self.on_host(i, []) for i, address in enumerate(self.addresses)}
         agent = self.folder / "agent"
         agent.write_text(

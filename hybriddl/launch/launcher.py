@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybriddl.errors import UsageError
-from hybriddl.run.failure_record import LAUNCHED_ENV, clear_failures, read_failures
+from hybriddl.run.failure_record import (LAUNCHED_ENV, STOP_GLOB, clear_failures,
+                                         read_failures)
 from hybriddl.run.rundir import CHECKPOINT, METRICS, MODEL, PARTIAL_GLOB
 
 EVENTS = "events.jsonl"
@@ -207,7 +208,7 @@ class Launcher:
             alive = answering(config.hosts, config.rsh_agent, config.probe_seconds)
             hosts = [h for h in config.hosts if alive[h] and h not in sitting_out]
             if self.stop_signal is not None:
-                return self._stopped(attempt, failed_attempt)
+                return self._stopped(attempt, None)
             if len(hosts) < config.min_hosts:
                 self._emit(pending or Event(time.time(), None, "too few hosts", None, None,
                                             attempt, ""),
@@ -231,9 +232,10 @@ class Launcher:
             code = self._attempt(attempt, hosts)
             if code == 0:
                 return 0
-            records = read_failures(run_dir)
             if self.stop_signal is not None:
-                return self._stopped(attempt, None)
+                return self._stopped(attempt, self._progress(
+                    read_failures(run_dir, STOP_GLOB), started, started_steps, hosts))
+            records = read_failures(run_dir)
             lost = self._lost_hosts(records, hosts, self._answering_at_failure)
             failed_attempt = self._progress(records, started, started_steps, hosts)
             cause = next((r["cause"] for r in records if r["cause"] != "host lost"), None) \
@@ -380,10 +382,17 @@ class Launcher:
         return round(lost, 2)
 
     # ------------------------------------------------------------------ helpers
-    def _stopped(self, attempt: int, failed_attempt: dict | None) -> int:
+    def _stopped(self, attempt: int, stopped_attempt: dict | None) -> int:
+        """Emit the stop. What it cost, when a launch was running: the steps after the
+        checkpoint the ranks left (none when they stopped on request together), and the
+        seconds from the last step to now plus starting again (as _seconds_lost)."""
         name = signal.Signals(self.stop_signal).name
         steps = checkpoint_steps(self.config.run_dir)
-        self._emit(Event(time.time(), None, f"stopped by {name}", None, None, attempt, ""),
+        redone = lost = None
+        if stopped_attempt is not None and stopped_attempt["steps"] is not None:
+            redone = max(0, stopped_attempt["steps"] - steps)
+            lost = self._seconds_lost(stopped_attempt, redone)
+        self._emit(Event(time.time(), None, f"stopped by {name}", redone, lost, attempt, ""),
                    action=f"every rank stopped, checkpoint at step {steps}; the same command "
                           "again continues the run")
         return 128 + self.stop_signal

@@ -4,7 +4,9 @@ Under mpirun the survivors of a lost host stop with `HostFailure` and take every
 down; mpirun's exit code then says only that something failed. So each rank that stops
 on an error writes `rank<R>-failure.json`: the cause, the hosts named lost (rank and
 name), and how far this attempt had come (optimizer steps, when the last one ended), from
-which the launcher tells which host to drop and how many steps the relaunch redoes.
+which the launcher tells which host to drop and how many steps the relaunch redoes. A
+rank that stops on request (the launcher's SIGTERM or Ctrl-C, passed on as SIGUSR1) writes
+`rank<R>-stopped.json` with the same progress, for what the stop cost.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hybriddl.hosts.naming import host_name
 from hybriddl.run.rundir import atomic_write_json
 
 FAILURE_GLOB = "rank*-failure.json"
+STOP_GLOB = "rank*-stopped.json"
 # Set by `hybriddl launch` for its ranks: a run started by hand leaves no such files.
 LAUNCHED_ENV = "HYBRIDDL_LAUNCHED"
 HOST_LOST, STORAGE, INTERRUPTED = "host lost", "storage", "interrupted"
@@ -60,23 +63,42 @@ def record_failure(run_dir: str | Path | None, rank: int, exc: BaseException,
                    steps: StepsSeen) -> None:
     """Under `hybriddl launch`, write `rank<R>-failure.json` in `run_dir`. Best effort: the
     disk may be what failed, and the error itself must still reach the user."""
+    _write(run_dir, f"rank{rank}-failure.json", {
+        "rank": rank, "host": host_name(), "cause": cause_of(exc),
+        "lost": {str(r): name for r, name in sorted(getattr(exc, "lost", {}).items())},
+        "message": str(exc), **_progress(steps)})
+
+
+def record_stop(run_dir: str | Path | None, rank: int, steps: StepsSeen) -> None:
+    """Under `hybriddl launch`, write `rank<R>-stopped.json`: this rank stopped on request
+    (its checkpoint is written), and how far it had come."""
+    _write(run_dir, f"rank{rank}-stopped.json", {
+        "rank": rank, "host": host_name(), "cause": "stopped", "lost": {}, "message": "",
+        **_progress(steps)})
+
+
+def _progress(steps: StepsSeen) -> dict:
+    return {"at": time.time(), "steps": steps.steps, "first_step_at": steps.first_step_at,
+            "last_step_at": steps.last_step_at,
+            "mean_step_seconds": steps.step_seconds / steps.steps if steps.steps else None}
+
+
+def _write(run_dir: str | Path | None, name: str, record: dict) -> None:
+    """Best effort: the disk may be what failed, and the error itself must still reach
+    the user."""
     if not os.environ.get(LAUNCHED_ENV) or run_dir is None or not Path(run_dir).is_dir():
         return
-    record = {"rank": rank, "host": host_name(), "cause": cause_of(exc),
-              "lost": {str(r): name for r, name in sorted(getattr(exc, "lost", {}).items())},
-              "message": str(exc), "at": time.time(), "steps": steps.steps,
-              "first_step_at": steps.first_step_at, "last_step_at": steps.last_step_at,
-              "mean_step_seconds": steps.step_seconds / steps.steps if steps.steps else None}
     try:
-        atomic_write_json(Path(run_dir) / f"rank{rank}-failure.json", record)
+        atomic_write_json(Path(run_dir) / name, record)
     except (OSError, StorageError):
         pass
 
 
-def read_failures(run_dir: str | Path) -> list[dict]:
-    """Every rank's failure record in `run_dir`, by rank (unreadable ones skipped)."""
+def read_failures(run_dir: str | Path, pattern: str = FAILURE_GLOB) -> list[dict]:
+    """Every rank's failure record (or with STOP_GLOB, stop record) in `run_dir`, by rank
+    (unreadable ones skipped)."""
     records = []
-    for path in sorted(Path(run_dir).glob(FAILURE_GLOB)):
+    for path in sorted(Path(run_dir).glob(pattern)):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -85,5 +107,7 @@ def read_failures(run_dir: str | Path) -> list[dict]:
 
 
 def clear_failures(run_dir: str | Path) -> None:
-    for path in Path(run_dir).glob(FAILURE_GLOB):
-        path.unlink(missing_ok=True)
+    """Delete the failure and stop records of an earlier attempt."""
+    for pattern in (FAILURE_GLOB, STOP_GLOB):
+        for path in Path(run_dir).glob(pattern):
+            path.unlink(missing_ok=True)

@@ -7,6 +7,7 @@ figure in a table was taken the same way (speedup = t_baseline / t_strategy).
 from __future__ import annotations
 
 import math
+import os
 import socket
 import statistics
 import time
@@ -140,11 +141,13 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
                     y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
                     momentum: float = 0.9, seed: int = 0,
                     numerics: StrategyOptions = StrategyOptions(),
-                    keep_memory: bool = False) -> StepTiming:
+                    keep_memory: bool = False, compile: bool = False) -> StepTiming:
     """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default);
     with `numerics` bf16 / channels_last, the autocast loop of PyTorch's AMP recipe; with
     `keep_memory`, glibc told to keep freed memory as hybriddl's strategies do (call it
-    in a fresh process: the setting stays for the process's life)."""
+    in a fresh process: the setting stays for the process's life); with `compile`, the
+    model under torch.compile (compiled in the first warm-up step). An allocator such as
+    tcmalloc is the caller's: LD_PRELOAD in the fresh process's environment."""
     if keep_memory:
         keep_freed_memory()
     with torch_threads(threads):
@@ -152,12 +155,18 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
         model = build_model(model_name, num_classes, dropout=0.0)
         prepare_model(model, numerics)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        seconds, peak = _timed_steps(model, optimizer, x, y, warmup, steps, numerics=numerics)
+        seconds, peak = _timed_steps(torch.compile(model) if compile else model, optimizer,
+                                     x, y, max(warmup, 1) if compile else warmup, steps,
+                                     numerics=numerics)
     described = {"name": "pytorch", "threads": threads}
     if numerics != StrategyOptions():
         described.update(precision=numerics.precision, channels_last=numerics.channels_last)
     if keep_memory:
         described["freed_memory"] = "kept"
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
+        described["allocator"] = "tcmalloc"
+    if compile:
+        described["compiled"] = True
     return StepTiming(described, len(y), statistics.median(seconds), seconds, peak[0],
                       peak_pss_bytes=peak[1], peak_hwm_bytes=peak[2])
 
