@@ -43,6 +43,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench_common import results_header
 from hybriddl.tuning.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
                                 sample_batch)
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
@@ -204,7 +205,7 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
     return rows
 
 
-def run(args, on_measured=lambda round_, row, timing: None) -> dict:
+def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
     case = get_usecase(args.usecase)
     model_name, _, batch_size = use_case_workload(args.usecase, args.model, args.image_size,
                                                   args.batch_size)
@@ -233,7 +234,8 @@ def run(args, on_measured=lambda round_, row, timing: None) -> dict:
     summary = summarise(rows, rounds)
     plain = [r for r in summary if r["name"] == "pytorch" and r["variant"] in PEER_VARIANTS]
     peers = plain + [r for r in summary if r["name"] == "ddp"]
-    return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
+    return {**results_header("bench_local.py", argv), "usecase": args.usecase,
+            "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "workers": args.workers, "warmup": args.warmup,
             "steps": args.steps, "rounds": args.rounds, "host": host_info(),
             "tuned_pytorch": min(plain, key=lambda r: r["seconds_per_step"])["variant"],
@@ -315,7 +317,7 @@ def main(argv=None) -> int:
     try:
         result = run(args, on_measured=lambda round_, row, timing: console.print(
             f"round {round_ + 1}: {row.name} {row.variant} {timing.seconds_per_step:.3f} s/step",
-            highlight=False))
+            highlight=False), argv=argv)
     except UsageError as exc:
         Console(stderr=True).print(f"bench_local: error: {exc}", markup=False, soft_wrap=True)
         return 2

@@ -15,6 +15,8 @@ check compares the same emulated hosts at D = 1 and at D > 1:
     rate (h0's NIC bytes over the receiver's first-to-last-byte seconds) should be
     bandwidth / D within 10 %; goodput (payload bytes) is beside it, and with --latency
     the round trip should be 2 x latency x D.
+    Then two hosts of --cores cores, which take turns on the machine at D = 2 (one is
+    frozen while the other runs), at --turns-bandwidth: the same wire rate check.
 (c) NIC bytes: two hosts of 1 core train --nic-steps steps at each D: each host's NIC
     bytes (the emulate report) should not depend on D.
 (d) side by side: H hosts of --cores cores that fill the machine (D = H, for each H in
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import socket
 import statistics
@@ -67,6 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--latency", help="(b) one-way delay, e.g. 1ms (needs the kernel's "
                         "netem; default: none, no round trips measured)")
     parser.add_argument("--mib", type=float, default=16, help="(b) MiB streamed (default: 16)")
+    parser.add_argument("--turns-bandwidth", default="10gbit",
+                        help="(b) the link of 2 hosts of --cores cores that take turns, at "
+                             "D = 2 ('' leaves it out) (default: 10gbit)")
+    parser.add_argument("--turns-mib", type=float, default=512,
+                        help="(b) MiB streamed between hosts that take turns (default: 512)")
     parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
     parser.add_argument("--side-hosts", type=int, nargs="+", default=[2],
                         help="(d) host counts H (D = H) (default: 2)")
@@ -190,20 +196,34 @@ def compute_check(args, scratch: Path) -> dict:
 
 
 def link_check(args, scratch: Path) -> dict:
+    """(b): 2 hosts of 1 core (side by side) at --bandwidth and each D; then 2 hosts of
+    --cores cores, which take turns on the machine (D = 2), at --turns-bandwidth: the
+    sockets' buffers must carry the link while one end is frozen."""
+    rows = link_rows(args, scratch, 1, args.bandwidth, [1.0, *args.scales], args.mib)
+    if args.turns_bandwidth:
+        rows += link_rows(args, scratch, args.cores, args.turns_bandwidth, [2.0],
+                          args.turns_mib)
+    return {"what": f"2 hosts, {args.latency or 'no'} added delay one way: h0 streams "
+                    f"MiB to h1 over TCP (wire: h0's NIC bytes; goodput: payload), then "
+                    f"{PINGS} one-byte round trips",
+            "rows": rows}
+
+
+def link_rows(args, scratch: Path, cores: int, bandwidth: str, scales: list[float],
+              mib: float) -> list[dict]:
     from hybriddl.emulation import bits_per_second, seconds_of
 
-    rate = bits_per_second(args.bandwidth)
+    rate = bits_per_second(bandwidth)
     delay = seconds_of(args.latency) if args.latency else 0.0
     latency = ["--latency", args.latency] if args.latency else []
-    size = int(args.mib * 2**20)
-    scales = [1.0, *args.scales]
+    size = int(mib * 2**20)
     runs: dict[float, list[dict]] = {d: [] for d in scales}
     for _ in range(args.rounds):
         for scale in scales:
             for name in ("sender.json", "receiver.json"):
                 (scratch / name).unlink(missing_ok=True)
-            emulate(["--hosts", "2", "--cores-per-host", "1", "--time-scale", str(scale),
-                     "--bandwidth", args.bandwidth, *latency],
+            emulate(["--hosts", "2", "--cores-per-host", str(cores), "--time-scale", str(scale),
+                     "--bandwidth", bandwidth, *latency],
                     [sys.executable, str(Path(__file__).resolve()), "--output", "-",
                      "--link-worker", f"{scratch},{size}"], scratch)
             sender = json.loads((scratch / "sender.json").read_text())
@@ -213,14 +233,15 @@ def link_check(args, scratch: Path) -> dict:
                    "goodput_bits_per_second": receiver["bytes"] * 8 / receiver["seconds"],
                    "round_trip_seconds": statistics.median(sender["round_trips"])}
             runs[scale].append(run)
-            print(f"(b) D={scale:g}: {json.dumps(run)}", flush=True)
+            print(f"(b) {bandwidth} C={cores} D={scale:g}: {json.dumps(run)}", flush=True)
     rows = []
     for scale in scales:
         wire = [r["wire_bits_per_second"] for r in runs[scale]]
         goodput = [r["goodput_bits_per_second"] for r in runs[scale]]
         trips = [r["round_trip_seconds"] for r in runs[scale]]
         expected = rate / scale
-        rows.append({"time_scale": scale, "expected_bits_per_second": expected,
+        rows.append({"time_scale": scale, "cores_per_host": cores, "bandwidth": bandwidth,
+                     "mib": mib, "expected_bits_per_second": expected,
                      "wire_bits_per_second_median": statistics.median(wire),
                      "wire_bits_per_second_spread": [min(wire), max(wire)],
                      "wire_error": statistics.median(wire) / expected - 1,
@@ -230,11 +251,7 @@ def link_check(args, scratch: Path) -> dict:
                      "expected_round_trip_seconds": 2 * delay * scale,
                      "round_trip_seconds_median": statistics.median(trips),
                      "round_trip_seconds_spread": [min(trips), max(trips)]})
-    return {"what": f"2 hosts of 1 core at {args.bandwidth}, {args.latency or 'no'} "
-                    f"added delay one way: h0 "
-                    f"streams {args.mib:g} MiB to h1 over TCP (wire: h0's NIC bytes; "
-                    f"goodput: payload), then {PINGS} one-byte round trips",
-            "rows": rows}
+    return rows
 
 
 def nic_check(args, scratch: Path) -> dict:
@@ -292,6 +309,51 @@ def side_by_side_check(args, scratch: Path) -> dict:
             "rows": rows}
 
 
+def summary(result: dict) -> list[dict]:
+    """One row per check and D: expected, measured, error, within tolerance."""
+    rows = []
+    for row in result.get("compute", {}).get("rows", []):
+        if row["time_scale"] != 1:
+            rows.append({"check": "compute, one host (step / step at D = 1)",
+                         "time_scale": row["time_scale"], "expected": row["time_scale"],
+                         "measured": row["ratio_to_d1"], "unit": "x",
+                         "spread": [s / (row["step_seconds_median"] / row["ratio_to_d1"])
+                                    for s in row["step_seconds_spread"]],
+                         "error": row["error"], "tolerance": 0.15,
+                         "within": row["within_15_percent"]})
+    for row in result.get("side_by_side", {}).get("rows", []):
+        if row["hosts"] != 1:
+            rows.append({"check": f"compute, {row['hosts']} hosts side by side "
+                                  "(step / one host's step at D = 1)",
+                         "time_scale": row["time_scale"], "expected": row["time_scale"],
+                         "measured": row["ratio_to_d1"], "unit": "x",
+                         "spread": [s / (row["step_seconds_median"] / row["ratio_to_d1"])
+                                    for s in row["step_seconds_spread"]],
+                         "error": row["error"], "tolerance": 0.15,
+                         "within": row["within_15_percent"]})
+    for row in result.get("link", {}).get("rows", []):
+        turns = " (hosts taking turns)" if row.get("cores_per_host", 1) > 1 else ""
+        rows.append({"check": f"link at {row.get('bandwidth', '')}{turns} (wire rate)",
+                     "time_scale": row["time_scale"],
+                     "expected": row["expected_bits_per_second"] / 1e6,
+                     "measured": row["wire_bits_per_second_median"] / 1e6, "unit": "Mbit/s",
+                     "spread": [s / 1e6 for s in row["wire_bits_per_second_spread"]],
+                     "error": row["wire_error"], "tolerance": 0.10,
+                     "within": row["within_10_percent"]})
+    nic = result.get("nic_bytes")
+    if nic:
+        scaled, base = nic["rows"][-1], nic["rows"][0]
+        sent, expected = sum(scaled["host_bytes_sent_median"]), sum(base["host_bytes_sent_median"])
+        every = [sum(r) for r in scaled["host_bytes_sent_by_round"]]
+        rows.append({"check": "NIC bytes (both hosts, whole run)",
+                     "time_scale": scaled["time_scale"], "expected": expected / 1e6,
+                     "measured": sent / 1e6, "unit": "MB",
+                     "spread": [min(every) / 1e6, max(every) / 1e6],
+                     "error": sent / expected - 1, "tolerance": 0.01,
+                     "within": abs(sent / expected - 1) <= 0.01})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.alone_worker:
@@ -301,20 +363,12 @@ def main(argv=None) -> int:
         folder, size = args.link_worker.split(",")
         link_worker(Path(folder), int(size))
         return 0
-    import torch
-
-    from hybriddl.hosts.hostinfo import cpu_model
+    from bench_common import results_header
     from hybriddl.run.rundir import atomic_write_json
 
     result = {
         "what": __doc__.splitlines()[0],
-        "cpu_model": cpu_model() or platform.processor(),
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=REPO).stdout.strip(),
-        "command": shlex.join(["python", "scripts/emulation_fidelity.py",
-                               *(argv if argv is not None else sys.argv[1:])]),
+        **results_header("emulation_fidelity.py", argv),
         "rounds": args.rounds,
         "limits": "compute is assumed to scale with cores; the kernel's networking (veth, "
                   "tc) shares the machine and is not slowed down",
@@ -327,6 +381,7 @@ def main(argv=None) -> int:
             key, check = checks[letter]
             result[key] = check(args, Path(scratch))
     result["seconds"] = round(time.monotonic() - started, 1)
+    result["summary"] = summary(result)
     atomic_write_json(Path(args.output), result)
     for row in result.get("compute", {}).get("rows", []):
         print(f"(a) D={row['time_scale']:g}: step {row['step_seconds_median']:.3f} s, "

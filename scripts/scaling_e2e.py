@@ -11,7 +11,9 @@ scheme's theory beside them.
 
 Contenders, per cell: `hybrid` (--host-parallel hybrid), `data` (--host-parallel data),
 `flat` (Horovod's model: one rank per core, each sequential, the whole gradient averaged
-over all H*C ranks), and `auto` (what --host-parallel auto picks, and how fast it ran).
+over all H*C ranks), `auto` (what --host-parallel auto picks, and how fast it ran), and
+`ddp` (PyTorch DDP as a CPU user runs it: one single-threaded process per core, gloo over
+the hosts' NICs, each host's NIC counted over the timed steps).
 Cells run in interleaved rounds (every contender of a cell, then the next round), and the
 report gives medians and spread of the timed steps.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -36,11 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from bench_common import results_header  # noqa: E402
 from hybriddl.run.rundir import atomic_write_json  # noqa: E402
 from hybriddl.usecases import get_usecase  # noqa: E402
 
-CONTENDERS = ("hybrid", "data", "flat", "auto")
+CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
 # The profiled pick for both use cases at 224 px on 2-core hosts (profiles/).
 LOCAL = {"SimpleBig": ["--strategy", "layerwise", "--workers", "2", "--channels-last"],
          "ComplexSmall": ["--strategy", "intraop", "--workers", "2", "--channels-last"]}
@@ -76,7 +77,52 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
     return [*common, *LOCAL[args.usecase], "--overlap", "--host-parallel", contender], 1
 
 
+def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
+    """PyTorch DDP as a user would run it on CPU hosts: one process (one thread) per core,
+    gloo over each host's NIC (hybriddl.compare.ddp, started once per host)."""
+    case = get_usecase(args.usecase)
+    result_dir = scratch / f"ddp-{hosts}-{bandwidth}"
+    report = scratch / f"ddp-{hosts}-{bandwidth}.report.json"
+    processes = hosts * args.cores_per_host
+    ddp = shlex.join([sys.executable, "-m", "hybriddl.compare.ddp", "--processes",
+                      str(processes), "--hosts", str(hosts), "--master-addr", "198.18.0.1",
+                      "--interface", "eth0", "--result-dir", str(result_dir), "--usecase",
+                      args.usecase, "--image-size", str(args.image_size), "--batch-size",
+                      str(case.batch_size * hosts), "--warmup", str(args.warmup),
+                      "--steps", str(args.steps)])
+    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
+               "--cores-per-host", str(args.cores_per_host), "--bandwidth", bandwidth,
+               "--report", str(report), "--", "sh", "-c",
+               f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
+    started = time.time()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode != 0:
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return {"contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
+                "failed": done.returncode, "output_tail": lines[-5:]}
+    rank0 = json.loads((result_dir / "rank0.json").read_text())
+    scale = json.loads(report.read_text()).get("time_scale", 1.0)
+    emulated = [s / scale for s in rank0["step_seconds"]]
+    global_batch = case.batch_size * hosts
+    return {
+        "contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
+        "ranks_per_host": args.cores_per_host, "time_scale": scale,
+        "global_batch": global_batch, "emulated_step_seconds": emulated,
+        "median_emulated_step_seconds": statistics.median(emulated),
+        "images_per_second": global_batch / statistics.median(emulated),
+        # The meter reads the host's NIC over the timed steps: their mean per step.
+        "median_nic_bytes_per_step": rank0["nic_bytes_sent"] / rank0["timed_steps"],
+        "host_parallel": None, "strategy": rank0["strategy"],
+        "memory": {"peak_rss_bytes": rank0["peak_rss_bytes"]},
+        "wall_seconds": round(time.time() - started, 1),
+        "command": shlex.join(["hybriddl", *command[3:]]),
+    }
+
+
 def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) -> dict:
+    if contender == "ddp":
+        return run_ddp_cell(args, hosts, bandwidth, scratch)
     run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
     report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
     train, ranks = train_args(args, contender, hosts, run_dir)
@@ -128,7 +174,7 @@ def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int) ->
     if not measured:
         return None
     peak = max(c["memory"]["peak_rss_bytes"] for c in measured)
-    ranks = hosts * (cores if contender == "flat" else 1)
+    ranks = hosts * (cores if contender in ("flat", "ddp") else 1)
     total = psutil.virtual_memory().total
     if ranks * peak <= 0.85 * total:
         return None
@@ -152,13 +198,15 @@ def theory(usecase: str, hosts: int, cores: int) -> dict:
     ranks = hosts * cores
     # A ring over H*K ranks placed host-contiguously crosses each host's NIC on one edge.
     flat = 2 * (ranks - 1) / ranks * whole if hosts > 1 else 0.0
-    return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat}
+    # DDP (gloo) runs the same ring over one process per core.
+    return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat,
+            "ddp": flat}
 
 
 def _classifier_held(cell: dict) -> int | None:
     """Host 0's classifier parameters plus their momentum, measured at the run's end."""
     memory = cell.get("memory")
-    if not memory:
+    if not memory or "parameters" not in memory:
         return None
     return memory["parameters"]["classifier"] + memory["optimizer_state"]["classifier"]
 
@@ -200,19 +248,12 @@ def summarise(cells: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     output = Path(args.output)
-    info = host_info()
     result = {
         "what": __doc__.splitlines()[0],
         "usecase": args.usecase, "image_size": args.image_size,
         "cores_per_host": args.cores_per_host, "warmup": args.warmup, "steps": args.steps,
         "rounds": args.rounds,
-        "date": __import__("datetime").date.today().isoformat(),
-        "cpu_model": info.get("cpu_model") or platform.processor(),
-        "cores": len(os.sched_getaffinity(0)),
-        "torch": __import__("torch").__version__,
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=REPO).stdout.strip(),
-        "command": shlex.join(["python", "scripts/scaling_e2e.py", *(argv or sys.argv[1:])]),
+        **results_header("scaling_e2e.py", argv),
         "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host)
                                       for h in args.hosts},
         "cells": [],

@@ -17,10 +17,8 @@ evaluations included) from the emulation's report.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from bench_common import results_header  # noqa: E402
 from hybriddl.run.rundir import atomic_write_json  # noqa: E402
 
 # The main job's profiled pick at 224 px on a 2-core host (profiles/); pinned so that no
@@ -89,17 +87,10 @@ def run_hosts(args, hosts: int, scratch: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    info = host_info()
     result = {
         "what": __doc__.splitlines()[0], "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
-        "date": datetime.date.today().isoformat(),
-        "cpu_model": info.get("cpu_model") or platform.processor(),
-        "cores": len(os.sched_getaffinity(0)), "torch": __import__("torch").__version__,
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=REPO).stdout.strip(),
-        "command": shlex.join(["python", "scripts/time_to_accuracy.py",
-                               *(argv or sys.argv[1:])]),
+        **results_header("time_to_accuracy.py", argv),
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:

@@ -102,6 +102,7 @@ CONTENDER_WORDS = {
     "data": "data (`--host-parallel data`)",
     "flat": "flat (Horovod's model: one rank per core)",
     "auto": "auto (`--host-parallel auto`)",
+    "ddp": "PyTorch DDP (gloo, one process per core)",
 }
 
 
@@ -180,6 +181,65 @@ epochs' spans (their steps; the evaluation after each epoch is not in them) in e
 seconds, wall time / D."""
 
 
+def bench_local_table(data: dict) -> str:
+    lines = ["| row | numerics | s/step (median, spread) | images/s | speed-up vs sequential "
+             "| vs fastest peer (median, spread) | peak HWM MiB | HWM vs that peer |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in data["rows"]:
+        details = {k: v for k, v in r["strategy"].items()
+                   if k not in ("name", "precision", "channels_last", "accumulate")}
+        name = " ".join([r["strategy"]["name"], *(f"{k}={v}" for k, v in details.items())])
+        lines.append(f"| {name} | {r['variant']} | {r['seconds_per_step']:.3f} "
+                     f"({r['seconds_min']:.3f}–{r['seconds_max']:.3f}) | "
+                     f"{r['images_per_second']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['vs_faster_peer']:.2f} ({r['vs_faster_peer_min']:.2f}–"
+                     f"{r['vs_faster_peer_max']:.2f}) | {r['peak_hwm_bytes'] / 2**20:,.0f} | "
+                     f"{r['hwm_vs_faster_peer']:.2f} |")
+    lines += ["", f"Tuned PyTorch (the fastest plain PyTorch row): `pytorch "
+                  f"{data['tuned_pytorch']}`; the fastest peer: `{data['fastest_peer']}`."]
+    lines += [f"Note: {note}" for note in data.get("notes", [])]
+    return "\n".join(lines)
+
+
+def bench_local_setting(data: dict) -> str:
+    return (f"{data['model']}, {data['image_size']} px, batch {data['batch_size']}, "
+            f"K = {data['workers']} workers, {data['warmup']} untimed and {data['steps']} timed "
+            f"steps per row and round, {data['rounds']} interleaved round(s), one host")
+
+
+BENCH_LOCAL_NOTES = """How to read it: every row trains the same model on the same batch, each in a fresh
+process, in interleaved rounds. The peers are PyTorch DDP and plain PyTorch as it comes and
+tuned (`fp32-kept`: glibc keeps freed memory, as every hybriddl row does; `fp32-tcmalloc`:
+tcmalloc preloaded; `-cl`: channels_last). *vs fastest peer* is the fastest float32 peer's
+step over the row's, within each round. HWM is the kernel's peak resident memory (see
+[methodology](../methodology.md))."""
+
+
+def fidelity_table(data: dict) -> str:
+    lines = ["| check | time scale D | expected | measured (median) | spread | error "
+             "| within |", "|---|---:|---:|---:|---|---:|---|"]
+    for r in data["summary"]:
+        unit = r["unit"]
+        lines.append(f"| {r['check']} | {r['time_scale']:g} | {r['expected']:.3g} {unit} | "
+                     f"{r['measured']:.3g} {unit} | {r['spread'][0]:.3g}–{r['spread'][1]:.3g} | "
+                     f"{r['error']:+.1%} | {'yes' if r['within'] else '**no**'} "
+                     f"(±{r['tolerance']:.0%}) |")
+    return "\n".join(lines)
+
+
+def fidelity_setting(data: dict) -> str:
+    return (f"{data['rounds']} interleaved round(s) per check; D = 1 is the reference of "
+            f"every compute check")
+
+
+FIDELITY_NOTES = """How to read it: emulated hosts that do not fit this machine run slowed down by D (see
+[methodology](../methodology.md)). *compute, one host*: a host alone, its step at D against
+D × its step at D = 1. *compute, hosts side by side*: H hosts at D = H, each training on
+its own, their steps against D × one host's at D = 1 (the case of every multi-host cell).
+*link*: the wire rate against rate / D. *NIC bytes*: bytes a host sent at the largest D
+against D = 1 (expected: equal)."""
+
+
 @dataclass(frozen=True)
 class Table:
     name: str                      # docs/benchmarks/<name>.md
@@ -205,6 +265,12 @@ TABLES = [
     Table("scaling_e2e-ComplexSmall-1gbit", "End-to-end weak scaling, VGG16, 1 Gbit/s links",
           "results/scaling_e2e-ComplexSmall-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
           SCALING_E2E_NOTES),
+    Table("emulation_fidelity", "Emulated time: is it faithful?",
+          "results/emulation_fidelity.json", fidelity_table, fidelity_setting, FIDELITY_NOTES,
+          headline=False),
+    Table("bench_local-SimpleBig", "One host: local strategies against tuned PyTorch, AlexNet",
+          "results/bench_local-SimpleBig.json", bench_local_table, bench_local_setting,
+          BENCH_LOCAL_NOTES, headline=False),
     Table("time_to_accuracy-ComplexSmall-1gbit",
           "Time to accuracy, the main job (VGG16), 1, 2 and 4 hosts, 1 Gbit/s links",
           "results/time_to_accuracy-ComplexSmall-1gbit.json", time_to_accuracy_table,
@@ -223,7 +289,7 @@ def load_quotable(path: Path) -> tuple[dict | None, str]:
     missing = [k for k, v in provenance(data).items() if v is None]
     if missing:
         return None, "does not record " + ", ".join(missing)
-    if not data.get("summary"):
+    if not (data.get("summary") or data.get("rows")):
         return None, "no rows yet"
     return data, ""
 

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests load scripts/ by file (importlib); their shared helper (bench_common) is then
+# found as when a script runs, with scripts/ on the path.
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def hybriddl_env(**extra: str) -> dict:

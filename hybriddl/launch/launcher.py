@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -264,7 +263,6 @@ class Launcher:
             self._sleep(config.retry_delay)
 
     def _attempt(self, attempt: int, hosts: list[str]) -> int:
-        config = self.config
         hostfile = Path(tempfile.mkstemp(prefix="hybriddl-hosts-", suffix=".txt")[1])
         try:
             hostfile.write_text("".join(f"{host} slots=1\n" for host in hosts))

@@ -1,0 +1,41 @@
+"""What every benchmark script shares: the header its results JSON starts with, and the
+spread of a measurement.
+
+    from bench_common import results_header, spread
+
+Scripts are run as `python scripts/NAME.py` (Python puts scripts/ first on the path), so
+this imports without any path set-up; tests load scripts with tests/conftest.py, which
+puts scripts/ on the path the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def results_header(script: str, argv: list[str] | None = None) -> dict:
+    """cpu_model, cores, torch, commit, command and date: what scripts/write_docs.py
+    needs to quote a results file (`script` is the script's file name)."""
+    import torch
+
+    from hybriddl.hosts.hostinfo import cpu_model
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    given = sys.argv[1:] if argv is None else argv
+    return {"cpu_model": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "commit": commit,
+            "command": shlex.join(["python", f"scripts/{script}", *given]),
+            "date": datetime.date.today().isoformat()}
+
+
+def spread(values: list[float]) -> list[float]:
+    """[lowest, highest]."""
+    return [min(values), max(values)]
