@@ -57,6 +57,7 @@ def test_a_steps_freed_memory_is_reused_without_page_faults_or_growth():
     assert kept == "False" and faults > 20000
 
 
+@pytest.mark.slow
 def test_bench_memory_reuse_measures_both_modes_in_alternating_rounds(tmp_path):
     output = tmp_path / "reuse.json"
     done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--model",

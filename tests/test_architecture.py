@@ -128,3 +128,72 @@ def test_the_cli_parses_and_displays_and_never_trains_or_sends():
               for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert not called & {"build_model", "optimizer_step", "compute_gradients", "backward",
                          "allgather_rows", "allreduce_sum", "broadcast_parameters"}
+
+
+TESTS = Path(__file__).resolve().parent
+
+# What a test module does, seen in its source, and the markers that must say so (setup.cfg
+# registers them; `-m "not slow and not mpi and not emulated and not slurm"` is the quick loop).
+NAMES_NEED = {
+    "MPIRUN": {"mpi"},                                # mpirun beside the interpreter
+    "hosts_launcher": {"mpi", "emulated"},            # mpirun, on emulated hosts where it can
+    "EmulatedHosts": {"root", "emulated"},
+    "can_emulate": {"root", "emulated"},
+    "geteuid": {"root"},
+}
+COMMANDS_NEED = {  # string literals: a command line's words
+    "emulate": {"mpi", "emulated"},   # hybriddl emulate
+    "compare": {"mpi", "emulated"},   # hybriddl compare runs its contenders on emulated hosts
+    "launch": {"mpi"},                # hybriddl launch supervises mpirun
+    "sbatch": {"slurm"},
+    "srun": {"slurm"},
+}
+# Modules that ask who they run as without needing root: the reason stands beside each.
+ROOT_AWARE = {
+    "test_bad_images.py": "as root, open() ignores mode bits, so the test refuses it itself",
+}
+
+
+def markers_needed(tree: ast.AST) -> set[str]:
+    needed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            needed |= NAMES_NEED.get(node.id, set())
+        elif isinstance(node, ast.Attribute):
+            needed |= NAMES_NEED.get(node.attr, set())
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                needed |= NAMES_NEED.get(alias.name, set())
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            needed |= COMMANDS_NEED.get(node.value, set())
+    return needed
+
+
+def markers_used(tree: ast.AST) -> set[str]:
+    """`pytest.mark.NAME` anywhere: in `pytestmark`, on a test, or on a parameter."""
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark" and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "pytest"}
+
+
+def test_every_test_module_is_marked_for_what_it_starts():
+    unmarked = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        if path.name == Path(__file__).name:  # its tables name the commands, it runs none
+            continue
+        tree = ast.parse(path.read_text())
+        missing = markers_needed(tree) - markers_used(tree)
+        if path.name in ROOT_AWARE:
+            missing.discard("root")
+        if missing:
+            unmarked.append(f"{path.name}: {sorted(missing)}")
+    assert unmarked == []
+
+
+def test_marker_check_sees_an_unmarked_mpirun():
+    tree = ast.parse('import subprocess\nfrom emulated import MPIRUN\n\n'
+                     'def test_two_ranks():\n    subprocess.run([str(MPIRUN), "-np", "2", "true"])\n')
+    assert markers_needed(tree) - markers_used(tree) == {"mpi"}
+    marked = ast.parse("import pytest\npytestmark = [pytest.mark.mpi]\n")
+    assert markers_used(marked) == {"mpi"}

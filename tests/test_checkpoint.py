@@ -30,6 +30,8 @@ from hybriddl.run.rundir import CHECKPOINT, METRICS, MODEL
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
 
+pytestmark = pytest.mark.slow
+
 STEPS_PER_EPOCH = 3
 
 

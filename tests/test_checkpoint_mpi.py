@@ -46,8 +46,11 @@ def has_mpi_hosts() -> bool:
     return any(isinstance(node, ast.ClassDef) and node.name == "MPIHosts" for node in tree.body)
 
 
-pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
-                                reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)")
+pytestmark = [
+    pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
+                       reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)"),
+    pytest.mark.mpi, pytest.mark.emulated, pytest.mark.slow,
+]
 
 
 def train_args(images: Path, run_dir: Path) -> list[str]:

@@ -66,6 +66,7 @@ def test_cifar10_folder_from_home(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").glob("*.cache"))) == 1
 
 
+@pytest.mark.slow
 def test_train_with_a_relative_data_folder(cli, tmp_path):
     # The command of the bug report: a relative folder ended in a ValueError traceback.
     (tmp_path / "photos").mkdir()

@@ -35,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)"),
     pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare", "setpriv"))),
                        reason="emulated hosts need ip, tc (iproute2), unshare and setpriv"),
+    pytest.mark.root, pytest.mark.emulated, pytest.mark.mpi, pytest.mark.slow,
 ]
 
 

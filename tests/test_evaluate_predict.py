@@ -15,6 +15,8 @@ from hybriddl.inference.trained import load_trained
 from hybriddl.run.rundir import METRICS, MODEL
 from sample_data import write_tinted_classes
 
+pytestmark = pytest.mark.slow
+
 CLASSES = ["clear", "fire", "smoke"]
 PER_CLASS = 20
 # squeezenet learns the tinted classes at this lr in 3 epochs (val accuracy ~0.9, 0.33 at start).

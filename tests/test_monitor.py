@@ -163,6 +163,7 @@ def test_interval_zero_disables_monitoring(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_monitored_train_run_records_files_summary_and_epoch_times(cli, tmp_path):
     run_dir = tmp_path / "run"
     done = cli("train", "--model", "resnet18", "--image-size", "32", "--batch-size", "8",

@@ -17,6 +17,8 @@ from hybriddl.run import checkpoint
 from hybriddl.cli import main
 from hybriddl.run.rundir import CHECKPOINT, MODEL
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:

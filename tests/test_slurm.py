@@ -46,8 +46,10 @@ def cluster_unavailable() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(cluster_unavailable() is not None,
-                                reason=cluster_unavailable() or "")
+pytestmark = [
+    pytest.mark.skipif(cluster_unavailable() is not None, reason=cluster_unavailable() or ""),
+    pytest.mark.root, pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")
