@@ -181,7 +181,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
     from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
-    from hybriddl.run.rundir import default_run_dir
+    from hybriddl.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
     if not resume_if_exists(args):

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     from hybriddl.emulation import EmulatedHosts
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     with EmulatedHosts(hosts=2) as cluster:
         figures = Path(cluster.folder) / "figures.json"

@@ -49,7 +49,7 @@ from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
 from hybriddl.config import use_case_workload
 from hybriddl.errors import UsageError
 from hybriddl.hosts.hostinfo import host_info, usable_cores
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import USECASES, build_model, check_image_size, get_usecase
 

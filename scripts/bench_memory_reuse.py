@@ -30,7 +30,7 @@ from hybriddl.config import use_case_workload
 from hybriddl.data import SYNTHETIC_CLASSES
 from hybriddl.errors import UsageError
 from hybriddl.hosts.hostinfo import host_info, usable_cores
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.tuning.benchmark import timing_model

@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     import torch
 
     from hybriddl.hosts.hostinfo import cpu_model
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     result = {
         "what": __doc__.splitlines()[0],

@@ -274,7 +274,7 @@ def markdown(table: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     if args.phase == "compute":
         result = measure_compute(args)

@@ -22,7 +22,8 @@ from hybriddl.hosts.cluster import SingleHost
 from hybriddl.run.checkpoint import Checkpoint, Checkpointer, EpochProgress, Position, stage
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.cli import main
-from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
+from hybriddl.rundir import CHECKPOINT, METRICS
+from hybriddl.files import PARTIAL_GLOB
 
 STEPS_PER_EPOCH = 3
 

@@ -33,7 +33,7 @@ from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position
 from hybriddl.cli import main
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LAUNCH = [str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "btl", "tcp,self",

@@ -8,7 +8,7 @@ import torchvision
 from sample_data import write_cifar10, write_imagefolder
 
 from hybriddl import data
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 EPOCH_KEYS = {"seconds", "images_per_second", "train_loss", "val_accuracy", "data_wait_seconds",
               "mpi_bytes_sent"}

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybriddl.data.loading import load_data
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 from sample_data import write_tinted_classes
 
 

@@ -25,7 +25,7 @@ from conftest import REPO, hybriddl_env
 from held_run import wait_for
 from hybriddl.emulation.hosts import (PREFIX, EmulatedHosts, NicCounters, freezer_hierarchy,
                                       least_time_scale)
-from hybriddl.run.rundir import MODEL
+from hybriddl.rundir import MODEL
 
 BENCH = REPO / "scripts" / "bench_allreduce.py"
 MIB = 2**20

@@ -19,7 +19,7 @@ import pytest
 from conftest import hybriddl_env
 from emulated import can_emulate, hosts_launcher
 from hybriddl.emulation.hosts import PREFIX, _namespaces
-from hybriddl.run.rundir import CHECKPOINT
+from hybriddl.rundir import CHECKPOINT
 
 pytestmark = [
     pytest.mark.skipif(not can_emulate(), reason="losing a host is tested on emulated hosts, "

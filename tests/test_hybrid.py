@@ -20,7 +20,7 @@ from sample_data import write_saturated_classes
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hybrid.classifier import NotSplittable, plan, split_classifier
 from hybriddl.hybrid.parallel import DataParallel, HybridParallel, choose, traffic_bytes
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
 from hybriddl.errors import UsageError
 from hybriddl.usecases import build_model

@@ -23,7 +23,7 @@ from hybriddl.launch.command import split_training
 from hybriddl.launch.emulated import launch_on
 from hybriddl.launch.launcher import EVENTS, read_hostfile
 from hybriddl.errors import UsageError
-from hybriddl.run.rundir import MODEL
+from hybriddl.rundir import MODEL
 
 spec = importlib.util.spec_from_file_location("chaos", REPO / "scripts" / "chaos.py")
 chaos = importlib.util.module_from_spec(spec)

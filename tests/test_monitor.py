@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 
 INTERVAL = 0.1
 

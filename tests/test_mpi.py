@@ -17,7 +17,7 @@ import torch
 from conftest import hybriddl_env
 from emulated import hosts_launcher
 from sample_data import write_saturated_classes
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES
 
 MPIRUN = Path(sys.executable).parent / "mpirun"

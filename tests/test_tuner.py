@@ -12,7 +12,7 @@ from hybriddl.cli import main
 from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                       load_profile, profile_path, save_profile)
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 from hybriddl.strategies import STRATEGIES, StrategySpec
 from hybriddl.strategies.resources import HostResources, worker_counts
 from hybriddl.tuning.tuner import BASELINE, enumerate_candidates, measure_candidates, select_pick

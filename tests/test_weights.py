@@ -11,7 +11,7 @@ import pytest
 import torch
 import torchvision
 
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from sample_data import write_tinted_classes
 from test_evaluate_predict import PER_CLASS, TRAIN, one_line_refusal
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hybriddl.errors import StorageError
 from hybriddl.hosts.naming import host_name
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 
 FAILURE_GLOB = "rank*-failure.json"
 STOP_GLOB = "rank*-stopped.json"

@@ -27,8 +27,8 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
 from hybriddl.monitoring.monitor import Monitor
-from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
-                             check_new_run_dir, default_run_dir, remove_partial_writes)
+from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
+from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.run.step import optimizer_step
 from hybriddl.run.weights import load_start_weights

@@ -68,7 +68,7 @@ import torch
 from hybriddl import __version__
 from hybriddl.errors import UsageError
 from hybriddl.hosts.hostinfo import cpu_model, gpus, host_name, usable_cores
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategySpec
 
 SCHEMA_VERSION = 2
