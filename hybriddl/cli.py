@@ -291,9 +291,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hybriddl.hosts.hostinfo import host_info
+    from hybriddl.hosts.mpi import library_versions
+    from hybriddl.machine.hostinfo import host_info
 
-    info = host_info()
+    info = host_info() | library_versions()
     if args.json:
         out.print_json(json.dumps(info))
         return 0

@@ -303,7 +303,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from hybriddl.hosts.hostinfo import cpu_model
+    from hybriddl.machine.hostinfo import cpu_model
     from hybriddl.files import atomic_write_json
 
     result = {

@@ -36,7 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from hybriddl.hosts.mpi import library_versions  # noqa: E402
+from hybriddl.machine.hostinfo import host_info  # noqa: E402
 from hybriddl.files import atomic_write_json  # noqa: E402
 from hybriddl.usecases import get_usecase  # noqa: E402
 
@@ -200,7 +201,7 @@ def summarise(cells: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     output = Path(args.output)
-    info = host_info()
+    info = host_info() | library_versions()
     result = {
         "what": __doc__.splitlines()[0],
         "usecase": args.usecase, "image_size": args.image_size,

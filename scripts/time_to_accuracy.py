@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.hosts.hostinfo import host_info  # noqa: E402
+from hybriddl.hosts.mpi import library_versions  # noqa: E402
+from hybriddl.machine.hostinfo import host_info  # noqa: E402
 from hybriddl.files import atomic_write_json  # noqa: E402
 
 # The main job's profiled pick at 224 px on a 2-core host (profiles/); pinned so that no
@@ -89,7 +90,7 @@ def run_hosts(args, hosts: int, scratch: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    info = host_info()
+    info = host_info() | library_versions()
     result = {
         "what": __doc__.splitlines()[0], "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,

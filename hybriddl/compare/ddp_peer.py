@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
 # and so must this one. (Newer torch renamed the switch.)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hybriddl.errors import StorageError
-from hybriddl.hosts.naming import host_name
+from hybriddl.machine.naming import host_name
 from hybriddl.files import atomic_write_json
 
 FAILURE_GLOB = "rank*-failure.json"

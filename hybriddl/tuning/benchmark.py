@@ -24,9 +24,9 @@ from hybriddl.run.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, criterion, make_strategy
 from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.usecases import build_model
-from hybriddl.hosts.allocator import (give_back_freed_memory, keep_freed_memory,
+from hybriddl.machine.allocator import (give_back_freed_memory, keep_freed_memory,
                                       reset_high_water_mark)
-from hybriddl.hosts.cpu_threads import torch_threads
+from hybriddl.machine.cpu_threads import torch_threads
 
 
 @dataclass
