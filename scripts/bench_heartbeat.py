@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     from hybriddl.emulation.hosts import NIC
     from hybriddl.hosts.cluster import connect
     from hybriddl.hosts.heartbeat import Heartbeat
-    from hybriddl.run.step import optimizer_step
+    from hybriddl.step import optimizer_step
     from hybriddl.strategies import make_strategy
     from hybriddl.usecases import build_model, get_usecase
 

@@ -43,8 +43,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from hybriddl.tuning.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
-                                sample_batch)
+from hybriddl.compare.local_peers import measure_ddp, measure_pytorch
+from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
 from hybriddl.config import use_case_workload
 from hybriddl.errors import UsageError

@@ -32,7 +32,7 @@ from hybriddl.errors import UsageError
 from hybriddl.hosts.mpi import library_versions
 from hybriddl.machine.hostinfo import host_info, usable_cores
 from hybriddl.files import atomic_write_json
-from hybriddl.run.step import optimizer_step
+from hybriddl.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.tuning.benchmark import timing_model
 from hybriddl.usecases import get_usecase

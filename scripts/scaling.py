@@ -9,7 +9,7 @@
 This machine has 2 cores, so H hosts cannot compute side by side here; each part of a
 step is measured where it can be measured faithfully, and the step is their sum:
 
-- compute: one host's optimizer step (`run/step.optimizer_step`, timed by the tuner's
+- compute: one host's optimizer step (`step.optimizer_step`, timed by the tuner's
   `measure_strategy`) at its share B/H of the global batch B, with --strategy over the
   host's K cores (the hybrid); and one Horovod worker's step, `sequential` on one core,
   at its share B/(H*K) (Horovod's model, K workers per host). Rounds interleave H.

@@ -14,7 +14,7 @@ from torch import nn
 
 from hybriddl.compare.compare import REPORT, RESULT, host_nic_theory, ring_bytes_per_rank
 from hybriddl.errors import UsageError
-from hybriddl.run.stepmeter import StepMeter
+from hybriddl.compare.stepmeter import StepMeter
 from hybriddl.strategies import StrategyOptions, make_strategy
 
 SMALL = ("--usecase", "SimpleBig", "--model", "squeezenet1_1", "--image-size", "32",

@@ -37,7 +37,7 @@ from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, 
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.files import atomic_write_bytes, atomic_write_json
 from hybriddl.rundir import check_new_run_dir, default_run_dir
-from hybriddl.run.stepmeter import HOST_NIC, read_rank_results
+from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"

@@ -30,7 +30,7 @@ from hybriddl.monitoring.monitor import Monitor
 from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.shutdown import StopRequest
-from hybriddl.run.step import optimizer_step
+from hybriddl.step import optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
 from hybriddl.usecases import build_model, check_image_size, get_usecase
