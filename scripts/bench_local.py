@@ -46,13 +46,13 @@ from rich.table import Table
 from hybriddl.compare.local_peers import measure_ddp, measure_pytorch
 from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
-from hybriddl.config import use_case_workload
+from hybriddl.usecases import (USECASES, build_model, check_image_size, get_usecase,
+                               use_case_workload)
 from hybriddl.errors import UsageError
 from hybriddl.hosts.mpi import library_versions
 from hybriddl.machine.hostinfo import host_info, usable_cores
 from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.usecases import USECASES, build_model, check_image_size, get_usecase
 
 STRATEGY_ROWS = ("sequential", "intraop", "threads", "processes", "layerwise")
 VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),

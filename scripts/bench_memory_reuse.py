@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 
 from bench_local import batch
-from hybriddl.config import use_case_workload
+from hybriddl.usecases import get_usecase, use_case_workload
 from hybriddl.data import SYNTHETIC_CLASSES
 from hybriddl.errors import UsageError
 from hybriddl.hosts.mpi import library_versions
@@ -35,7 +35,6 @@ from hybriddl.files import atomic_write_json
 from hybriddl.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.tuning.benchmark import timing_model
-from hybriddl.usecases import get_usecase
 
 MODES = ("system", "keep")  # values of HYBRIDDL_MALLOC
 IN_PROCESS = ("sequential", "intraop", "threads", "layerwise")

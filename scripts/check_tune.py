@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybriddl.tuning import profiles, tuner
-from hybriddl.config import tune_settings
+from hybriddl.tuning.tuner import tune_settings
 from hybriddl.tuning.benchmark import measure_strategy, sample_batch
 from hybriddl.errors import UsageError
 from hybriddl.files import atomic_write_json

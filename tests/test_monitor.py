@@ -193,7 +193,7 @@ def test_negative_monitor_interval_is_refused(tmp_path, capsys):
 
 def test_training_that_fails_still_stops_its_monitor(tmp_path):
     from hybriddl.run import trainer
-    from hybriddl.config import TrainConfig
+    from hybriddl.run.settings import TrainConfig
 
     class FailingObserver(trainer.TrainingObserver):
         def on_step(self, epoch, step, samples, seconds, loss):

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from hybriddl.tuning import profiles, tuner
-from hybriddl.config import tune_settings
+from hybriddl.tuning.tuner import (BASELINE, enumerate_candidates, measure_candidates, select_pick,
+                                   tune_settings)
 from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
@@ -15,7 +16,6 @@ from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profil
 from hybriddl.rundir import METRICS
 from hybriddl.strategies import STRATEGIES, StrategySpec
 from hybriddl.strategies.resources import HostResources, worker_counts
-from hybriddl.tuning.tuner import BASELINE, enumerate_candidates, measure_candidates, select_pick
 
 THREADS2 = StrategySpec("threads", workers=2)
 PROCESSES2 = StrategySpec("processes", workers=2)

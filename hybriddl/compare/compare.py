@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from hybriddl.config import DEFAULT_USECASE, TrainConfig, use_case_workload
+from hybriddl.usecases import DEFAULT_USECASE, use_case_workload
+from hybriddl.run.settings import TrainConfig
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.files import atomic_write_bytes, atomic_write_json
