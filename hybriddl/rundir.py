@@ -1,4 +1,6 @@
-"""The run directory contract (ARCHITECTURE.md, "Contracts")."""
+"""The run directory contract (ARCHITECTURE.md, "Contracts"): its files' names, the checks
+before a run writes there, and reading a finished run's metrics. Below every reader of a run:
+the trainer, the launcher, compare, inference and report."""
 
 from __future__ import annotations
 
