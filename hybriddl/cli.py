@@ -9,9 +9,10 @@ from pathlib import Path
 
 from hybriddl import __version__
 from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
-from hybriddl.config import (DEFAULT_USECASE, add_accumulate_arg, add_numerics_args,
-                             hosts_options, ignored_flags, resume_if_exists, training_config,
-                             tune_settings)
+from hybriddl.usecases import DEFAULT_USECASE, USECASES
+from hybriddl.config import (add_accumulate_arg, add_numerics_args, hosts_options, ignored_flags,
+                             resume_if_exists, training_config)
+from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS, tune_settings
 from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
                               files_table, host_table, out, show_error, show_host_failure,
                               show_pick)
@@ -20,8 +21,6 @@ from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, Us
 from hybriddl.inference.command import add_inference_parsers
 from hybriddl.launch.command import add_launch_parser
 from hybriddl.strategies import STRATEGIES
-from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
-from hybriddl.usecases import USECASES
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -181,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
     from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
-    from hybriddl.run.rundir import default_run_dir
+    from hybriddl.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
     if not resume_if_exists(args):
@@ -291,9 +290,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hybriddl.hosts.hostinfo import host_info
+    from hybriddl.hosts.mpi import library_versions
+    from hybriddl.machine.hostinfo import host_info
 
-    info = host_info()
+    info = host_info() | library_versions()
     if args.json:
         out.print_json(json.dumps(info))
         return 0

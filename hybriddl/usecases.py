@@ -46,12 +46,29 @@ PIPELINE_SPLITS = {"alexnet": 10, "vgg16": 19}
 AUXILIARY_HEAD_MODELS = {"googlenet", "inception_v3"}
 
 
+DEFAULT_USECASE = "ComplexSmall"  # what train, tune and compare run when --usecase is left out
+
+
 def get_usecase(name: str) -> UseCase:
     try:
         return USECASES[name]
     except KeyError:
         known = ", ".join(USECASES)
         raise UsageError(f"unknown use case {name!r}: choose one of {known}") from None
+
+
+def use_case_workload(usecase: str, model: str | None, image_size: int | None,
+                      batch_size: int | None) -> tuple[str, int, int]:
+    """The model, image size and batch, the use case's where left out, checked: what
+    train, tune and compare all start from."""
+    case = get_usecase(usecase)
+    model = model or case.model
+    image_size = image_size if image_size is not None else case.image_size
+    batch_size = batch_size if batch_size is not None else case.batch_size
+    for flag, value in (("--batch-size", batch_size), ("--image-size", image_size)):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: give at least 1")
+    return model, image_size, batch_size
 
 
 def classifier_names() -> list[str]:

@@ -273,7 +273,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     from hybriddl.errors import UsageError
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     if args.size < 4 or args.size % 4:
         print(f"bench_allreduce: --bytes {args.size}: give a positive multiple of 4",

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 # "before" runs another revision's hybriddl: its copy goes first on the path.
 sys.path.insert(0, os.environ.get("BENCH_CHECKPOINT_CODE", str(REPO)))
 
-from hybriddl.run.rundir import CHECKPOINT, atomic_write_json  # noqa: E402
+from hybriddl.rundir import CHECKPOINT  # noqa: E402
+from hybriddl.files import atomic_write_json  # noqa: E402
 
 MODES = ("before", "wait", "background")
 EPOCH_2_STEPS = 6

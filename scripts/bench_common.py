@@ -25,7 +25,7 @@ def results_header(script: str, argv: list[str] | None = None) -> dict:
     needs to quote a results file (`script` is the script's file name)."""
     import torch
 
-    from hybriddl.hosts.hostinfo import cpu_model
+    from hybriddl.machine.hostinfo import cpu_model
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()

@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     from hybriddl.emulation.hosts import NIC
     from hybriddl.hosts.cluster import connect
     from hybriddl.hosts.heartbeat import Heartbeat
-    from hybriddl.run.step import optimizer_step
+    from hybriddl.step import optimizer_step
     from hybriddl.strategies import make_strategy
     from hybriddl.usecases import build_model, get_usecase
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     from hybriddl.emulation import EmulatedHosts
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     with EmulatedHosts(hosts=2) as cluster:
         figures = Path(cluster.folder) / "figures.json"

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         (serve if args.serve else send)(address, int(size), int(rounds))
         return 0
     from hybriddl.emulation import EmulatedHosts
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     size = int(args.mib * 2**20)
     me = [sys.executable, str(Path(__file__).resolve())]

@@ -6,7 +6,7 @@
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
 threads K, processes K, layerwise K, and the peers: PyTorch DDP over gloo with K
 processes, and plain PyTorch (its default threads) as it comes and tuned: glibc told to
-keep freed memory (fp32-kept, as every hybriddl row does: hosts/allocator.py) or
+keep freed memory (fp32-kept, as every hybriddl row does: machine/allocator.py) or
 tcmalloc preloaded (fp32-tcmalloc, Debian's libtcmalloc-minimal4), each also with
 channels_last (-cl), and with --compile-peer torch.compile too (fp32-kept-compile, its
 compile inside the warm-up). "Tuned PyTorch" is the fastest of these plain rows.
@@ -44,15 +44,16 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_common import results_header
-from hybriddl.tuning.benchmark import (StepTiming, measure_ddp, measure_pytorch, measure_strategy,
-                                sample_batch)
+from hybriddl.compare.local_peers import measure_ddp, measure_pytorch
+from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
-from hybriddl.config import use_case_workload
+from hybriddl.usecases import (USECASES, build_model, check_image_size, get_usecase,
+                               use_case_workload)
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import host_info, usable_cores
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.hosts.mpi import library_versions
+from hybriddl.machine.hostinfo import host_info, usable_cores
+from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.usecases import USECASES, build_model, check_image_size, get_usecase
 
 STRATEGY_ROWS = ("sequential", "intraop", "threads", "processes", "layerwise")
 VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),
@@ -237,7 +238,7 @@ def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
     return {**results_header("bench_local.py", argv), "usecase": args.usecase,
             "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "workers": args.workers, "warmup": args.warmup,
-            "steps": args.steps, "rounds": args.rounds, "host": host_info(),
+            "steps": args.steps, "rounds": args.rounds, "host": host_info() | library_versions(),
             "tuned_pytorch": min(plain, key=lambda r: r["seconds_per_step"])["variant"],
             "fastest_peer": "{name} {variant}".format(
                 **min(peers, key=lambda r: r["seconds_per_step"])),

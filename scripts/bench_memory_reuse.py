@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/bench_memory_reuse.py --usecase SimpleBig --strategy intraop \
         --rounds 5 --output results/memory_reuse-SimpleBig.json
 
-hybriddl's strategies tell glibc to keep freed memory for reuse (hosts/allocator.py);
+hybriddl's strategies tell glibc to keep freed memory for reuse (machine/allocator.py);
 HYBRIDDL_MALLOC=system leaves glibc's defaults. Each round runs the strategy once in each
 mode, each in a fresh spawned process (the setting lasts a process's life), modes
 alternating; per timed step it records the seconds, the minor page faults and the kernel
@@ -26,15 +26,15 @@ import torch
 from rich.console import Console
 
 from bench_local import batch
-from hybriddl.config import use_case_workload
+from hybriddl.usecases import get_usecase, use_case_workload
 from hybriddl.data import SYNTHETIC_CLASSES
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import host_info, usable_cores
-from hybriddl.run.rundir import atomic_write_json
-from hybriddl.run.step import optimizer_step
+from hybriddl.hosts.mpi import library_versions
+from hybriddl.machine.hostinfo import host_info, usable_cores
+from hybriddl.files import atomic_write_json
+from hybriddl.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.tuning.benchmark import timing_model
-from hybriddl.usecases import get_usecase
 
 MODES = ("system", "keep")  # values of HYBRIDDL_MALLOC
 IN_PROCESS = ("sequential", "intraop", "threads", "layerwise")
@@ -112,7 +112,7 @@ def run(args) -> dict:
     return {"usecase": args.usecase, "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "strategy": described | {"workers": args.workers},
             "warmup": args.warmup, "steps": args.steps, "rounds": rounds, "summary": summary,
-            "host": host_info()}
+            "host": host_info() | library_versions()}
 
 
 def main(argv=None) -> int:

@@ -32,8 +32,7 @@ from hybriddl.data.loading import load_data  # noqa: E402
 from hybriddl.errors import UsageError  # noqa: E402
 from hybriddl.monitoring.monitor import Monitor  # noqa: E402
 from hybriddl.strategies import StrategyOptions, make_strategy  # noqa: E402
-from hybriddl.config import use_case_workload  # noqa: E402
-from hybriddl.usecases import build_model, get_usecase  # noqa: E402
+from hybriddl.usecases import build_model, get_usecase, use_case_workload  # noqa: E402
 
 BUDGET_PCT = 1.0
 

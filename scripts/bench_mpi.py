@@ -37,7 +37,8 @@ from rich.table import Table
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hybriddl.run.rundir import METRICS, MODEL, atomic_write_json  # noqa: E402
+from hybriddl.rundir import METRICS, MODEL  # noqa: E402
+from hybriddl.files import atomic_write_json  # noqa: E402
 from hybriddl.strategies import STRATEGIES  # noqa: E402
 
 MPIRUN = Path(sys.executable).parent / "mpirun"

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces, freezer_hierarchy  # noqa: E402
 from hybriddl.launch.emulated import launch_on  # noqa: E402
 from hybriddl.launch.launcher import EVENTS  # noqa: E402
-from hybriddl.run.rundir import CHECKPOINT, MODEL  # noqa: E402
+from hybriddl.rundir import CHECKPOINT, MODEL  # noqa: E402
 
 FAULTS = ("kill", "stop", "link", "disk", "sigterm")
 HOSTS = 3

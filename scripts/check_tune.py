@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from hybriddl.tuning import profiles, tuner
-from hybriddl.config import tune_settings
+from hybriddl.tuning.tuner import tune_settings
 from hybriddl.tuning.benchmark import measure_strategy, sample_batch
 from hybriddl.errors import UsageError
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 
 console = Console(stderr=True)
 out = Console()

@@ -364,7 +364,7 @@ def main(argv=None) -> int:
         link_worker(Path(folder), int(size))
         return 0
     from bench_common import results_header
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     result = {
         "what": __doc__.splitlines()[0],

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import USECASES, build_model, get_usecase
 

@@ -9,7 +9,7 @@
 This machine has 2 cores, so H hosts cannot compute side by side here; each part of a
 step is measured where it can be measured faithfully, and the step is their sum:
 
-- compute: one host's optimizer step (`run/step.optimizer_step`, timed by the tuner's
+- compute: one host's optimizer step (`step.optimizer_step`, timed by the tuner's
   `measure_strategy`) at its share B/H of the global batch B, with --strategy over the
   host's K cores (the hybrid); and one Horovod worker's step, `sequential` on one core,
   at its share B/(H*K) (Horovod's model, K workers per host). Rounds interleave H.
@@ -274,7 +274,7 @@ def markdown(table: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     if args.phase == "compute":
         result = measure_compute(args)

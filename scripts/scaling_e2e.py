@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench_common import results_header  # noqa: E402
-from hybriddl.run.rundir import atomic_write_json  # noqa: E402
+from hybriddl.files import atomic_write_json  # noqa: E402
 from hybriddl.usecases import get_usecase  # noqa: E402
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")

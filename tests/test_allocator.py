@@ -1,4 +1,4 @@
-"""Freed memory kept for the next step (hosts/allocator.py): once the heap holds what a step
+"""Freed memory kept for the next step (machine/allocator.py): once the heap holds what a step
 needs, a step pays no page faults for memory the last step freed, and the heap stops growing."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import REPO, hybriddl_env
 # "no reuse", though the other steps faulted nothing.
 STEADY_STEP_FAULTS = """
 import resource, torch
-from hybriddl.hosts.allocator import keep_freed_memory
+from hybriddl.machine.allocator import keep_freed_memory
 kept = keep_freed_memory()
 def step():
     a = torch.empty(12 * 2**20).fill_(1.0)  # 48 MiB
@@ -57,6 +57,7 @@ def test_a_steps_freed_memory_is_reused_without_page_faults_or_growth():
     assert kept == "False" and faults > 20000
 
 
+@pytest.mark.slow
 def test_bench_memory_reuse_measures_both_modes_in_alternating_rounds(tmp_path):
     output = tmp_path / "reuse.json"
     done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--model",
@@ -104,7 +105,8 @@ def test_the_high_water_mark_sees_a_peak_that_was_given_back_before_the_sample()
 # mark); giving it back and resetting the mark starts the next measurement from what is live.
 GIVE_BACK = """
 import torch
-from hybriddl.hosts.allocator import give_back_freed_memory, keep_freed_memory, reset_high_water_mark
+from hybriddl.machine.allocator import (give_back_freed_memory, keep_freed_memory,
+                                        reset_high_water_mark)
 from hybriddl.tuning.benchmark import tree_memory
 assert keep_freed_memory()
 block = torch.ones(64 * 2**20)  # 256 MiB

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from hybriddl.strategies import STRATEGIES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybriddl"
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
 
 
 def module_name(path: Path) -> str:
@@ -19,13 +21,36 @@ def modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_statements(tree: ast.AST):
+    """Every import, at any depth (function-level ones too), but those under
+    `if TYPE_CHECKING:`, which never run."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and is_type_checking(node.test):
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        pending.extend(ast.iter_child_nodes(node))
+
+
 def imported(path: Path, known: dict[str, Path]) -> set[str]:
-    """hybriddl modules `path` imports, at any depth (function-level imports count too)."""
+    """hybriddl modules `path` imports."""
+    return imported_from(ast.parse(path.read_text()), known)
+
+
+def imported_from(tree: ast.AST, known) -> set[str]:
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in import_statements(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif node.module and node.level == 0:
             # `from pkg import module` imports the module; `from module import name` the module
             names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
         else:
@@ -70,6 +95,71 @@ def test_import_graph_has_no_cycle():
     graph = import_graph()
     assert "hybriddl.run.trainer" in graph and graph["hybriddl.run.trainer"]
     assert find_cycle(graph) is None
+
+
+def room(module: str) -> str:
+    """The folder or top-level module a module lives in: hybriddl.run.trainer -> run,
+    hybriddl.files -> files, hybriddl itself -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_table(text: str) -> dict[str, int]:
+    """ARCHITECTURE.md's layers: folder or top-level module -> its layer (1 = the bottom)."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    layers = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isdigit():
+            for name in re.findall(r"`([\w.]+/?)`", cells[2]):
+                layers[name.removesuffix("/").removesuffix(".py")] = int(cells[0])
+    return layers
+
+
+def imports_up(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return [f"{module} (layer {layers[room(module)]}) imports {target} "
+            f"(layer {layers[room(target)]})"
+            for module, targets in sorted(graph.items()) for target in sorted(targets)
+            if layers[room(target)] > layers[room(module)]]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {room(module): set() for module in graph}
+    for module, targets in graph.items():
+        rooms[room(module)] |= {room(target) for target in targets} - {room(module)}
+    return rooms
+
+
+def test_every_module_has_a_layer_in_architecture_md():
+    layers = layer_table(ARCHITECTURE.read_text())
+    rooms = {room(module) for module in modules()}
+    assert rooms - set(layers) == set(), "add these to ARCHITECTURE.md's layer table"
+    assert set(layers) - rooms == set(), "ARCHITECTURE.md's layer table names what is not there"
+
+
+def test_no_module_imports_a_higher_layer():
+    assert imports_up(import_graph(), layer_table(ARCHITECTURE.read_text())) == []
+
+
+def test_no_folders_import_each_other_round_a_circle():
+    assert find_cycle(room_graph(import_graph())) is None
+
+
+def test_layer_checks_see_an_import_up_and_a_circle_of_folders():
+    graph = {"hybriddl.files": {"hybriddl.run.trainer"}, "hybriddl.run.trainer": set()}
+    assert imports_up(graph, {"files": 1, "run": 7}) == [
+        "hybriddl.files (layer 1) imports hybriddl.run.trainer (layer 7)"]
+    folders = {"hybriddl.run.trainer": {"hybriddl.tuning.benchmark"},
+               "hybriddl.tuning.benchmark": {"hybriddl.run.step"}, "hybriddl.run.step": set()}
+    assert find_cycle(room_graph(folders)) == ["run", "tuning", "run"]
+    table = "x\n## Layers\n\n| 1 | bottom | `files.py`, `machine/` | w `x.py` |\n\n## Next\n| 2 | n | `cli.py` |"
+    assert layer_table(table) == {"files": 1, "machine": 1}
+
+
+def test_imports_under_type_checking_are_not_counted():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import hybriddl.cli\n"
+                     "def f():\n    import hybriddl.files\n")
+    assert imported_from(tree, {"hybriddl.cli": None, "hybriddl.files": None}) == {"hybriddl.files"}
 
 
 def test_only_the_host_layer_imports_mpi4py():
@@ -128,3 +218,72 @@ def test_the_cli_parses_and_displays_and_never_trains_or_sends():
               for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert not called & {"build_model", "optimizer_step", "compute_gradients", "backward",
                          "allgather_rows", "allreduce_sum", "broadcast_parameters"}
+
+
+TESTS = Path(__file__).resolve().parent
+
+# What a test module does, seen in its source, and the markers that must say so (setup.cfg
+# registers them; `-m "not slow and not mpi and not emulated and not slurm"` is the quick loop).
+NAMES_NEED = {
+    "MPIRUN": {"mpi"},                                # mpirun beside the interpreter
+    "hosts_launcher": {"mpi", "emulated"},            # mpirun, on emulated hosts where it can
+    "EmulatedHosts": {"root", "emulated"},
+    "can_emulate": {"root", "emulated"},
+    "geteuid": {"root"},
+}
+COMMANDS_NEED = {  # string literals: a command line's words
+    "emulate": {"mpi", "emulated"},   # hybriddl emulate
+    "compare": {"mpi", "emulated"},   # hybriddl compare runs its contenders on emulated hosts
+    "launch": {"mpi"},                # hybriddl launch supervises mpirun
+    "sbatch": {"slurm"},
+    "srun": {"slurm"},
+}
+# Modules that ask who they run as without needing root: the reason stands beside each.
+ROOT_AWARE = {
+    "test_bad_images.py": "as root, open() ignores mode bits, so the test refuses it itself",
+}
+
+
+def markers_needed(tree: ast.AST) -> set[str]:
+    needed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            needed |= NAMES_NEED.get(node.id, set())
+        elif isinstance(node, ast.Attribute):
+            needed |= NAMES_NEED.get(node.attr, set())
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                needed |= NAMES_NEED.get(alias.name, set())
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            needed |= COMMANDS_NEED.get(node.value, set())
+    return needed
+
+
+def markers_used(tree: ast.AST) -> set[str]:
+    """`pytest.mark.NAME` anywhere: in `pytestmark`, on a test, or on a parameter."""
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "mark" and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "pytest"}
+
+
+def test_every_test_module_is_marked_for_what_it_starts():
+    unmarked = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        if path.name == Path(__file__).name:  # its tables name the commands, it runs none
+            continue
+        tree = ast.parse(path.read_text())
+        missing = markers_needed(tree) - markers_used(tree)
+        if path.name in ROOT_AWARE:
+            missing.discard("root")
+        if missing:
+            unmarked.append(f"{path.name}: {sorted(missing)}")
+    assert unmarked == []
+
+
+def test_marker_check_sees_an_unmarked_mpirun():
+    tree = ast.parse('import subprocess\nfrom emulated import MPIRUN\n\n'
+                     'def test_two_ranks():\n    subprocess.run([str(MPIRUN), "-np", "2", "true"])\n')
+    assert markers_needed(tree) - markers_used(tree) == {"mpi"}
+    marked = ast.parse("import pytest\npytestmark = [pytest.mark.mpi]\n")
+    assert markers_used(marked) == {"mpi"}

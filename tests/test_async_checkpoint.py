@@ -11,6 +11,7 @@ import json
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -21,7 +22,8 @@ from hybriddl.hosts.cluster import SingleHost
 from hybriddl.run.checkpoint import Checkpoint, Checkpointer, EpochProgress, Position, stage
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.cli import main
-from hybriddl.run.rundir import CHECKPOINT, METRICS, PARTIAL_GLOB
+from hybriddl.rundir import CHECKPOINT, METRICS
+from hybriddl.files import PARTIAL_GLOB
 
 STEPS_PER_EPOCH = 3
 
@@ -40,6 +42,7 @@ def epochs_recorded(run_dir: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_training_goes_on_while_the_checkpoint_is_written(images, tmp_path):
     run_dir = tmp_path / "run"
     # The writer is held inside epoch 1's checkpoint, before its rename.
@@ -55,6 +58,7 @@ def test_training_goes_on_while_the_checkpoint_is_written(images, tmp_path):
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
 
 
+@pytest.mark.slow
 def test_kill_during_background_write_keeps_previous_and_next_start_removes_the_partial_file(
         images, tmp_path, capsys):
     run_dir = tmp_path / "run"
@@ -70,6 +74,7 @@ def test_kill_during_background_write_keeps_previous_and_next_start_removes_the_
     assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
+@pytest.mark.slow
 def test_stop_signal_while_a_write_is_under_way_leaves_both_checkpoints_complete(images,
                                                                                  tmp_path):
     run_dir = tmp_path / "run"
@@ -84,6 +89,7 @@ def test_stop_signal_while_a_write_is_under_way_leaves_both_checkpoints_complete
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
 
 
+@pytest.mark.slow
 def test_non_finite_loss_is_one_line_exit_1_and_the_last_checkpoint_stays_good(images, tmp_path,
                                                                               cli):
     run_dir = tmp_path / "run"

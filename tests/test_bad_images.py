@@ -223,6 +223,7 @@ TRAIN = ("--model", "squeezenet1_1", "--image-size", "32", "--strategy", "sequen
          "--batch-size", "2", "--epochs", "1", "--max-steps", "1", "--monitor-interval", "0")
 
 
+@pytest.mark.slow
 def test_train_shows_the_summary_and_strict_data_exits_2_in_one_line(cli, cli_here, tmp_path,
                                                                       photos_with_junk):
     cache = tmp_path / "cache"
@@ -243,6 +244,7 @@ def test_train_shows_the_summary_and_strict_data_exits_2_in_one_line(cli, cli_he
     assert "1 image of" in done.stderr and "converted to RGB (1 CMYK)" in done.stderr
 
 
+@pytest.mark.slow
 def test_tune_shows_the_same_summary(cli, tmp_path, photos_with_junk):
     """`hybriddl tune --data` measures on the same cache, and says what it left out."""
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "squeezenet1_1", "--image-size",

@@ -158,6 +158,7 @@ def test_bad_input_without_run_dir_creates_no_default_run_directory(cli, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_run_dir_that_already_holds_a_run_is_refused_and_left_alone(cli, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -209,6 +210,7 @@ def test_flags_that_act_are_not_warned_about():
     assert ignored(["--strategy", "sequential", *across], hosts=2) == []
 
 
+@pytest.mark.slow
 def test_the_warnings_reach_the_user_and_the_run_goes_on(cli, tmp_path):
     done = cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
                "--max-steps", "1", "--strategy", "sequential", "--workers", "2",

@@ -17,8 +17,11 @@ spec = importlib.util.spec_from_file_location("chaos", REPO / "scripts" / "chaos
 chaos = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(chaos)
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts and a tmpfs for "
-                                "the full disk need root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts and a tmpfs for the full disk "
+                       "need root"),
+    pytest.mark.root, pytest.mark.emulated, pytest.mark.mpi, pytest.mark.slow,
+]
 
 
 def test_schedule_is_seeded_and_each_fault_lands_between_checkpoints():

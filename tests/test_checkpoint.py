@@ -26,9 +26,11 @@ from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError
-from hybriddl.run.rundir import CHECKPOINT, METRICS, MODEL
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.strategies import STRATEGIES
+
+pytestmark = pytest.mark.slow
 
 STEPS_PER_EPOCH = 3
 

@@ -33,7 +33,7 @@ from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position
 from hybriddl.cli import main
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LAUNCH = [str(MPIRUN), "-np", "2", "--oversubscribe", "--mca", "btl", "tcp,self",
@@ -46,8 +46,11 @@ def has_mpi_hosts() -> bool:
     return any(isinstance(node, ast.ClassDef) and node.name == "MPIHosts" for node in tree.body)
 
 
-pytestmark = pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
-                                reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)")
+pytestmark = [
+    pytest.mark.skipif(not (MPIRUN.exists() and has_mpi_hosts()),
+                       reason="needs mpirun and hybriddl.hosts.mpi.MPIHosts (branch mpi)"),
+    pytest.mark.mpi, pytest.mark.emulated, pytest.mark.slow,
+]
 
 
 def train_args(images: Path, run_dir: Path) -> list[str]:

@@ -8,7 +8,7 @@ import torchvision
 from sample_data import write_cifar10, write_imagefolder
 
 from hybriddl import data
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 EPOCH_KEYS = {"seconds", "images_per_second", "train_loss", "val_accuracy", "data_wait_seconds",
               "mpi_bytes_sent"}
@@ -31,6 +31,7 @@ def learning_run(tmp_path_factory):
     return run_dir, json.loads((run_dir / METRICS).read_text()), done
 
 
+@pytest.mark.slow
 def test_embedded_data_is_learnable_in_a_few_epochs(learning_run):
     _, metrics, _ = learning_run
     accuracies = [e["val_accuracy"] for e in metrics["epochs"]]
@@ -39,6 +40,7 @@ def test_embedded_data_is_learnable_in_a_few_epochs(learning_run):
     assert metrics["epochs"][-1]["train_loss"] < metrics["epochs"][0]["train_loss"]
 
 
+@pytest.mark.slow
 def test_metrics_record_the_configuration(learning_run):
     _, metrics, _ = learning_run
     config = metrics["config"]
@@ -54,6 +56,7 @@ def test_metrics_record_the_configuration(learning_run):
         (3 * per_class_train, 3 * per_class_val)
 
 
+@pytest.mark.slow
 def test_metrics_hold_one_sensible_record_per_epoch(learning_run):
     _, metrics, _ = learning_run
     train_images = metrics["config"]["data"]["train_images"]
@@ -70,6 +73,7 @@ def test_metrics_hold_one_sensible_record_per_epoch(learning_run):
         assert record["train_loss"] > 0
 
 
+@pytest.mark.slow
 def test_model_file_loads_into_the_torchvision_model(learning_run):
     run_dir, _, _ = learning_run
     state = torch.load(run_dir / MODEL, weights_only=True)
@@ -79,6 +83,7 @@ def test_model_file_loads_into_the_torchvision_model(learning_run):
         "resnet18", weights=None, num_classes=3).fc.weight)
 
 
+@pytest.mark.slow
 def test_run_directory_holds_only_finished_files(learning_run):
     run_dir, _, _ = learning_run
     names = {p.name for p in run_dir.iterdir()}
@@ -86,12 +91,14 @@ def test_run_directory_holds_only_finished_files(learning_run):
     assert not [n for n in names if ".tmp" in n]
 
 
+@pytest.mark.slow
 def test_train_prints_the_epoch_table(learning_run):
     run_dir, _, done = learning_run
     assert "val accuracy" in done.stdout
     assert str(run_dir) in done.stdout.replace("\n", "")
 
 
+@pytest.mark.slow
 def test_max_steps_stops_across_epochs(cli, tmp_path):
     run_dir = tmp_path / "run"
     done = cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
@@ -106,6 +113,7 @@ def test_max_steps_stops_across_epochs(cli, tmp_path):
     model.load_state_dict(torch.load(run_dir / MODEL, weights_only=True), strict=True)
 
 
+@pytest.mark.slow
 def test_train_records_the_numerics_it_ran_in(cli, tmp_path):
     run_dir = tmp_path / "run"
     # Batch 8: two chunks of 4 over 2 workers leave BatchNorm 2 samples per worker.
@@ -121,6 +129,7 @@ def test_train_records_the_numerics_it_ran_in(cli, tmp_path):
     assert all(t.dtype != torch.bfloat16 for t in state.values())  # float32 master weights
 
 
+@pytest.mark.slow
 def test_train_on_an_imagefolder(cli, tmp_path):
     root = write_imagefolder(tmp_path / "images", per_class=6,
                              classes={"fire": (230, 80, 10), "smoke": (150, 150, 150),
@@ -136,6 +145,7 @@ def test_train_on_an_imagefolder(cli, tmp_path):
     assert config["data"]["stored_size"] == [32, 32]
 
 
+@pytest.mark.slow
 def test_train_on_cifar10_batches_with_fewer_classes(cli, tmp_path):
     write_cifar10(tmp_path / "cifar", train_batches=2, per_batch=30, test=20)
     run_dir = tmp_path / "run"
@@ -189,6 +199,7 @@ def test_python_m_hybriddl_help_lists_the_subcommands(cli):
 
 
 
+@pytest.mark.slow
 def test_a_one_sample_forward_through_batchnorm_is_one_line(cli, tmp_path):
     """Batch 2 over 2 worker threads: each forward pass has one sample, which BatchNorm
     cannot train on; the user gets what to change, not torch's traceback."""

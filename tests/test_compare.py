@@ -14,7 +14,7 @@ from torch import nn
 
 from hybriddl.compare.compare import REPORT, RESULT, host_nic_theory, ring_bytes_per_rank
 from hybriddl.errors import UsageError
-from hybriddl.run.stepmeter import StepMeter
+from hybriddl.compare.stepmeter import StepMeter
 from hybriddl.strategies import StrategyOptions, make_strategy
 
 SMALL = ("--usecase", "SimpleBig", "--model", "squeezenet1_1", "--image-size", "32",
@@ -104,6 +104,10 @@ def test_step_meter_refuses_a_result_before_the_last_timed_step():
         meter.result()
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_comparison_json_contract(comparison):
     assert comparison["emulated_hosts"] == H
     assert comparison["bandwidth"] == SLOW and comparison["latency"] is None
@@ -117,6 +121,10 @@ def test_comparison_json_contract(comparison):
         assert len(c["host_peak_rss_bytes"]) == H
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
     hybrid = contender(comparison, "hybrid")
     gradient = hybrid["gradient_bytes"]
@@ -125,6 +133,10 @@ def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
         assert abs(sent - 2 * (H - 1) / H * gradient) <= 0.1 * 2 * (H - 1) / H * gradient
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_flat_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
     """2(P-1)/P S per host: the ring's intra-host edge (shared memory) is not counted;
     were it on the NIC, each host would send twice that."""
@@ -137,6 +149,10 @@ def test_flat_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
                                                             rel=0.1)
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_no_host_counts_intra_host_traffic(comparison):
     """Every rank of every flat contender hands 2(P-1)/P S to its allreduce; a host's NIC
     carries only what one rank of it sends across, not what its K ranks send in all.
@@ -149,6 +165,10 @@ def test_no_host_counts_intra_host_traffic(comparison):
         assert max(c["host_nic_bytes_per_step"]) <= 1.25 * per_rank, name
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_bandwidth_limits_the_hybrids_step(comparison):
     hybrid = contender(comparison, "hybrid")
     assert hybrid["seconds_per_step"] >= max(hybrid["host_nic_bytes_per_step"]) * 8 / 100e6

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hybriddl.data.loading import load_data
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 from sample_data import write_tinted_classes
 
 
@@ -66,6 +66,7 @@ def test_cifar10_folder_from_home(tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache").glob("*.cache"))) == 1
 
 
+@pytest.mark.slow
 def test_train_with_a_relative_data_folder(cli, tmp_path):
     # The command of the bug report: a relative folder ended in a ValueError traceback.
     (tmp_path / "photos").mkdir()

@@ -255,6 +255,7 @@ def test_cache_dir_that_cannot_be_written_is_one_line_exit_2(cli, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_tune_reads_its_data_through_the_same_cache(cli, tmp_path):
     (tmp_path / "file").write_text("not a folder\n")
     done = cli("tune", "--usecase", "SimpleBig", "--data", "synthetic:40", "--data-cache",
@@ -341,6 +342,7 @@ def test_cifar10_goes_through_the_cache_once(tmp_path):
 
 # --------------------------------------------------------------------------- bigger than memory
 
+@pytest.mark.slow
 def test_an_imagefolder_bigger_than_the_old_memory_limit_trains(tmp_path, monkeypatch):
     """The old loader refused a folder whose decoded size exceeded half the free RAM."""
     from hybriddl.run import trainer

@@ -25,7 +25,7 @@ from conftest import REPO, hybriddl_env
 from held_run import wait_for
 from hybriddl.emulation.hosts import (PREFIX, EmulatedHosts, NicCounters, freezer_hierarchy,
                                       least_time_scale)
-from hybriddl.run.rundir import MODEL
+from hybriddl.rundir import MODEL
 
 BENCH = REPO / "scripts" / "bench_allreduce.py"
 MIB = 2**20
@@ -35,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)"),
     pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare", "setpriv"))),
                        reason="emulated hosts need ip, tc (iproute2), unshare and setpriv"),
+    pytest.mark.root, pytest.mark.emulated, pytest.mark.mpi, pytest.mark.slow,
 ]
 
 

@@ -12,8 +12,10 @@ import pytest
 
 from hybriddl.inference.predict import predict
 from hybriddl.inference.trained import load_trained
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from sample_data import write_tinted_classes
+
+pytestmark = pytest.mark.slow
 
 CLASSES = ["clear", "fire", "smoke"]
 PER_CLASS = 20

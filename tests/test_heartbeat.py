@@ -19,10 +19,13 @@ import pytest
 from conftest import hybriddl_env
 from emulated import can_emulate, hosts_launcher
 from hybriddl.emulation.hosts import PREFIX, _namespaces
-from hybriddl.run.rundir import CHECKPOINT
+from hybriddl.rundir import CHECKPOINT
 
-pytestmark = pytest.mark.skipif(not can_emulate(), reason="losing a host is tested on emulated "
-                                "hosts, which need root, ip, tc and unshare")
+pytestmark = [
+    pytest.mark.skipif(not can_emulate(), reason="losing a host is tested on emulated hosts, "
+                       "which need root, ip, tc and unshare"),
+    pytest.mark.root, pytest.mark.emulated, pytest.mark.mpi, pytest.mark.slow,
+]
 
 # squeezenet1_1 at 32 px: steps of a fraction of a second, so the run is mid-epoch
 # whenever the fault comes; a checkpoint every step tells the test that steps are done.

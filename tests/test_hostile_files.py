@@ -10,7 +10,7 @@ from sample_data import CIFAR_FOLDER, write_cifar10, write_imagefolder
 
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Checkpoint, EpochProgress, Position
-from hybriddl.run.rundir import CHECKPOINT
+from hybriddl.rundir import CHECKPOINT
 from hybriddl.errors import UsageError
 
 

@@ -20,7 +20,7 @@ from sample_data import write_saturated_classes
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hybrid.classifier import NotSplittable, plan, split_classifier
 from hybriddl.hybrid.parallel import DataParallel, HybridParallel, choose, traffic_bytes
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
 from hybriddl.errors import UsageError
 from hybriddl.usecases import build_model
@@ -140,6 +140,7 @@ def feasible(name: str) -> bool:
 
 
 @pytest.mark.parametrize("name", CAN_RUN_ALONE)
+@pytest.mark.slow
 def test_hybrid_on_one_host_matches_sequential_for_every_strategy_that_can_run_it(
         name, images, sequential, tmp_path):
     if not feasible(name):
@@ -182,6 +183,9 @@ def mpirun(launcher, hosts: int, args: list[str]) -> subprocess.CompletedProcess
 @pytest.mark.parametrize("hosts, strategy", [(2, ["--strategy", "layerwise", "--workers", "1"]),
                                              (3, ["--strategy", "sequential", "--accumulate", "2",
                                                   "--overlap"])])
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.slow
 def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequential, tmp_path,
                                                 launcher):
     """At 3 hosts 8 = 3 + 3 + 2, and the short last batch of 2 leaves one host empty."""
@@ -227,6 +231,9 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
 
 
 @needs_mpi
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.slow
 def test_a_hybrid_run_resumes_on_another_host_count_and_as_data(images, sequential, tmp_path,
                                                               launcher):
     run_dir = tmp_path / "run"
@@ -248,6 +255,9 @@ def test_a_hybrid_run_resumes_on_another_host_count_and_as_data(images, sequenti
 
 
 @needs_mpi
+@pytest.mark.mpi
+@pytest.mark.emulated
+@pytest.mark.slow
 def test_auto_decides_from_the_measured_link_and_says_why(images, tmp_path, launcher):
     run_dir = tmp_path / "run"
     done = mpirun(launcher, 2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir),

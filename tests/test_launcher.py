@@ -23,7 +23,7 @@ from hybriddl.launch.command import split_training
 from hybriddl.launch.emulated import launch_on
 from hybriddl.launch.launcher import EVENTS, read_hostfile
 from hybriddl.errors import UsageError
-from hybriddl.run.rundir import MODEL
+from hybriddl.rundir import MODEL
 
 spec = importlib.util.spec_from_file_location("chaos", REPO / "scripts" / "chaos.py")
 chaos = importlib.util.module_from_spec(spec)
@@ -54,6 +54,10 @@ def test_bad_launch_input_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.skipif(not can_emulate(), reason="emulated hosts need root, ip, tc and unshare")
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_a_lost_host_sits_out_one_relaunch_and_the_run_ends_as_uninterrupted(tmp_path):
     before_shm = set(os.listdir("/dev/shm"))
     reference = tmp_path / "reference"

@@ -22,6 +22,7 @@ def test_layerwise_matches_sequential(workers):
     assert_matches_sequential("layerwise", options, "alexnet")
 
 
+@pytest.mark.slow
 def test_layerwise_matches_sequential_on_vgg16():
     assert_matches_sequential("layerwise", StrategyOptions(workers=2, oversubscribe=True), "vgg16")
 

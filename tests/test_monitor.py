@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 
 INTERVAL = 0.1
 
@@ -163,6 +163,7 @@ def test_interval_zero_disables_monitoring(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_monitored_train_run_records_files_summary_and_epoch_times(cli, tmp_path):
     run_dir = tmp_path / "run"
     done = cli("train", "--model", "resnet18", "--image-size", "32", "--batch-size", "8",
@@ -192,7 +193,7 @@ def test_negative_monitor_interval_is_refused(tmp_path, capsys):
 
 def test_training_that_fails_still_stops_its_monitor(tmp_path):
     from hybriddl.run import trainer
-    from hybriddl.config import TrainConfig
+    from hybriddl.run.settings import TrainConfig
 
     class FailingObserver(trainer.TrainingObserver):
         def on_step(self, epoch, step, samples, seconds, loss):

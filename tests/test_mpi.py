@@ -17,7 +17,7 @@ import torch
 from conftest import hybriddl_env
 from emulated import hosts_launcher
 from sample_data import write_saturated_classes
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from hybriddl.strategies import STRATEGIES
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
@@ -28,7 +28,10 @@ TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32",
          "--batch-size", "8", "--epochs", "1", "--strategy", "sequential"]
 PARAMETERS = 724_035
 
-pytestmark = pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+pytestmark = [
+    pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
+    pytest.mark.mpi, pytest.mark.emulated, pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

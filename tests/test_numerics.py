@@ -42,6 +42,7 @@ def test_channels_last_matches_sequential(strategy):
     assert difference <= CHANNELS_LAST_TOLERANCE, difference
 
 
+@pytest.mark.slow
 def test_layerwise_channels_last_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
     difference = largest_difference(train("layerwise", options, "vgg16"),

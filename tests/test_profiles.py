@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from hybriddl.config import tune_settings
+from hybriddl.tuning.tuner import tune_settings
 from hybriddl.tuning import profiles
 from hybriddl.errors import UsageError
 from hybriddl.strategies import StrategySpec

@@ -9,7 +9,7 @@ from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
 from hybriddl.monitoring.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
                              write_report)
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 
 T0 = 1_700_000_000.0
 

@@ -15,7 +15,9 @@ import torch
 from sample_data import write_tinted_classes
 from hybriddl.run import checkpoint
 from hybriddl.cli import main
-from hybriddl.run.rundir import CHECKPOINT, MODEL
+from hybriddl.rundir import CHECKPOINT, MODEL
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from conftest import REPO, hybriddl_env
 from held_run import SCRIPT as HELD_RUN
 from sample_data import write_tinted_classes
 from hybriddl.cli import main
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 CLUSTER = REPO / "scripts" / "slurm" / "cluster.sh"
 JOB = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -46,8 +46,10 @@ def cluster_unavailable() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(cluster_unavailable() is not None,
-                                reason=cluster_unavailable() or "")
+pytestmark = [
+    pytest.mark.skipif(cluster_unavailable() is not None, reason=cluster_unavailable() or ""),
+    pytest.mark.root, pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 import json
 
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 
 
 def test_train_writes_run_directory(cli, tmp_path):

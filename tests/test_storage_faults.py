@@ -20,10 +20,14 @@ from held_run import Held
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Position
-from hybriddl.run.rundir import CHECKPOINT, PARTIAL_GLOB
+from hybriddl.rundir import CHECKPOINT
+from hybriddl.files import PARTIAL_GLOB
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="mounting a tmpfs or a read-only bind mount needs root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0,
+                       reason="mounting a tmpfs or a read-only bind mount needs root"),
+    pytest.mark.root, pytest.mark.slow,
+]
 
 STEPS_PER_EPOCH = 3
 MB = 2**20

@@ -107,17 +107,19 @@ def test_cpu_strategy_matches_sequential(strategy, workers):
     assert_matches_sequential(strategy, options, "alexnet")
 
 
+@pytest.mark.slow
 def test_threads_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True)
     assert_matches_sequential("threads", options, "vgg16")
 
 
+@pytest.mark.slow
 def test_processes_matches_sequential_on_vgg16():
     options = StrategyOptions(workers=2, oversubscribe=True)
     assert_matches_sequential("processes", options, "vgg16")
 
 
-@pytest.mark.parametrize("model_name", ["alexnet", "vgg16"])
+@pytest.mark.parametrize("model_name", ["alexnet", pytest.param("vgg16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
 def test_pipeline_matches_sequential_on_cpu(model_name, micro_batches):
     options = StrategyOptions(micro_batches=micro_batches, devices=("cpu", "cpu"))
@@ -131,12 +133,14 @@ def test_gpu_threads_matches_sequential_on_cpu(devices):
 
 
 @needs_cuda
+@pytest.mark.gpu
 def test_gpu_matches_sequential():
     assert_matches_sequential("gpu", StrategyOptions(), "alexnet")
 
 
 @needs_cuda
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
+@pytest.mark.gpu
 def test_pipeline_matches_sequential_on_cuda(micro_batches):
     devices = ("cuda:0", "cuda:1") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
     options = StrategyOptions(micro_batches=micro_batches, devices=devices)
@@ -144,6 +148,7 @@ def test_pipeline_matches_sequential_on_cuda(micro_batches):
 
 
 @needs_cuda
+@pytest.mark.gpu
 def test_gpu_threads_matches_sequential_on_cuda():
     devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count())) + ("cpu",)
     options = StrategyOptions(devices=devices)
@@ -247,6 +252,7 @@ def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]
     return master, workers
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_a_cli_run_leaves_no_worker(tmp_path):
     master, workers = start_cli_training(tmp_path)
     master.send_signal(signal.SIGINT)
@@ -256,6 +262,7 @@ def test_ctrl_c_of_a_cli_run_leaves_no_worker(tmp_path):
     assert alive == [], stderr
 
 
+@pytest.mark.slow
 def test_workers_die_with_a_killed_master(tmp_path):
     master, workers = start_cli_training(tmp_path)
     master.kill()

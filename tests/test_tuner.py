@@ -6,16 +6,16 @@ from dataclasses import replace
 import pytest
 
 from hybriddl.tuning import profiles, tuner
-from hybriddl.config import tune_settings
+from hybriddl.tuning.tuner import (BASELINE, enumerate_candidates, measure_candidates, select_pick,
+                                   tune_settings)
 from hybriddl.tuning.benchmark import StepTiming
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                       load_profile, profile_path, save_profile)
-from hybriddl.run.rundir import METRICS
+from hybriddl.rundir import METRICS
 from hybriddl.strategies import STRATEGIES, StrategySpec
 from hybriddl.strategies.resources import HostResources, worker_counts
-from hybriddl.tuning.tuner import BASELINE, enumerate_candidates, measure_candidates, select_pick
 
 THREADS2 = StrategySpec("threads", workers=2)
 PROCESSES2 = StrategySpec("processes", workers=2)
@@ -427,6 +427,7 @@ def one_core_host(monkeypatch):
     monkeypatch.setattr(HostResources, "here", classmethod(lambda cls: cls(cores=1)))
 
 
+@pytest.mark.slow
 def test_tune_host_measures_real_steps_into_a_profile():
     profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1, rounds=2, second_look=1)
     assert profile.settings == TINY and profile.host == profiles.this_host()
@@ -513,6 +514,7 @@ def damage_settings(path):
     (damage_pick, "picks warp-drive K=2, which this host cannot run"),
     (damage_settings, "was measured at ComplexSmall (resnet18), 32 px, batch 64"),
 ])
+@pytest.mark.slow
 def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, damage, problem):
     path = save_profile(matching_profile(), profile_path(tmp_path, TINY))
     damage(path)
@@ -526,6 +528,7 @@ def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, d
 
 # --------------------------------------------------------------------------- CLI
 
+@pytest.mark.slow
 def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     output = tmp_path / "out" / "here.json"
     # A small model: every candidate is measured all the same, in a fraction of VGG16's time.
@@ -548,6 +551,7 @@ def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     assert f"{low:.3f}-{high:.3f}" in done.stdout
 
 
+@pytest.mark.slow
 def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "resnet18", "--image-size", "32",
                "--batch-size", "2", "--steps", "1", "--rounds", "1", "--second-look", "0",
@@ -557,6 +561,7 @@ def test_tune_command_defaults_to_the_profile_directory(cli, tmp_path):
         f"{profiles.this_host()}-ComplexSmall-resnet18-b2-32px.json"]
 
 
+@pytest.mark.slow
 def test_tune_with_accumulate_measures_every_candidate_with_it(cli, tmp_path):
     done = cli("tune", "--usecase", "ComplexSmall", "--model", "squeezenet1_1", "--image-size",
                "32", "--batch-size", "4", "--steps", "1", "--rounds", "1", "--second-look", "0",
@@ -589,6 +594,7 @@ def test_tune_command_bad_input_is_one_line_and_writes_nothing(capsys, tmp_path,
     assert not output.exists()
 
 
+@pytest.mark.slow
 def test_train_auto_runs_the_pick_of_a_matching_profile(cli, tmp_path):
     # Tuned with --accumulate 2, so train --accumulate 2 finds it.
     settings = Settings("ComplexSmall", "vgg16", 32, 4, accumulate=2)

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torchvision
 
-from hybriddl.run.rundir import METRICS, MODEL
+from hybriddl.rundir import METRICS, MODEL
 from sample_data import write_tinted_classes
 from test_evaluate_predict import PER_CLASS, TRAIN, one_line_refusal
+
+pytestmark = pytest.mark.slow
 
 # One step at a learning rate that moves no weight measurably: what run B's first
 # validation sees is the model it started from.

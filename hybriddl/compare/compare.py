@@ -32,11 +32,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from hybriddl.config import DEFAULT_USECASE, TrainConfig, use_case_workload
+from hybriddl.usecases import DEFAULT_USECASE, use_case_workload
+from hybriddl.run.settings import TrainConfig
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, check_new_run_dir, default_run_dir
-from hybriddl.run.stepmeter import HOST_NIC, read_rank_results
+from hybriddl.files import atomic_write_bytes, atomic_write_json
+from hybriddl.rundir import check_new_run_dir, default_run_dir
+from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"

@@ -23,7 +23,7 @@ from hybriddl.data import BatchTransform, epoch_batches
 from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_bounds
 from hybriddl.monitoring.monitor import Monitor
-from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model, get_usecase
 

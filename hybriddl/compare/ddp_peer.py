@@ -1,6 +1,6 @@
 """PyTorch DDP as a PyTorch user would run it: one gloo process group, a model wrapped in
 DistributedDataParallel. The one DDP implementation behind `hybriddl compare`'s ddp
-contender and the tuner's benchmark (`measure_ddp`)."""
+contender and the DDP peer of `scripts/bench_local.py` (`local_peers.measure_ddp`)."""
 
 # No `from __future__ import annotations`: DDP checks the comm hook's annotation
 # against dist.GradBucket itself, not a string.
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
 # and so must this one. (Newer torch renamed the switch.)

@@ -20,9 +20,9 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.run import trainer
 from hybriddl.compare.compare import MeasureSettings
 from hybriddl.display import show_host_failure
-from hybriddl.run.rundir import CHECKPOINT, MODEL
+from hybriddl.rundir import CHECKPOINT, MODEL
 from hybriddl.run.shutdown import stop_every_host
-from hybriddl.run.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import StrategyOptions
 
 

@@ -49,7 +49,7 @@ import torch
 from hybriddl.data import ImageSet, Progress
 from hybriddl.data.sources import Source
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json, fsync_directory
+from hybriddl.files import atomic_write_bytes, atomic_write_json, fsync_directory
 
 MAGIC = b"HYBRIDDL-CACHE2\n"
 FORMAT_VERSION = 2

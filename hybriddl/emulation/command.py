@@ -109,7 +109,7 @@ def _run(args, command, report, env, console) -> int:
     from rich.table import Table
 
     from hybriddl.emulation.hosts import EmulatedHosts
-    from hybriddl.run.rundir import atomic_write_json
+    from hybriddl.files import atomic_write_json
 
     with EmulatedHosts(hosts=args.hosts, cores_per_host=args.cores_per_host,
                        bandwidth=args.bandwidth, latency=args.latency,

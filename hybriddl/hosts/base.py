@@ -12,7 +12,7 @@ from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hosts.naming import host_name
+from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter, interface_bytes_sent
 
 BALANCE_POLICIES = ("throughput", "even")

@@ -30,8 +30,8 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
-from hybriddl.hosts.cpu_threads import set_torch_threads
-from hybriddl.hosts.naming import host_name
+from hybriddl.machine.cpu_threads import set_torch_threads
+from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"

@@ -13,7 +13,7 @@ from hybriddl.data.loading import local_folder
 from hybriddl.errors import UsageError
 from hybriddl.inference.images import ImageReader, is_image_name
 from hybriddl.inference.trained import TrainedModel, batched
-from hybriddl.run.rundir import atomic_write_bytes, atomic_write_json
+from hybriddl.files import atomic_write_bytes, atomic_write_json
 
 RESULT = "evaluation.json"
 CHART = "confusion_matrix.png"

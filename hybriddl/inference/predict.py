@@ -13,7 +13,7 @@ from typing import TextIO
 from hybriddl.errors import UsageError
 from hybriddl.inference.images import ImageReader, image_files
 from hybriddl.inference.trained import TrainedModel, batched
-from hybriddl.run.rundir import write_atomically
+from hybriddl.files import write_atomically
 
 COLUMNS = ("file", "class", "probability")
 FORMATS = (".csv", ".json")

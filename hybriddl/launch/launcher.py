@@ -32,7 +32,8 @@ from pathlib import Path
 from hybriddl.errors import UsageError
 from hybriddl.run.failure_record import (LAUNCHED_ENV, STOP_GLOB, clear_failures,
                                          read_failures)
-from hybriddl.run.rundir import CHECKPOINT, METRICS, MODEL, PARTIAL_GLOB
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
+from hybriddl.files import PARTIAL_GLOB
 
 EVENTS = "events.jsonl"
 # Files a failed first attempt may leave before its first checkpoint, which a fresh

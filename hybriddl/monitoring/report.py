@@ -26,7 +26,7 @@ from matplotlib.patches import Patch
 
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
-from hybriddl.run.rundir import METRICS, load_metrics
+from hybriddl.rundir import METRICS, load_metrics
 from hybriddl.strategies import Pipeline, Sequential
 
 REPORT = "report.md"

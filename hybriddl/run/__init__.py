@@ -1,1 +1,1 @@
-"""One training run: the step loop, checkpoints, the run directory, stopping."""
+"""One training run: its settings, the epoch loop, checkpoints, stopping."""

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.run.rundir import CHECKPOINT, MODEL, atomic_torch_save, check_storage
+from hybriddl.rundir import CHECKPOINT, MODEL, check_storage
+from hybriddl.files import atomic_torch_save
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.usecases import build_model
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from hybriddl.errors import StorageError
-from hybriddl.hosts.naming import host_name
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.machine.naming import host_name
+from hybriddl.files import atomic_write_json
 
 FAILURE_GLOB = "rank*-failure.json"
 STOP_GLOB = "rank*-stopped.json"

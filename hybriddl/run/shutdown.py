@@ -14,7 +14,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from hybriddl.hosts.naming import host_name
+from hybriddl.machine.naming import host_name
 
 # SIGUSR1 too, because Open MPI 5's mpirun (PRRTE 3) answers SIGTERM and SIGINT by killing
 # the ranks itself: SIGCONT, 250 ms, SIGTERM, 250 ms, SIGKILL (odls_base_default_fns.c,

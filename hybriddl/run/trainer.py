@@ -20,19 +20,20 @@ import torch
 from hybriddl import data as datamod
 from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
-from hybriddl.config import AUTO, TrainConfig, auto_pick
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
 from hybriddl.monitoring.monitor import Monitor
-from hybriddl.run.rundir import (METRICS, MODEL, atomic_write_json, atomic_torch_save,
-                             check_new_run_dir, default_run_dir, remove_partial_writes)
+from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
+from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
+from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
-from hybriddl.run.step import optimizer_step
+from hybriddl.step import optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
+from hybriddl.tuning.tuner import AUTO, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size, get_usecase
 
 
@@ -119,6 +120,27 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         ckpt.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
     return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
+
+
+def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
+    """`--strategy auto` settled: this host's profiled pick (tuned first when no profile fits).
+
+    The profile is measured at this host's share of the global batch. Returns the
+    config naming the picked strategy (and, unless given, this host's images/s for
+    --balance throughput) and the record of the choice for metrics.json.
+    """
+    host_batch = -(-config.batch_size // hosts_count)
+    decision = auto_strategy(tune_settings(config.usecase, config.model, config.image_size,
+                                           host_batch, config.strategy_options.precision,
+                                           config.strategy_options.accumulate),
+                             images, directory=config.profile_dir, budget=config.tune_budget,
+                             observer=observer)
+    throughput = (config.throughput if config.throughput is not None
+                  else decision.profile.pick_result.images_per_second)
+    # The profile was measured with the run's --accumulate (it is one of its settings).
+    settled = replace(config, strategy=decision.choice.name, throughput=throughput,
+                      strategy_options=decision.choice.options(config.strategy_options.oversubscribe))
+    return settled, {**decision.describe(), "message": decision.message()}
 
 
 def run(prepared: PreparedRun, observer: TrainingObserver | None = None,

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from hybriddl.data.sharding import split_bounds
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
-from hybriddl.hosts.allocator import keep_freed_memory
+from hybriddl.machine.allocator import keep_freed_memory
 from hybriddl.strategies.resources import HostResources, local_workers, worker_counts
 from hybriddl.strategies.spec import PRECISIONS, StrategyOptions, StrategySpec
 
@@ -91,7 +91,7 @@ class LocalStrategy(ABC):
 
     def setup(self, model: nn.Module) -> None:
         """Place the model and start local workers; `model` holds the master parameters."""
-        keep_freed_memory()  # every step reuses the last step's pages (hosts/allocator.py)
+        keep_freed_memory()  # every step reuses the last step's pages (machine/allocator.py)
         prepare_model(model, self.options)
         self.model = model
 

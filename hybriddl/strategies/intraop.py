@@ -6,7 +6,7 @@ What a PyTorch user gets without doing anything (the default is one thread per c
 from __future__ import annotations
 
 from hybriddl.strategies.base import CoreWorkersStrategy, PlainConvolutions, StepStats, plain_step
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 
 class IntraOp(PlainConvolutions, CoreWorkersStrategy):

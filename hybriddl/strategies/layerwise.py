@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from hybriddl.errors import UsageError
-from hybriddl.hosts.cpu_threads import set_torch_threads
-from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.machine.cpu_threads import set_torch_threads
+from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.base import (MODEL_SHAPE, CoreWorkersStrategy, StepStats, add_gradients,
                                       criterion, cut_computes_model, run_forward,
                                       split_at_classifier, sub_batches)

@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 
 from hybriddl.dropout import current_keys
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients,
                                       master_backward, sub_batch_backward, sub_batches)
-from hybriddl.hosts.allocator import keep_freed_memory
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.allocator import keep_freed_memory
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 
 SHARED_MEMORY = "/dev/shm"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.spec import StrategyOptions
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybriddl.strategies.base import LocalStrategy, PlainConvolutions, StepStats, plain_step
 from hybriddl.strategies.spec import StrategySpec
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 
 class Sequential(PlainConvolutions, LocalStrategy):

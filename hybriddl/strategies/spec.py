@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybriddl.errors import UsageError
+
 # name -> strategy class; filled by hybriddl.strategies, the registry, when it is imported.
 # It lives here so that a spec can check itself against the registry without a cycle.
 STRATEGIES: dict[str, type] = {}
@@ -95,8 +97,6 @@ class StrategySpec:
 
     def infeasibility(self) -> str | None:
         """Why this host cannot run it, or None when it can."""
-        from hybriddl.errors import UsageError
-
         if self.name not in STRATEGIES:
             return f"strategy {self.name!r} is not one this hybriddl has"
         try:
@@ -104,3 +104,10 @@ class StrategySpec:
         except UsageError as exc:
             return str(exc)
         return None
+
+
+def check_accumulate(accumulate: int, batch_size: int) -> None:
+    """--accumulate N cuts each host batch in N chunks: each needs a sample."""
+    if not 1 <= accumulate <= batch_size:
+        raise UsageError(f"--accumulate {accumulate}: give 1 to the batch size ({batch_size}); "
+                         "each chunk needs a sample")

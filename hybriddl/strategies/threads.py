@@ -24,10 +24,10 @@ import torch
 
 from hybriddl.dropout import current_keys
 
-from hybriddl.hosts.hostinfo import usable_cores
+from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.base import (CoreWorkersStrategy, StepStats, add_gradients, master_backward,
                                       sub_batches, worker_gradients)
-from hybriddl.hosts.cpu_threads import set_torch_threads
+from hybriddl.machine.cpu_threads import set_torch_threads
 
 
 class Threads(CoreWorkersStrategy):

@@ -9,7 +9,7 @@ rounds, is still read)::
 
     {
       "schema_version": 2,
-      "host": "node07",                       # hostinfo.host_name() of the measured host
+      "host": "node07",                       # naming.host_name() of the measured host
       "created": "2026-11-21T05:30:00Z",       # UTC, when the tune finished
       "hybriddl": "0.1.0",
       "fingerprint": {                         # a change in any field makes the profile stale
@@ -67,8 +67,9 @@ import torch
 
 from hybriddl import __version__
 from hybriddl.errors import UsageError
-from hybriddl.hosts.hostinfo import cpu_model, gpus, host_name, usable_cores
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.machine.hostinfo import cpu_model, gpus, usable_cores
+from hybriddl.machine.naming import host_name
+from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategySpec
 
 SCHEMA_VERSION = 2

@@ -49,7 +49,8 @@ from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profil
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
 from hybriddl.strategies import STRATEGIES, Gpu, HostResources, Sequential, StrategySpec
-from hybriddl.usecases import check_image_size, get_usecase
+from hybriddl.strategies.spec import check_accumulate
+from hybriddl.usecases import check_image_size, get_usecase, use_case_workload
 
 AUTO = "auto"
 BASELINE = StrategySpec(Sequential.name)  # one CPU core: the paper's reference
@@ -402,6 +403,21 @@ class AutoDecision:
         return (f"strategy auto: {pick.choice.label}, the fastest of "
                 f"{sum(c.measured for c in self.profile.candidates)} measured candidates "
                 f"({why}; {where}, {self.path})")
+
+
+def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
+                  batch_size: int | None = None, precision: str | None = None,
+                  accumulate: int | None = None) -> Settings:
+    """What a profile is measured at: the use case's defaults for what was left out
+    (precision: fp32, accumulate: 1), every number checked as for training."""
+    precision = precision or "fp32"
+    if precision not in NUMERICS:
+        raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
+    model, image_size, batch_size = use_case_workload(usecase, model, image_size, batch_size)
+    accumulate = 1 if accumulate is None else accumulate
+    check_accumulate(accumulate, batch_size)
+    return Settings(usecase=get_usecase(usecase).name, model=model, image_size=image_size,
+                    batch_size=batch_size, precision=precision, accumulate=accumulate)
 
 
 def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None = None,

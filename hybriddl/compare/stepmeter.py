@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from hybriddl.tuning.benchmark import tree_rss_bytes
-from hybriddl.run.rundir import atomic_write_json
+from hybriddl.files import atomic_write_json
 from hybriddl.run.trainer import TrainingObserver
 
 # An emulated host's one NIC (see hybriddl.emulation): it carries only what leaves the

@@ -1,4 +1,5 @@
-"""What this host is: the facts `hybriddl info` shows and profiles fingerprint."""
+"""What this machine is: the facts `hybriddl info` shows and profiles fingerprint (the MPI
+library's version is the host layer's: hybriddl.hosts.mpi.library_versions)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torchvision
 
 from hybriddl import __version__
-from hybriddl.hosts.naming import host_name  # noqa: F401  (re-exported: hostinfo is where users look)
+from hybriddl.machine.naming import host_name
 
 
 def usable_cores() -> int:
@@ -41,8 +42,6 @@ def gpus() -> list[dict]:
 
 
 def host_info() -> dict:
-    from hybriddl.hosts.mpi import library_versions
-
     memory = psutil.virtual_memory()
     return {
         "host": host_name(),
@@ -58,5 +57,4 @@ def host_info() -> dict:
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
         "torch_threads": torch.get_num_threads(),
-        **library_versions(),
     }

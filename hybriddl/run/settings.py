@@ -1,0 +1,78 @@
+"""A run's settings, settled before anything starts: `TrainConfig`, the use case's defaults
+filled in and every number checked. The trainer receives a resolved TrainConfig and never
+changes it; the command line's flags become one in hybriddl.config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from hybriddl.errors import UsageError
+from hybriddl.hybrid.parallel import HOST_PARALLEL
+from hybriddl.strategies import StrategyOptions
+from hybriddl.strategies.spec import check_accumulate
+from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
+from hybriddl.usecases import DEFAULT_USECASE, get_usecase, use_case_workload
+
+
+@dataclass
+class TrainConfig:
+    usecase: str = DEFAULT_USECASE
+    model: str | None = None  # None: the use case's model
+    data: str = "synthetic"
+    data_cache: str | None = None  # None: hybriddl.data.cache.default_cache_dir()
+    strict_data: bool = False  # a file that is no usable image stops the run (data/loading.py)
+    classes: int | None = None
+    val_fraction: float = 0.2
+    image_size: int | None = None
+    batch_size: int | None = None  # the global batch
+    epochs: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
+    dropout: float | None = None  # None: torchvision's default
+    seed: int = 0
+    max_steps: int | None = None
+    run_dir: str | None = None
+    checkpoint_every: int | None = None  # steps; a checkpoint ends every epoch regardless
+    strategy: str = AUTO  # this host's profiled pick (tuning/tuner.py), or a strategy's name
+    strategy_options: StrategyOptions = field(default_factory=StrategyOptions)
+    profile_dir: str | None = None  # None: $HYBRIDDL_PROFILES or ./profiles
+    tune_budget: float = AUTO_BUDGET_SECONDS  # when auto finds no usable profile
+    monitor_interval: float = 1.0  # seconds between monitor samples; 0 disables
+    balance: str | None = None  # hosts' shares: "throughput", "even"; None: decide (hosts/base.py)
+    throughput: float | None = None  # this host's images/s (its profile's) for --balance
+    host_parallel: str = "auto"  # across hosts: "data", "hybrid" or "auto" (hybrid/parallel.py)
+    weights: str | None = None  # a state_dict to start from (run/weights.py); None: fresh
+
+    def resolved(self) -> TrainConfig:
+        """Fill what was left out from the use case, and check every number."""
+        case = get_usecase(self.usecase)
+        filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
+        filled.model, filled.image_size, filled.batch_size = use_case_workload(
+            self.usecase, self.model, self.image_size, self.batch_size)
+        filled.epochs = self.epochs if self.epochs is not None else case.epochs
+        filled.lr = self.lr if self.lr is not None else case.lr
+        filled.momentum = self.momentum if self.momentum is not None else case.momentum
+        if filled.epochs < 1:
+            raise UsageError(f"--epochs {filled.epochs}: give at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
+        if not 0 <= self.monitor_interval < float("inf"):
+            raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
+                             "(0 disables monitoring)")
+        options = self.strategy_options
+        if self.strategy == AUTO and (options.workers is not None or options.devices
+                                      or options.channels_last):
+            raise UsageError("--workers, --devices and --channels-last go with a named "
+                             "--strategy; with auto the profile decides (or name the strategy)")
+        check_accumulate(options.accumulate, filled.batch_size)
+        if not math.isfinite(filled.lr) or filled.lr <= 0:
+            raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
+        if not 0 <= filled.momentum < 1:
+            raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
+        if filled.host_parallel not in HOST_PARALLEL:
+            raise UsageError(f"--host-parallel {filled.host_parallel}: choose one of "
+                             f"{', '.join(HOST_PARALLEL)}")
+        return filled
