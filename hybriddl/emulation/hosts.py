@@ -289,7 +289,7 @@ class TimeSlicer(threading.Thread):
     def __init__(self, slots: list[list[HostCgroup]], share: float):
         super().__init__(daemon=True, name="emulation-time-slicer")
         self.slots, self.share = slots, share
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         for slot in self.slots:
@@ -302,18 +302,18 @@ class TimeSlicer(threading.Thread):
                 for group in slot:
                     group.freeze(False)
                 ends = start + (index + 1) * SLICE
-                stopped = self._stop.wait(max(0.0, ends - time.monotonic()))
+                stopped = self._stopping.wait(max(0.0, ends - time.monotonic()))
                 for group in slot:
                     group.freeze(True)
                 if stopped:
                     return
             start += cycle  # absolute deadlines: no drift from the thread's own delays
-            if self._stop.wait(max(0.0, start - time.monotonic())):
+            if self._stopping.wait(max(0.0, start - time.monotonic())):
                 return
 
     def stop(self) -> None:
         """Stop slicing and let every host run (to end its processes)."""
-        self._stop.set()
+        self._stopping.set()
         self.join()
         for slot in self.slots:
             for group in slot:
