@@ -16,7 +16,7 @@ check compares the same emulated hosts at D = 1 and at D > 1:
     bandwidth / D within 10 %; goodput (payload bytes) is beside it, and with --latency
     the round trip should be 2 x latency x D.
     Then two hosts of --cores cores, which take turns on the machine at D = 2 (one is
-    frozen while the other runs), at --turns-bandwidth: the same wire rate check.
+    frozen while the other runs), at each --turns-bandwidth: the same wire rate check.
 (c) NIC bytes: two hosts of 1 core train --nic-steps steps at each D: each host's NIC
     bytes (the emulate report) should not depend on D.
 (d) side by side: H hosts of --cores cores that fill the machine (D = H, for each H in
@@ -68,11 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--latency", help="(b) one-way delay, e.g. 1ms (needs the kernel's "
                         "netem; default: none, no round trips measured)")
     parser.add_argument("--mib", type=float, default=16, help="(b) MiB streamed (default: 16)")
-    parser.add_argument("--turns-bandwidth", default="10gbit",
-                        help="(b) the link of 2 hosts of --cores cores that take turns, at "
-                             "D = 2 ('' leaves it out) (default: 10gbit)")
-    parser.add_argument("--turns-mib", type=float, default=512,
-                        help="(b) MiB streamed between hosts that take turns (default: 512)")
+    parser.add_argument("--turns-bandwidth", nargs="*", default=["1gbit", "10gbit"],
+                        help="(b) links of 2 hosts of --cores cores that take turns, at "
+                             "D = 2 (none: left out) (default: 1gbit 10gbit)")
+    parser.add_argument("--turns-mib", type=float, default=256,
+                        help="(b) MiB streamed between hosts that take turns (default: 256)")
     parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
     parser.add_argument("--side-hosts", type=int, nargs="+", default=[2],
                         help="(d) host counts H (D = H) (default: 2)")
@@ -200,9 +200,8 @@ def link_check(args, scratch: Path) -> dict:
     --cores cores, which take turns on the machine (D = 2), at --turns-bandwidth: the
     sockets' buffers must carry the link while one end is frozen."""
     rows = link_rows(args, scratch, 1, args.bandwidth, [1.0, *args.scales], args.mib)
-    if args.turns_bandwidth:
-        rows += link_rows(args, scratch, args.cores, args.turns_bandwidth, [2.0],
-                          args.turns_mib)
+    for bandwidth in args.turns_bandwidth:
+        rows += link_rows(args, scratch, args.cores, bandwidth, [2.0], args.turns_mib)
     return {"what": f"2 hosts, {args.latency or 'no'} added delay one way: h0 streams "
                     f"MiB to h1 over TCP (wire: h0's NIC bytes; goodput: payload), then "
                     f"{PINGS} one-byte round trips",

@@ -15,23 +15,24 @@ step() { echo; echo "=== $* ($(date +%H:%M:%S))"; }
 step "is emulated time faithful? compute, link rate and NIC bytes at D = 1, 2, 4"
 $PY scripts/emulation_fidelity.py --output $out/emulation_fidelity.json
 
-step "weak scaling end to end, AlexNet, 1 Gbit/s: 1 and 2 hosts, then 1 and 4"
-$PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 --bandwidth 1gbit \
-    --contenders hybrid data flat auto --warmup 2 --steps 4 \
+step "weak scaling end to end, AlexNet, 1 Gbit/s: 1, 2 and 4 hosts"
+$PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 4 --bandwidth 1gbit \
+    --contenders hybrid data flat auto ddp --warmup 2 --steps 3 \
     --output $out/scaling_e2e-SimpleBig-1gbit.json
-$PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 4 --bandwidth 1gbit \
-    --contenders hybrid data flat auto --warmup 2 --steps 3 \
-    --output $out/scaling_e2e-SimpleBig-1gbit-h4.json
 
 step "weak scaling end to end, AlexNet, 10 Gbit/s: 1 and 2 hosts"
 $PY scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 --bandwidth 10gbit \
-    --contenders hybrid data flat auto --warmup 2 --steps 3 \
+    --contenders hybrid data flat auto ddp --warmup 2 --steps 3 \
     --output $out/scaling_e2e-SimpleBig-10gbit.json
 
 step "weak scaling end to end, VGG16, 1 Gbit/s: 1, 2 and 4 hosts"
 $PY scripts/scaling_e2e.py --usecase ComplexSmall --hosts 1 2 4 --bandwidth 1gbit \
-    --contenders hybrid data flat auto --warmup 2 --steps 3 \
+    --contenders hybrid data flat auto ddp --warmup 2 --steps 3 \
     --output $out/scaling_e2e-ComplexSmall-1gbit.json
+
+step "one host: local strategies against tuned PyTorch and DDP, AlexNet"
+$PY scripts/bench_local.py --usecase SimpleBig --rounds 3 --steps 5 \
+    --output $out/bench_local-SimpleBig.json
 
 step "time to accuracy: the main job on 1, 2 and 4 emulated hosts"
 $PY scripts/time_to_accuracy.py --hosts 1 2 4 --epochs 3 \

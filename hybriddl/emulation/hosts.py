@@ -476,27 +476,10 @@ class EmulatedHosts:
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", NIC)
             _ip("-n", namespace, "link", "set", NIC, "up")
             _ip("-n", namespace, "link", "set", "lo", "up")
-            if self._slicer is not None:
-                self._socket_buffers(namespace)
             self._limit(namespace, NIC, delay=True)
             self._limit(self.switch, name, delay=False)
             (self.folder / name).mkdir()
         self._write_agent()
-
-    def _socket_buffers(self, namespace: str) -> None:
-        """Hosts that take turns: TCP buffers (autotuned, per namespace) large enough to
-        carry the link while one end is frozen (a slot or more at rate/D; Linux's default
-        4-6 MB hold 10 ms at 5 Gbit/s), so the link is not idle for the emulation's sake."""
-        rate = (self.rate or 10e9) / self.time_scale
-        frozen = SLICE * max(1.0, self.time_scale)  # the longest an end waits to run
-        size = max(6 * 2**20, int(2 * rate / 8 * frozen))
-        for key in ("tcp_rmem", "tcp_wmem"):  # /proc/sys/net is the writer's namespace's
-            done = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
-                                   f'echo "4096 131072 {size}" > /proc/sys/net/ipv4/{key}'],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                raise EmulationFailed(f"setting net.ipv4.{key} in {namespace} failed: "
-                                      f"{done.stderr.strip()}")
 
     def _limit(self, namespace: str, device: str, delay: bool) -> None:
         """Egress of `device`: the link rate (both directions), latency once per direction,
