@@ -240,6 +240,43 @@ its own, their steps against D × one host's at D = 1 (the case of every multi-h
 against D = 1 (expected: equal)."""
 
 
+def scaling_headline(table: Table, data: dict) -> str | None:
+    """Efficiency and NIC bytes of every scheme at the widest host count measured."""
+    p = provenance(data)
+    by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
+    widest = max((h for (c, h) in by if c == "hybrid"), default=None)
+    if widest is None or widest < 2:
+        return None
+    contenders = ("hybrid", "data", "flat", "ddp")
+    row = {c: by.get((c, widest)) for c in contenders}
+    model = {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(data["usecase"], data["usecase"])
+    parts = [f"{c} {_eff(row[c]['efficiency'])} at {_mb(row[c]['nic_bytes_per_step'])} MB"
+             for c in contenders if row[c]]
+    return (f"- **{model}, {data['image_size']} px, {widest} emulated hosts × "
+            f"{data['cores_per_host']} cores, {row['hybrid']['bandwidth']} links** — scaling "
+            f"efficiency (against one host) and bytes each host's NIC sent per step: "
+            + "; ".join(parts) + f" (flat = Horovod's model, one rank per core; ddp = PyTorch "
+            f"DDP, one process per core; {p['cpu_model']}, torch {p['torch']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
+def bench_local_headline(table: Table, data: dict) -> str | None:
+    """The fastest hybriddl row against the fastest peer (tuned PyTorch or DDP)."""
+    p = provenance(data)
+    ours = [r for r in data["rows"] if r["name"] not in ("pytorch", "ddp")
+            and r["variant"] == "fp32"]
+    if not ours:
+        return None
+    best = min(ours, key=lambda r: r["seconds_per_step"])
+    return (f"- **One host, {data['model']}, {data['image_size']} px, batch "
+            f"{data['batch_size']}, {p['cores']} cores** — the fastest local strategy "
+            f"({best['name']}, {best['seconds_per_step']:.2f} s/step) runs at "
+            f"{best['vs_faster_peer']:.2f}× the fastest peer (`{data['fastest_peer']}`; "
+            f"tuned PyTorch: the fastest of plain PyTorch with kept memory or tcmalloc, with "
+            f"and without channels_last, and DDP; {p['cpu_model']}, torch {p['torch']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
 @dataclass(frozen=True)
 class Table:
     name: str                      # docs/benchmarks/<name>.md
@@ -248,29 +285,29 @@ class Table:
     render: Callable[[dict], str]
     setting: Callable[[dict], str]
     notes: str = ""
-    headline: bool = True          # quoted in the README's headline block
+    # The README's headline line for this table (None: not quoted there).
+    headline: Callable[["Table", dict], str | None] | None = None
 
 
 TABLES = [
     Table("scaling_e2e-SimpleBig-1gbit", "End-to-end weak scaling, AlexNet, 1 Gbit/s links",
           "results/scaling_e2e-SimpleBig-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
-          SCALING_E2E_NOTES),
+          SCALING_E2E_NOTES, headline=scaling_headline),
     Table("scaling_e2e-SimpleBig-10gbit", "End-to-end weak scaling, AlexNet, 10 Gbit/s links",
           "results/scaling_e2e-SimpleBig-10gbit.json", scaling_e2e_table, scaling_e2e_setting,
-          SCALING_E2E_NOTES, headline=False),
+          SCALING_E2E_NOTES),
     Table("scaling_e2e-ComplexSmall-1gbit", "End-to-end weak scaling, VGG16, 1 Gbit/s links",
           "results/scaling_e2e-ComplexSmall-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
-          SCALING_E2E_NOTES),
+          SCALING_E2E_NOTES, headline=scaling_headline),
     Table("emulation_fidelity", "Emulated time: is it faithful?",
-          "results/emulation_fidelity.json", fidelity_table, fidelity_setting, FIDELITY_NOTES,
-          headline=False),
+          "results/emulation_fidelity.json", fidelity_table, fidelity_setting, FIDELITY_NOTES),
     Table("bench_local-SimpleBig", "One host: local strategies against tuned PyTorch, AlexNet",
           "results/bench_local-SimpleBig.json", bench_local_table, bench_local_setting,
-          BENCH_LOCAL_NOTES, headline=False),
+          BENCH_LOCAL_NOTES, headline=bench_local_headline),
     Table("time_to_accuracy-ComplexSmall-1gbit",
           "Time to accuracy, the main job (VGG16), 1, 2 and 4 hosts, 1 Gbit/s links",
           "results/time_to_accuracy-ComplexSmall-1gbit.json", time_to_accuracy_table,
-          time_to_accuracy_setting, TIME_TO_ACCURACY_NOTES, headline=False),
+          time_to_accuracy_setting, TIME_TO_ACCURACY_NOTES),
 ]
 
 
@@ -335,24 +372,11 @@ def headline_block() -> str:
     lines = [HEADLINE_BEGIN]
     for table in TABLES:
         data, _ = load_quotable(REPO / table.json)
-        if data is None or not table.headline:
+        if data is None or table.headline is None:
             continue
-        p = provenance(data)
-        by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
-        widest = max(h for (c, h) in by if c == "hybrid") if any(c == "hybrid" for c, _ in by) else None
-        if widest is None or widest < 2:
-            continue
-        row = {c: by.get((c, widest)) for c in ("hybrid", "data", "flat")}
-        model = {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(data["usecase"], data["usecase"])
-        parts = [f"{c} {_eff(row[c]['efficiency'])} at {_mb(row[c]['nic_bytes_per_step'])} MB"
-                 for c in ("hybrid", "data", "flat") if row[c]]
-        bandwidth = row["hybrid"]["bandwidth"]
-        lines.append(
-            f"- **{model}, {data['image_size']} px, {widest} emulated hosts × "
-            f"{data['cores_per_host']} cores, {bandwidth} links** — scaling efficiency and "
-            f"bytes each host's NIC sent per step: " + "; ".join(parts) +
-            f" (flat = Horovod's model, one rank per core; {p['cpu_model']}, torch "
-            f"{p['torch']}; [table](docs/benchmarks/{table.name}.md)).")
+        line = table.headline(table, data)
+        if line:
+            lines.append(line)
     if len(lines) == 1:
         lines.append("- No benchmark in results/ records its provenance yet; see "
                      "[docs/benchmarks](docs/benchmarks/README.md).")
