@@ -7,7 +7,8 @@ from matplotlib.image import imread
 
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.monitoring.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
+from hybriddl.strategies import StrategySpec
+from hybriddl.monitoring.report import (configuration_label, markdown_table, read_samples, speedup_chart, throughput_chart,
                              write_report)
 from hybriddl.rundir import METRICS
 
@@ -82,6 +83,15 @@ def test_report_draws_scaling_charts_resources_and_table(tmp_path):
     assert "| 512 |" in thr_row and "lo 30.0 / 30.0" in thr_row and "eth0" not in thr_row
     for name in names - {"report.md"}:
         assert f"({name})" in text  # every chart is embedded in the Markdown
+
+
+def test_a_run_is_labelled_as_its_strategy_labels_itself():
+    """One label for every display of a strategy: numerics and accumulation included."""
+    strategy = {"name": "threads", "workers": 2, "precision": "bf16", "channels_last": True,
+                "accumulate": 4}
+    label = configuration_label({"strategy": strategy, "hosts": {"count": 2}})
+    assert label == f"{StrategySpec.from_dict(strategy).label}, 2 hosts"
+    assert label == "threads K=2 bf16 channels_last accumulate=4, 2 hosts"
 
 
 def test_without_a_sequential_run_the_first_run_is_the_baseline(tmp_path):

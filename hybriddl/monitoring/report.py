@@ -27,7 +27,7 @@ from matplotlib.patches import Patch
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
 from hybriddl.rundir import METRICS, load_metrics
-from hybriddl.strategies import Pipeline, Sequential
+from hybriddl.strategies import Sequential, StrategySpec
 
 REPORT = "report.md"
 EPOCH_TIME_PNG = "epoch_time.png"
@@ -146,14 +146,9 @@ def local_workers(config: dict) -> int:
 
 def configuration_label(config: dict) -> str:
     """'threads K=2, 1 host': what a reader needs to tell two runs apart on a chart."""
-    strategy = config["strategy"]
-    parts = [strategy["name"]]
-    if strategy.get("workers"):
-        parts.append(f"K={strategy['workers']}")
-    if strategy.get("micro_batches") and strategy["name"] == Pipeline.name:
-        parts.append(f"M={strategy['micro_batches']}")
     hosts = host_count(config)
-    return f"{' '.join(parts)}, {hosts} host{'s' if hosts != 1 else ''}"
+    strategy = StrategySpec.from_dict(config["strategy"]).label
+    return f"{strategy}, {hosts} host{'s' if hosts != 1 else ''}"
 
 
 def is_sequential_baseline(config: dict) -> bool:

@@ -55,6 +55,7 @@ from hybriddl.strategies.spec import StrategyOptions
 
 class LayerWise(CoreWorkersStrategy):
     name = "layerwise"
+    summary = "convolutions data-parallel over K threads, the classifier once over the batch"
 
     def __init__(self, options):
         super().__init__(options)

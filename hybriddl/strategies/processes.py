@@ -38,6 +38,8 @@ SHARED_MEMORY = "/dev/shm"
 
 class Processes(CoreWorkersStrategy):
     name = "processes"
+    worker_processes = True
+    summary = "K persistent worker processes, parameters and gradients in shared memory"
 
     def __init__(self, options):
         super().__init__(options)

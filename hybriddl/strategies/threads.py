@@ -32,6 +32,7 @@ from hybriddl.machine.cpu_threads import set_torch_threads
 
 class Threads(CoreWorkersStrategy):
     name = "threads"
+    summary = "K sub-batches, one Python thread each, shared parameters"
 
     def __init__(self, options):
         super().__init__(options)
