@@ -50,7 +50,6 @@ from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.base import (MODEL_SHAPE, CoreWorkersStrategy, StepStats, add_gradients,
                                       criterion, cut_computes_model, run_forward,
                                       split_at_classifier, sub_batches)
-from hybriddl.strategies.spec import StrategyOptions
 
 
 class LayerWise(CoreWorkersStrategy):
