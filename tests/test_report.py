@@ -7,9 +7,9 @@ from matplotlib.image import imread
 
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
+from hybriddl.monitoring.charts import markdown_table, speedup_chart, throughput_chart
+from hybriddl.monitoring.report import configuration_label, read_samples, write_report
 from hybriddl.strategies import StrategySpec
-from hybriddl.monitoring.report import (configuration_label, markdown_table, read_samples, speedup_chart, throughput_chart,
-                             write_report)
 from hybriddl.rundir import METRICS
 
 T0 = 1_700_000_000.0
