@@ -1,6 +1,6 @@
 """Local strategies against PyTorch's own options, side by side, in one invocation.
 
-    PYTHONPATH=. python scripts/bench_local.py --usecase ComplexSmall --workers 2 \
+    python scripts/bench_local.py --usecase ComplexSmall --workers 2 \
         --rounds 3 --output bench-vgg16.json
 
 Same model, batch and image size for every row: sequential (the baseline), intraop K,

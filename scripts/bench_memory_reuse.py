@@ -1,6 +1,6 @@
 """What keeping freed memory is worth: one strategy with and without it, side by side.
 
-    PYTHONPATH=. python scripts/bench_memory_reuse.py --usecase SimpleBig --strategy intraop \
+    python scripts/bench_memory_reuse.py --usecase SimpleBig --strategy intraop \
         --rounds 5 --output results/memory_reuse-SimpleBig.json
 
 hybriddl's strategies tell glibc to keep freed memory for reuse (machine/allocator.py);
