@@ -27,7 +27,7 @@ from conftest import hybriddl_env
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl import strategies
 from hybriddl.strategies import (STRATEGIES, HostResources, LocalStrategy, StrategyOptions,
-                                 StrategySpec, make_strategy)
+                                 StrategySpec, cpu_strategies, make_strategy)
 from hybriddl.strategies.base import host_gradients, plain_step
 from hybriddl.strategies.pipeline import split_stages
 from hybriddl.dropout import dropout_keys, key_dropout, sample_keys
@@ -106,8 +106,12 @@ def test_training_moves_the_parameters():
     assert moved > 1e-4
 
 
+# The registry's strategies with K local workers on CPU cores.
+CPU_WORKERS = [name for name in cpu_strategies() if STRATEGIES[name].example_options.workers]
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3])
-@pytest.mark.parametrize("strategy", ["intraop", "threads", "processes"])
+@pytest.mark.parametrize("strategy", CPU_WORKERS)
 def test_cpu_strategy_matches_sequential(strategy, workers):
     options = StrategyOptions(workers=workers, oversubscribe=True)
     assert_matches_sequential(strategy, options, "alexnet")
@@ -194,7 +198,7 @@ def test_infeasible_strategies_are_refused_before_starting(strategy, options, me
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA")
-@pytest.mark.parametrize("strategy", ["gpu", "pipeline", "gpu-threads"])
+@pytest.mark.parametrize("strategy", [name for name, cls in STRATEGIES.items() if cls.needs_gpu])
 def test_gpu_strategies_need_cuda(strategy):
     with pytest.raises(UsageError, match="no CUDA device"):
         make_strategy(strategy, StrategyOptions())
