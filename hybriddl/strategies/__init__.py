@@ -1,8 +1,9 @@
 """Local strategies, by name: the registry.
 
-Adding a strategy = its module here, its line in `register(...)` below, and its own tests.
-Everything else (the command line's list, the tuner's candidates, the equivalence tests,
-the benchmarks' rows) enumerates STRATEGIES.
+Adding a strategy = its module here (its class names itself, its one-line `summary`, its
+tuning candidates, `needs_gpu` and `example_options`), its import and its line in
+`register(...)` below, and its own tests. Everything else (the command line's list, the
+tuner's candidates, the equivalence tests, the benchmarks' rows) enumerates STRATEGIES.
 """
 
 from __future__ import annotations
