@@ -1,13 +1,10 @@
-"""The cache file's layout, format 2 (format 1 files are rebuilt).
+"""The cache file's layout, format 2 (files of format 1 are rebuilt).
 
-Layout (format 2; format 1 files are rebuilt): MAGIC, then the header's offset and length
-(zero until the build completes), images from ROW_ALIGN on, one record per image (label,
-CRC-32, the source item it came from), then the JSON header. The header comes last because
-how many images a folder really gives is known only once every file was tried.
-
-Images start on ROW_ALIGN, one row of 3 x S x S uint8 each; a record is (label, CRC-32, the
-source item it came from); the header is sorted-key JSON. A text file beside the cache lists
-the files left out (`skipped_list_path`).
+MAGIC, then the header's offset and length (zero until the build completes); images from
+ROW_ALIGN on, one row of 3 x S x S uint8 each; one record per image (label, CRC-32, the
+source item it came from); then the header, sorted-key JSON. The header comes last because
+how many images a folder really gives is known only once every file was tried. A text file
+beside the cache lists the files left out (`skipped_list_path`).
 """
 
 from __future__ import annotations
