@@ -7,7 +7,6 @@ from matplotlib.image import imread
 
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.monitoring.charts import markdown_table, speedup_chart, throughput_chart
 from hybriddl.monitoring.report import configuration_label, read_samples, write_report
 from hybriddl.strategies import StrategySpec
 from hybriddl.rundir import METRICS
@@ -119,22 +118,6 @@ def test_report_of_a_really_monitored_run(tmp_path):
     written = write_report([run], tmp_path / "out")
     assert_png(tmp_path / "out" / "resources-real-rank0.png")
     assert len(written) == 5
-
-
-def test_chart_functions_take_plain_rows_with_any_keys(tmp_path):
-    rows = [{"name": "sequential", "ips": 10.0, "x": 1.0},
-            {"name": "processes K=2", "ips": 19.0, "x": 1.9}]
-    assert_png(throughput_chart(rows, tmp_path / "t.png", value_key="ips", label_key="name",
-                                title="Tuner: throughput", highlight="processes K=2",
-                                highlight_label="pick"))
-    assert_png(speedup_chart(rows, tmp_path / "s.png", baseline="sequential, 1 core",
-                             value_key="x", label_key="name"))
-
-
-def test_markdown_table_escapes_pipes_and_marks_missing_values():
-    text = markdown_table([{"a": "x|y", "b": 1.234}, {"a": "z", "b": None}],
-                          [("a", "name", "{}"), ("b", "value", "{:.1f}")])
-    assert text.splitlines() == ["| name | value |", "|---|---:|", "| x\\|y | 1.2 |", "| z | — |"]
 
 
 def test_partial_last_row_is_tolerated_but_a_damaged_middle_row_is_not(tmp_path):
