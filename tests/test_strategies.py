@@ -358,6 +358,17 @@ def test_a_registered_strategy_is_enumerated_everywhere(registry):
     assert_matches_sequential_here("toy", Toy.example_options)
 
 
+def test_the_command_line_lists_every_strategy_in_one_line_each():
+    summaries = strategies.strategy_summaries()
+    assert [name for name, _ in summaries] == list(STRATEGIES)
+    assert all(summary and "\n" not in summary and len(summary) < 90 for _, summary in summaries)
+
+
+def test_a_strategy_without_a_summary_is_not_registered(registry):
+    with pytest.raises(ValueError, match="one-line summary"):
+        strategies.register(type("Unsaid", (Toy,), {"summary": ""}))
+
+
 def test_registering_a_second_strategy_under_a_taken_name_is_refused(registry):
     taken = type("Impostor", (Toy,), {"name": "sequential"})
     with pytest.raises(ValueError, match="registered already"):
