@@ -9,6 +9,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from hybriddl.strategies import StrategySpec
 from hybriddl.tuning.tuner import TuneObserver
 
 console = Console(stderr=True)
@@ -164,12 +165,11 @@ class TrainDisplay:
         if self.enabled and info.get("weights"):
             show_start_weights(info["weights"])
         if self.enabled:
-            strategy = ", ".join(f"{k}={v}" for k, v in info["strategy"].items() if k != "name")
+            strategy = StrategySpec.from_dict(info["strategy"]).label
             console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
                           f"({info['data']['train_images']} train / {info['data']['val_images']} val "
                           f"images, {len(info['data']['classes'])} classes), {info['image_size']} px, "
-                          f"global batch {info['global_batch']}, strategy "
-                          f"[bold]{info['strategy']['name']}[/] {strategy}".rstrip())
+                          f"global batch {info['global_batch']}, strategy [bold]{strategy}[/]")
             hosts = info["hosts"]
             if hosts["count"] > 1:
                 console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "

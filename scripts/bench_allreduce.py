@@ -1,8 +1,8 @@
 """Gradient averaging on H emulated hosts: seconds and per-host NIC bytes against the bound.
 
-    sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 4 --bandwidth 1gbit \
+    sudo python scripts/bench_allreduce.py --hosts 4 --bandwidth 1gbit \
         --mib 64 --output /tmp/allreduce-4.json
-    sudo PYTHONPATH=. python scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit \
+    sudo python scripts/bench_allreduce.py --hosts 2 4 8 --bandwidth 1gbit 10gbit \
         --mib 64 --compression none fp16 --rounds 2 --output results/allreduce-1gbit-10gbit.json
 
 Runs the trainer's own averaging (`hybriddl.hosts.cluster.connect()` under mpirun, i.e.
@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,12 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-# "before" runs another revision's hybriddl: its copy goes first on the path.
-sys.path.insert(0, os.environ.get("BENCH_CHECKPOINT_CODE", str(REPO)))
+from bench_common import spread
+from hybriddl.files import atomic_write_json
+from hybriddl.rundir import CHECKPOINT
 
-from hybriddl.rundir import CHECKPOINT  # noqa: E402
-from hybriddl.files import atomic_write_json  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 MODES = ("before", "wait", "background")
 EPOCH_2_STEPS = 6
@@ -84,11 +84,6 @@ def child(args: argparse.Namespace) -> None:
     }))
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "values": values}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--usecase", default="ComplexSmall")
@@ -117,7 +112,9 @@ def main() -> None:
                                      capture_output=True, check=True).stdout
             with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
                 tar.extractall(Path(scratch) / "before", filter="data")
-            env["before"]["BENCH_CHECKPOINT_CODE"] = str(Path(scratch) / "before")
+            # The copy goes first on the path, ahead of the installed hybriddl.
+            env["before"]["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(Path(scratch) / "before"), os.environ.get("PYTHONPATH")]))
         for round_ in range(args.rounds):
             order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
             for mode in order:
@@ -134,6 +131,7 @@ def main() -> None:
                 print(f"round {round_ + 1} {mode}: pause "
                       f"{runs[mode][-1]['pause_seconds']:.3f} s", flush=True)
 
+    pauses = {mode: [r["pause_seconds"] for r in runs[mode]] for mode in modes}
     result = {
         "command": " ".join(["python", "scripts/bench_checkpoint.py", *sys.argv[1:]]),
         "usecase": args.usecase, "model": args.model, "image_size": args.image_size,
@@ -141,8 +139,8 @@ def main() -> None:
         "workers": args.workers, "rounds": args.rounds,
         "checkpoint_bytes": runs["background"][0]["checkpoint_bytes"],
         "before": args.before,
-        "pause_seconds": {mode: spread([r["pause_seconds"] for r in runs[mode]])
-                          for mode in modes},
+        "pause_seconds": {mode: {**spread(values), "values": values}
+                          for mode, values in pauses.items()},
         # Epoch 1's steps against epoch 2's first steps, which overlap the background write.
         "step_seconds": {mode: {
             "epoch_1_median": statistics.median(

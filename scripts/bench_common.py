@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ def results_header(script: str, argv: list[str] | None = None) -> dict:
             "date": datetime.date.today().isoformat()}
 
 
-def spread(values: list[float]) -> list[float]:
-    """[lowest, highest]."""
-    return [min(values), max(values)]
+def spread(values: list[float], digits: int | None = None) -> dict:
+    """The median, lowest and highest of a measurement's repeats (rounded to `digits`)."""
+    figures = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return figures if digits is None else {k: round(v, digits) for k, v in figures.items()}

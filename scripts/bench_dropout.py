@@ -14,13 +14,13 @@ Usage: python scripts/bench_dropout.py [--rounds 7] [--output results/dropout_co
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from bench_common import spread
 from hybriddl.dropout import KeyedDropout, dropout_keys, sample_keys
 from hybriddl.strategies.base import plain_step
 from hybriddl.usecases import build_model
@@ -70,11 +70,6 @@ def layers_seconds(layers, keyed: bool) -> float:
     return (time.perf_counter() - started) / LAYER_REPEATS
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-            "max": round(max(values), 2)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -103,8 +98,8 @@ def main() -> None:
               "image_size": SIZE, "batch": BATCH, "threads": 1, "rounds": args.rounds,
               "steps_per_round": STEPS, "dropout_inputs": [list(s) for _, s in keyed_layers],
               "seconds": times,
-              "whole_step_overhead_percent": spread(step_percent),
-              "isolated_overhead_percent_of_step": spread(isolated_percent)}
+              "whole_step_overhead_percent": spread(step_percent, digits=2),
+              "isolated_overhead_percent_of_step": spread(isolated_percent, digits=2)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k.endswith("percent")

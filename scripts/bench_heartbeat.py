@@ -1,6 +1,6 @@
 """What the heartbeat between hosts costs: bytes on each host's NIC, and step time.
 
-    sudo PYTHONPATH=. python scripts/bench_heartbeat.py --output results/bench_heartbeat.json
+    sudo python scripts/bench_heartbeat.py --output results/bench_heartbeat.json
 
 On 2 emulated hosts (one rank each, their own NICs), the trainer's hosts
 (`hybriddl.hosts.cluster.connect()` under mpirun) with the heartbeat switched on and off
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """Does the emulated network reach its link rate? Raw TCP streams, no MPI.
 
-    sudo PYTHONPATH=. python scripts/bench_link.py --hosts 4 --bandwidth 1gbit --mib 64 \
+    sudo python scripts/bench_link.py --hosts 4 --bandwidth 1gbit --mib 64 \
         --output results/bench_link-4-1gbit.json
 
 Makes H emulated hosts (as the benchmarks do) and has every host i stream --mib MiB over
@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 PORT = 5201
 CHUNK = 1 << 20

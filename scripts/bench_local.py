@@ -1,6 +1,6 @@
 """Local strategies against PyTorch's own options, side by side, in one invocation.
 
-    PYTHONPATH=. python scripts/bench_local.py --usecase ComplexSmall --workers 2 \
+    python scripts/bench_local.py --usecase ComplexSmall --workers 2 \
         --rounds 3 --output bench-vgg16.json
 
 Same model, batch and image size for every row: sequential (the baseline), intraop K,
@@ -53,9 +53,10 @@ from hybriddl.errors import UsageError
 from hybriddl.hosts.mpi import library_versions
 from hybriddl.machine.hostinfo import host_info, usable_cores
 from hybriddl.files import atomic_write_json
-from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.strategies import STRATEGIES, StrategyOptions, StrategySpec, cpu_strategies, make_strategy
 
-STRATEGY_ROWS = ("sequential", "intraop", "threads", "processes", "layerwise")
+# The baseline, then every CPU strategy of the registry.
+STRATEGY_ROWS = tuple(cpu_strategies())
 VARIANTS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),
             "bf16": StrategyOptions(precision="bf16"),
             "bf16-cl": StrategyOptions(precision="bf16", channels_last=True),
@@ -143,7 +144,7 @@ def in_fresh_process(function, *args, env: dict | None = None, **kwargs) -> Step
 class Row:
     """One line of the table: what runs, and how to start it in a fresh process."""
 
-    name: str  # sequential, intraop, threads, processes, layerwise, pytorch, ddp
+    name: str  # a strategy of STRATEGY_ROWS, or a peer: pytorch, ddp
     variant: str  # a key of VARIANTS
     function: object
     args: tuple
@@ -283,6 +284,9 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
 
 
 def label(strategy: dict) -> str:
+    """A strategy's own label; a peer's name and its settings."""
+    if strategy["name"] in STRATEGIES:
+        return StrategySpec.from_dict(strategy).label
     details = " ".join(f"{k}={v}" for k, v in strategy.items() if k != "name")
     return f"{strategy['name']} {details}".strip()
 

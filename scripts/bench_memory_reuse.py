@@ -1,6 +1,6 @@
 """What keeping freed memory is worth: one strategy with and without it, side by side.
 
-    PYTHONPATH=. python scripts/bench_memory_reuse.py --usecase SimpleBig --strategy intraop \
+    python scripts/bench_memory_reuse.py --usecase SimpleBig --strategy intraop \
         --rounds 5 --output results/memory_reuse-SimpleBig.json
 
 hybriddl's strategies tell glibc to keep freed memory for reuse (machine/allocator.py);
@@ -33,11 +33,11 @@ from hybriddl.hosts.mpi import library_versions
 from hybriddl.machine.hostinfo import host_info, usable_cores
 from hybriddl.files import atomic_write_json
 from hybriddl.step import optimizer_step
-from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.strategies import STRATEGIES, StrategyOptions, cpu_strategies, make_strategy
 from hybriddl.tuning.benchmark import timing_model
 
 MODES = ("system", "keep")  # values of HYBRIDDL_MALLOC
-IN_PROCESS = ("sequential", "intraop", "threads", "layerwise")
+IN_PROCESS = tuple(name for name in cpu_strategies() if not STRATEGIES[name].worker_processes)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,14 +25,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybriddl.tuning.benchmark import sample_batch
+from hybriddl.data.loading import load_data
+from hybriddl.errors import UsageError
+from hybriddl.monitoring.monitor import Monitor
+from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.step import optimizer_step
+from hybriddl.usecases import build_model, get_usecase, use_case_workload
 
-from hybriddl.tuning.benchmark import sample_batch  # noqa: E402
-from hybriddl.data.loading import load_data  # noqa: E402
-from hybriddl.errors import UsageError  # noqa: E402
-from hybriddl.monitoring.monitor import Monitor  # noqa: E402
-from hybriddl.strategies import StrategyOptions, make_strategy  # noqa: E402
-from hybriddl.usecases import build_model, get_usecase, use_case_workload  # noqa: E402
 
 BUDGET_PCT = 1.0
 
@@ -56,10 +56,7 @@ def timed_steps(strategy, optimizer, x, y, steps: int) -> float:
     """Images/s over `steps` full optimizer steps."""
     started = time.perf_counter()
     for _ in range(steps):
-        optimizer.zero_grad(set_to_none=False)
-        strategy.compute_gradients(x, y)
-        optimizer.step()
-        strategy.after_step()
+        optimizer_step(strategy, optimizer, x, y)
     return steps * len(y) / (time.perf_counter() - started)
 
 

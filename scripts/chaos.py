@@ -37,13 +37,13 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces, freezer_hierarchy
+from hybriddl.launch.emulated import launch_on
+from hybriddl.launch.launcher import EVENTS
+from hybriddl.rundir import CHECKPOINT, MODEL
 
-from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces, freezer_hierarchy  # noqa: E402
-from hybriddl.launch.emulated import launch_on  # noqa: E402
-from hybriddl.launch.launcher import EVENTS  # noqa: E402
-from hybriddl.rundir import CHECKPOINT, MODEL  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 FAULTS = ("kill", "stop", "link", "disk", "sigterm")
 HOSTS = 3

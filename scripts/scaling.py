@@ -1,9 +1,9 @@
 """Strong scaling over H hosts: images/s, speedup and efficiency, from measured parts.
 
-    PYTHONPATH=. python scripts/scaling.py compute --output results/scaling-compute-64px.json
-    sudo PYTHONPATH=. python scripts/scaling.py communication --bandwidth 1gbit \
+    python scripts/scaling.py compute --output results/scaling-compute-64px.json
+    sudo python scripts/scaling.py communication --bandwidth 1gbit \
         --output results/scaling-communication-1gbit.json
-    PYTHONPATH=. python scripts/scaling.py table results/scaling-compute-64px.json \
+    python scripts/scaling.py table results/scaling-compute-64px.json \
         results/scaling-communication-*.json --output results/scaling-64px.json
 
 This machine has 2 cores, so H hosts cannot compute side by side here; each part of a
@@ -33,9 +33,6 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
 USECASES = ("SimpleBig", "ComplexSmall")
 NUM_CLASSES = 3

@@ -34,12 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench_common import results_header
+from hybriddl.files import atomic_write_json
+from hybriddl.usecases import get_usecase
 
-from bench_common import results_header  # noqa: E402
-from hybriddl.files import atomic_write_json  # noqa: E402
-from hybriddl.usecases import get_usecase  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
 # The profiled pick for both use cases at 224 px on 2-core hosts (profiles/).

@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench_common import results_header
+from hybriddl.files import atomic_write_json
 
-from bench_common import results_header  # noqa: E402
-from hybriddl.files import atomic_write_json  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 # The main job's profiled pick at 224 px on a 2-core host (profiles/); pinned so that no
 # host count tunes a profile of its own first (that would be time outside the training).

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 RESULTS = REPO / "results"
 DOCS = REPO / "docs"

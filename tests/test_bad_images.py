@@ -13,6 +13,7 @@ from PIL import Image
 from sample_data import write_image
 
 from hybriddl.data import cache as datacache
+from hybriddl.data.cache.layout import skipped_list_path
 from hybriddl.data import images, sources
 from hybriddl.data.loading import data_notes, load_data
 from hybriddl.errors import UsageError
@@ -126,11 +127,11 @@ def test_a_folder_of_many_kinds_builds_in_one_pass_and_lists_what_it_left_out(tm
     # 16 bits scaled to 8 (PIL's own convert clips them at 255: white).
     assert torch.all(every.images[rows[str(root / "fire" / "sixteen.png")]] == 128)
     assert torch.all(every.images[rows[str(root / "fire" / "grey.png")]] == 90)
-    listed = datacache.skipped_list_path(cache.path).read_text().splitlines()
+    listed = skipped_list_path(cache.path).read_text().splitlines()
     assert sorted(line.split("\t")[0] for line in listed) == sorted(map(str, bad))
     summary = cache.summary()
     assert summary.startswith(f"{len(bad)} of {total} files of imagefolder:{root} skipped")
-    assert summary.endswith(f"see {datacache.skipped_list_path(cache.path)}")
+    assert summary.endswith(f"see {skipped_list_path(cache.path)}")
     calls.clear()
     again, _ = datacache.open_cache(sources.ImageFolderSource(str(root), 8), tmp_path / "cache")
     assert calls == [] and again.header["skipped"] == cache.header["skipped"]
@@ -143,7 +144,7 @@ def test_a_removed_list_of_skipped_files_is_written_again(tmp_path):
             write_image(root / cls / f"{i}.png", GOOD, (i, 2, 3))
     (root / "fire" / "junk.png").write_bytes(b"junk")
     cache, _ = datacache.open_cache(sources.ImageFolderSource(str(root), 8), tmp_path / "cache")
-    listed = datacache.skipped_list_path(cache.path)
+    listed = skipped_list_path(cache.path)
     before = listed.read_text()
     listed.unlink()
     datacache.open_cache(sources.ImageFolderSource(str(root), 8), tmp_path / "cache")

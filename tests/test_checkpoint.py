@@ -25,10 +25,11 @@ from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.errors import TrainingError
+from hybriddl.errors import TrainingError, UsageError
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
 from hybriddl.run.shutdown import StopRequest
-from hybriddl.strategies import STRATEGIES
+from hybriddl.strategies import STRATEGIES, cpu_strategies
+from hybriddl.usecases import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -118,11 +119,20 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
     assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
-# Strategies with workers of their own (threads or processes): a run killed in the middle of
-# an epoch under any of them resumes to the uninterrupted sequential run, default dropout.
-# (layerwise needs a features/classifier model, which these tests' SqueezeNet is not; its
-# exactness with default dropout is tests/test_layerwise.py's.)
-KILLED_UNDER = [name for name in ("intraop", "threads", "processes") if name in STRATEGIES]
+def runs_squeezenet(cls) -> bool:
+    try:
+        cls.check_model(build_model("squeezenet1_1", 3))
+    except UsageError:
+        return False
+    return True
+
+
+# Every CPU strategy with local workers of its own: a run killed in the middle of an epoch
+# under any of them resumes to the uninterrupted sequential run, default dropout. (One that
+# cannot run these tests' SqueezeNet, layerwise, has its exactness with default dropout in
+# its own tests.)
+KILLED_UNDER = [name for name in cpu_strategies() if STRATEGIES[name].example_options.workers
+                and runs_squeezenet(STRATEGIES[name])]
 
 
 @pytest.mark.parametrize("strategy", KILLED_UNDER)
@@ -186,8 +196,6 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(images, t
     assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
 
 
-@pytest.mark.skipif("processes" not in STRATEGIES,
-                    reason="needs the processes strategy (branch strategies)")
 def test_interrupted_run_leaves_no_worker_process(images, tmp_path, uninterrupted, capsys):
     run_dir = tmp_path / "run"
     processes = ("--strategy", "processes", "--workers", "2", "--oversubscribe")

@@ -12,6 +12,7 @@ from sample_data import CIFAR_FOLDER, write_cifar10, write_image, write_imagefol
 from hybriddl import data
 from hybriddl.data.loading import load_data
 from hybriddl.data import cache as datacache
+from hybriddl.data.cache import building, layout, reading
 from hybriddl.data import sources
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.data.sharding import split_bounds
@@ -110,10 +111,10 @@ class CountingFolder(Counting, sources.ImageFolderSource):
 
 
 def test_interrupted_build_continues_where_it_stopped(tmp_path, monkeypatch):
-    monkeypatch.setattr(datacache, "SYNC_EVERY_SECONDS", 0.0)  # every image is a sync point
+    monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)  # every image is a sync point
     cache = tmp_path / "cache"
     stops = iter([None] * 9 + [signal.SIGINT])
-    with pytest.raises(datacache.CacheBuildInterrupted, match="10 of 40 images kept") as caught:
+    with pytest.raises(building.CacheBuildInterrupted, match="10 of 40 images kept") as caught:
         datacache.open_cache(sources.SyntheticSource(40), cache, stop_signal=lambda: next(stops))
     assert caught.value.exit_code == 130
     assert not [p for p in cache.iterdir() if p.suffix == ".cache"], \
@@ -128,11 +129,11 @@ def test_interrupted_build_continues_where_it_stopped(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_build_keeps_the_files_it_skipped(tmp_path, monkeypatch):
-    monkeypatch.setattr(datacache, "SYNC_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
     root = write_imagefolder(tmp_path / "images", per_class=5)
     (root / "fire" / "0a.png").write_bytes(b"not an image")  # the 2nd item of 11
     stops = iter([None] * 3 + [signal.SIGTERM])
-    with pytest.raises(datacache.CacheBuildInterrupted):
+    with pytest.raises(building.CacheBuildInterrupted):
         datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "cache",
                              stop_signal=lambda: next(stops))
     source = CountingFolder(str(root), 16)
@@ -145,10 +146,10 @@ def test_an_interrupted_build_keeps_the_files_it_skipped(tmp_path, monkeypatch):
 
 
 def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(datacache, "SYNC_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
     root = write_imagefolder(tmp_path / "images", per_class=5)
     stops = iter([None] * 3 + [signal.SIGTERM])
-    with pytest.raises(datacache.CacheBuildInterrupted) as caught:
+    with pytest.raises(building.CacheBuildInterrupted) as caught:
         datacache.open_cache(sources.ImageFolderSource(str(root), 16), tmp_path / "cache",
                              stop_signal=lambda: next(stops))
     assert caught.value.exit_code == 143
@@ -166,20 +167,20 @@ def damage_by_truncating(path):
 
 
 def damage_the_header(path):
-    header = datacache._read_header(path)
+    header = layout.read_header(path)
     with open(path, "r+b") as handle:
-        handle.seek(datacache._header_at(header["count"], header["stored_size"]) + 1)
+        handle.seek(layout.header_at(header["count"], header["stored_size"]) + 1)
         handle.write(b"\xff\xfe")
 
 
 def damage_the_labels(path):
-    header = datacache._read_header(path)
-    records_at = (datacache._header_at(header["count"], header["stored_size"])
-                  - header["count"] * datacache.RECORD.itemsize)
+    header = layout.read_header(path)
+    records_at = (layout.header_at(header["count"], header["stored_size"])
+                  - header["count"] * layout.RECORD.itemsize)
     with open(path, "r+b") as handle:
         handle.seek(records_at)
         handle.write(np.int64(1).tobytes())
-        handle.seek(records_at + datacache.RECORD.itemsize)
+        handle.seek(records_at + layout.RECORD.itemsize)
         handle.write(np.int64(0).tobytes())
 
 
@@ -202,9 +203,9 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
 
 
 def flip_a_byte_of_image(path, row, offset=5):
-    header = datacache._read_header(path)
+    header = layout.read_header(path)
     with open(path, "r+b") as handle:
-        handle.seek(datacache.IMAGES_AT + row * 3 * header["stored_size"] ** 2 + offset)
+        handle.seek(layout.IMAGES_AT + row * 3 * header["stored_size"] ** 2 + offset)
         byte = handle.read(1)
         handle.seek(-1, os.SEEK_CUR)
         handle.write(bytes([byte[0] ^ 0xFF]))
@@ -268,7 +269,7 @@ def test_tune_reads_its_data_through_the_same_cache(cli, tmp_path):
 
 def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(datacache.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
+    monkeypatch.setattr(building.shutil, "disk_usage", lambda path: Usage(10**9, 10**9, 1000))
     with pytest.raises(UsageError, match=r"needs 0\.00 GiB but only 0\.00 GiB is free"):
         datacache.open_cache(sources.SyntheticSource(20), tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir() if "partial" in p.name] == []
@@ -310,7 +311,7 @@ def test_each_host_reads_only_its_part_of_each_global_batch(tmp_path, weights):
 def test_a_split_reads_no_image_until_a_batch_asks(tmp_path):
     split, _ = load("synthetic:30", tmp_path / "cache", image_size=64)
     assert split.train.images.rows_read == 0 and split.val.images.rows_read == 0
-    assert isinstance(split.train, datacache.StreamedImageSet)
+    assert isinstance(split.train, reading.StreamedImageSet)
 
 
 def test_synthetic_n_generates_each_image_from_its_index(tmp_path):
@@ -361,7 +362,7 @@ def test_an_imagefolder_bigger_than_the_old_memory_limit_trains(tmp_path, monkey
                                  strategy_options=StrategyOptions(), monitor_interval=0,
                                  run_dir=str(tmp_path / "run"), val_fraction=0.25)
     prepared = trainer.prepare(config)
-    assert isinstance(prepared.split.train, datacache.StreamedImageSet)
+    assert isinstance(prepared.split.train, reading.StreamedImageSet)
     metrics = trainer.run(prepared)
     assert [e["steps"] for e in metrics["epochs"]] == [2]
     assert metrics["config"]["data"]["train_images"] == 8  # 2 of each class of 6 held out

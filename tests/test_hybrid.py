@@ -145,7 +145,8 @@ def test_hybrid_on_one_host_matches_sequential_for_every_strategy_that_can_run_i
         name, images, sequential, tmp_path):
     if not feasible(name):
         pytest.skip(f"strategy {name!r} cannot run on this host (no GPU)")
-    options = ["--workers", "2", "--oversubscribe"] if name in ("intraop", "layerwise") else []
+    workers = STRATEGIES[name].example_options.workers
+    options = ["--workers", str(workers), "--oversubscribe"] if workers else []
     done = train(tmp_path / "run", "--strategy", name, *options, "--host-parallel", "hybrid",
                  "--accumulate", "2", images=images)
     assert done.returncode == 0, done.stderr

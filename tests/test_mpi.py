@@ -18,7 +18,6 @@ from conftest import hybriddl_env
 from emulated import hosts_launcher
 from sample_data import write_saturated_classes
 from hybriddl.rundir import METRICS, MODEL
-from hybriddl.strategies import STRATEGIES
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
@@ -145,7 +144,6 @@ def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequ
     assert sent_early[0] == 3 * config["hosts"]["fusion_buckets"] and sent_early[1] == 0
 
 
-@pytest.mark.skipif("threads" not in STRATEGIES, reason="the threads strategy is not here yet")
 def test_threads_and_accumulating_sequential_hosts_match_sequential(images, sequential, tmp_path, launcher):
     run_dir = tmp_path / "run"
     common = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]

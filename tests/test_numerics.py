@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies import StrategySpec
-from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.strategies import HostResources
+import dataclasses
+
+from hybriddl.strategies import (STRATEGIES, HostResources, StrategyOptions, StrategySpec,
+                                 cpu_strategies, make_strategy)
 from hybriddl.tuning.tuner import enumerate_candidates
 from test_strategies import sequential_parameters, train
 
@@ -34,9 +35,16 @@ def sequential_bf16(model_name: str) -> list[torch.Tensor]:
     return train("sequential", StrategyOptions(precision="bf16"), model_name)
 
 
-@pytest.mark.parametrize("strategy", ["sequential", "threads", "processes", "layerwise"])
+# The registry's CPU strategies that run the model in other numerics when asked, and those
+# that refuse to.
+HONOURING = [name for name in cpu_strategies() if STRATEGIES[name].honours_numerics]
+WITH_WORKERS = [name for name in HONOURING if STRATEGIES[name].example_options.workers]
+REFUSING = [name for name, cls in STRATEGIES.items() if not cls.honours_numerics]
+
+
+@pytest.mark.parametrize("strategy", HONOURING)
 def test_channels_last_matches_sequential(strategy):
-    options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
+    options = dataclasses.replace(STRATEGIES[strategy].example_options, channels_last=True)
     difference = largest_difference(train(strategy, options, "alexnet"),
                                     sequential_parameters("alexnet"))
     assert difference <= CHANNELS_LAST_TOLERANCE, difference
@@ -58,10 +66,10 @@ def test_bf16_really_trains_in_reduced_precision():
 
 
 @pytest.mark.parametrize("strategy, channels_last", [
-    ("threads", False), ("processes", False), ("layerwise", False), ("layerwise", True)])
+    *[(name, False) for name in WITH_WORKERS], ("layerwise", True)])
 def test_bf16_strategies_match_sequential_bf16_loosely(strategy, channels_last):
-    options = StrategyOptions(workers=2, oversubscribe=True, precision="bf16",
-                              channels_last=channels_last)
+    options = dataclasses.replace(STRATEGIES[strategy].example_options, precision="bf16",
+                                  channels_last=channels_last)
     actual = train(strategy, options, "alexnet")
     # Closer to bf16 sequential than bf16 is to float32: the same computation, summed
     # in another order.
@@ -70,13 +78,12 @@ def test_bf16_strategies_match_sequential_bf16_loosely(strategy, channels_last):
     assert all(p.dtype == torch.float32 for p in actual)  # master weights stay float32
 
 
-@pytest.mark.parametrize("options, message", [
-    (StrategyOptions(devices=("cpu", "cpu"), precision="bf16"), "float32"),
-    (StrategyOptions(devices=("cpu", "cpu"), channels_last=True), "float32"),
-])
-def test_pipeline_refuses_other_numerics(options, message):
-    with pytest.raises(UsageError, match=message):
-        make_strategy("pipeline", options)
+@pytest.mark.parametrize("numerics", [{"precision": "bf16"}, {"channels_last": True}])
+@pytest.mark.parametrize("strategy", REFUSING)
+def test_strategies_that_run_the_model_in_pieces_refuse_other_numerics(strategy, numerics):
+    options = dataclasses.replace(STRATEGIES[strategy].example_options, **numerics)
+    with pytest.raises(UsageError, match="float32"):
+        make_strategy(strategy, options)
 
 
 def test_precision_auto_needs_the_tuner():

@@ -7,8 +7,8 @@ from matplotlib.image import imread
 
 from hybriddl.errors import UsageError
 from hybriddl.monitoring.monitor import PIDSTAT_COLUMNS, SAR_COLUMNS, Monitor
-from hybriddl.monitoring.report import (markdown_table, read_samples, speedup_chart, throughput_chart,
-                             write_report)
+from hybriddl.monitoring.report import configuration_label, read_samples, write_report
+from hybriddl.strategies import StrategySpec
 from hybriddl.rundir import METRICS
 
 T0 = 1_700_000_000.0
@@ -84,6 +84,15 @@ def test_report_draws_scaling_charts_resources_and_table(tmp_path):
         assert f"({name})" in text  # every chart is embedded in the Markdown
 
 
+def test_a_run_is_labelled_as_its_strategy_labels_itself():
+    """One label for every display of a strategy: numerics and accumulation included."""
+    strategy = {"name": "threads", "workers": 2, "precision": "bf16", "channels_last": True,
+                "accumulate": 4}
+    label = configuration_label({"strategy": strategy, "hosts": {"count": 2}})
+    assert label == f"{StrategySpec.from_dict(strategy).label}, 2 hosts"
+    assert label == "threads K=2 bf16 channels_last accumulate=4, 2 hosts"
+
+
 def test_without_a_sequential_run_the_first_run_is_the_baseline(tmp_path):
     a = make_run(tmp_path / "a", {"name": "threads", "workers": 2}, [20.0])
     b = make_run(tmp_path / "b", {"name": "processes", "workers": 2}, [30.0])
@@ -109,22 +118,6 @@ def test_report_of_a_really_monitored_run(tmp_path):
     written = write_report([run], tmp_path / "out")
     assert_png(tmp_path / "out" / "resources-real-rank0.png")
     assert len(written) == 5
-
-
-def test_chart_functions_take_plain_rows_with_any_keys(tmp_path):
-    rows = [{"name": "sequential", "ips": 10.0, "x": 1.0},
-            {"name": "processes K=2", "ips": 19.0, "x": 1.9}]
-    assert_png(throughput_chart(rows, tmp_path / "t.png", value_key="ips", label_key="name",
-                                title="Tuner: throughput", highlight="processes K=2",
-                                highlight_label="pick"))
-    assert_png(speedup_chart(rows, tmp_path / "s.png", baseline="sequential, 1 core",
-                             value_key="x", label_key="name"))
-
-
-def test_markdown_table_escapes_pipes_and_marks_missing_values():
-    text = markdown_table([{"a": "x|y", "b": 1.234}, {"a": "z", "b": None}],
-                          [("a", "name", "{}"), ("b", "value", "{:.1f}")])
-    assert text.splitlines() == ["| name | value |", "|---|---:|", "| x\\|y | 1.2 |", "| z | — |"]
 
 
 def test_partial_last_row_is_tolerated_but_a_damaged_middle_row_is_not(tmp_path):

@@ -7,8 +7,11 @@ the paper's split) with a slim classifier, at small image sizes: a few seconds p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 import os
+import pkgutil
 import signal
 import subprocess
 import sys
@@ -22,10 +25,13 @@ from torch import nn
 
 from conftest import hybriddl_env
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
-from hybriddl.strategies.base import host_gradients
+from hybriddl import strategies
+from hybriddl.strategies import (STRATEGIES, HostResources, LocalStrategy, StrategyOptions,
+                                 StrategySpec, cpu_strategies, make_strategy)
+from hybriddl.strategies.base import host_gradients, plain_step
 from hybriddl.strategies.pipeline import split_stages
 from hybriddl.dropout import dropout_keys, key_dropout, sample_keys
+from hybriddl.tuning.tuner import enumerate_candidates
 from hybriddl.usecases import PIPELINE_SPLITS, build_model
 
 IMAGE_SIZE = {"alexnet": 64, "vgg16": 32}
@@ -100,8 +106,12 @@ def test_training_moves_the_parameters():
     assert moved > 1e-4
 
 
+# The registry's strategies with K local workers on CPU cores.
+CPU_WORKERS = [name for name in cpu_strategies() if STRATEGIES[name].example_options.workers]
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3])
-@pytest.mark.parametrize("strategy", ["intraop", "threads", "processes"])
+@pytest.mark.parametrize("strategy", CPU_WORKERS)
 def test_cpu_strategy_matches_sequential(strategy, workers):
     options = StrategyOptions(workers=workers, oversubscribe=True)
     assert_matches_sequential(strategy, options, "alexnet")
@@ -188,7 +198,7 @@ def test_infeasible_strategies_are_refused_before_starting(strategy, options, me
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA")
-@pytest.mark.parametrize("strategy", ["gpu", "pipeline", "gpu-threads"])
+@pytest.mark.parametrize("strategy", [name for name, cls in STRATEGIES.items() if cls.needs_gpu])
 def test_gpu_strategies_need_cuda(strategy):
     with pytest.raises(UsageError, match="no CUDA device"):
         make_strategy(strategy, StrategyOptions())
@@ -283,44 +293,86 @@ def test_infeasible_strategy_is_one_line_and_exit_2(cli_here, tmp_path, flags):
     assert not (tmp_path / "run").exists()
 
 
-# One equivalence case per registered strategy: a strategy added to the registry fails
-# test_every_registered_strategy_matches_sequential until it has its case here.
-EQUIVALENCE_CASES = {
-    "sequential": StrategyOptions(),
-    "flat": StrategyOptions(),
-    "intraop": StrategyOptions(workers=2, oversubscribe=True),
-    "threads": StrategyOptions(workers=2, oversubscribe=True),
-    "processes": StrategyOptions(workers=2, oversubscribe=True),
-    "layerwise": StrategyOptions(workers=2, oversubscribe=True),
-    "gpu": StrategyOptions(),
-    "pipeline": StrategyOptions(micro_batches=2, devices=("cpu", "cpu")),
-    "gpu-threads": StrategyOptions(devices=("cpu", "cpu")),
-}
+def registered_cases(**numerics) -> list:
+    """(name, options) for every registered strategy at its example options (with
+    `numerics` replaced): what each strategy's equivalence test runs at."""
+    return [pytest.param(name, dataclasses.replace(cls.example_options, **numerics), id=name)
+            for name, cls in STRATEGIES.items()]
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
-def test_every_registered_strategy_matches_sequential(name):
-    assert name in EQUIVALENCE_CASES, f"give {name} an equivalence case"
-    options = EQUIVALENCE_CASES[name]
-    try:
-        STRATEGIES[name].check_feasible(options)
-    except UsageError as exc:
-        pytest.skip(f"{name} cannot run on this host: {exc}")
+def assert_matches_sequential_here(name: str, options: StrategyOptions) -> None:
+    reason = STRATEGIES[name].unavailable_here(options)
+    if reason:
+        pytest.skip(f"{name} cannot run on this host: {reason}")
     assert_matches_sequential(name, options, "alexnet")
 
 
-@pytest.mark.parametrize(("strategy", "options"), [
-    ("sequential", StrategyOptions(accumulate=2)),
-    ("sequential", StrategyOptions(accumulate=3)),  # chunks of 2, 2, 1 and 3, 2, 2
-    ("intraop", StrategyOptions(workers=2, oversubscribe=True, accumulate=2)),
-    ("threads", StrategyOptions(workers=2, oversubscribe=True, accumulate=3)),
-    ("processes", StrategyOptions(workers=2, oversubscribe=True, accumulate=2)),
-    ("layerwise", StrategyOptions(workers=2, oversubscribe=True, accumulate=3)),
-    ("pipeline", StrategyOptions(micro_batches=2, devices=("cpu", "cpu"), accumulate=2)),
+@pytest.mark.parametrize(("name", "options"), registered_cases())
+def test_every_registered_strategy_matches_sequential(name, options):
+    assert_matches_sequential_here(name, options)
+
+
+@pytest.mark.parametrize(("name", "options"), [
+    *registered_cases(accumulate=2),
+    pytest.param("sequential", StrategyOptions(accumulate=3), id="sequential-3"),  # chunks 2,2,1 and 3,2,2
+    pytest.param("threads", StrategyOptions(workers=2, oversubscribe=True, accumulate=3),
+                 id="threads-3"),
 ])
-def test_accumulated_gradients_match_sequential(strategy, options):
+def test_accumulated_gradients_match_sequential(name, options):
     """Gradient accumulation computes the same step, uneven chunks and dropout included."""
-    assert_matches_sequential(strategy, options, "alexnet")
+    assert_matches_sequential_here(name, options)
+
+
+class Toy(LocalStrategy):
+    """A strategy a newcomer might add: the plain loop under another name."""
+
+    name = "toy"
+    summary = "the plain loop, registered by a test"
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size):
+        return [StrategySpec(cls.name)]
+
+    def compute_gradients(self, x, y):
+        return plain_step(self.model, x, y, self.options)
+
+
+@pytest.fixture
+def registry():
+    """The registry as it was, back after the test."""
+    saved = dict(STRATEGIES)
+    yield STRATEGIES
+    STRATEGIES.clear()
+    STRATEGIES.update(saved)
+
+
+def test_a_registered_strategy_is_enumerated_everywhere(registry):
+    """Registering is all it takes: the equivalence cases, the command line's list and the
+    tuner's candidates pick a new strategy up, and it trains as sequential SGD does."""
+    strategies.register(Toy)
+    assert "toy" in [case.values[0] for case in registered_cases()]
+    assert ("toy", Toy.summary) in strategies.strategy_summaries()
+    assert "toy" in strategies.cpu_strategies()
+    assert StrategySpec("toy") in enumerate_candidates(HostResources(cores=2), 4)
+    assert StrategySpec("toy").infeasibility() is None
+    assert_matches_sequential_here("toy", Toy.example_options)
+
+
+def test_the_command_line_lists_every_strategy_in_one_line_each():
+    summaries = strategies.strategy_summaries()
+    assert [name for name, _ in summaries] == list(STRATEGIES)
+    assert all(summary and "\n" not in summary and len(summary) < 90 for _, summary in summaries)
+
+
+def test_a_strategy_without_a_summary_is_not_registered(registry):
+    with pytest.raises(ValueError, match="one-line summary"):
+        strategies.register(type("Unsaid", (Toy,), {"summary": ""}))
+
+
+def test_registering_a_second_strategy_under_a_taken_name_is_refused(registry):
+    taken = type("Impostor", (Toy,), {"name": "sequential"})
+    with pytest.raises(ValueError, match="registered already"):
+        strategies.register(taken)
 
 
 def test_accumulation_runs_the_model_on_chunks():
@@ -343,9 +395,15 @@ def test_accumulate_below_one_is_refused():
         make_strategy("sequential", StrategyOptions(accumulate=0))
 
 
-def test_every_strategy_is_registered():
-    assert set(STRATEGIES) == {"sequential", "intraop", "threads", "processes", "layerwise", "gpu",
-                               "pipeline", "gpu-threads", "flat"}
+def test_every_strategy_module_registers_its_strategy():
+    """A strategy class defined in strategies/ but left out of the registry is a mistake."""
+    defined = set()
+    for module in pkgutil.iter_modules(strategies.__path__):
+        loaded = importlib.import_module(f"hybriddl.strategies.{module.name}")
+        defined |= {cls for cls in vars(loaded).values()
+                    if isinstance(cls, type) and issubclass(cls, LocalStrategy)
+                    and cls.__module__ == loaded.__name__ and cls.name}
+    assert defined and defined == set(STRATEGIES.values())
 
 
 def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                       load_profile, profile_path, save_profile)
 from hybriddl.rundir import METRICS
-from hybriddl.strategies import STRATEGIES, StrategySpec
+from hybriddl.strategies import STRATEGIES, StrategySpec, cpu_strategies
 from hybriddl.strategies.resources import HostResources, worker_counts
 
 THREADS2 = StrategySpec("threads", workers=2)
@@ -81,7 +81,7 @@ def test_worker_counts_cover_every_k_on_small_hosts_and_doublings_on_big_ones():
 def test_cpu_host_candidates_are_baseline_then_every_k_in_both_memory_formats():
     labels = [c.label for c in enumerate_candidates(HostResources(cores=3), 16, ALL)]
     assert labels == ["sequential"] + [
-        f"{name} K={k}{layout}" for name in ("intraop", "threads", "processes", "layerwise")
+        f"{name} K={k}{layout}" for name in cpu_strategies() if name != BASELINE.name
         for k in (2, 3) for layout in ("", " channels_last")]
 
 

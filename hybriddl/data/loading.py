@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from hybriddl.data import DataSplit, ImageSet, Progress, stratified_split, synthetic_split
-from hybriddl.data.cache import CacheFile, StreamedImageSet, open_cache
+from hybriddl.data.cache import open_cache
+from hybriddl.data.cache.reading import CacheFile, StreamedImageSet
 from hybriddl.data.sources import Cifar10Source, source_for
 from hybriddl.errors import UsageError
 

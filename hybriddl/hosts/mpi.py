@@ -21,7 +21,6 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import torch
 from torch import nn
 
@@ -30,7 +29,7 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
-from hybriddl.machine.cpu_threads import set_torch_threads
+from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
 
@@ -212,40 +211,11 @@ class MPIHosts(Hosts):
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
-        """Split this machine's usable cores between the ranks that share it."""
-        bound_to = sorted(os.sched_getaffinity(0))
-        try:
-            # mpirun binds ranks to one core by default when there are few of them; a
-            # host's local strategy needs all of its cores, so take them back, then share.
-            # A host's cores are those its MPI daemon (our parent) may use: all of the
-            # machine's, or an emulated host's own.
-            os.sched_setaffinity(0, _launcher_cores())
-        except OSError:
-            pass
-        usable = sorted(os.sched_getaffinity(0))
-        sharing, position = self.machine.Get_size(), self.machine.Get_rank()
-        if sharing > 1:
-            usable = sorted(set().union(*map(set, self._machine_allgather(usable))))
-            if len(usable) >= sharing:
-                n = len(usable)
-                mine = usable[position * n // sharing:(position + 1) * n // sharing]
-                each = sorted({(i + 1) * n // sharing - i * n // sharing for i in range(sharing)})
-                self.notes.append(f"{sharing} ranks share host {self.names[self.rank]} "
-                                  f"({n} cores): {'-'.join(map(str, each))} core(s) each; "
-                                  f"{PRODUCTION_HINT}")
-            else:
-                mine = [usable[position % len(usable)]]
-                self.notes.append(f"{sharing} ranks share host {self.names[self.rank]} with "
-                                  f"only {len(usable)} cores: they are oversubscribed; "
-                                  f"{PRODUCTION_HINT}")
-        else:
-            mine = usable
-            if len(bound_to) < len(usable):
-                self.notes.append(f"mpirun had bound rank {self.rank} to cores {bound_to}; "
-                                  f"alone on its host, it uses all {len(usable)} cores")
-        os.sched_setaffinity(0, mine)
-        set_torch_threads(len(mine))
-        return mine
+        """This rank's part of its machine's cores (machine/affinity.py), its notes kept."""
+        cores, notes = take_cores(self.machine.Get_size(), self.machine.Get_rank(),
+                                  self._machine_allgather, self.names[self.rank], self.rank)
+        self.notes.extend(notes)
+        return cores
 
     def _machine_allgather(self, value) -> list:
         return self._allgather_on(self.machine, value)
@@ -580,13 +550,6 @@ def time_scale() -> float:
 def _row_elements(tensor: torch.Tensor) -> int:
     """Elements in one row; a host whose share is empty sends 0 rows of the same shape."""
     return math.prod(tensor.shape[1:])
-
-
-def _launcher_cores() -> list[int]:
-    try:
-        return psutil.Process(os.getppid()).cpu_affinity() or list(range(os.cpu_count() or 1))
-    except psutil.Error:
-        return list(range(os.cpu_count() or 1))
 
 
 def _unique(items) -> list:

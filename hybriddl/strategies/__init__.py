@@ -1,4 +1,10 @@
-"""Local strategies, by name. Adding one = a module here + one line in STRATEGIES."""
+"""Local strategies, by name: the registry.
+
+Adding a strategy = its module here (its class names itself, its one-line `summary`, its
+tuning candidates, `needs_gpu` and `example_options`), its import and its line in
+`register(...)` below, and its own tests. Everything else (the command line's list, the
+tuner's candidates, the equivalence tests, the benchmarks' rows) enumerates STRATEGIES.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,20 @@ from hybriddl.strategies.sequential import Sequential
 from hybriddl.strategies.spec import PRECISIONS, STRATEGIES, StrategyOptions, StrategySpec
 from hybriddl.strategies.threads import Threads
 
-STRATEGIES.update({cls.name: cls for cls in (
+
+def register(*classes: type[LocalStrategy]) -> None:
+    """Add strategies to STRATEGIES under their names, in the order given."""
+    for cls in classes:
+        if not cls.name or not cls.summary:
+            raise ValueError(f"{cls.__name__} needs a name and a one-line summary to be registered")
+        if STRATEGIES.get(cls.name, cls) is not cls:
+            raise ValueError(f"strategy {cls.name!r} is registered already "
+                             f"({STRATEGIES[cls.name].__name__})")
+        STRATEGIES[cls.name] = cls
+
+
+# The order the command line lists them and the tuner measures them: the baseline first.
+register(
     Sequential,
     IntraOp,
     Threads,
@@ -26,7 +45,20 @@ STRATEGIES.update({cls.name: cls for cls in (
     Pipeline,
     GpuThreads,
     Flat,
-)})
+)
+
+
+def strategy_summaries() -> list[tuple[str, str]]:
+    """(name, one-line summary) of every registered strategy, in the registry's order."""
+    return [(name, cls.summary) for name, cls in STRATEGIES.items()]
+
+
+def cpu_strategies() -> list[str]:
+    """The registered strategies a host without GPUs computes with, the baseline first:
+    those the tuner has candidates of on such a host."""
+    cpu_host = HostResources(cores=2)
+    return [name for name, cls in STRATEGIES.items()
+            if not cls.needs_gpu and cls.tuning_candidates(cpu_host, 2)]
 
 
 def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
@@ -41,6 +73,6 @@ def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> Lo
     return cls(options)
 
 
-__all__ = ["PRECISIONS", "Flat", "Gpu", "GpuThreads", "HostResources", "IntraOp", "LayerWise", "LocalStrategy", "Pipeline",
-           "Processes", "STRATEGIES", "Sequential", "StepStats", "StrategyOptions", "StrategySpec",
-           "Threads", "criterion", "make_strategy"]
+__all__ = ["PRECISIONS", "STRATEGIES", "HostResources", "LocalStrategy", "StepStats",
+           "StrategyOptions", "StrategySpec", "cpu_strategies", "criterion", "make_strategy",
+           "register", "strategy_summaries"]

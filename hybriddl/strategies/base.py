@@ -44,6 +44,17 @@ class LocalStrategy(ABC):
     """How one host computes the gradient of its batch."""
 
     name: str = ""
+    # One line for the command line's list of strategies (strategies.strategy_summaries).
+    summary: str = ""
+    # True when the strategy's default devices are CUDA devices: it runs without a GPU only
+    # where its options name CPU devices (tests do), and the tuner offers it on GPU hosts.
+    needs_gpu: bool = False
+    # Options that exercise its local parallelism on any host that can run it (CPU devices
+    # where it takes devices): each registered strategy's equivalence test runs at these.
+    example_options: StrategyOptions = StrategyOptions()
+    # True when its local workers are processes of their own (a worker's page faults and
+    # allocator settings are not the master's).
+    worker_processes: bool = False
     # False for strategies that run the model in pieces of their own (pipeline stages,
     # device replicas): they do not go through run_forward, so they refuse other numerics.
     honours_numerics: bool = True
@@ -62,6 +73,15 @@ class LocalStrategy(ABC):
     @classmethod
     def check_feasible(cls, options: StrategyOptions) -> None:
         """Raise UsageError, before anything starts, when this host cannot run it."""
+
+    @classmethod
+    def unavailable_here(cls, options: StrategyOptions | None = None) -> str | None:
+        """Why this host cannot run it at `options` (default: `example_options`), or None."""
+        try:
+            cls.check_feasible(cls.example_options if options is None else options)
+        except UsageError as exc:
+            return str(exc)
+        return None
 
     @classmethod
     def check_model(cls, model: nn.Module) -> None:
@@ -138,6 +158,7 @@ class CoreWorkersStrategy(LocalStrategy):
     # True when each worker takes a slice of the batch: a worker without a sample of
     # the batch only adds overhead, so no candidate has more workers than samples.
     splits_batch: bool = True
+    example_options = StrategyOptions(workers=2, oversubscribe=True)
 
     @classmethod
     def tuning_candidates(cls, host: HostResources, batch_size: int) -> list[StrategySpec]:

@@ -15,6 +15,7 @@ from hybriddl.strategies.sequential import Sequential
 
 class Flat(Sequential):
     name = "flat"
+    summary = "Horovod's model: one MPI rank per worker, each sequential (for compare)"
 
     @classmethod
     def tuning_candidates(cls, host, batch_size: int) -> list:

@@ -14,6 +14,8 @@ from hybriddl.strategies.spec import StrategySpec
 
 class Gpu(PlainConvolutions, LocalStrategy):
     name = "gpu"
+    summary = "one GPU, the plain loop: the GPU baseline"
+    needs_gpu = True
 
     @classmethod
     def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:

@@ -20,7 +20,7 @@ from hybriddl.errors import UsageError
 from hybriddl.strategies.base import (LocalStrategy, StepStats, add_gradients, master_backward,
                                       sub_batches, worker_gradients)
 from hybriddl.strategies.resources import parse_devices
-from hybriddl.strategies.spec import StrategySpec
+from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 
 
 def _default_devices() -> tuple[str, ...]:
@@ -29,6 +29,9 @@ def _default_devices() -> tuple[str, ...]:
 
 class GpuThreads(LocalStrategy):
     name = "gpu-threads"
+    summary = "one model replica and one thread per GPU"
+    needs_gpu = True
+    example_options = StrategyOptions(devices=("cpu", "cpu"))
     honours_numerics = False
 
     @classmethod

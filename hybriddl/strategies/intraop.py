@@ -11,6 +11,7 @@ from hybriddl.machine.cpu_threads import set_torch_threads
 
 class IntraOp(PlainConvolutions, CoreWorkersStrategy):
     name = "intraop"
+    summary = "K CPU threads inside each operator (PyTorch's own intra-op parallelism)"
     splits_batch = False  # its K threads share every operator, not the batch
     writes_gradients_once = True  # one backward pass: buckets may leave during it
 

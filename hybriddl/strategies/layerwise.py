@@ -1,7 +1,7 @@
 """Layer-wise parallelism: data-parallel convolutions, one classifier over the whole batch.
 
-On AlexNet the two kinds of layers want opposite treatment (measured with
-scripts/profile_local.py, 224 px, batch 32, 2 cores): the convolutions are
+On AlexNet the two kinds of layers want opposite treatment (measured per phase
+of a step, 224 px, batch 32, 2 cores): the convolutions are
 compute-bound and scale across data-parallel workers, while the 57 M-parameter
 classifier is memory-bound at a few samples per worker, so K workers that each run
 it on their sub-batch each stream all of its weights. This strategy cuts the model
@@ -50,11 +50,11 @@ from hybriddl.machine.hostinfo import usable_cores
 from hybriddl.strategies.base import (MODEL_SHAPE, CoreWorkersStrategy, StepStats, add_gradients,
                                       criterion, cut_computes_model, run_forward,
                                       split_at_classifier, sub_batches)
-from hybriddl.strategies.spec import StrategyOptions
 
 
 class LayerWise(CoreWorkersStrategy):
     name = "layerwise"
+    summary = "convolutions data-parallel over K threads, the classifier once over the batch"
 
     def __init__(self, options):
         super().__init__(options)
@@ -93,10 +93,9 @@ class LayerWise(CoreWorkersStrategy):
         loss = criterion(run_forward(self.classifier, features, self.options), y)
         loss.backward()
         classifier_seconds = time.perf_counter() - classifier_started
-        reduce_seconds = self.convolutions_backward(features.grad)
+        self.convolutions_backward(features.grad)
         return StepStats(n, loss.item() * n, time.perf_counter() - started,
-                         {"parts": len(self._parts), "classifier_seconds": classifier_seconds,
-                          "reduce_seconds": reduce_seconds})
+                         {"parts": len(self._parts), "classifier_seconds": classifier_seconds})
 
     def convolutions_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The K workers' features of their sub-batches, concatenated (detached); the
@@ -114,9 +113,8 @@ class LayerWise(CoreWorkersStrategy):
         set_torch_threads(self.classifier_threads)
         return torch.cat([out.detach() for out in self._outputs])
 
-    def convolutions_backward(self, features_grad: torch.Tensor) -> float:
-        """The workers' backward of their sub-batches; returns the seconds spent adding
-        the pool threads' gradients into .grad."""
+    def convolutions_backward(self, features_grad: torch.Tensor) -> None:
+        """The workers' backward of their sub-batches, their gradients added into .grad."""
         outputs, parts, self._outputs = self._outputs, self._parts, []
         features_grad = features_grad.to(outputs[0].dtype)
         conv_params = [p for p in self.convolutions.parameters() if p.requires_grad]
@@ -129,11 +127,9 @@ class LayerWise(CoreWorkersStrategy):
         finally:
             wait(futures)
         set_torch_threads(self.classifier_threads)
-        reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
                 add_gradients(conv_params, future.result())
-        return time.perf_counter() - reduce_started
 
     def _check_cut(self, probe: torch.Tensor) -> None:
         if not cut_computes_model(self.model, probe):

@@ -26,7 +26,7 @@ from hybriddl.errors import UsageError
 from hybriddl.data.sharding import split_bounds
 from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
 from hybriddl.strategies.resources import parse_devices
-from hybriddl.strategies.spec import StrategySpec
+from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 from hybriddl.usecases import PIPELINE_SPLITS
 
 MICRO_BATCHES = (1, 2, 4, 8)  # M the tuner tries
@@ -55,6 +55,9 @@ def split_stages(model: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
 
 class Pipeline(LocalStrategy):
     name = "pipeline"
+    summary = "the model in two stages on two devices, M micro-batches in flight"
+    needs_gpu = True
+    example_options = StrategyOptions(micro_batches=2, devices=("cpu", "cpu"))
     honours_numerics = False
 
     @classmethod

@@ -38,6 +38,8 @@ SHARED_MEMORY = "/dev/shm"
 
 class Processes(CoreWorkersStrategy):
     name = "processes"
+    worker_processes = True
+    summary = "K persistent worker processes, parameters and gradients in shared memory"
 
     def __init__(self, options):
         super().__init__(options)
@@ -104,13 +106,10 @@ class Processes(CoreWorkersStrategy):
         loss_sum += sum(replies)
         # The workers idle now: the reduction and the optimizer step may use every core.
         set_torch_threads(self.reduce_threads)
-        reduce_started = time.perf_counter()
         with torch.no_grad():
             for rank in busy:
                 add_gradients(_trained(self.model), self.grad_views[rank - 1])
-        done = time.perf_counter()
-        return StepStats(n, loss_sum, done - started,
-                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
+        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
 
     def _share_inputs(self, x, y) -> None:
         """Copy the batch into the shared input buffer; reallocate (and resend) it only

@@ -9,6 +9,7 @@ from hybriddl.machine.cpu_threads import set_torch_threads
 
 class Sequential(PlainConvolutions, LocalStrategy):
     name = "sequential"
+    summary = "one CPU core, the plain loop: the baseline"
     writes_gradients_once = True
 
     @classmethod

@@ -32,6 +32,7 @@ from hybriddl.machine.cpu_threads import set_torch_threads
 
 class Threads(CoreWorkersStrategy):
     name = "threads"
+    summary = "K sub-batches, one Python thread each, shared parameters"
 
     def __init__(self, options):
         super().__init__(options)
@@ -63,15 +64,12 @@ class Threads(CoreWorkersStrategy):
         # The reduction (and the optimizer step after it) runs while the workers idle,
         # so it may use every core.
         set_torch_threads(self.reduce_threads)
-        reduce_started = time.perf_counter()
         with torch.no_grad():
             for future in futures:
                 worker_loss_sum, grads = future.result()
                 loss_sum += worker_loss_sum
                 add_gradients(params, grads)
-        done = time.perf_counter()
-        return StepStats(n, loss_sum, done - started,
-                         {"parts": len(parts), "reduce_seconds": done - reduce_started})
+        return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,0 +1,61 @@
+"""The scripts read alike: each runs as `python scripts/NAME.py` with no path set-up, the
+shared helpers live once in bench_common, and a training step is hybriddl/step.py's."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, hybriddl_env
+
+SCRIPTS = sorted(path for path in (REPO / "scripts").rglob("*.py") if "__pycache__" not in path.parts)
+COMMANDS = [path for path in SCRIPTS if path.name != "bench_common.py"]
+
+
+def calls(path) -> list[ast.Call]:
+    return [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+
+
+def attribute_call(node: ast.Call) -> str:
+    """'sys.path.insert' for sys.path.insert(...), '' for a call of anything else."""
+    parts, func = [], node.func
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if isinstance(func, ast.Name):
+        parts.append(func.id)
+    return ".".join(reversed(parts))
+
+
+def test_no_script_sets_up_its_own_path():
+    patched = [f"{path.relative_to(REPO)}:{node.lineno}" for path in SCRIPTS for node in calls(path)
+               if attribute_call(node).startswith("sys.path.")]
+    assert SCRIPTS and patched == []
+
+
+def test_shared_helpers_are_defined_once_in_bench_common():
+    shared = {"spread", "results_header"}
+    copies = [f"{path.relative_to(REPO)}: {node.name}" for path in COMMANDS
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.FunctionDef) and node.name in shared]
+    assert copies == []
+
+
+def test_no_script_writes_its_own_optimizer_step():
+    """optimizer.step() belongs to hybriddl/step.py: scripts call optimizer_step or time a
+    strategy as the tuner does."""
+    steps = [f"{path.relative_to(REPO)}:{node.lineno}" for path in SCRIPTS for node in calls(path)
+             if attribute_call(node).endswith("optimizer.step")]
+    assert steps == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", COMMANDS, ids=lambda path: path.name)
+def test_every_script_answers_help(script):
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:")
