@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, run_cli
 from emulated import can_emulate
 from hybriddl.emulation import EmulatedHosts
-from hybriddl.launch.command import split_training
+from hybriddl.cli.launch import split_training
 from hybriddl.launch.emulated import launch_on
 from hybriddl.launch.launcher import EVENTS, read_hostfile
 from hybriddl.errors import UsageError

@@ -477,23 +477,3 @@ def comparison_charts(comparison: dict, output: Path) -> list[Path]:
                          **common),
     ]
 
-
-def add_compare_arguments(parser) -> None:
-    """The flags of `hybriddl compare` (an argparse parser)."""
-    from hybriddl.strategies import Processes
-
-    MeasureSettings.add_arguments(parser)
-    parser.add_argument("--hosts", type=int, default=2,
-                        help="H emulated hosts (network namespaces; needs root)")
-    parser.add_argument("--workers-per-host", type=int, default=2,
-                        help="K local workers per host; flat-mpi, flat-ring and DDP run H x K "
-                             "ranks, K on each host")
-    parser.add_argument("--local-strategy", default=Processes.name,
-                        help=f"the hybrid hosts' local strategy (default: {Processes.name})")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
-    parser.add_argument("--bandwidth", help="every host's link rate, e.g. 1gbit or 10gbit "
-                        "(default: unlimited)")
-    parser.add_argument("--latency", help="every link's one-way delay, e.g. 0.1ms (needs the "
-                        "kernel's netem)")
-    parser.add_argument("--output", help="output folder (default: a new folder under runs/)")

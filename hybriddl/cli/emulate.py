@@ -31,7 +31,7 @@ are not scaled.
 """
 
 
-def add_emulate_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
     """Register `emulate` on the CLI's subparsers."""
     emulate = commands.add_parser(
         "emulate", help="run a command under mpirun across H emulated hosts (network "

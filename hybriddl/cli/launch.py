@@ -17,7 +17,7 @@ from hybriddl.errors import UsageError
 RUN_DIR_FLAGS = ("--run-dir", "--resume", "--resume-if-exists")
 
 
-def add_launch_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
     """Register `launch` on the CLI's subparsers."""
     launch = commands.add_parser(
         "launch", help="run 'train' under mpirun, one rank per host of a hostfile; relaunch "

@@ -1,69 +1,24 @@
-"""The command line: parses, reports with rich, and leaves the computing to the library."""
+"""`hybriddl train`: a use case on this host, or on every host under mpirun."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
-from hybriddl import __version__
-from hybriddl.compare.compare import MeasureSettings, add_compare_arguments
-from hybriddl.usecases import DEFAULT_USECASE, USECASES
 from hybriddl.config import (add_accumulate_arg, add_numerics_args, hosts_options, ignored_flags,
                              resume_if_exists, training_config)
-from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS, tune_settings
-from hybriddl.display import (TrainDisplay, TuneDisplay, comparison_table, console, epoch_table,
-                              files_table, host_table, out, show_error, show_host_failure,
-                              show_pick)
-from hybriddl.emulation.command import add_emulate_parser
-from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
-from hybriddl.inference.command import add_inference_parsers
-from hybriddl.launch.command import add_launch_parser
+from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
+from hybriddl.errors import TrainingInterrupted
 from hybriddl.strategies import STRATEGIES
+from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
+from hybriddl.usecases import DEFAULT_USECASE, USECASES
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line and exit code 2, like every other bad input."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(prog="hybriddl", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"hybriddl {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
-
+def add_parser(commands) -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
     add_training_args(train)
     add_hosts_args(train)
     train.set_defaults(handler=cmd_train)
-
-    compare = commands.add_parser(
-        "compare", help="hybrid vs Horovod's model vs PyTorch DDP on emulated hosts: speed, "
-                        "bytes per host NIC, memory")
-    add_compare_arguments(compare)
-    compare.set_defaults(handler=cmd_compare)
-
-    tune = commands.add_parser("tune", help="measure every feasible local strategy here, keep the "
-                               "fastest as this host's profile")
-    add_tune_args(tune)
-    tune.set_defaults(handler=cmd_tune)
-    report = commands.add_parser("report", help="PNG charts and a Markdown table from run directories")
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories made by 'train'")
-    report.add_argument("--output", default="report", help="folder for the charts and report.md "
-                        "(default: ./report)")
-    report.set_defaults(handler=cmd_report)
-
-    info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
-    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    info.set_defaults(handler=cmd_info)
-    add_emulate_parser(commands)
-    add_inference_parsers(commands)
-    add_launch_parser(commands)
-    return parser
-
+    return train
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     names = ", ".join(USECASES)
@@ -225,99 +180,3 @@ def cmd_train(args: argparse.Namespace) -> int:
         out.print(f"run directory: {prepared.run_dir}")
     return 0
 
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from hybriddl.compare import compare
-
-    config = compare.CompareConfig(
-        settings=MeasureSettings.from_args(args), hosts=args.hosts,
-        workers_per_host=args.workers_per_host, local_strategy=args.local_strategy,
-        contenders=tuple(name.strip() for name in args.contenders.split(",") if name.strip()),
-        output=args.output, bandwidth=args.bandwidth, latency=args.latency)
-    display = TrainDisplay()
-    try:
-        config, output = compare.prepare(config, display)
-    finally:
-        display.stop()
-    with console.status("starting") as status:
-        def announce(contender) -> None:
-            console.print(f"[bold]{contender.name}[/]: {contender.describe_launch()}",
-                          markup=True, highlight=False, soft_wrap=True)
-            status.update(f"running {contender.name} ({contender.ranks} ranks)")
-
-        comparison = compare.run_comparison(config, output, announce)
-    out.print(comparison_table(comparison, compare.COLUMNS, compare.table_cells(comparison)))
-    for line in compare.notes(comparison):
-        out.print(f"- {line}", highlight=False)
-    out.print(f"written: {output / compare.RESULT}, {output / compare.REPORT}, charts in {output}")
-    return 0
-
-
-def cmd_tune(args: argparse.Namespace) -> int:
-    from hybriddl.data.loading import image_notes
-    from hybriddl.tuning import profiles, tuner
-
-    settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
-                             args.precision, args.accumulate)
-    output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
-    if output.is_dir():
-        raise UsageError(f"--output {output} is a directory: give a file path such as "
-                         f"{profiles.profile_path(output, settings)}")
-    loading = TrainDisplay()
-    try:
-        images = tuner.tune_images(settings, args.data, args.data_cache, loading.on_data_progress)
-        for line in image_notes(images):
-            loading.warn(line)
-    finally:
-        loading.stop()
-    display = TuneDisplay()
-    try:
-        rounds = {key: getattr(args, key) for key in ("warmup", "steps", "rounds", "second_look")}
-        profile = tuner.tune_host(settings, images, budget=args.budget, observer=display, **rounds)
-    finally:
-        display.stop()
-    profiles.save_profile(profile, output)
-    show_pick(profile, output)
-    return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from hybriddl.monitoring.report import write_report
-
-    written = write_report(args.run_dirs, args.output)
-    out.print(files_table(f"Report of {len(args.run_dirs)} run(s)", written))
-    return 0
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from hybriddl.hosts.mpi import library_versions
-    from hybriddl.machine.hostinfo import host_info
-
-    info = host_info() | library_versions()
-    if args.json:
-        out.print_json(json.dumps(info))
-        return 0
-    out.print(host_table(info))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except UsageError as exc:
-        show_error("error: ", exc)
-        return 2
-    except TrainingError as exc:  # a StorageError may come from tune or compare too
-        show_error("error: " if isinstance(exc, StorageError) else "training stopped: ", exc)
-        return 1
-    except TrainingInterrupted as exc:
-        show_error("", exc)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        console.print("hybriddl: interrupted", markup=False)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
