@@ -14,6 +14,9 @@ from hybriddl.errors import UsageError
 # ImageNet statistics, as in the paper's preprocessing.
 RGB_MEAN = (0.485, 0.456, 0.406)
 RGB_STD = (0.229, 0.224, 0.225)
+# The paper's optimizer: mini-batch SGD at this learning rate and momentum.
+SGD_LR = 0.001
+SGD_MOMENTUM = 0.9
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,8 @@ class UseCase:
     image_size: int = 224
     batch_size: int = 16
     epochs: int = 3
-    lr: float = 0.001
-    momentum: float = 0.9
+    lr: float = SGD_LR
+    momentum: float = SGD_MOMENTUM
 
 
 USECASES = {

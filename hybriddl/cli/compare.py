@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from hybriddl.compare.compare import CONTENDERS, MeasureSettings
+from hybriddl.cli.flags import (add_data_flags, add_fp16_flag, add_link_flags, add_measure_flags,
+                                add_workload_flags, default_of)
+from hybriddl.cli.settings import compare_config
+from hybriddl.compare.settings import CONTENDERS, CompareConfig, MeasureSettings
 from hybriddl.display import TrainDisplay, comparison_table, console, out
-from hybriddl.strategies import Processes
+from hybriddl.strategies import STRATEGIES, Flat
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -19,31 +22,29 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    MeasureSettings.add_arguments(parser)
-    parser.add_argument("--hosts", type=int, default=2,
-                        help="H emulated hosts (network namespaces; needs root)")
-    parser.add_argument("--workers-per-host", type=int, default=2,
+    add_workload_flags(parser, batch="global batch over all hosts and workers")
+    add_data_flags(parser, cache=False)
+    add_measure_flags(parser, MeasureSettings)
+    add_fp16_flag(parser)
+    parser.add_argument("--hosts", type=int, help="H emulated hosts (network namespaces; needs "
+                        f"root) (default: {default_of(CompareConfig, 'hosts')})")
+    parser.add_argument("--workers-per-host", type=int,
                         help="K local workers per host; flat-mpi, flat-ring and DDP run H x K "
-                             "ranks, K on each host")
-    parser.add_argument("--local-strategy", default=Processes.name,
-                        help=f"the hybrid hosts' local strategy (default: {Processes.name})")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                             f"ranks, K on each host (default: {default_of(CompareConfig, 'workers_per_host')})")
+    local = ", ".join(name for name in STRATEGIES if name != Flat.name)
+    parser.add_argument("--local-strategy",
+                        help=f"the hybrid hosts' local strategy: one of {local} "
+                             f"(default: {default_of(CompareConfig, 'local_strategy')})")
+    parser.add_argument("--contenders",
                         help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
-    parser.add_argument("--bandwidth", help="every host's link rate, e.g. 1gbit or 10gbit "
-                        "(default: unlimited)")
-    parser.add_argument("--latency", help="every link's one-way delay, e.g. 0.1ms (needs the "
-                        "kernel's netem)")
+    add_link_flags(parser)
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from hybriddl.compare import compare
+    from hybriddl.compare import compare, outputs
 
-    config = compare.CompareConfig(
-        settings=MeasureSettings.from_args(args), hosts=args.hosts,
-        workers_per_host=args.workers_per_host, local_strategy=args.local_strategy,
-        contenders=tuple(name.strip() for name in args.contenders.split(",") if name.strip()),
-        output=args.output, bandwidth=args.bandwidth, latency=args.latency)
+    config = compare_config(args)
     display = TrainDisplay()
     try:
         config, output = compare.prepare(config, display)
@@ -56,8 +57,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             status.update(f"running {contender.name} ({contender.ranks} ranks)")
 
         comparison = compare.run_comparison(config, output, announce)
-    out.print(comparison_table(comparison, compare.COLUMNS, compare.table_cells(comparison)))
-    for line in compare.notes(comparison):
+    out.print(comparison_table(comparison, outputs.COLUMNS, outputs.table_cells(comparison)))
+    for line in outputs.notes(comparison):
         out.print(f"- {line}", highlight=False)
-    out.print(f"written: {output / compare.RESULT}, {output / compare.REPORT}, charts in {output}")
+    out.print(f"written: {output / outputs.RESULT}, {output / outputs.REPORT}, charts in {output}")
     return 0

@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.cli.flags import add_mca_flag
 from hybriddl.errors import UsageError
 
 # The training's flags that name its run directory: the launcher owns that choice, since
@@ -32,8 +33,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     launch.add_argument("--rsh-agent",
                         help="how mpirun and the launcher reach a host (default: "
                              "$OMPI_MCA_plm_rsh_agent, else ssh)")
-    launch.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="extra Open MPI parameter for mpirun (repeatable)")
+    add_mca_flag(launch)
     launch.add_argument("--probe-seconds", type=float, default=10.0,
                         help="a host that does not run 'true' within this is not answering "
                              "(default: 10)")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hybriddl.config import add_accumulate_arg, add_numerics_args
+from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_numerics_flags,
+                                add_profile_dir_flag, add_tuning_flags, add_workload_flags)
 from hybriddl.display import TrainDisplay, TuneDisplay, show_pick
 from hybriddl.errors import UsageError
 from hybriddl.tuning.tuner import tune_settings
-from hybriddl.usecases import DEFAULT_USECASE, USECASES
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -21,28 +21,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--usecase", default=DEFAULT_USECASE, help=f"one of {', '.join(USECASES)}")
-    parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
-    parser.add_argument("--image-size", type=int, help="pixels per side (default: the use case's, 224)")
-    parser.add_argument("--batch-size", type=int, help="this host's batch (default: the use case's)")
-    parser.add_argument("--budget", type=float, default=600.0,
-                        help="seconds for all candidates together; a candidate that cannot "
-                             "finish within its share is dropped (default: 600)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--second-look", type=int, default=2,
-                        help="extra rounds for the two fastest and any other whose fastest "
-                             "round is within 10%% of the fastest, at most 4 (default: 2)")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per visit (default: 2)")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per visit (default: 1)")
+    add_workload_flags(parser, batch="this host's batch")
+    add_tuning_flags(parser)
     parser.add_argument("--output", help="profile file (default: one per setting in PROFILE_DIR)")
-    parser.add_argument("--data", help="measure on batches of this data, as train's --data "
-                        "(default: the use case's embedded set)")
-    parser.add_argument("--data-cache", metavar="DIR", help="as train's --data-cache")
-    parser.add_argument("--profile-dir", help="default: $HYBRIDDL_PROFILES or ./profiles")
-    add_numerics_args(parser, channels_last=False)
-    add_accumulate_arg(parser, "every candidate computes the batch in N chunks; train "
-                               "--accumulate N with --strategy auto uses this profile")
-
+    add_data_flags(parser)
+    add_profile_dir_flag(parser, "where profiles are kept")
+    add_numerics_flags(parser, channels_last=False)
+    add_accumulate_flag(parser, "every candidate computes the batch in N chunks; train "
+                                "--accumulate N with --strategy auto uses this profile")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """A run's settings, settled before anything starts: `TrainConfig`, the use case's defaults
 filled in and every number checked. The trainer receives a resolved TrainConfig and never
-changes it; the command line's flags become one in hybriddl.config."""
+changes it; the command line's flags become one in hybriddl.cli.settings."""
 
 from __future__ import annotations
 

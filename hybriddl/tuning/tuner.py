@@ -62,6 +62,9 @@ AUTO_ROUNDS = 3
 # fastest and every other candidate whose fastest visit is within SECOND_LOOK_SPAN of the
 # fastest median, at most SECOND_LOOK_MOST of them (one step here wanders 15-20 %).
 TUNE_ROUNDS = 3
+TUNE_BUDGET_SECONDS = 600.0  # `hybriddl tune`'s, for all candidates together
+TUNE_WARMUP_STEPS = 1  # per visit
+TUNE_TIMED_STEPS = 2  # per visit
 SECOND_LOOK_ROUNDS = 2
 SECOND_LOOK_SPAN = 0.10
 SECOND_LOOK_MOST = 4
@@ -324,8 +327,9 @@ def tune_images(settings: Settings, data: str | None, cache_dir: str | None = No
                      image_size=settings.image_size, cache_dir=cache_dir, progress=progress).train
 
 
-def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: int = 1,
-              steps: int = 2, rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
+def tune_host(settings: Settings, images: ImageSet, *, budget: float,
+              warmup: int = TUNE_WARMUP_STEPS, steps: int = TUNE_TIMED_STEPS,
+              rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
               observer: TuneObserver | None = None, reason: str | None = None,
               host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
     """Measure every feasible candidate on real batches of `images`; the profile, unsaved."""
@@ -337,6 +341,7 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
     if rounds < 1 or second_look < 0:
         raise UsageError(f"{rounds} rounds and {second_look} second-look rounds: give at least "
                          "1 round and no negative second look")
+    case = get_usecase(settings.usecase)  # its optimizer is what the candidates step with
     num_classes = len(images.classes)
     model = timing_model(settings.model, num_classes)
     check_image_size(model, settings.image_size, num_classes)
@@ -350,7 +355,8 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
 
     def measure(choice: StrategySpec, keep_going: KeepGoing) -> StepTiming:
         return measure_strategy(choice.name, choice.options(), settings.model, num_classes, x, y,
-                                warmup=warmup, steps=steps, keep_going=keep_going)
+                                warmup=warmup, steps=steps, lr=case.lr, momentum=case.momentum,
+                                keep_going=keep_going)
 
     observer.on_tune_start(candidates, reason)
     started = clock()
