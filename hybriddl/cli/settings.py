@@ -20,16 +20,11 @@ from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning.tuner import AUTO
 
-# The command line's training flags are TrainConfig's fields, under the same names.
-TRAINING_FLAGS = tuple(f.name for f in fields(TrainConfig) if f.name != "strategy_options")
-
-
-def given_settings(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields the user typed; strategy_options holds the typed options."""
-    given = {name: getattr(args, name) for name in TRAINING_FLAGS
-             if getattr(args, name) is not None}
-    given["strategy_options"] = typed_strategy_options(args)
-    return given
+def typed(args: argparse.Namespace, settings: type) -> dict:
+    """The fields of a settings dataclass that were typed: the flags of the same names
+    (--batch-size is batch_size) that are not None."""
+    return {f.name: getattr(args, f.name) for f in fields(settings)
+            if getattr(args, f.name, None) is not None}
 
 
 def typed_strategy_options(args: argparse.Namespace) -> dict:
@@ -43,10 +38,10 @@ def typed_strategy_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def typed(args: argparse.Namespace, settings: type) -> dict:
-    """The fields of a settings dataclass that were typed as flags of the same names."""
-    return {f.name: getattr(args, f.name) for f in fields(settings)
-            if getattr(args, f.name, None) is not None}
+def given_settings(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields the user typed (train's flags are its fields, under the same
+    names); strategy_options holds the typed options."""
+    return {**typed(args, TrainConfig), "strategy_options": typed_strategy_options(args)}
 
 
 def measure_settings(args: argparse.Namespace) -> MeasureSettings:
