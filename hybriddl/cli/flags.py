@@ -15,7 +15,6 @@ from dataclasses import MISSING, fields
 from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hybrid.parallel import HOST_PARALLEL
-from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning import tuner
@@ -170,51 +169,3 @@ def add_link_flags(parser: argparse.ArgumentParser) -> None:
 def add_mca_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
                         help="extra Open MPI parameter for mpirun (repeatable)")
-
-
-def add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """train's flags. Their defaults are None and filled in by TrainConfig (see above)."""
-    case = get_usecase(DEFAULT_USECASE)
-    add_workload_flags(parser, batch="global batch: samples per optimizer step over all hosts",
-                       typed_only=True)
-    add_data_flags(parser)
-    # default None, not False: --resume tells a typed flag from one left out by None.
-    parser.add_argument("--strict-data", action="store_true", default=None,
-                        help="stop (exit 2) if any file of --data is no usable image, instead "
-                             "of leaving it out and listing it beside the cache")
-    parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
-    parser.add_argument("--val-fraction", type=float,
-                        help="share of each class held out for validation "
-                             f"(default: {default_of(TrainConfig, 'val_fraction')})")
-    parser.add_argument("--epochs", type=int, help=f"default: the use case's ({case.epochs})")
-    parser.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
-    parser.add_argument("--lr", type=float,
-                        help=f"SGD learning rate (default: the use case's, {case.lr})")
-    parser.add_argument("--momentum", type=float,
-                        help=f"SGD momentum (default: the use case's, {case.momentum})")
-    parser.add_argument("--dropout", type=float,
-                        help="dropout of the torchvision model; 0 makes runs comparable step for step")
-    parser.add_argument("--weights", metavar="FILE", help="start from a state_dict, e.g. a run's model.pt")
-    parser.add_argument("--seed", type=int, help="initialisation, shuffling and augmentation seed "
-                        f"(default: {default_of(TrainConfig, 'seed')})")
-    parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its checkpoint; flags left out "
-                             "are the checkpoint's")
-    parser.add_argument("--resume-if-exists", metavar="RUN_DIR",
-                        help="for job schedulers that restart the same command: --resume RUN_DIR "
-                             "if it has a checkpoint, nothing (exit 0) if its run finished, "
-                             "else a new run in RUN_DIR")
-    parser.add_argument("--checkpoint-every", type=int, metavar="N",
-                        help="also write a checkpoint every N steps (always: every epoch)")
-    add_strategy_flags(parser)
-    add_profile_dir_flag(parser, "where auto finds and keeps profiles")
-    parser.add_argument("--tune-budget", type=float,
-                        help="seconds auto may spend tuning when no profile fits "
-                             f"(default: {tuner.AUTO_BUDGET_SECONDS:.0f})")
-    add_numerics_flags(parser, channels_last=True)
-    add_accumulate_flag(parser, "with auto, the profile tuned with the same N")
-    parser.add_argument("--monitor-interval", type=float,
-                        help="seconds between pidstat/sar-style samples "
-                             f"(default: {default_of(TrainConfig, 'monitor_interval'):g}; 0 disables)")
-    add_hosts_flags(parser)
