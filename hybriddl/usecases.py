@@ -60,6 +60,15 @@ def get_usecase(name: str) -> UseCase:
         raise UsageError(f"unknown use case {name!r}: choose one of {known}") from None
 
 
+class NamesAUseCase:
+    """Settings that name their use case (`usecase`: the name, as files and command lines
+    carry it) give the UseCase itself as `case`, so no user of them looks it up again."""
+
+    @property
+    def case(self) -> UseCase:
+        return get_usecase(self.usecase)
+
+
 def use_case_workload(usecase: str, model: str | None, image_size: int | None,
                       batch_size: int | None) -> tuple[str, int, int]:
     """The model, image size and batch, the use case's where left out, checked: what

@@ -24,7 +24,7 @@ from hybriddl.data.sharding import split_bounds
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import Sequential, criterion
-from hybriddl.usecases import build_model, get_usecase
+from hybriddl.usecases import build_model
 
 # Each emulated host has its own network namespace, so a fixed port is free on host 0.
 PORT = 29500
@@ -46,8 +46,7 @@ def peer(local_rank: int, first_rank: int, world: int, address: str, interface: 
 
 def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str) -> dict:
     config = settings.train_config(Sequential.name).resolved()
-    case = get_usecase(config.usecase)
-    split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
+    split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     ddp, state = wrap(model, world, fp16=settings.fp16_allreduce)

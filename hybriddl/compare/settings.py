@@ -7,14 +7,14 @@ from dataclasses import dataclass, field, replace
 
 from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import Processes, StrategyOptions
-from hybriddl.usecases import DEFAULT_USECASE, use_case_workload
+from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
 CONTENDERS = ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")
 
 
 @dataclass(frozen=True)
-class MeasureSettings:
+class MeasureSettings(NamesAUseCase):
     """What every contender is given: the same model, data, batch, image size and steps."""
 
     usecase: str = DEFAULT_USECASE

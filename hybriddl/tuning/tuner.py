@@ -48,7 +48,8 @@ from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
-from hybriddl.strategies import STRATEGIES, Gpu, HostResources, Sequential, StrategySpec
+from hybriddl.strategies import (STRATEGIES, Gpu, HostResources, Sequential, StrategyOptions,
+                                 StrategySpec)
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.usecases import check_image_size, get_usecase, use_case_workload
 
@@ -312,7 +313,7 @@ def select_pick(results: list[CandidateResult]) -> StrategySpec:
 
 def embedded_images(settings: Settings) -> ImageSet:
     """The use case's embedded training images: what `hybriddl tune` measures on."""
-    return synthetic_split(get_usecase(settings.usecase).dataset).train
+    return synthetic_split(settings.case.dataset).train
 
 
 def tune_images(settings: Settings, data: str | None, cache_dir: str | None = None,
@@ -323,7 +324,7 @@ def tune_images(settings: Settings, data: str | None, cache_dir: str | None = No
         return embedded_images(settings)
     from hybriddl.data.loading import load_data
 
-    return load_data(data, variant=get_usecase(settings.usecase).dataset,
+    return load_data(data, variant=settings.case.dataset,
                      image_size=settings.image_size, cache_dir=cache_dir, progress=progress).train
 
 
@@ -341,7 +342,6 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
     if rounds < 1 or second_look < 0:
         raise UsageError(f"{rounds} rounds and {second_look} second-look rounds: give at least "
                          "1 round and no negative second look")
-    case = get_usecase(settings.usecase)  # its optimizer is what the candidates step with
     num_classes = len(images.classes)
     model = timing_model(settings.model, num_classes)
     check_image_size(model, settings.image_size, num_classes)
@@ -355,8 +355,8 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
 
     def measure(choice: StrategySpec, keep_going: KeepGoing) -> StepTiming:
         return measure_strategy(choice.name, choice.options(), settings.model, num_classes, x, y,
-                                warmup=warmup, steps=steps, lr=case.lr, momentum=case.momentum,
-                                keep_going=keep_going)
+                                warmup=warmup, steps=steps, lr=settings.case.lr,
+                                momentum=settings.case.momentum, keep_going=keep_going)
 
     observer.on_tune_start(candidates, reason)
     started = clock()
@@ -414,13 +414,14 @@ class AutoDecision:
 def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
                   batch_size: int | None = None, precision: str | None = None,
                   accumulate: int | None = None) -> Settings:
-    """What a profile is measured at: the use case's defaults for what was left out
-    (precision: fp32, accumulate: 1), every number checked as for training."""
-    precision = precision or "fp32"
+    """What a profile is measured at: the use case's defaults for the workload left out,
+    StrategyOptions' for precision and accumulation, every number checked as for training."""
+    default = StrategyOptions()
+    precision = precision or default.precision
     if precision not in NUMERICS:
         raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
     model, image_size, batch_size = use_case_workload(usecase, model, image_size, batch_size)
-    accumulate = 1 if accumulate is None else accumulate
+    accumulate = default.accumulate if accumulate is None else accumulate
     check_accumulate(accumulate, batch_size)
     return Settings(usecase=get_usecase(usecase).name, model=model, image_size=image_size,
                     batch_size=batch_size, precision=precision, accumulate=accumulate)
