@@ -19,12 +19,12 @@ class MeasureSettings(NamesAUseCase):
 
     usecase: str = DEFAULT_USECASE
     model: str | None = None
-    data: str = "synthetic"
+    data: str = TrainConfig.data  # train's defaults, where train has the flag
     image_size: int | None = None
     batch_size: int | None = None  # global batch, over all hosts and workers
     steps: int = 5  # timed steps
     warmup: int = 1
-    seed: int = 0
+    seed: int = TrainConfig.seed
     fp16_allreduce: bool = False
 
     def to_argv(self) -> list[str]:

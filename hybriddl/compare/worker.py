@@ -16,13 +16,14 @@ from pathlib import Path
 
 from hybriddl.compare.settings import MeasureSettings
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes
+from hybriddl.hybrid.parallel import DataParallel
 from hybriddl.run import trainer
 from hybriddl.rundir import CHECKPOINT, MODEL
 from hybriddl.strategies import StrategyOptions
 
 
 def measure_training(settings: MeasureSettings, strategy: str, options: StrategyOptions,
-                     hosts, run_dir: Path, host_parallel: str = "data") -> dict:
+                     hosts, run_dir: Path, host_parallel: str = DataParallel.name) -> dict:
     """Train warm-up plus timed steps with `trainer.run`; this rank's figures."""
     steps = settings.warmup + settings.steps
     # Every epoch has at least one step, so `steps` epochs always reach max_steps.
