@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 
 from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hosts.heartbeat import SILENCE_SECONDS
 from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
@@ -122,7 +123,8 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host-timeout", type=float,
                        help="stop when another host has not come to a step's exchange for this "
                             f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a host that "
-                            "died, hung or lost its link is named after 15 s of silence regardless")
+                            f"died, hung or lost its link is named after {SILENCE_SECONDS:.0f} s of silence "
+                            "regardless")
 
 
 def add_measure_flags(parser: argparse.ArgumentParser, settings: type) -> None:
