@@ -14,6 +14,9 @@ from hybriddl.errors import UsageError
 # ImageNet statistics, as in the paper's preprocessing.
 RGB_MEAN = (0.485, 0.456, 0.406)
 RGB_STD = (0.229, 0.224, 0.225)
+# The paper's optimizer: mini-batch SGD at this learning rate and momentum.
+SGD_LR = 0.001
+SGD_MOMENTUM = 0.9
 
 
 @dataclass(frozen=True)
@@ -25,8 +28,8 @@ class UseCase:
     image_size: int = 224
     batch_size: int = 16
     epochs: int = 3
-    lr: float = 0.001
-    momentum: float = 0.9
+    lr: float = SGD_LR
+    momentum: float = SGD_MOMENTUM
 
 
 USECASES = {
@@ -55,6 +58,15 @@ def get_usecase(name: str) -> UseCase:
     except KeyError:
         known = ", ".join(USECASES)
         raise UsageError(f"unknown use case {name!r}: choose one of {known}") from None
+
+
+class NamesAUseCase:
+    """Settings that name their use case (`usecase`: the name, as files and command lines
+    carry it) give the UseCase itself as `case`, so no user of them looks it up again."""
+
+    @property
+    def case(self) -> UseCase:
+        return get_usecase(self.usecase)
 
 
 def use_case_workload(usecase: str, model: str | None, image_size: int | None,

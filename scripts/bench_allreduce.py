@@ -174,7 +174,7 @@ def measure(hosts: int, size: int, *, bandwidth: str | None = None, compression:
 
     With `parts` P > 1 each timed repeat averages P gradients of size/P bytes back to back
     (P times less memory per rank; the same bytes cross the network)."""
-    from hybriddl.compare.compare import host_nic_theory
+    from hybriddl.compare.theory import host_nic_theory
     from hybriddl.emulation import EmulatedHosts
 
     with EmulatedHosts(hosts=hosts, bandwidth=bandwidth, latency=latency) as cluster:

@@ -79,12 +79,12 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
 
 def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
     """PyTorch DDP as a user would run it on CPU hosts: one process (one thread) per core,
-    gloo over each host's NIC (hybriddl.compare.ddp, started once per host)."""
+    gloo over each host's NIC (hybriddl.cli.compare_ddp, started once per host)."""
     case = get_usecase(args.usecase)
     result_dir = scratch / f"ddp-{hosts}-{bandwidth}"
     report = scratch / f"ddp-{hosts}-{bandwidth}.report.json"
     processes = hosts * args.cores_per_host
-    ddp = shlex.join([sys.executable, "-m", "hybriddl.compare.ddp", "--processes",
+    ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
                       str(processes), "--hosts", str(hosts), "--master-addr", "198.18.0.1",
                       "--interface", "eth0", "--result-dir", str(result_dir), "--usecase",
                       args.usecase, "--image-size", str(args.image_size), "--batch-size",

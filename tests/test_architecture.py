@@ -210,14 +210,53 @@ def test_strategy_name_check_sees_a_literal():
     assert flagged == ["threads"]
 
 
-def test_the_cli_parses_and_displays_and_never_trains_or_sends():
-    """The real rule behind a small cli.py: it may import the library, but it builds no
-    model, runs no step and calls no collective itself."""
-    tree = ast.parse((PACKAGE / "cli.py").read_text())
+# What computing looks like in a call: building a model, a step, a collective.
+COMPUTING_CALLS = {"build_model", "optimizer_step", "compute_gradients", "backward",
+                   "allgather_rows", "allreduce_sum", "broadcast_parameters"}
+
+
+def computing_calls(tree: ast.AST) -> set[str]:
     called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
               for node in ast.walk(tree) if isinstance(node, ast.Call)}
-    assert not called & {"build_model", "optimizer_step", "compute_gradients", "backward",
-                         "allgather_rows", "allreduce_sum", "broadcast_parameters"}
+    return called & COMPUTING_CALLS
+
+
+def test_the_cli_parses_and_displays_and_never_trains_or_sends():
+    """cli/ may import the library, but none of its modules builds a model, runs a step or
+    calls a collective itself."""
+    found = {name: sorted(computing_calls(ast.parse(path.read_text())))
+             for name, path in modules().items() if room(name) == "cli"}
+    assert len(found) > 5, "cli/ holds one module per command"
+    assert {name: calls for name, calls in found.items() if calls} == {}
+
+
+def argparse_importers(trees: dict[str, ast.AST]) -> set[str]:
+    """Modules that import argparse (`if TYPE_CHECKING:` blocks aside)."""
+    return {name for name, tree in trees.items() for node in import_statements(tree)
+            if (isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names))
+            or (isinstance(node, ast.ImportFrom) and node.module == "argparse")}
+
+
+def test_only_the_cli_reads_flags():
+    """The cli parses, the library computes: flags are defined and turned into settings in
+    cli/ alone (flags.py, settings.py), so no library module sees an argparse Namespace."""
+    trees = {name: ast.parse(path.read_text()) for name, path in modules().items()}
+    importers = argparse_importers(trees)
+    assert "hybriddl.cli.flags" in importers, "nothing imports argparse: the check would prove nothing"
+    assert {name for name in importers if room(name) != "cli"} == set()
+
+
+def test_argparse_check_sees_an_import():
+    trees = {"hybriddl.run.a": ast.parse("import argparse"),
+             "hybriddl.run.b": ast.parse("from argparse import Namespace"),
+             "hybriddl.run.c": ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                         "    import argparse\n")}
+    assert argparse_importers(trees) == {"hybriddl.run.a", "hybriddl.run.b"}
+
+
+def test_computing_calls_are_seen():
+    assert computing_calls(ast.parse("loss.backward()\nmodel = build_model('vgg16', 3)")) == {
+        "backward", "build_model"}
 
 
 TESTS = Path(__file__).resolve().parent

@@ -190,7 +190,7 @@ IGNORED = {
 
 def ignored(argv: list[str], hosts: int) -> list[str]:
     from hybriddl.cli import build_parser
-    from hybriddl.config import ignored_flags, training_config
+    from hybriddl.cli.settings import ignored_flags, training_config
 
     args = build_parser().parse_args(["train", *argv])
     config, _ = training_config(args)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from hybriddl.compare.compare import REPORT, RESULT, host_nic_theory, ring_bytes_per_rank
+from hybriddl.compare.outputs import REPORT, RESULT
+from hybriddl.compare.theory import host_nic_theory, ring_bytes_per_rank
 from hybriddl.errors import UsageError
 from hybriddl.compare.stepmeter import StepMeter
 from hybriddl.strategies import StrategyOptions, make_strategy

@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -19,7 +17,7 @@ import pytest
 from conftest import REPO, run_cli
 from emulated import can_emulate
 from hybriddl.emulation import EmulatedHosts
-from hybriddl.launch.command import split_training
+from hybriddl.cli.launch import split_training
 from hybriddl.launch.emulated import launch_on
 from hybriddl.launch.launcher import EVENTS, read_hostfile
 from hybriddl.errors import UsageError

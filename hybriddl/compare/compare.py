@@ -13,15 +13,12 @@ namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 
 Ranks of one host talk through shared memory, as on a real machine, so each host's
 NIC counter holds only what crossed the network. Beside each measurement stands the
-theory of the algorithm that ran: a ring over P ranks sends 2(P-1)/P of the gradient S
-per rank; with K ranks per host placed host-contiguously only one ring edge per host
-crosses a NIC, so each host NIC sends 2(HK-1)/(HK) S; one rank per host (or a
-hierarchical allreduce, which reduces inside each host first) 2(H-1)/H S.
+theory of the algorithm that ran (theory.py); settings.py holds what a comparison is
+given, outputs.py what it leaves and shows; this module plans and runs the contenders.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import shutil
@@ -29,22 +26,17 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hybriddl.usecases import DEFAULT_USECASE, use_case_workload
-from hybriddl.run.settings import TrainConfig
+from hybriddl.compare.outputs import write_outputs
+from hybriddl.compare.settings import CONTENDERS, FLAT_MPI, FLAT_RING, CompareConfig
+from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
+from hybriddl.compare.theory import host_nic_theory
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.files import atomic_write_bytes, atomic_write_json
 from hybriddl.rundir import check_new_run_dir, default_run_dir
-from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
-from hybriddl.strategies import STRATEGIES, Flat, Processes, Sequential, StrategyOptions
-
-FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
-CONTENDERS = ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")
-RESULT = "comparison.json"
-REPORT = "comparison.md"
+from hybriddl.strategies import STRATEGIES, Flat, Sequential, StrategyOptions
 
 # Open MPI's ring allreduce for the blocking path (coll/tuned) and the non-blocking one
 # (coll/libnbc, which --overlap's Iallreduce takes).
@@ -56,78 +48,6 @@ RING_ALLREDUCE = {"coll_tuned_use_dynamic_rules": "1", "coll_tuned_allreduce_alg
 # with --overlap: 64 MiB buckets, each sent as soon as backward completes it, which is at
 # most one 5 ms cycle earlier than Horovod would.
 HOROVOD_FUSION_MIB = 64
-
-@dataclass(frozen=True)
-class MeasureSettings:
-    """What every contender is given: the same model, data, batch, image size and steps."""
-
-    usecase: str = DEFAULT_USECASE
-    model: str | None = None
-    data: str = "synthetic"
-    image_size: int | None = None
-    batch_size: int | None = None  # global batch, over all hosts and workers
-    steps: int = 5  # timed steps
-    warmup: int = 1
-    seed: int = 0
-    fp16_allreduce: bool = False
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--usecase", default=DEFAULT_USECASE, help="ComplexSmall or SimpleBig")
-        parser.add_argument("--model", help="any torchvision classifier (default: the use case's)")
-        parser.add_argument("--data", default="synthetic", help="as for 'hybriddl train'")
-        parser.add_argument("--image-size", type=int, help="pixels per side (default: 224)")
-        parser.add_argument("--batch-size", type=int,
-                            help="global batch over all hosts and workers (default: the use case's)")
-        parser.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
-        parser.add_argument("--warmup", type=int, default=1,
-                            help="untimed steps before them (default: 1)")
-        parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
-        parser.add_argument("--fp16-allreduce", action="store_true",
-                            help="send gradients as float16 (half the bytes)")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> MeasureSettings:
-        return cls(usecase=args.usecase, model=args.model, data=args.data,
-                   image_size=args.image_size, batch_size=args.batch_size, steps=args.steps,
-                   warmup=args.warmup, seed=args.seed, fp16_allreduce=args.fp16_allreduce)
-
-    def to_argv(self) -> list[str]:
-        argv = ["--usecase", self.usecase, "--data", self.data, "--steps", str(self.steps),
-                "--warmup", str(self.warmup), "--seed", str(self.seed)]
-        for flag, value in (("--model", self.model), ("--image-size", self.image_size),
-                            ("--batch-size", self.batch_size)):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv + (["--fp16-allreduce"] if self.fp16_allreduce else [])
-
-    def resolved(self) -> MeasureSettings:
-        """The use case's model, image size and batch where left out, checked as for train."""
-        model, image_size, batch_size = use_case_workload(self.usecase, self.model,
-                                                          self.image_size, self.batch_size)
-        return replace(self, model=model, image_size=image_size, batch_size=batch_size)
-
-    def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()) -> TrainConfig:
-        """The trainer's configuration for one contender's ranks (no run directory is written)."""
-        return TrainConfig(usecase=self.usecase, model=self.model, data=self.data,
-                           image_size=self.image_size, batch_size=self.batch_size,
-                           seed=self.seed, strategy=strategy, strategy_options=options)
-
-
-@dataclass(frozen=True)
-class CompareConfig:
-    settings: MeasureSettings = field(default_factory=MeasureSettings)
-    hosts: int = 2  # H
-    workers_per_host: int = 2  # K
-    local_strategy: str = Processes.name  # the hybrid hosts' strategy; the paper's fastest on CPU
-    contenders: tuple[str, ...] = CONTENDERS
-    output: str | None = None
-    bandwidth: str | None = None  # every host's link rate, tc's units (1gbit)
-    latency: str | None = None  # every link's one-way delay (needs netem)
-
-    @property
-    def workers(self) -> int:
-        return self.hosts * self.workers_per_host
 
 
 @dataclass(frozen=True)
@@ -143,25 +63,6 @@ class Contender:
     def describe_launch(self) -> str:
         return " & ".join(shlex.join(argv) for argv in self.commands())
 
-
-def ring_bytes_per_rank(payload_bytes: float, ranks: int) -> float:
-    """What each rank of a ring allreduce over `ranks` sends: 2(P-1)/P of the payload."""
-    return 2 * (ranks - 1) / ranks * payload_bytes
-
-
-def host_nic_theory(algorithm: str, payload_bytes: float, hosts: int, ranks: int) -> float:
-    """Bytes each host's NIC sends per allreduce of `payload_bytes`.
-
-    A ring over P ranks placed host-contiguously crosses each host's NIC on one edge, so a
-    host sends what one rank sends, 2(P-1)/P S; a hierarchical allreduce (reduce within
-    the host, allreduce between hosts, broadcast within) sends what a ring of one rank per
-    host does, 2(H-1)/H S.
-    """
-    if algorithm == "ring":
-        return ring_bytes_per_rank(payload_bytes, ranks)
-    if algorithm == "hierarchical":
-        return ring_bytes_per_rank(payload_bytes, hosts)
-    raise ValueError(f"no theory for allreduce {algorithm!r}")
 
 
 # --------------------------------------------------------------------------- planning
@@ -236,7 +137,7 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
         return ["--result-dir", str(result_root / name)]
 
     def worker(name: str, *options: str) -> list[str]:
-        return python + ["hybriddl.compare.worker", *options, *common, *result(name)]
+        return python + ["hybriddl.cli.compare_worker", *options, *common, *result(name)]
 
     workers = [] if config.local_strategy == Sequential.name else ["--workers", str(k)]
     # The flat ranks of one host divide its cores among themselves; the hybrid's local
@@ -255,7 +156,7 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
         FLAT_RING: lambda: cluster.mpirun(worker(FLAT_RING, *flat), ranks_per_host=k,
                                           mca=RING_ALLREDUCE, mpirun=mpirun),
         "ddp": lambda: [cluster.on_host(i, python + [
-            "hybriddl.compare.ddp", "--processes", str(config.workers), "--hosts",
+            "hybriddl.cli.compare_ddp", "--processes", str(config.workers), "--hosts",
             str(cluster.count), "--host-index", str(i), "--master-addr", cluster.addresses[0],
             "--interface", HOST_NIC, *common, *result("ddp")]) for i in range(cluster.count)],
     }
@@ -396,104 +297,3 @@ def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:
     return results
 
 
-# --------------------------------------------------------------------------- outputs
-
-# (key of a display row, header, format): the CLI's rich table and the Markdown share it.
-COLUMNS = [
-    ("name", "contender", "{}"), ("ranks", "ranks", "{:d}"),
-    ("seconds_per_step", "s/step", "{:.3f}"),
-    ("seconds_per_step_vs_hybrid", "s/step vs hybrid", "{:.2f}×"),
-    ("nic_mb_per_step", "MB per host NIC /step", "{}"),
-    ("theory_mb_per_step", "MB theory", "{:.1f}"),
-    ("allreduce", "allreduce", "{}"),
-    ("host_nic_bytes_vs_hybrid", "NIC vs hybrid", "{:.2f}×"),
-    ("peak_rss_mb", "peak RSS MB per host", "{}"),
-    ("host_peak_rss_vs_hybrid", "RSS vs hybrid", "{:.2f}×"),
-]
-
-
-def display_rows(comparison: dict) -> list[dict]:
-    """The contenders with their byte counts in MB (10^6 bytes), as tables and charts show them."""
-    return [{**r, "nic_mb_per_step": " / ".join(f"{b / 1e6:.1f}"
-                                                 for b in r["host_nic_bytes_per_step"]),
-             "max_nic_mb_per_step": max(r["host_nic_bytes_per_step"]) / 1e6,
-             "theory_mb_per_step": r["host_nic_bytes_theory"][0] / 1e6,
-             "peak_rss_mb": " / ".join(f"{b / 1e6:.0f}" for b in r["host_peak_rss_bytes"])}
-            for r in comparison["contenders"]]
-
-
-def table_cells(comparison: dict) -> list[list[str]]:
-    """display_rows as text, in COLUMNS order."""
-    return [["—" if row.get(key) is None else fmt.format(row[key]) for key, _, fmt in COLUMNS]
-            for row in display_rows(comparison)]
-
-
-def notes(comparison: dict) -> list[str]:
-    config, machine = comparison["config"], comparison["machine"]
-    hosts = comparison["emulated_hosts"]
-    lines = [f"{config['usecase']}: {config['model']} at {config['image_size']} px, global batch "
-             f"{config['batch_size']}, {hosts} emulated hosts x {config['workers_per_host']} "
-             f"workers per host, {config['steps']} timed steps after {config['warmup']} warm-up"
-             + (", gradients sent as float16" if config["fp16_allreduce"] else ""),
-             f"network: each host's own NIC, link rate {comparison['bandwidth'] or 'unlimited'}"
-             + (f", latency {comparison['latency']}" if comparison["latency"] else "")
-             + "; ranks of one host use shared memory; NIC bytes are those sent by each host "
-             "(h0 / h1 ...) over the timed steps",
-             "theory per host NIC: ring over P ranks placed host-contiguously 2(P-1)/P S; "
-             "one rank per host or hierarchical 2(H-1)/H S (S = gradient bytes)"]
-    lines += machine.get("emulation_notes", [])
-    if machine["oversubscribed"]:
-        lines.append(f"oversubscribed: {machine['workers']} workers on "
-                     f"{machine['usable_cores']} cores, so speeds are not those of separate hosts")
-    return lines
-
-
-def markdown(comparison: dict) -> str:
-    from hybriddl.monitoring import report
-
-    return (report.markdown_table(display_rows(comparison), COLUMNS) + "\n"
-            + "".join(f"- {line}\n" for line in notes(comparison)))
-
-
-def write_outputs(comparison: dict, output: Path) -> list[Path]:
-    atomic_write_json(output / RESULT, comparison)
-    atomic_write_bytes(output / REPORT, markdown(comparison).encode())
-    return [output / RESULT, output / REPORT, *comparison_charts(comparison, output)]
-
-
-def comparison_charts(comparison: dict, output: Path) -> list[Path]:
-    """Speed and bytes per host NIC per contender, the hybrid's bar set apart."""
-    from hybriddl.monitoring import report
-
-    rows = display_rows(comparison)
-    common = {"label_key": "name", "xlabel": "contender", "highlight": "hybrid",
-              "highlight_label": "hybrid (local-first)"}
-    return [
-        report.throughput_chart(rows, output / "images_per_second.png",
-                                title="Training speed, side by side", **common),
-        report.bar_chart(rows, "max_nic_mb_per_step", output / "host_nic_bytes_per_step.png",
-                         title="Bytes sent per host NIC per step (emulated hosts)",
-                         ylabel="MB per step (lower is better)", value_format="{:.1f} MB",
-                         **common),
-    ]
-
-
-def add_compare_arguments(parser) -> None:
-    """The flags of `hybriddl compare` (an argparse parser)."""
-    from hybriddl.strategies import Processes
-
-    MeasureSettings.add_arguments(parser)
-    parser.add_argument("--hosts", type=int, default=2,
-                        help="H emulated hosts (network namespaces; needs root)")
-    parser.add_argument("--workers-per-host", type=int, default=2,
-                        help="K local workers per host; flat-mpi, flat-ring and DDP run H x K "
-                             "ranks, K on each host")
-    parser.add_argument("--local-strategy", default=Processes.name,
-                        help=f"the hybrid hosts' local strategy (default: {Processes.name})")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
-    parser.add_argument("--bandwidth", help="every host's link rate, e.g. 1gbit or 10gbit "
-                        "(default: unlimited)")
-    parser.add_argument("--latency", help="every link's one-way delay, e.g. 0.1ms (needs the "
-                        "kernel's netem)")
-    parser.add_argument("--output", help="output folder (default: a new folder under runs/)")

@@ -1,6 +1,7 @@
 """The PyTorch DDP contender of `hybriddl compare`: what a PyTorch user would pick instead.
+Its command line is hybriddl.cli.compare_ddp:
 
-    python -m hybriddl.compare.ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
+    python -m hybriddl.cli.compare_ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
 
 Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...), one
 CPU thread each, gloo over the host's NIC (`--interface`); each takes its 1/P of every
@@ -9,15 +10,13 @@ what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
 handed to gloo, as the MPI layer's counter does for MPI.
 """
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from hybriddl.compare.compare import MeasureSettings
+from hybriddl.compare.settings import MeasureSettings
 from hybriddl.compare.ddp_peer import gloo_group, wrap
 from hybriddl.data import BatchTransform, epoch_batches
 from hybriddl.data.loading import load_data
@@ -25,7 +24,7 @@ from hybriddl.data.sharding import split_bounds
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.strategies import Sequential, criterion
-from hybriddl.usecases import build_model, get_usecase
+from hybriddl.usecases import build_model
 
 # Each emulated host has its own network namespace, so a fixed port is free on host 0.
 PORT = 29500
@@ -47,8 +46,7 @@ def peer(local_rank: int, first_rank: int, world: int, address: str, interface: 
 
 def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str) -> dict:
     config = settings.train_config(Sequential.name).resolved()
-    case = get_usecase(config.usecase)
-    split = load_data(config.data, variant=case.dataset, image_size=config.image_size)
+    split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
     ddp, state = wrap(model, world, fp16=settings.fp16_allreduce)
@@ -77,29 +75,11 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str
             "gradient_bytes": gradient_bytes(model)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybriddl.compare.ddp",
-                                     description=__doc__.splitlines()[0])
-    MeasureSettings.add_arguments(parser)
-    parser.add_argument("--processes", type=int, required=True, help="DDP processes P in all")
-    parser.add_argument("--hosts", type=int, default=1, help="hosts H the processes span")
-    parser.add_argument("--host-index", type=int, default=0, help="which host this is")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address")
-    parser.add_argument("--interface", default="lo", help="the NIC gloo uses and the meter reads")
-    parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = MeasureSettings.from_args(args)
+def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: int,
+             master_addr: str, interface: str, result_dir: str) -> None:
+    """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json."""
     # start_processes joins them all and, if one fails, stops the others and raises.
-    here = args.processes // args.hosts
-    mp.start_processes(peer, args=(args.host_index * here, args.processes, args.master_addr,
-                                   args.interface, settings, args.result_dir),
+    here = processes // hosts
+    mp.start_processes(peer, args=(host_index * here, processes, master_addr, interface,
+                                   settings, result_dir),
                        nprocs=here, start_method="spawn")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,12 +17,12 @@ from hybriddl.machine.cpu_threads import torch_threads
 from hybriddl.strategies import StrategyOptions, criterion
 from hybriddl.strategies.base import prepare_model, run_forward
 from hybriddl.tuning.benchmark import StepTiming, tree_memory
-from hybriddl.usecases import build_model
+from hybriddl.usecases import SGD_LR, SGD_MOMENTUM, build_model
 
 
 def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Tensor,
-                    y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
-                    momentum: float = 0.9, seed: int = 0,
+                    y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = SGD_LR,
+                    momentum: float = SGD_MOMENTUM, seed: int = 0,
                     numerics: StrategyOptions = StrategyOptions(),
                     keep_memory: bool = False, compile: bool = False) -> StepTiming:
     """The PyTorch peer: the textbook loop, PyTorch's own intra-op threads (its default);
@@ -55,8 +55,8 @@ def measure_pytorch(threads: int, model_name: str, num_classes: int, x: torch.Te
 
 
 def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tensor,
-                y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = 0.001,
-                momentum: float = 0.9, seed: int = 0) -> StepTiming:
+                y: torch.Tensor, *, warmup: int = 1, steps: int = 5, lr: float = SGD_LR,
+                momentum: float = SGD_MOMENTUM, seed: int = 0) -> StepTiming:
     """The DDP peer: P spawned processes, one thread each, gloo over 127.0.0.1, each on
     its share of the batch. Rank 0's step times; memory summed over the ranks' peaks."""
     import torch.multiprocessing as mp

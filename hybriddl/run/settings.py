@@ -1,6 +1,6 @@
 """A run's settings, settled before anything starts: `TrainConfig`, the use case's defaults
 filled in and every number checked. The trainer receives a resolved TrainConfig and never
-changes it; the command line's flags become one in hybriddl.config."""
+changes it; the command line's flags become one in hybriddl.cli.settings."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.strategies import StrategyOptions
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
-from hybriddl.usecases import DEFAULT_USECASE, get_usecase, use_case_workload
+from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(NamesAUseCase):
     usecase: str = DEFAULT_USECASE
     model: str | None = None  # None: the use case's model
     data: str = "synthetic"
@@ -46,7 +46,7 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
-        case = get_usecase(self.usecase)
+        case = self.case
         filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
         filled.model, filled.image_size, filled.batch_size = use_case_workload(
             self.usecase, self.model, self.image_size, self.batch_size)

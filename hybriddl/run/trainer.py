@@ -34,7 +34,7 @@ from hybriddl.step import optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
 from hybriddl.tuning.tuner import AUTO, auto_strategy, tune_settings
-from hybriddl.usecases import build_model, check_image_size, get_usecase
+from hybriddl.usecases import build_model, check_image_size
 
 
 class TrainingObserver:
@@ -79,7 +79,6 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     """
     observer = observer or TrainingObserver()
     config = config.resolved()
-    case = get_usecase(config.usecase)
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.usecase)
     if resume is None:
         check_new_run_dir(run_dir)
@@ -88,7 +87,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     ckpt.check_run_storage(run_dir, config.model, config.classes)
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
-    split = load_data(config.data, variant=case.dataset, image_size=config.image_size,
+    split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
                       classes=config.classes, val_fraction=config.val_fraction,
                       progress=observer.on_data_progress, cache_dir=config.data_cache,
                       stop_signal=lambda: stop.signum if stop else None,

@@ -20,7 +20,7 @@ from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
 from hybriddl.step import optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
-from hybriddl.usecases import build_model
+from hybriddl.usecases import SGD_LR, SGD_MOMENTUM, build_model
 from hybriddl.machine.allocator import give_back_freed_memory, reset_high_water_mark
 from hybriddl.machine.cpu_threads import torch_threads
 
@@ -99,7 +99,7 @@ def timing_model(name: str, num_classes: int) -> torch.nn.Module:
 
 def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_classes: int,
                      x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1, steps: int = 5,
-                     lr: float = 0.001, momentum: float = 0.9, seed: int = 0,
+                     lr: float = SGD_LR, momentum: float = SGD_MOMENTUM, seed: int = 0,
                      keep_going: Callable[[int, float], bool] | None = None) -> StepTiming:
     """Time full optimizer steps (gradients + SGD update) of one strategy on one batch.
 

@@ -71,6 +71,7 @@ from hybriddl.machine.hostinfo import cpu_model, gpus, usable_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.files import atomic_write_json
 from hybriddl.strategies import StrategySpec
+from hybriddl.usecases import NamesAUseCase
 
 SCHEMA_VERSION = 2
 # Version 1 had no rounds: each candidate one pass; it reads as one round without a spread.
@@ -124,7 +125,7 @@ def fingerprint() -> dict:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(NamesAUseCase):
     """What a profile was measured at; a training run uses a profile only at the same."""
 
     usecase: str

@@ -48,7 +48,8 @@ from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
-from hybriddl.strategies import STRATEGIES, Gpu, HostResources, Sequential, StrategySpec
+from hybriddl.strategies import (STRATEGIES, Gpu, HostResources, Sequential, StrategyOptions,
+                                 StrategySpec)
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.usecases import check_image_size, get_usecase, use_case_workload
 
@@ -62,6 +63,9 @@ AUTO_ROUNDS = 3
 # fastest and every other candidate whose fastest visit is within SECOND_LOOK_SPAN of the
 # fastest median, at most SECOND_LOOK_MOST of them (one step here wanders 15-20 %).
 TUNE_ROUNDS = 3
+TUNE_BUDGET_SECONDS = 600.0  # `hybriddl tune`'s, for all candidates together
+TUNE_WARMUP_STEPS = 1  # per visit
+TUNE_TIMED_STEPS = 2  # per visit
 SECOND_LOOK_ROUNDS = 2
 SECOND_LOOK_SPAN = 0.10
 SECOND_LOOK_MOST = 4
@@ -309,7 +313,7 @@ def select_pick(results: list[CandidateResult]) -> StrategySpec:
 
 def embedded_images(settings: Settings) -> ImageSet:
     """The use case's embedded training images: what `hybriddl tune` measures on."""
-    return synthetic_split(get_usecase(settings.usecase).dataset).train
+    return synthetic_split(settings.case.dataset).train
 
 
 def tune_images(settings: Settings, data: str | None, cache_dir: str | None = None,
@@ -320,12 +324,13 @@ def tune_images(settings: Settings, data: str | None, cache_dir: str | None = No
         return embedded_images(settings)
     from hybriddl.data.loading import load_data
 
-    return load_data(data, variant=get_usecase(settings.usecase).dataset,
+    return load_data(data, variant=settings.case.dataset,
                      image_size=settings.image_size, cache_dir=cache_dir, progress=progress).train
 
 
-def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: int = 1,
-              steps: int = 2, rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
+def tune_host(settings: Settings, images: ImageSet, *, budget: float,
+              warmup: int = TUNE_WARMUP_STEPS, steps: int = TUNE_TIMED_STEPS,
+              rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
               observer: TuneObserver | None = None, reason: str | None = None,
               host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
     """Measure every feasible candidate on real batches of `images`; the profile, unsaved."""
@@ -350,7 +355,8 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float, warmup: in
 
     def measure(choice: StrategySpec, keep_going: KeepGoing) -> StepTiming:
         return measure_strategy(choice.name, choice.options(), settings.model, num_classes, x, y,
-                                warmup=warmup, steps=steps, keep_going=keep_going)
+                                warmup=warmup, steps=steps, lr=settings.case.lr,
+                                momentum=settings.case.momentum, keep_going=keep_going)
 
     observer.on_tune_start(candidates, reason)
     started = clock()
@@ -408,13 +414,14 @@ class AutoDecision:
 def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
                   batch_size: int | None = None, precision: str | None = None,
                   accumulate: int | None = None) -> Settings:
-    """What a profile is measured at: the use case's defaults for what was left out
-    (precision: fp32, accumulate: 1), every number checked as for training."""
-    precision = precision or "fp32"
+    """What a profile is measured at: the use case's defaults for the workload left out,
+    StrategyOptions' for precision and accumulation, every number checked as for training."""
+    default = StrategyOptions()
+    precision = precision or default.precision
     if precision not in NUMERICS:
         raise UsageError(f"--precision {precision}: choose one of {', '.join(NUMERICS)}")
     model, image_size, batch_size = use_case_workload(usecase, model, image_size, batch_size)
-    accumulate = 1 if accumulate is None else accumulate
+    accumulate = default.accumulate if accumulate is None else accumulate
     check_accumulate(accumulate, batch_size)
     return Settings(usecase=get_usecase(usecase).name, model=model, image_size=image_size,
                     batch_size=batch_size, precision=precision, accumulate=accumulate)

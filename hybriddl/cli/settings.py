@@ -1,6 +1,8 @@
-"""The command line's settings: `train`'s flags into a TrainConfig (hybriddl.run.settings),
-with --resume, the checkpoint's settings under the flags given; the across-hosts flags into
-`connect`'s keywords; and a line for each flag that does nothing in this run.
+"""The flags become settings, once: `train`'s into a TrainConfig (hybriddl.run.settings), with
+--resume the checkpoint's settings under the flags given; the across-hosts flags into
+`connect`'s keywords; compare's into a CompareConfig and its contenders' into
+MeasureSettings; and a line for each flag that does nothing in this run. Flags left out
+(None) take the settings' own defaults.
 """
 
 from __future__ import annotations
@@ -8,50 +10,51 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from hybriddl.cli.flags import with_workers
+from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
-from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS
 from hybriddl.hosts.compression import Compression
-from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.run import checkpoint
 from hybriddl.run.settings import TrainConfig
-from hybriddl.strategies import PRECISIONS, STRATEGIES, StrategyOptions
+from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning.tuner import AUTO
 
-# The command line's training flags are TrainConfig's fields, under the same names.
-TRAINING_FLAGS = tuple(f.name for f in fields(TrainConfig) if f.name != "strategy_options")
+def typed(args: argparse.Namespace, settings: type) -> dict:
+    """The fields of a settings dataclass that were typed: the flags of the same names
+    (--batch-size is batch_size) that are not None."""
+    return {f.name: getattr(args, f.name) for f in fields(settings)
+            if getattr(args, f.name, None) is not None}
+
+
+def typed_strategy_options(args: argparse.Namespace) -> dict:
+    """The StrategyOptions fields typed (cli/flags.py: the strategy and numerics flags)."""
+    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
+    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
+               "oversubscribe": args.oversubscribe or None,
+               "precision": getattr(args, "precision", None),
+               "channels_last": getattr(args, "channels_last", None) or None,
+               "accumulate": getattr(args, "accumulate", None)}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def given_settings(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields the user typed; strategy_options holds the typed options."""
-    given = {name: getattr(args, name) for name in TRAINING_FLAGS
-             if getattr(args, name) is not None}
-    devices = tuple(d.strip() for d in args.devices.split(",")) if args.devices else None
-    options = {"workers": args.workers, "micro_batches": args.micro_batches, "devices": devices,
-               "oversubscribe": args.oversubscribe or None, "precision": args.precision,
-               "channels_last": args.channels_last or None,
-               "accumulate": getattr(args, "accumulate", None)}
-    given["strategy_options"] = {k: v for k, v in options.items() if v is not None}
-    return given
+    """The TrainConfig fields the user typed (train's flags are its fields, under the same
+    names); strategy_options holds the typed options."""
+    return {**typed(args, TrainConfig), "strategy_options": typed_strategy_options(args)}
 
 
-def add_numerics_args(parser: argparse.ArgumentParser, *, channels_last: bool) -> None:
-    """--precision (train and tune) and --channels-last (train): the strategy's numerics."""
-    parser.add_argument("--precision", choices=(*PRECISIONS, AUTO),
-                        help="fp32 (default); bf16: autocast forward, float32 weights and "
-                             "optimizer; auto: the tuner tries both (with --strategy auto)")
-    if channels_last:
-        parser.add_argument("--channels-last", action="store_true",
-                            help="images and convolution weights in channels_last memory "
-                                 "format (with a named --strategy; auto decides itself)")
+def measure_settings(args: argparse.Namespace) -> MeasureSettings:
+    """compare's, and its contenders' ranks', workload and timed steps."""
+    return MeasureSettings(**typed(args, MeasureSettings))
 
 
-def add_accumulate_arg(parser: argparse.ArgumentParser, where: str) -> None:
-    """--accumulate (train and tune): gradient accumulation, a strategy option."""
-    parser.add_argument("--accumulate", type=int, metavar="N",
-                        help="compute each host batch in N sequential chunks and add their "
-                             "gradients: the same step with activations for one chunk at a "
-                             f"time (less memory; default: 1); {where}")
+def compare_config(args: argparse.Namespace) -> CompareConfig:
+    given = typed(args, CompareConfig)
+    if "contenders" in given:
+        given["contenders"] = tuple(name.strip() for name in given["contenders"].split(",")
+                                    if name.strip())
+    return CompareConfig(**{**given, "settings": measure_settings(args)})
 
 
 def resume_if_exists(args: argparse.Namespace) -> bool:
@@ -96,12 +99,15 @@ HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
 
 
 def hosts_options(args: argparse.Namespace) -> dict:
-    """`hosts.cluster.connect`'s keywords from the across-hosts flags."""
-    return {"overlap": args.overlap,
-            "compression": Compression.fp16 if args.fp16_allreduce else Compression.none,
-            "bucket_bytes": (DEFAULT_BUCKET_BYTES if args.fusion_mib is None
-                             else int(args.fusion_mib * 2**20)),
-            "timeout": DEFAULT_TIMEOUT_SECONDS if args.host_timeout is None else args.host_timeout}
+    """`hosts.cluster.connect`'s keywords from the across-hosts flags; those left out are
+    connect's defaults."""
+    options = {"overlap": args.overlap,
+               "compression": Compression.fp16 if args.fp16_allreduce else Compression.none}
+    if args.fusion_mib is not None:
+        options["bucket_bytes"] = int(args.fusion_mib * 2**20)
+    if args.host_timeout is not None:
+        options["timeout"] = args.host_timeout
+    return options
 
 
 def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: int) -> list[str]:
@@ -109,10 +115,8 @@ def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: in
     lines = []
     strategy = STRATEGIES.get(config.strategy)
     if args.workers is not None and strategy and not issubclass(strategy, CoreWorkersStrategy):
-        with_workers = ", ".join(name for name, cls in STRATEGIES.items()
-                                 if issubclass(cls, CoreWorkersStrategy))
         lines.append(f"--workers {args.workers} does nothing with --strategy {config.strategy}, "
-                     f"which has no local workers (these have: {with_workers})")
+                     f"which has no local workers (these have: {with_workers()})")
     if hosts_count == 1:
         lines += [f"{flag} does nothing on a single host: it acts when mpirun starts one rank "
                   "on each of several hosts"

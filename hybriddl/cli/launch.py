@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.cli.flags import add_mca_flag
 from hybriddl.errors import UsageError
 
 # The training's flags that name its run directory: the launcher owns that choice, since
@@ -17,7 +18,7 @@ from hybriddl.errors import UsageError
 RUN_DIR_FLAGS = ("--run-dir", "--resume", "--resume-if-exists")
 
 
-def add_launch_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
     """Register `launch` on the CLI's subparsers."""
     launch = commands.add_parser(
         "launch", help="run 'train' under mpirun, one rank per host of a hostfile; relaunch "
@@ -32,8 +33,7 @@ def add_launch_parser(commands) -> argparse.ArgumentParser:
     launch.add_argument("--rsh-agent",
                         help="how mpirun and the launcher reach a host (default: "
                              "$OMPI_MCA_plm_rsh_agent, else ssh)")
-    launch.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="extra Open MPI parameter for mpirun (repeatable)")
+    add_mca_flag(launch)
     launch.add_argument("--probe-seconds", type=float, default=10.0,
                         help="a host that does not run 'true' within this is not answering "
                              "(default: 10)")

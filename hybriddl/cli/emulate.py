@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.cli.flags import add_link_flags, add_mca_flag
 from hybriddl.emulation.hosts import EmulationFailed
 from hybriddl.errors import UsageError
 
@@ -31,7 +32,7 @@ are not scaled.
 """
 
 
-def add_emulate_parser(commands) -> argparse.ArgumentParser:
+def add_parser(commands) -> argparse.ArgumentParser:
     """Register `emulate` on the CLI's subparsers."""
     emulate = commands.add_parser(
         "emulate", help="run a command under mpirun across H emulated hosts (network "
@@ -48,11 +49,8 @@ def add_emulate_parser(commands) -> argparse.ArgumentParser:
                               "core between the hosts, unfaithfully")
     emulate.add_argument("--ranks-per-host", type=int, default=1,
                          help="MPI ranks per host, mpirun -npernode K (default: 1)")
-    emulate.add_argument("--bandwidth", help="every link's rate in both directions, tc units "
-                         "(e.g. 1gbit, 100mbit; default: unlimited)")
-    emulate.add_argument("--latency", help="one-way delay per link, tc units (e.g. 0.1ms)")
-    emulate.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                         help="extra Open MPI parameter for mpirun (repeatable)")
+    add_link_flags(emulate)
+    add_mca_flag(emulate)
     emulate.add_argument("--report", help="JSON file: time scale, wall and emulated "
                          "seconds, per host its name and NIC bytes")
     emulate.add_argument("command", nargs=argparse.REMAINDER,

@@ -1,0 +1,53 @@
+"""The command line: parses, reports with rich, and leaves the computing to the library.
+
+One module per command, each with its parser (`add_parser`) and its `cmd_*`; the flags
+several commands share are defined once, in `flags.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hybriddl import __version__
+from hybriddl.cli import compare, emulate, evaluate, info, launch, predict, report, train, tune
+from hybriddl.display import console, show_error
+from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit code 2, like every other bad input."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# In the order `hybriddl --help` lists them.
+COMMANDS = (train, compare, tune, report, info, emulate, evaluate, predict, launch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="hybriddl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybriddl {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        show_error("error: ", exc)
+        return 2
+    except TrainingError as exc:  # a StorageError may come from tune or compare too
+        show_error("error: " if isinstance(exc, StorageError) else "training stopped: ", exc)
+        return 1
+    except TrainingInterrupted as exc:
+        show_error("", exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("hybriddl: interrupted", markup=False)
+        return 130
+

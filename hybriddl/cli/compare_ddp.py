@@ -1,0 +1,43 @@
+"""The command line of the PyTorch DDP contender of `hybriddl compare`, started once per
+host as compare.compare.plan starts it; the processes' work is hybriddl.compare.ddp's.
+
+    python -m hybriddl.cli.compare_ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags, add_workload_flags
+from hybriddl.cli.settings import measure_settings
+from hybriddl.compare.settings import MeasureSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hybriddl.cli.compare_ddp",
+                                     description=__doc__.splitlines()[0])
+    add_workload_flags(parser, batch="global batch over all hosts and workers")
+    add_data_flags(parser, cache=False)
+    add_measure_flags(parser, MeasureSettings)
+    add_fp16_flag(parser)
+    parser.add_argument("--processes", type=int, required=True, help="DDP processes P in all")
+    parser.add_argument("--hosts", type=int, default=1, help="hosts H the processes span")
+    parser.add_argument("--host-index", type=int, default=0, help="which host this is")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address")
+    parser.add_argument("--interface", default="lo", help="the NIC gloo uses and the meter reads")
+    parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybriddl.compare.ddp import run_host
+
+    args = build_parser().parse_args(argv)
+    run_host(measure_settings(args), args.processes, args.hosts, args.host_index,
+             args.master_addr, args.interface, args.result_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`hybriddl evaluate`: a run's model on a labelled ImageFolder, its scores shown and written."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hybriddl.display import evaluation_table, files_table, out
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    evaluate = commands.add_parser(
+        "evaluate", help="a run's model on a labelled ImageFolder: accuracy, per-class "
+                         "precision, recall and F1, confusion matrix (JSON and PNG)")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a finished run of 'train'")
+    evaluate.add_argument("--data", required=True, metavar="DIR",
+                          help="an ImageFolder (one subfolder per class) whose class names are "
+                               "the run's")
+    evaluate.add_argument("--output", metavar="DIR",
+                          help="folder for evaluation.json and confusion_matrix.png "
+                               "(default: RUN_DIR/evaluation)")
+    evaluate.add_argument("--batch-size", type=int, default=32,
+                          help="images per forward pass (default: 32)")
+    evaluate.set_defaults(handler=cmd_evaluate)
+    return evaluate
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from hybriddl.inference.evaluate import evaluate, save_evaluation
+    from hybriddl.inference.trained import load_trained
+
+    trained = load_trained(args.run_dir)
+    evaluation = evaluate(trained, args.data, args.batch_size)
+    written = save_evaluation(evaluation, args.output or Path(args.run_dir) / "evaluation")
+    out.print(f"accuracy [bold]{evaluation.accuracy:.3f}[/] of {evaluation.model} on "
+              f"{evaluation.images} images of {evaluation.data}", highlight=False)
+    out.print(evaluation_table(evaluation))
+    out.print(files_table("Written", written))
+    return 0

@@ -1,0 +1,173 @@
+"""The flags several commands share, each group defined once: the workload, the data, the
+local strategy and its numerics, the hosts, the timed steps, tuning, the emulated links.
+
+A flag's default lives with what it configures (the use case, the tuner, the fusion
+buffers, a settings dataclass); the help text quotes it from there. Flags whose default is
+None are filled in when the flags become settings (cli/settings.py), so that the same
+default holds for every command and --resume can tell a typed flag from one left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hosts.heartbeat import SILENCE_SECONDS
+from hybriddl.hybrid.parallel import HOST_PARALLEL
+from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
+from hybriddl.strategies.base import CoreWorkersStrategy
+from hybriddl.tuning import tuner
+from hybriddl.usecases import DEFAULT_USECASE, USECASES, get_usecase
+
+
+def default_of(settings: type, name: str):
+    """A settings dataclass's default for one of its fields, for a help text."""
+    field = next(f for f in fields(settings) if f.name == name)
+    return field.default if field.default is not MISSING else field.default_factory()
+
+
+def with_workers() -> str:
+    """The strategies that have local workers (`--workers`), from the registry."""
+    return ", ".join(name for name, cls in STRATEGIES.items() if issubclass(cls, CoreWorkersStrategy))
+
+
+def add_workload_flags(parser: argparse.ArgumentParser, *, batch: str,
+                       typed_only: bool = False) -> None:
+    """--usecase, --model, --image-size, --batch-size: what every command trains or times.
+    `batch` says whose batch --batch-size is; with `typed_only` --usecase is None unless
+    typed (train's --resume takes the checkpoint's then)."""
+    case = get_usecase(DEFAULT_USECASE)
+    parser.add_argument("--usecase", default=None if typed_only else DEFAULT_USECASE,
+                        help=f"one of {', '.join(USECASES)} (default: {DEFAULT_USECASE})")
+    parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
+    parser.add_argument("--image-size", type=int,
+                        help=f"pixels per side (default: the use case's, {case.image_size})")
+    parser.add_argument("--batch-size", type=int, help=f"{batch} (default: the use case's)")
+
+
+def add_data_flags(parser: argparse.ArgumentParser, *, cache: bool = True) -> None:
+    """--data and --data-cache: train's, tune's and compare's images."""
+    parser.add_argument("--data",
+                        help="'synthetic' (embedded, default), synthetic:N (N generated images), "
+                             "an ImageFolder DIR, or cifar10:DIR; all but 'synthetic' are "
+                             "streamed from a cache file built once")
+    if cache:
+        parser.add_argument("--data-cache", metavar="DIR",
+                            help="where decoded data are cached for every later run and tune "
+                                 "(default: $XDG_CACHE_HOME/hybriddl or ~/.cache/hybriddl)")
+
+
+def add_strategy_flags(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--strategy and its options: --workers, --micro-batches, --devices, --oversubscribe."""
+    named = ", ".join(STRATEGIES)
+    parser.add_argument("--strategy", required=required,
+                        help=f"local strategy: {named}" if required else
+                        f"local strategy: {tuner.AUTO} (this host's profiled pick; tunes first "
+                        f"when no profile fits), {named} (default: {tuner.AUTO})")
+    parser.add_argument("--workers", type=int, help=f"local workers K for {with_workers()}")
+    parser.add_argument("--micro-batches", type=int,
+                        help=f"{Pipeline.name} micro-batches M "
+                             f"(default: {StrategyOptions().micro_batches})")
+    parser.add_argument("--devices", help="comma-separated devices, e.g. cuda:0,cuda:1 or cpu,cpu")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="allow more local workers than usable cores")
+
+
+def add_numerics_flags(parser: argparse.ArgumentParser, *, channels_last: bool) -> None:
+    """--precision (train and tune) and --channels-last (train): the strategy's numerics."""
+    parser.add_argument("--precision", choices=(*PRECISIONS, tuner.AUTO),
+                        help=f"{StrategyOptions().precision} (default); bf16: autocast forward, "
+                             "float32 weights and optimizer; auto: the tuner tries both (with "
+                             "--strategy auto)")
+    if channels_last:
+        parser.add_argument("--channels-last", action="store_true",
+                            help="images and convolution weights in channels_last memory "
+                                 "format (with a named --strategy; auto decides itself)")
+
+
+def add_accumulate_flag(parser: argparse.ArgumentParser, where: str) -> None:
+    """--accumulate (train and tune): gradient accumulation, a strategy option."""
+    parser.add_argument("--accumulate", type=int, metavar="N",
+                        help="compute each host batch in N sequential chunks and add their "
+                             "gradients: the same step with activations for one chunk at a "
+                             f"time (less memory; default: {StrategyOptions().accumulate}); {where}")
+
+
+def add_fp16_flag(parser) -> None:
+    parser.add_argument("--fp16-allreduce", action="store_true",
+                        help="half-precision gradients on the wire (half the bytes)")
+
+
+def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
+    """The across-hosts flags: `connect`'s keywords (cli/settings.py:hosts_options), the
+    batch shares and the host-parallel scheme."""
+    group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
+    group.add_argument("--overlap", action="store_true",
+                       help="send gradient buckets while backward still runs, where the strategy allows it")
+    add_fp16_flag(group)
+    group.add_argument("--balance", choices=BALANCE_POLICIES,
+                       help="hosts' shares of the global batch: proportional to their images/s, or "
+                            "even (default: throughput when the hosts' figures differ)")
+    group.add_argument("--throughput", type=float, metavar="IMAGES_PER_S",
+                       help="this host's images/s for --balance (default: its profile's, if any)")
+    group.add_argument("--host-parallel", choices=HOST_PARALLEL,
+                       help="data: average the whole gradient; hybrid: convolutions data-parallel, "
+                            "the classifier's linear layers split across hosts (exact; far fewer "
+                            "bytes for AlexNet and VGG); auto (default): the faster, predicted "
+                            "from the profile and the link the hosts measure at start")
+    group.add_argument("--fusion-mib", type=float,
+                       help="size of the gradient fusion buffers in MiB "
+                            f"(default: {DEFAULT_BUCKET_BYTES / 2**20:g})")
+    group.add_argument("--host-timeout", type=float,
+                       help="stop when another host has not come to a step's exchange for this "
+                            f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a host that "
+                            f"died, hung or lost its link is named after {SILENCE_SECONDS:.0f} s of silence "
+                            "regardless")
+
+
+def add_measure_flags(parser: argparse.ArgumentParser, settings: type) -> None:
+    """--steps, --warmup, --seed: the timed steps of compare and its contenders' ranks;
+    their defaults are `settings`' (compare.settings.MeasureSettings)."""
+    parser.add_argument("--steps", type=int,
+                        help=f"timed steps (default: {default_of(settings, 'steps')})")
+    parser.add_argument("--warmup", type=int,
+                        help=f"untimed steps before them (default: {default_of(settings, 'warmup')})")
+    parser.add_argument("--seed", type=int, help="initialisation and data seed "
+                        f"(default: {default_of(settings, 'seed')})")
+
+
+def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
+    """tune's budget and interleaved rounds, defaults the tuner's."""
+    parser.add_argument("--budget", type=float, default=tuner.TUNE_BUDGET_SECONDS,
+                        help="seconds for all candidates together; a candidate that cannot "
+                             "finish within its share is dropped "
+                             f"(default: {tuner.TUNE_BUDGET_SECONDS:.0f})")
+    parser.add_argument("--rounds", type=int, default=tuner.TUNE_ROUNDS,
+                        help=f"interleaved rounds (default: {tuner.TUNE_ROUNDS})")
+    parser.add_argument("--second-look", type=int, default=tuner.SECOND_LOOK_ROUNDS,
+                        help="extra rounds for the two fastest and any other whose fastest "
+                             f"round is within {tuner.SECOND_LOOK_SPAN:.0%}% of the fastest, at "
+                             f"most {tuner.SECOND_LOOK_MOST} (default: {tuner.SECOND_LOOK_ROUNDS})")
+    parser.add_argument("--steps", type=int, default=tuner.TUNE_TIMED_STEPS,
+                        help=f"timed steps per visit (default: {tuner.TUNE_TIMED_STEPS})")
+    parser.add_argument("--warmup", type=int, default=tuner.TUNE_WARMUP_STEPS,
+                        help=f"warm-up steps per visit (default: {tuner.TUNE_WARMUP_STEPS})")
+
+
+def add_profile_dir_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--profile-dir", help=f"{what} (default: $HYBRIDDL_PROFILES or ./profiles)")
+
+
+def add_link_flags(parser: argparse.ArgumentParser) -> None:
+    """--bandwidth and --latency: every emulated host's link (emulate, compare)."""
+    parser.add_argument("--bandwidth", help="every host's link rate in both directions, tc units "
+                        "(e.g. 1gbit, 100mbit; default: unlimited)")
+    parser.add_argument("--latency", help="every link's one-way delay, tc units (e.g. 0.1ms; "
+                        "needs the kernel's netem)")
+
+
+def add_mca_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
+                        help="extra Open MPI parameter for mpirun (repeatable)")

@@ -1,0 +1,27 @@
+"""`hybriddl info`: this host's cores, RAM, GPUs and library versions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hybriddl.display import host_table, out
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(handler=cmd_info)
+    return info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from hybriddl.hosts.mpi import library_versions
+    from hybriddl.machine.hostinfo import host_info
+
+    info = host_info() | library_versions()
+    if args.json:
+        out.print_json(json.dumps(info))
+        return 0
+    out.print(host_table(info))
+    return 0

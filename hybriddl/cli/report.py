@@ -1,0 +1,24 @@
+"""`hybriddl report`: PNG charts and a Markdown table from run directories."""
+
+from __future__ import annotations
+
+import argparse
+
+from hybriddl.display import files_table, out
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    report = commands.add_parser("report", help="PNG charts and a Markdown table from run directories")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories made by 'train'")
+    report.add_argument("--output", default="report", help="folder for the charts and report.md "
+                        "(default: ./report)")
+    report.set_defaults(handler=cmd_report)
+    return report
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from hybriddl.monitoring.report import write_report
+
+    written = write_report(args.run_dirs, args.output)
+    out.print(files_table(f"Report of {len(args.run_dirs)} run(s)", written))
+    return 0

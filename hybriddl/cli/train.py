@@ -1,0 +1,123 @@
+"""`hybriddl train`: a use case on this host, or on every host under mpirun."""
+
+from __future__ import annotations
+
+import argparse
+
+from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_flags,
+                                add_numerics_flags, add_profile_dir_flag, add_strategy_flags,
+                                add_workload_flags, default_of)
+from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
+from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
+from hybriddl.errors import TrainingInterrupted
+from hybriddl.run.settings import TrainConfig
+from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
+from hybriddl.usecases import DEFAULT_USECASE, get_usecase
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
+    add_training_args(train)
+    train.set_defaults(handler=cmd_train)
+    return train
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """train's flags. Their defaults are None and filled in by TrainConfig, so that --resume
+    can tell the flags a user typed from those left out (which then come from the checkpoint)."""
+    case = get_usecase(DEFAULT_USECASE)
+    add_workload_flags(parser, batch="global batch: samples per optimizer step over all hosts",
+                       typed_only=True)
+    add_data_flags(parser)
+    # default None, not False: --resume tells a typed flag from one left out by None.
+    parser.add_argument("--strict-data", action="store_true", default=None,
+                        help="stop (exit 2) if any file of --data is no usable image, instead "
+                             "of leaving it out and listing it beside the cache")
+    parser.add_argument("--classes", type=int, help="cifar10: keep only the first N classes")
+    parser.add_argument("--val-fraction", type=float,
+                        help="share of each class held out for validation "
+                             f"(default: {default_of(TrainConfig, 'val_fraction')})")
+    parser.add_argument("--epochs", type=int, help=f"default: the use case's ({case.epochs})")
+    parser.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    parser.add_argument("--lr", type=float,
+                        help=f"SGD learning rate (default: the use case's, {case.lr})")
+    parser.add_argument("--momentum", type=float,
+                        help=f"SGD momentum (default: the use case's, {case.momentum})")
+    parser.add_argument("--dropout", type=float,
+                        help="dropout of the torchvision model; 0 makes runs comparable step for step")
+    parser.add_argument("--weights", metavar="FILE", help="start from a state_dict, e.g. a run's model.pt")
+    parser.add_argument("--seed", type=int, help="initialisation, shuffling and augmentation seed "
+                        f"(default: {default_of(TrainConfig, 'seed')})")
+    parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its checkpoint; flags left out "
+                             "are the checkpoint's")
+    parser.add_argument("--resume-if-exists", metavar="RUN_DIR",
+                        help="for job schedulers that restart the same command: --resume RUN_DIR "
+                             "if it has a checkpoint, nothing (exit 0) if its run finished, "
+                             "else a new run in RUN_DIR")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="also write a checkpoint every N steps (always: every epoch)")
+    add_strategy_flags(parser)
+    add_profile_dir_flag(parser, "where auto finds and keeps profiles")
+    parser.add_argument("--tune-budget", type=float,
+                        help="seconds auto may spend tuning when no profile fits "
+                             f"(default: {AUTO_BUDGET_SECONDS:.0f})")
+    add_numerics_flags(parser, channels_last=True)
+    add_accumulate_flag(parser, "with auto, the profile tuned with the same N")
+    parser.add_argument("--monitor-interval", type=float,
+                        help="seconds between pidstat/sar-style samples "
+                             f"(default: {default_of(TrainConfig, 'monitor_interval'):g}; 0 disables)")
+    add_hosts_flags(parser)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hybriddl.data.loading import data_notes, data_repairs
+    from hybriddl.hosts.cluster import connect
+    from hybriddl.run import trainer
+    from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
+    from hybriddl.rundir import default_run_dir
+    from hybriddl.run.shutdown import StopRequest, stop_every_host
+
+    if not resume_if_exists(args):
+        console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
+                      markup=False, highlight=False, soft_wrap=True)
+        return 0
+    hosts = connect(**hosts_options(args))
+    display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
+    stop = StopRequest()
+    steps = StepsSeen(display)  # how far this attempt came, should it fail
+    try:
+        with stop.handling_signals():
+            config, resume = training_config(args)
+            for line in ignored_flags(args, config, hosts.size):
+                display.warn(line)
+            if hosts.size > 1 and config.run_dir is None:
+                # Every rank names rank 0's run directory (its monitors write there too).
+                config.run_dir = hosts.broadcast_object(
+                    str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
+            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
+            for line in data_notes(prepared.split):
+                display.warn(line)
+            metrics = trainer.run(prepared, steps, hosts, stop=stop)
+            for line in data_repairs(prepared.split):
+                display.warn(line)
+    except TrainingInterrupted:
+        # Every host stopped after the same step: they leave together, nothing to abort.
+        display.stop()
+        record_stop(args.run_dir or args.resume, hosts.rank, steps)
+        hosts.close()
+        raise
+    except (Exception, KeyboardInterrupt) as exc:
+        display.stop()
+        record_failure(args.run_dir or args.resume, hosts.rank, exc, steps)
+        stop_every_host(hosts, exc, show_host_failure)
+        raise
+    finally:
+        display.stop()
+    hosts.close()
+    if hosts.rank == 0:
+        out.print(epoch_table(metrics["epochs"]))
+        out.print(f"run directory: {prepared.run_dir}")
+    return 0
+
