@@ -476,10 +476,28 @@ class EmulatedHosts:
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", NIC)
             _ip("-n", namespace, "link", "set", NIC, "up")
             _ip("-n", namespace, "link", "set", "lo", "up")
+            if self._slicer is not None:
+                self._socket_buffers(namespace)
             self._limit(namespace, NIC, delay=True)
             self._limit(self.switch, name, delay=False)
             (self.folder / name).mkdir()
         self._write_agent()
+
+    def _socket_buffers(self, namespace: str) -> None:
+        """Hosts that take turns: TCP buffers (per namespace) that start large enough to
+        carry the link while an end is frozen (a turn or more at rate/D). Measured between
+        two hosts taking turns at D = 2: at 10 Gbit/s the wire carried 0.9 Gbit/s with
+        Linux's defaults, 2.6 with these; at 1 Gbit/s 469 and 489 Mbit/s of 500."""
+        rate = (self.rate or 10e9) / self.time_scale
+        frozen = SLICE * max(1.0, self.time_scale)  # the longest an end waits to run
+        size = max(6 * 2**20, int(2 * rate / 8 * frozen))
+        for key in ("tcp_rmem", "tcp_wmem"):  # /proc/sys/net is the writer's namespace's
+            done = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
+                                   f'echo "4096 {size} {size}" > /proc/sys/net/ipv4/{key}'],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise EmulationFailed(f"setting net.ipv4.{key} in {namespace} failed: "
+                                      f"{done.stderr.strip()}")
 
     def _limit(self, namespace: str, device: str, delay: bool) -> None:
         """Egress of `device`: the link rate (both directions), latency once per direction,
