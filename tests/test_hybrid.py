@@ -270,3 +270,31 @@ def test_auto_decides_from_the_measured_link_and_says_why(images, tmp_path, laun
     assert "predicted step" in record["reason"] and "measured link" in record["reason"]
     theory = record["theory_bytes_per_host_per_step"]
     assert theory["hybrid"] < theory["data"] / 5
+
+
+def test_auto_credits_gradients_that_leave_during_backward():
+    """AlexNet's bytes at 2 hosts, a 1 s step: at 10 Gbit/s data's exchange hides behind
+    backward (overlap) and data is predicted faster; at 1 Gbit/s it cannot, and without
+    overlap the hybrid's fewer bytes always win."""
+    from hybriddl.hybrid.parallel import _decide
+    theory = {"data": 228e6, "hybrid": 13.3e6, "hybrid_convolutions": 9.9e6,
+              "hybrid_activations": 3.4e6}
+    gigabit = 1e9 / 8
+    assert _decide(theory, 10 * gigabit, 1.0, overlapped=True)[0] == "data"
+    assert _decide(theory, gigabit, 1.0, overlapped=True)[0] == "hybrid"
+    assert _decide(theory, 10 * gigabit, 1.0, overlapped=False)[0] == "hybrid"
+    scheme, reason = _decide(theory, 10 * gigabit, 1.0, overlapped=True)
+    assert "during backward hide up to 0.667 s" in reason
+
+
+def test_the_compute_probe_leaves_the_model_as_it_was():
+    from hybriddl.hybrid.parallel import probe_compute
+    from hybriddl.usecases import build_model
+    torch.manual_seed(0)
+    model = build_model("alexnet", 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    random_state = torch.get_rng_state()
+    assert probe_compute(model, 2, 64) > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), random_state)

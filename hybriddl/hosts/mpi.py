@@ -349,7 +349,8 @@ class MPIHosts(Hosts):
         """Bytes per second a host's link carries, the slowest host's: every host sends
         `nbytes` to the next in a ring and receives as many from the previous one, so each
         link carries one message at once, as in a ring allreduce. Measured once at start
-        (tens of milliseconds at 1 Gbit/s) for --host-parallel auto."""
+        (tens of milliseconds at 1 Gbit/s) for --host-parallel auto. On emulated hosts
+        slowed down by D, in emulated time (wall rate x D), as the profile's compute is."""
         send = np.ones(nbytes, dtype=np.uint8)
         receive = np.empty_like(send)
         self.barrier()
@@ -358,7 +359,7 @@ class MPIHosts(Hosts):
         self._wait([self.comm.Isend(send, dest=right, tag=LINK_PROBE_TAG),
                     self.comm.Irecv(receive, source=left, tag=LINK_PROBE_TAG)],
                    "measuring the link to the next host")
-        mine = nbytes / max(time.perf_counter() - started, 1e-9)
+        mine = nbytes / max(time.perf_counter() - started, 1e-9) * self.time_scale
         self.traffic.sent(nbytes)
         self.link_bytes_per_second = min(self.allgather(mine))
         return self.link_bytes_per_second

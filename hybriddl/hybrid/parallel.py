@@ -12,13 +12,17 @@ of the same (whole, or sliced) parameters. Checkpoints and model.pt stay the who
 torchvision state_dict in both (`model_state`, `optimizer_state`), so a run resumes on
 another host count and in the other scheme.
 
-`choose` settles "auto" from the predicted step time: the profile's compute plus the
-bytes each scheme sends over the link rate the hosts measured at start.
+`choose` settles "auto" from the predicted step time: the profile's compute (or, without
+a profile, a forward and backward timed once on a copy of the model) plus the bytes each
+scheme sends over the link rate the hosts measured at start, less what leaves during
+backward when gradients overlap it.
 """
 
 from __future__ import annotations
 
+import copy
 import time
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -33,6 +37,9 @@ from hybriddl.strategies.base import cut_computes_model, host_gradients, run_for
     split_at_classifier
 
 HOST_PARALLEL = ("auto", "data", "hybrid")
+# The part of a step's compute that is backward, behind which gradients can leave (about
+# two thirds: a backward pass costs about twice its forward).
+BACKWARD_SHARE = 2 / 3
 
 
 class DataParallel:
@@ -274,16 +281,48 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
         return DataParallel("one host: nothing to split or average")
     rate = hosts.link_rate()
     theory = traffic_bytes(model, hosts.size, global_batch)
+    if compute_seconds is None:  # no profile: time this host's share once
+        share = -(-global_batch // hosts.size)
+        compute_seconds = probe_compute(model, share, image_size) / getattr(
+            hosts, "time_scale", 1.0)
     compute = max(hosts.allgather(compute_seconds)) if compute_seconds is not None else None
-    decision = hosts.broadcast_object(_decide(theory, rate, compute) if hosts.rank == 0 else None)
+    overlapped = bool(getattr(hosts, "overlap", False) and strategy.writes_gradients_once)
+    decision = hosts.broadcast_object(_decide(theory, rate, compute, overlapped)
+                                      if hosts.rank == 0 else None)
     scheme, reason = decision
     return (HybridParallel if scheme == "hybrid" else DataParallel)(reason)
 
 
-def _decide(theory: dict, rate: float, compute: float | None) -> tuple[str, str]:
-    predicted = {scheme: (compute or 0.0) + theory[scheme] / rate for scheme in ("data", "hybrid")}
+def probe_compute(model: nn.Module, batch: int, image_size: int) -> float:
+    """Seconds of a forward and backward of `batch` images on a copy of `model` (the
+    model itself, its buffers and every random stream untouched), the second of two
+    (the first pays for allocations): a step's compute where no profile gives it."""
+    probe = copy.deepcopy(model).eval()  # eval: no dropout keys needed, no BN update
+    x = torch.zeros(batch, 3, image_size, image_size)
+    seconds = 0.0
+    for _ in range(2):
+        started = time.perf_counter()
+        probe(x).float().sum().backward()
+        seconds = time.perf_counter() - started
+    return seconds
+
+
+def _decide(theory: dict, rate: float, compute: float | None,
+            overlapped: bool = False) -> tuple[str, str]:
+    """The scheme with the shorter predicted step: compute, plus each scheme's bytes over
+    the link; with `overlapped` (--overlap and a strategy whose backward writes each
+    gradient once), the averaged gradients leave during backward, so up to
+    BACKWARD_SHARE of the compute hides their time (the hybrid's feature exchange cannot
+    hide: it sits between the convolutions and the classifier)."""
+    hidden = BACKWARD_SHARE * compute if overlapped and compute else 0.0
+    averaged = {"data": theory["data"], "hybrid": theory.get("hybrid_convolutions", 0.0)}
+    exchanged = {"data": 0.0, "hybrid": theory.get("hybrid_activations", 0.0)}
+    predicted = {scheme: (compute or 0.0) + max(0.0, averaged[scheme] / rate - hidden)
+                 + exchanged[scheme] / rate for scheme in ("data", "hybrid")}
     scheme = min(predicted, key=predicted.get)
     base = "profile's compute " + (f"{compute:.3f} s + " if compute is not None else "unknown, ")
+    if hidden:
+        base += f"gradients leaving during backward hide up to {hidden:.3f} s, "
     reason = (f"auto: predicted step {predicted['hybrid']:.3f} s hybrid, {predicted['data']:.3f} s "
               f"data ({base}bytes per host {theory['hybrid'] / 1e6:.1f} MB vs "
               f"{theory['data'] / 1e6:.1f} MB over the measured link "
