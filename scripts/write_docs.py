@@ -184,10 +184,15 @@ def bench_local_table(data: dict) -> str:
     lines = ["| row | numerics | s/step (median, spread) | images/s | speed-up vs sequential "
              "| vs fastest peer (median, spread) | peak HWM MiB | HWM vs that peer |",
              "|---|---|---|---:|---:|---|---:|---:|"]
+    from hybriddl.strategies.spec import StrategySpec
+
     for r in data["rows"]:
-        details = {k: v for k, v in r["strategy"].items()
-                   if k not in ("name", "precision", "channels_last", "accumulate")}
-        name = " ".join([r["strategy"]["name"], *(f"{k}={v}" for k, v in details.items())])
+        if r["name"] in ("pytorch", "ddp"):  # peers, not strategies: their own settings
+            details = {k: v for k, v in r["strategy"].items()
+                       if k not in ("name", "precision", "channels_last", "accumulate")}
+            name = " ".join([r["strategy"]["name"], *(f"{k}={v}" for k, v in details.items())])
+        else:
+            name = StrategySpec.from_dict(r["strategy"]).label()
         lines.append(f"| {name} | {r['variant']} | {r['seconds_per_step']:.3f} "
                      f"({r['seconds_min']:.3f}–{r['seconds_max']:.3f}) | "
                      f"{r['images_per_second']:.1f} | {r['speedup']:.2f} | "
