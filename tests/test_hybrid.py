@@ -272,19 +272,16 @@ def test_auto_decides_from_the_measured_link_and_says_why(images, tmp_path, laun
     assert theory["hybrid"] < theory["data"] / 5
 
 
-def test_auto_credits_gradients_that_leave_during_backward():
-    """AlexNet's bytes at 2 hosts, a 1 s step: at 10 Gbit/s data's exchange hides behind
-    backward (overlap) and data is predicted faster; at 1 Gbit/s it cannot, and without
-    overlap the hybrid's fewer bytes always win."""
+def test_auto_predicts_compute_plus_bytes_over_the_link():
+    """AlexNet's bytes at 2 hosts, a 1 s step: the hybrid's fewer bytes win at 1 and 10
+    Gbit/s; with no compute known, bytes alone decide, and the reason says so."""
     from hybriddl.hybrid.parallel import _decide
-    theory = {"data": 228e6, "hybrid": 13.3e6, "hybrid_convolutions": 9.9e6,
-              "hybrid_activations": 3.4e6}
+    theory = {"data": 228e6, "hybrid": 13.3e6}
     gigabit = 1e9 / 8
-    assert _decide(theory, 10 * gigabit, 1.0, overlapped=True)[0] == "data"
-    assert _decide(theory, gigabit, 1.0, overlapped=True)[0] == "hybrid"
-    assert _decide(theory, 10 * gigabit, 1.0, overlapped=False)[0] == "hybrid"
-    scheme, reason = _decide(theory, 10 * gigabit, 1.0, overlapped=True)
-    assert "during backward hide up to 0.667 s" in reason
+    scheme, reason = _decide(theory, gigabit, 1.0)
+    assert scheme == "hybrid" and "predicted step 1.106 s hybrid, 2.824 s data" in reason
+    assert _decide({"data": 1e6, "hybrid": 2e6}, gigabit, 1.0)[0] == "data"
+    assert "compute unknown" in _decide(theory, gigabit, None)[1]
 
 
 def test_the_compute_probe_leaves_the_model_as_it_was():
