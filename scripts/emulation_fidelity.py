@@ -308,26 +308,18 @@ def side_by_side_check(args, scratch: Path) -> dict:
 
 def summary(result: dict) -> list[dict]:
     """One row per check and D: expected, measured, error, within tolerance."""
-    rows = []
-    for row in result.get("compute", {}).get("rows", []):
-        if row["time_scale"] != 1:
-            rows.append({"check": "compute, one host (step / step at D = 1)",
-                         "time_scale": row["time_scale"], "expected": row["time_scale"],
-                         "measured": row["ratio_to_d1"], "unit": "x",
-                         "spread": [s / (row["step_seconds_median"] / row["ratio_to_d1"])
-                                    for s in row["step_seconds_spread"]],
-                         "error": row["error"], "tolerance": 0.15,
-                         "within": row["within_15_percent"]})
-    for row in result.get("side_by_side", {}).get("rows", []):
-        if row["hosts"] != 1:
-            rows.append({"check": f"compute, {row['hosts']} hosts side by side "
-                                  "(step / one host's step at D = 1)",
-                         "time_scale": row["time_scale"], "expected": row["time_scale"],
-                         "measured": row["ratio_to_d1"], "unit": "x",
-                         "spread": [s / (row["step_seconds_median"] / row["ratio_to_d1"])
-                                    for s in row["step_seconds_spread"]],
-                         "error": row["error"], "tolerance": 0.15,
-                         "within": row["within_15_percent"]})
+    def compute_row(row: dict, check: str) -> dict:
+        base = row["step_seconds_median"] / row["ratio_to_d1"]  # the step at D = 1
+        return {"check": check, "time_scale": row["time_scale"],
+                "expected": row["time_scale"], "measured": row["ratio_to_d1"], "unit": "x",
+                "spread": [s / base for s in row["step_seconds_spread"]],
+                "error": row["error"], "tolerance": 0.15, "within": row["within_15_percent"]}
+
+    rows = [compute_row(row, "compute, one host (step / step at D = 1)")
+            for row in result.get("compute", {}).get("rows", []) if row["time_scale"] != 1]
+    rows += [compute_row(row, f"compute, {row['hosts']} hosts side by side (step / one "
+                              "host's step at D = 1)")
+             for row in result.get("side_by_side", {}).get("rows", []) if row["hosts"] != 1]
     for row in result.get("link", {}).get("rows", []):
         turns = " (hosts taking turns)" if row.get("cores_per_host", 1) > 1 else ""
         rows.append({"check": f"link at {row.get('bandwidth', '')}{turns} (wire rate)",
