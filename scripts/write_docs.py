@@ -192,7 +192,7 @@ def bench_local_table(data: dict) -> str:
                        if k not in ("name", "precision", "channels_last", "accumulate")}
             name = " ".join([r["strategy"]["name"], *(f"{k}={v}" for k, v in details.items())])
         else:
-            name = StrategySpec.from_dict(r["strategy"]).label()
+            name = StrategySpec.from_dict(r["strategy"]).label
         lines.append(f"| {name} | {r['variant']} | {r['seconds_per_step']:.3f} "
                      f"({r['seconds_min']:.3f}–{r['seconds_max']:.3f}) | "
                      f"{r['images_per_second']:.1f} | {r['speedup']:.2f} | "
