@@ -168,6 +168,17 @@ def train(args, scale: float, hosts: int, cores: int, steps: int, scratch: Path)
     return {"report": report, "step_seconds": metrics["epochs"][0]["per_step"]["seconds"]}
 
 
+def step_row(steps: list[list[float]], base: float, scale: float) -> dict:
+    """Median and spread of `steps` (lists of step seconds) at time scale `scale`, against
+    D x `base` (the step at D = 1)."""
+    every = [step for run in steps for step in run]
+    median = statistics.median(every)
+    return {"time_scale": scale, "step_seconds_median": median,
+            "step_seconds_spread": [min(every), max(every)], "ratio_to_d1": median / base,
+            "error": median / base / scale - 1,
+            "within_15_percent": abs(median / base / scale - 1) <= 0.15}
+
+
 def compute_check(args, scratch: Path) -> dict:
     scales = [1.0, *args.scales]
     steps: dict[float, list[list[float]]] = {d: [] for d in scales}
@@ -178,15 +189,8 @@ def compute_check(args, scratch: Path) -> dict:
             steps[scale].append(run["step_seconds"][args.warmup:])
             print(f"(a) D={scale:g}: steps {run['step_seconds']}", flush=True)
     base = statistics.median(s for r in steps[1.0] for s in r)
-    rows = []
-    for scale in scales:
-        every = [s for r in steps[scale] for s in r]
-        median = statistics.median(every)
-        rows.append({"time_scale": scale, "step_seconds_median": median,
-                     "step_seconds_spread": [min(every), max(every)],
-                     "step_seconds_by_round": steps[scale],
-                     "ratio_to_d1": median / base, "error": median / base / scale - 1,
-                     "within_15_percent": abs(median / base / scale - 1) <= 0.15})
+    rows = [{**step_row(steps[scale], base, scale), "step_seconds_by_round": steps[scale]}
+            for scale in scales]
     return {"what": f"1 host of {args.cores} cores, hybriddl train {args.usecase} "
                     f"{args.image_size}px sequential, {args.steps} steps, first "
                     f"{args.warmup} left out; wall step seconds at D vs D x those at D = 1",
@@ -289,16 +293,8 @@ def side_by_side_check(args, scratch: Path) -> dict:
                 steps[hosts].append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
             print(f"(d) H=D={hosts}: steps {steps[hosts][-hosts:]}", flush=True)
     base = statistics.median(s for r in steps[1] for s in r)
-    rows = []
-    for hosts in counts:
-        every = [s for r in steps[hosts] for s in r]
-        median = statistics.median(every)
-        rows.append({"hosts": hosts, "time_scale": float(hosts),
-                     "step_seconds_median": median,
-                     "step_seconds_spread": [min(every), max(every)],
-                     "step_seconds_by_host_and_round": steps[hosts],
-                     "ratio_to_d1": median / base, "error": median / base / hosts - 1,
-                     "within_15_percent": abs(median / base / hosts - 1) <= 0.15})
+    rows = [{"hosts": hosts, **step_row(steps[hosts], base, float(hosts)),
+             "step_seconds_by_host_and_round": steps[hosts]} for hosts in counts]
     return {"what": f"H hosts of {args.cores} cores at D = H, each training on its own "
                     f"(hybriddl train {args.usecase} {args.image_size}px sequential, "
                     f"{args.steps} steps, first {args.warmup} left out): each host's wall "

@@ -274,7 +274,7 @@ class MPIHosts(Hosts):
             failed = self.MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
                                                    self.comm.Get_group())
         except (AttributeError, NotImplementedError, self.MPI.Exception):
-            pass
+            pass  # no ULFM in this MPI (Open MPI 5 without --with-ft): the heartbeat names them
         if not failed and self.heartbeat:
             failed = list(self.heartbeat.lost())
         reason = exc.Get_error_string().strip()
