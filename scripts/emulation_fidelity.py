@@ -25,6 +25,15 @@ check compares the same emulated hosts at D = 1 and at D > 1:
     D = 1, within 15 %. This is the case of every multi-host cell in the scaling tables:
     the hosts take turns on the cores, and a host's threads must run together.
 
+(e) exchanges: the exchanges of one step of `--host-parallel hybrid` (AlexNet, 2 hosts, 32
+    images each: the features gathered, the row-parallel layer's sum, the features'
+    gradient reduce-scattered, the convolutions' 9.9 MB gradient averaged), --exchange-steps
+    times back to back through hybriddl's MPI hosts, at --turns-bandwidth[0]: 2 hosts of 1
+    core side by side (D = 1) against 2 hosts of --cores cores that take turns (D = 2), in
+    emulated seconds per step, within 15 %; at D = 2 also with Open MPI's own eager limits
+    (what `emulate` changes for hosts that take turns: the rendezvous handshake waits for
+    the other host's turn).
+
 Each check runs its D values interleaved, --rounds times; figures are medians over the
 rounds with their spread [lowest, highest]. Needs root (emulated hosts) and cgroups that
 can be frozen (v2, or v1's freezer).
@@ -74,11 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
     parser.add_argument("--side-hosts", type=int, nargs="+", default=[2],
                         help="(d) host counts H (D = H) (default: 2)")
-    parser.add_argument("--checks", nargs="+", choices="abcd", default=list("abcd"),
-                        help="which checks to run (default: a b c d)")
+    parser.add_argument("--exchange-steps", type=int, default=20,
+                        help="(e) steps of exchanges per run (default: 20)")
+    parser.add_argument("--checks", nargs="+", choices="abcde", default=list("abcde"),
+                        help="which checks to run (default: a b c d e)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--link-worker", help=argparse.SUPPRESS)  # OUTPUT_FOLDER,BYTES
     parser.add_argument("--alone-worker", help=argparse.SUPPRESS)  # RUN_DIR_PREFIX
+    parser.add_argument("--exchange-worker", help=argparse.SUPPRESS)  # OUTPUT_FILE,STEPS
     parser.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -92,6 +104,41 @@ def alone_worker(prefix: str, command: list[str]) -> int:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     return subprocess.run([*command, "--run-dir", f"{prefix}{rank}"], env=env).returncode
+
+
+# ---------------------------------------------------------------- (e)'s ranks
+# One hybrid step's exchanges, AlexNet, 2 hosts of 32 images: rows x floats per row.
+FEATURES, HIDDEN, CONVOLUTION_FLOATS, HOST_BATCH = 9216, 4096, 2_469_696, 32
+
+
+def exchange_worker(output: str, steps: int) -> None:
+    """Both ranks run `steps` steps of the hybrid's exchanges; rank 0 writes each step's
+    seconds, in emulated time (wall / D)."""
+    import torch
+
+    from hybriddl.hosts.cluster import connect
+
+    hosts = connect()
+    scale = float(os.environ.get("HYBRIDDL_TIME_SCALE", "1"))
+    counts = [HOST_BATCH] * hosts.size
+    total = sum(counts)
+    features = torch.ones(HOST_BATCH, FEATURES)
+    partial = torch.ones(total, HIDDEN)
+    features_grad = torch.ones(total, FEATURES)
+    gradient = torch.ones(CONVOLUTION_FLOATS)
+    seconds = []
+    hosts.barrier()
+    for _ in range(steps):
+        started = time.perf_counter()
+        hosts.allgather_rows(features, counts)
+        hosts.allreduce_sum(partial)
+        hosts.reduce_scatter_rows(features_grad, counts)
+        hosts.allreduce_sum(gradient)
+        seconds.append((time.perf_counter() - started) / scale)
+    hosts.barrier()
+    if hosts.rank == 0:
+        Path(output).write_text(json.dumps(seconds))
+    hosts.close()
 
 
 # ---------------------------------------------------------------- (b)'s ranks
@@ -302,6 +349,45 @@ def side_by_side_check(args, scratch: Path) -> dict:
             "rows": rows}
 
 
+OPEN_MPI_EAGER = ["--mca", "btl_tcp_eager_limit", "65536", "--mca", "btl_tcp_rndv_eager_limit",
+                  "65536", "--mca", "btl_tcp_max_send_size", "131072"]  # Open MPI's defaults
+
+
+def exchange_check(args, scratch: Path) -> dict:
+    """(e): the hybrid step's exchanges side by side (D = 1) and taking turns (D = 2)."""
+    bandwidth = args.turns_bandwidth[0] if args.turns_bandwidth else "1gbit"
+    cases = [("side by side", 1, []), ("taking turns", args.cores, []),
+             ("taking turns, Open MPI's eager limits", args.cores, OPEN_MPI_EAGER)]
+    runs: dict[str, list[list[float]]] = {name: [] for name, _, _ in cases}
+    scales: dict[str, float] = {}
+    for _ in range(args.rounds):
+        for name, cores, mca in cases:
+            output = scratch / "exchange.json"
+            output.unlink(missing_ok=True)
+            report = emulate(["--hosts", "2", "--cores-per-host", str(cores), "--bandwidth",
+                              bandwidth, *mca],
+                             [sys.executable, str(Path(__file__).resolve()), "--output", "-",
+                              "--exchange-worker", f"{output},{args.exchange_steps}"], scratch)
+            scales[name] = report["time_scale"]
+            runs[name].append(json.loads(output.read_text())[2:])  # the first two warm up
+            print(f"(e) {name} D={scales[name]:g}: {statistics.median(runs[name][-1]):.4f} s",
+                  flush=True)
+    base = statistics.median(s for r in runs["side by side"] for s in r)
+    rows = []
+    for name, cores, _ in cases:
+        every = [s for r in runs[name] for s in r]
+        median = statistics.median(every)
+        rows.append({"case": name, "cores_per_host": cores, "time_scale": scales[name],
+                     "emulated_seconds_median": median,
+                     "emulated_seconds_spread": [min(every), max(every)],
+                     "error": median / base - 1, "within_15_percent": abs(median / base - 1) <= 0.15,
+                     "emulated_seconds_by_round": runs[name]})
+    return {"what": f"2 hosts at {bandwidth}: one --host-parallel hybrid step's exchanges "
+                    f"(AlexNet, {HOST_BATCH} images per host), {args.exchange_steps} steps "
+                    "back to back, the first 2 left out; emulated seconds per step",
+            "bandwidth": bandwidth, "rows": rows}
+
+
 def summary(result: dict) -> list[dict]:
     """One row per check and D: expected, measured, error, within tolerance."""
     def compute_row(row: dict, check: str) -> dict:
@@ -325,6 +411,16 @@ def summary(result: dict) -> list[dict]:
                      "spread": [s / 1e6 for s in row["wire_bits_per_second_spread"]],
                      "error": row["wire_error"], "tolerance": 0.10,
                      "within": row["within_10_percent"]})
+    for row in result.get("exchanges", {}).get("rows", []):
+        if row["time_scale"] == 1:
+            continue
+        base = row["emulated_seconds_median"] / (1 + row["error"])
+        rows.append({"check": f"a hybrid step's exchanges at {result['exchanges']['bandwidth']}, "
+                              f"hosts {row['case']} (emulated s)",
+                     "time_scale": row["time_scale"], "expected": base,
+                     "measured": row["emulated_seconds_median"], "unit": "s",
+                     "spread": row["emulated_seconds_spread"], "error": row["error"],
+                     "tolerance": 0.15, "within": row["within_15_percent"]})
     nic = result.get("nic_bytes")
     if nic:
         scaled, base = nic["rows"][-1], nic["rows"][0]
@@ -344,6 +440,10 @@ def main(argv=None) -> int:
     if args.alone_worker:
         return alone_worker(args.alone_worker, args.command[1:] if args.command[:1] == ["--"]
                             else args.command)
+    if args.exchange_worker:
+        output, steps = args.exchange_worker.rsplit(",", 1)
+        exchange_worker(output, int(steps))
+        return 0
     if args.link_worker:
         folder, size = args.link_worker.split(",")
         link_worker(Path(folder), int(size))
@@ -361,7 +461,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hybriddl-fidelity-") as scratch:
         checks = {"a": ("compute", compute_check), "b": ("link", link_check),
-                  "c": ("nic_bytes", nic_check), "d": ("side_by_side", side_by_side_check)}
+                  "c": ("nic_bytes", nic_check), "d": ("side_by_side", side_by_side_check),
+                  "e": ("exchanges", exchange_check)}
         for letter in args.checks:
             key, check = checks[letter]
             result[key] = check(args, Path(scratch))
@@ -382,6 +483,9 @@ def main(argv=None) -> int:
     for row in result.get("side_by_side", {}).get("rows", []):
         print(f"(d) H=D={row['hosts']}: step {row['step_seconds_median']:.3f} s, "
               f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
+    for row in result.get("exchanges", {}).get("rows", []):
+        print(f"(e) {row['case']} (D={row['time_scale']:g}): {row['emulated_seconds_median']:.4f} "
+              f"emulated s per step ({row['error']:+.1%} from side by side)")
     return 0
 
 

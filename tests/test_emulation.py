@@ -368,3 +368,21 @@ def test_hosts_that_fill_the_machine_run_d_times_slower_serial_and_parallel(tmp_
         alone = min(r[phase] for r in seconds["1"])
         together = min(r[phase] for r in seconds["2"])
         assert 1.6 * alone < together < 2.6 * alone, (name, seconds)
+
+
+def test_hosts_that_take_turns_send_messages_eagerly_and_hosts_side_by_side_do_not(tmp_path):
+    def mca(cluster: EmulatedHosts) -> dict[str, str]:
+        cluster.folder = tmp_path  # where the hostfile goes; nothing is created
+        argv = cluster.mpirun_options()
+        return {argv[i + 1]: argv[i + 2] for i, word in enumerate(argv) if word == "--mca"}
+
+    turns = mca(EmulatedHosts(hosts=2, cores_per_host=MACHINE_CORES, time_scale=None))
+    assert turns["btl_tcp_eager_limit"] == str(16 * 2**20)
+    assert turns["btl_tcp_rndv_eager_limit"] == str(16 * 2**20)
+    side_by_side = mca(EmulatedHosts(hosts=2, cores_per_host=1, time_scale=None))
+    assert "btl_tcp_eager_limit" not in side_by_side
+    # A user's --mca still wins.
+    cluster = EmulatedHosts(hosts=2, cores_per_host=MACHINE_CORES, time_scale=None)
+    cluster.folder = tmp_path
+    argv = cluster.mpirun_options(mca={"btl_tcp_eager_limit": "65536"})
+    assert argv[argv.index("btl_tcp_eager_limit") + 1] == "65536"
