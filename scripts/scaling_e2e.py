@@ -42,8 +42,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
-# The profiled pick for both use cases at 224 px on 2-core hosts (profiles/).
-LOCAL = {"SimpleBig": ["--strategy", "layerwise", "--workers", "2", "--channels-last"],
+# The local strategy of every contender but flat and ddp: PyTorch's intra-op threads, the
+# fastest local strategy for one host at 224 px on 2 cores (within noise of layerwise for
+# AlexNet, results/bench_local-SimpleBig.json), and one that writes each gradient once, so
+# --overlap sends buckets during backward (layerwise adds its threads' gradients at the end).
+LOCAL = {"SimpleBig": ["--strategy", "intraop", "--workers", "2", "--channels-last"],
          "ComplexSmall": ["--strategy", "intraop", "--workers", "2", "--channels-last"]}
 
 
@@ -199,8 +202,10 @@ def theory(usecase: str, hosts: int, cores: int) -> dict:
     # A ring over H*K ranks placed host-contiguously crosses each host's NIC on one edge.
     flat = 2 * (ranks - 1) / ranks * whole if hosts > 1 else 0.0
     # DDP (gloo) runs the same ring over one process per core.
+    # Horovod's hierarchical allreduce (reduce inside each host, a ring across hosts,
+    # broadcast inside each host) puts data's bytes on each NIC: one ring rank per host.
     return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat,
-            "ddp": flat}
+            "ddp": flat, "hierarchical": bytes_["data"]}
 
 
 def _classifier_held(cell: dict) -> int | None:

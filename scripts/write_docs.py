@@ -146,7 +146,8 @@ How to read it: each row is one `hybriddl emulate -- hybriddl train` run per rou
 scaling: each host keeps the use case's per-host batch, so the global batch grows with the
 hosts). *Efficiency* is images/s over (hosts × images/s of `data` on one host). *MB per
 host NIC* is the median over timed steps of what rank 0's host interface sent; *in theory*
-is the scheme's own count. *Classifier MB held* is what host 0 held at the end of the run:
+is the scheme's own count (a hierarchical allreduce, Horovod's reduce inside each host then
+ring across hosts, would put data's bytes on each NIC: one ring rank per host). *Classifier MB held* is what host 0 held at the end of the run:
 the classifier's parameters and their momentum, counted from the tensors (runs older than
 this column show –). Emulated hosts that do not fit this machine side by side run
 slowed down by D = H·C / cores (see [methodology](../methodology.md)): the figures are
@@ -292,6 +293,38 @@ def bench_local_headline(table: Table, data: dict) -> str | None:
             f"[table](docs/benchmarks/{table.name}.md)).")
 
 
+def traffic_headline(table: Table, data: dict) -> str | None:
+    """The bytes each host's NIC sent per step at 2 hosts and at the widest host count,
+    each scheme's theory beside it, and a hierarchical allreduce's theory."""
+    p = provenance(data)
+    by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
+    theory = data.get("theory_nic_bytes_per_step", {})
+    counts = sorted({h for (c, h) in by if c == "hybrid" and h >= 2})
+    if not counts:
+        return None
+    parts = []
+    for hosts in dict.fromkeys([counts[0], counts[-1]]):
+        expected = theory.get(str(hosts), {})
+        cells = [f"{c} {_mb(by[(c, hosts)]['nic_bytes_per_step'])} ({_mb(expected.get(c))})"
+                 for c in ("hybrid", "data", "flat") if (c, hosts) in by]
+        if expected.get("hierarchical") is not None:
+            cells.append(f"a hierarchical allreduce in theory {_mb(expected['hierarchical'])}")
+        parts.append(f"{hosts} hosts: " + ", ".join(cells))
+    model = {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(data["usecase"], data["usecase"])
+    rate = by[("hybrid", counts[0])]["bandwidth"]
+    return (f"- **Traffic, {model}, {data['image_size']} px, emulated hosts, {rate} links** — MB "
+            f"each host's NIC sent per step, measured (theory): " + "; ".join(parts)
+            + f" (hybrid splits the classifier; data averages the whole gradient, one rank per "
+            f"host, which is also what Horovod's hierarchical allreduce puts on a NIC; flat = "
+            f"Horovod's model, one rank per core; {p['cpu_model']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
+def scaling_and_traffic_headline(table: Table, data: dict) -> str | None:
+    lines = [scaling_headline(table, data), traffic_headline(table, data)]
+    return "\n".join(line for line in lines if line) or None
+
+
 @dataclass(frozen=True)
 class Table:
     name: str                      # docs/benchmarks/<name>.md
@@ -307,7 +340,7 @@ class Table:
 TABLES = [
     Table("scaling_e2e-SimpleBig-1gbit", "End-to-end weak scaling, AlexNet, 1 Gbit/s links",
           "results/scaling_e2e-SimpleBig-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
-          SCALING_E2E_NOTES, headline=scaling_headline),
+          SCALING_E2E_NOTES, headline=scaling_and_traffic_headline),
     Table("scaling_e2e-SimpleBig-10gbit", "End-to-end weak scaling, AlexNet, 10 Gbit/s links",
           "results/scaling_e2e-SimpleBig-10gbit.json", scaling_e2e_table, scaling_e2e_setting,
           SCALING_E2E_NOTES),

@@ -28,7 +28,8 @@ seconds = step seconds / D. NIC bytes do not depend on D.
 limits: compute is assumed to scale with cores (a host of C cores is C/D cores' worth of
 CPU time; a host of more cores than the machine has runs the machine's cores' threads);
 the kernel's networking (veth, tc) and the MPI daemons' polling share the machine and
-are not scaled.
+are not scaled; an exchange between hosts that take turns waits for the other's turn
+(Open MPI then sends messages up to 16 MiB eagerly, without its rendezvous handshake).
 """
 
 

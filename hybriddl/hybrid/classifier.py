@@ -5,7 +5,8 @@ AlexNet's and VGG16's classifiers are 96 % and 89 % of their parameters; averagi
 gradients is what makes a second host on a 1-10 Gbit/s link slower than one. Split
 instead, each host holds 1/H of them and only activations cross the network:
 
-- the features of every host's samples are gathered everywhere (`GatherRows`);
+- the features of every host's samples are gathered everywhere, with their labels and
+  dropout keys in the same message (`GatherRows`);
 - the first linear layer is split by output (column-parallel: host h computes outputs
   [a_h, b_h) for every sample of the global batch);
 - the element-wise layers after it work on that slice; a dropout draws the whole row's
@@ -99,17 +100,25 @@ def slice_counts(width: int, hosts: int) -> list[int]:
 
 
 class GatherRows(torch.autograd.Function):
-    """Forward: every host's rows (its samples), in rank order. Backward: the sum over hosts
+    """Forward: every host's rows (its samples), in rank order, and with them every host's
+    `tags` (int64 rows: labels, dropout keys), in one exchange. Backward: the sum over hosts
     of the gradient of those rows, this host's part (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, rows, hosts, counts):
+    def forward(ctx, rows, hosts, counts, tags):
         ctx.hosts, ctx.counts = hosts, counts
-        return hosts.allgather_rows(rows, counts)
+        width = rows.shape[1] * rows.element_size()
+        # One message of bytes per row: the float rows, then the tags, bit for bit.
+        packed = torch.cat([rows.detach().contiguous().view(torch.uint8),
+                            tags.contiguous().view(torch.uint8)], 1)
+        whole = hosts.allgather_rows(packed, counts)
+        everyone = whole[:, width:].contiguous().view(torch.int64)
+        ctx.mark_non_differentiable(everyone)
+        return whole[:, :width].contiguous().view(rows.dtype), everyone
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None
+    def backward(ctx, grad, _):
+        return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None, None
 
 
 class SumOverHosts(torch.autograd.Function):

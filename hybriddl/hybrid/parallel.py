@@ -117,25 +117,22 @@ class HybridParallel(DataParallel):
         chunks = strategy.options.accumulate
         bounds = [split_bounds(count, [1.0] * chunks) for count in rows]
         keys = current_keys()
-        loss_sum, exchange = 0.0, 0.0
+        loss_sum = 0.0
         for k in range(chunks):
             counts = [host_bounds[k][1] - host_bounds[k][0] for host_bounds in bounds]
             if not sum(counts):
                 continue
             a, b = bounds[hosts.rank][k]
-            # Every sample's label and dropout key, for the classifier's global chunk.
-            chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
-            meta = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
-            tick = time.perf_counter()
-            everyone = hosts.allgather_rows(meta, counts)
-            exchange += time.perf_counter() - tick
             if b > a:
-                with dropout_keys(chunk_keys if keys is not None else None):
+                with dropout_keys(keys[a:b] if keys is not None else None):
                     features = strategy.convolutions_forward(x[a:b])
             else:
                 features = torch.zeros((0, self.features_width))
             local = features.float().cpu().requires_grad_()
-            whole = GatherRows.apply(local, hosts, counts)
+            # Every sample's label and dropout key travel with its features.
+            chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
+            tags = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
+            whole, everyone = GatherRows.apply(local, hosts, counts, tags)
             global_keys = everyone[:, 1] if keys is not None else None
             with dropout_keys(global_keys):
                 logits = run_forward(self.classifier, whole.to(strategy.device), strategy.options)
