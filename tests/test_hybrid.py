@@ -132,11 +132,15 @@ CAN_RUN_ALONE = [name for name, cls in STRATEGIES.items() if cls.runs_convolutio
 
 
 def feasible(name: str) -> bool:
+    return why_not(name) is None
+
+
+def why_not(name: str) -> str | None:
     try:
         STRATEGIES[name].check_feasible(StrategyOptions(workers=2, oversubscribe=True))
-        return True
-    except UsageError:
-        return False
+        return None
+    except UsageError as exc:
+        return str(exc)
 
 
 @pytest.mark.parametrize("name", CAN_RUN_ALONE)
@@ -144,7 +148,7 @@ def feasible(name: str) -> bool:
 def test_hybrid_on_one_host_matches_sequential_for_every_strategy_that_can_run_it(
         name, images, sequential, tmp_path):
     if not feasible(name):
-        pytest.skip(f"strategy {name!r} cannot run on this host (no GPU)")
+        pytest.skip(f"strategy {name!r} cannot run on this host: {why_not(name)}")
     workers = STRATEGIES[name].example_options.workers
     options = ["--workers", str(workers), "--oversubscribe"] if workers else []
     done = train(tmp_path / "run", "--strategy", name, *options, "--host-parallel", "hybrid",
