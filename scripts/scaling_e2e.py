@@ -61,6 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--memory-fraction", type=float, default=0.85,
+                        help="skip a cell whose ranks' peak RSS, measured at fewer hosts, "
+                             "would exceed this fraction of the machine's memory (RSS counts "
+                             "the libraries the ranks share once per rank, so it "
+                             "overestimates; default: 0.85)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the cells already in --output (the same use case and "
+                             "hosts' cores) and add this run's; the file records every "
+                             "run's command, commit and date")
     parser.add_argument("--output", required=True)
     return parser.parse_args(argv)
 
@@ -167,7 +176,8 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     return record
 
 
-def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int) -> str | None:
+def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int,
+                   fraction: float = 0.85) -> str | None:
     """Why a cell would not fit this machine's memory, from the peak RSS its contender's
     rank 0 measured at fewer hosts (each rank's share of work is the same in weak
     scaling); None when it fits or nothing was measured yet."""
@@ -179,10 +189,10 @@ def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int) ->
     peak = max(c["memory"]["peak_rss_bytes"] for c in measured)
     ranks = hosts * (cores if contender in ("flat", "ddp") else 1)
     total = psutil.virtual_memory().total
-    if ranks * peak <= 0.85 * total:
+    if ranks * peak <= fraction * total:
         return None
     return (f"not run: {ranks} ranks x {peak / 2**30:.1f} GiB (rank 0's peak RSS measured "
-            f"at {measured[-1]['hosts']} hosts) exceed 85 % of this machine's "
+            f"at {measured[-1]['hosts']} hosts) exceed {fraction:.0%} of this machine's "
             f"{total / 2**30:.0f} GiB")
 
 
@@ -263,6 +273,18 @@ def main(argv=None) -> int:
                                       for h in args.hosts},
         "cells": [],
     }
+    if args.append and output.exists():
+        earlier = json.loads(output.read_text())
+        for key in ("usecase", "image_size", "cores_per_host"):
+            if earlier.get(key) != result[key]:
+                raise SystemExit(f"--append: {output} has {key} {earlier.get(key)!r}, this run "
+                                 f"{result[key]!r}")
+        result["cells"] = earlier["cells"]
+        result["earlier_runs"] = earlier.get("earlier_runs", []) + [
+            {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model")}]
+        hosts = sorted({int(h) for h in earlier["theory_nic_bytes_per_step"]} | set(args.hosts))
+        result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host)
+                                               for h in hosts}
     with tempfile.TemporaryDirectory(prefix="hybriddl-scaling-") as scratch:
         for round_ in range(args.rounds):
             for bandwidth in args.bandwidth:
@@ -271,7 +293,7 @@ def main(argv=None) -> int:
                         if hosts == 1 and contender in ("flat", "auto", "hybrid"):
                             continue  # one host: data is the reference; nothing crosses a link
                         too_big = memory_refusal(result["cells"], contender, hosts,
-                                                 args.cores_per_host)
+                                                 args.cores_per_host, args.memory_fraction)
                         cell = {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                                 "skipped": too_big} if too_big else \
                             run_cell(args, contender, hosts, bandwidth, Path(scratch))

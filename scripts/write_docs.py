@@ -389,7 +389,11 @@ def benchmark_page(table: Table, data: dict) -> str:
              f"- **CPU**: {p['cpu_model']}, {p['cores']} cores",
              f"- **torch**: {p['torch']}",
              f"- **commit**: `{p['commit']}`",
-             f"- **JSON**: [`{table.json}`](../../{table.json})", ""]
+             f"- **JSON**: [`{table.json}`](../../{table.json})"]
+    for run in data.get("earlier_runs", []):  # cells kept from runs before (--append)
+        lines.append(f"- **with cells of**: `{run.get('command')}` (commit `{run.get('commit')}`, "
+                     f"{run.get('date')}, {run.get('cpu_model')})")
+    lines.append("")
     if data.get("what"):
         lines += [data["what"], ""]
     lines += [table.render(data), ""]

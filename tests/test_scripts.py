@@ -83,3 +83,31 @@ def test_every_script_answers_help():
     failed = {path: answer for path, answer in answers.items()
               if answer[0] != 0 or not answer[1].startswith("usage:")}
     assert failed == {}
+
+
+def test_scaling_skips_a_cell_that_would_not_fit_memory_at_the_fraction_asked():
+    import psutil
+    import scaling_e2e
+
+    total = psutil.virtual_memory().total
+    cells = [{"contender": "flat", "hosts": 2, "memory": {"peak_rss_bytes": total // 10}}]
+    # 8 ranks of a tenth of the memory each: over 0.5 of it, under 0.9.
+    why = scaling_e2e.memory_refusal(cells, "flat", 4, 2, fraction=0.5)
+    assert why and "8 ranks" in why and "50%" in why
+    assert scaling_e2e.memory_refusal(cells, "flat", 4, 2, fraction=0.9) is None
+    assert scaling_e2e.memory_refusal(cells, "hybrid", 4, 2) is None  # nothing measured
+
+
+def test_scaling_append_refuses_a_file_of_another_use_case(tmp_path):
+    import json
+
+    import scaling_e2e
+
+    output = tmp_path / "scaling.json"
+    output.write_text(json.dumps({"usecase": "ComplexSmall", "image_size": 224,
+                                  "cores_per_host": 2, "cells": [],
+                                  "theory_nic_bytes_per_step": {}}))
+    with pytest.raises(SystemExit, match="usecase 'ComplexSmall'"):
+        scaling_e2e.main(["--usecase", "SimpleBig", "--hosts", "2", "--append",
+                          "--output", str(output)])
+    assert json.loads(output.read_text())["usecase"] == "ComplexSmall"  # left as it was
