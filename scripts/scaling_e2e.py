@@ -226,6 +226,15 @@ def _classifier_held(cell: dict) -> int | None:
     return memory["parameters"]["classifier"] + memory["optimizer_state"]["classifier"]
 
 
+def drop_superseded(cells: list[dict]) -> list[dict]:
+    """The cells without those skipped or failed where a later run (--append) measured the
+    same contender, host count and link."""
+    measured = {(c["contender"], c["hosts"], c["bandwidth"]) for c in cells
+                if "skipped" not in c and "failed" not in c}
+    return [c for c in cells if not (("skipped" in c or "failed" in c) and
+                                     (c["contender"], c["hosts"], c["bandwidth"]) in measured)]
+
+
 def summarise(cells: list[dict]) -> list[dict]:
     """Per (bandwidth, contender, H): median img/s over rounds, and efficiency against the
     same contender's... and against one host of `data` (the same model on one host)."""
@@ -303,6 +312,7 @@ def main(argv=None) -> int:
                             "contender", "hosts", "bandwidth", "images_per_second",
                             "median_nic_bytes_per_step", "time_scale", "failed",
                             "skipped", "wall_seconds")}), flush=True)
+                        result["cells"] = drop_superseded(result["cells"])
                         result["summary"] = summarise(result["cells"])
                         atomic_write_json(output, result)
     return 0

@@ -306,7 +306,8 @@ def traffic_headline(table: Table, data: dict) -> str | None:
     for hosts in dict.fromkeys([counts[0], counts[-1]]):
         expected = theory.get(str(hosts), {})
         cells = [f"{c} {_mb(by[(c, hosts)]['nic_bytes_per_step'])} ({_mb(expected.get(c))})"
-                 for c in ("hybrid", "data", "flat") if (c, hosts) in by]
+                 if (c, hosts) in by else f"{c} not run ({_mb(expected.get(c))})"
+                 for c in ("hybrid", "data", "flat") if expected.get(c) is not None]
         if expected.get("hierarchical") is not None:
             cells.append(f"a hierarchical allreduce in theory {_mb(expected['hierarchical'])}")
         parts.append(f"{hosts} hosts: " + ", ".join(cells))

@@ -111,3 +111,14 @@ def test_scaling_append_refuses_a_file_of_another_use_case(tmp_path):
         scaling_e2e.main(["--usecase", "SimpleBig", "--hosts", "2", "--append",
                           "--output", str(output)])
     assert json.loads(output.read_text())["usecase"] == "ComplexSmall"  # left as it was
+
+
+def test_scaling_drops_a_skipped_cell_that_a_later_run_measured():
+    import scaling_e2e
+
+    cells = [{"contender": "flat", "hosts": 4, "bandwidth": "1gbit", "skipped": "memory"},
+             {"contender": "flat", "hosts": 8, "bandwidth": "1gbit", "skipped": "memory"},
+             {"contender": "flat", "hosts": 4, "bandwidth": "1gbit", "images_per_second": 1.0}]
+    kept = scaling_e2e.drop_superseded(cells)
+    assert [c.get("skipped") for c in kept] == ["memory", None]
+    assert kept[0]["hosts"] == 8
