@@ -260,10 +260,12 @@ def scaling_headline(table: Table, data: dict) -> str | None:
     """Efficiency and NIC bytes of every scheme at the widest host count measured."""
     p = provenance(data)
     by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
-    widest = max((h for (c, h) in by if c == "hybrid"), default=None)
+    contenders = ("hybrid", "data", "flat", "ddp")
+    # The widest host count where hybrid ran beside another scheme (the comparison).
+    widest = max((h for (c, h) in by if c == "hybrid" and
+                  any((other, h) in by for other in contenders[1:])), default=None)
     if widest is None or widest < 2:
         return None
-    contenders = ("hybrid", "data", "flat", "ddp")
     row = {c: by.get((c, widest)) for c in contenders}
     model = {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(data["usecase"], data["usecase"])
     parts = [f"{c} {_eff(row[c]['efficiency'])} at {_mb(row[c]['nic_bytes_per_step'])} MB"
