@@ -198,7 +198,8 @@ def start_sleeping(marker: str) -> subprocess.Popen:
          sys.executable, "-c", f"import time; time.sleep(600)  # {marker}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hybriddl_env())
     ranks = [sys.executable, "-c"]
-    wait_for(lambda: len([p for p in marked(marker) if p.cmdline()[:2] == ranks]) == 2,
+    wait_for(lambda: len([p for p in marked(marker)
+                          if (p.info["cmdline"] or [])[:2] == ranks]) == 2,
              "both ranks running", process)
     return process
 

@@ -244,6 +244,14 @@ def test_no_local_worker_outlives_close(strategy, options, failing):
     assert child_pids() == before
 
 
+def command_line(process: psutil.Process) -> str:
+    """A child's command line; "" for one that ended (or is a zombie) while we looked."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """A `train --strategy processes` child, once its two local workers are running."""
     command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
@@ -254,7 +262,7 @@ def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]
     parent = psutil.Process(master.pid)
     for _ in range(600):  # waits for a condition, at most a minute; no timing is asserted
         workers = [p for p in parent.children(recursive=True)
-                   if "multiprocessing" in " ".join(p.cmdline())]
+                   if "multiprocessing" in command_line(p)]
         if len(workers) == 2 or master.poll() is not None:
             break
         psutil.wait_procs([parent], timeout=0.1)
