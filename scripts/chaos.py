@@ -21,6 +21,7 @@ the run ends by checking it.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import platform
@@ -156,6 +157,22 @@ def final_difference(model_a: Path, model_b: Path) -> float:
                for k in a if a[k].is_floating_point())
 
 
+def _fill(path: Path, size: int) -> int:
+    """Writes up to `size` bytes to `path`, in 64 MiB pieces; a disk that the run filled
+    meanwhile (a checkpoint being written) ends it early: full is what was asked for.
+    Returns the bytes written."""
+    written, piece = 0, b"\0" * 2**26
+    with open(path, "wb", buffering=0) as handle:
+        while written < size:
+            try:
+                written += handle.write(piece[:size - written])
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                break
+    return written
+
+
 class ChaosRun:
     """The launcher on the emulated hosts, and the faults applied to it."""
 
@@ -209,8 +226,7 @@ class ChaosRun:
         elif kind == "disk":
             free = shutil.disk_usage(self.disk).free
             filler = self.disk / "filler"
-            with open(filler, "wb") as handle:  # all but 1 MB: the next checkpoint fails
-                handle.write(b"\0" * max(0, free - 2**20))
+            filled = _fill(filler, free - 2**20)  # all but 1 MB: the next checkpoint fails
             # Noticed once a rank has recorded it, or once the attempt's ranks have ended
             # (the launcher may have read and cleared the records already; on a starved
             # 2-core CI runner the poll was seen to miss them).
@@ -218,7 +234,7 @@ class ChaosRun:
                        or not any(_alive(p) for p in ranks.values()), "storage failure")
             filler.unlink()
             # The run directory is rank 0's (host 0's) to write, as on a shared file system.
-            fault.update(host=self.cluster.names[0], filled_bytes=free - 2**20)
+            fault.update(host=self.cluster.names[0], filled_bytes=filled)
         elif kind == "sigterm":
             self.process.send_signal(signal.SIGTERM)
             self.exit_codes.append(self.process.wait(timeout=STOP_WAIT_SECONDS))

