@@ -54,23 +54,26 @@ DISK_MB = 48  # room for the run (two ~10 MB checkpoints, model.pt) and little m
 DEADLINE_SECONDS = 600
 
 
-def train_args(run_dir: Path, steps: int) -> list[str]:
-    """squeezenet1_1 at 32 px with the default dropout: steps of a tenth of a second, so a
-    run is quick and faults still land between its checkpoints. The embedded set has 20
-    steps an epoch: --max-steps ends the run. At the use case's learning rate (1e-3) this
-    net's training amplifies the float rounding of another host count 1.4x a step
-    (measured: 1.5e-8 after 2 steps, 1.3e-5 after 20, 2 hosts against 1), so no two host
-    counts agree to 1e-5 after 24 steps; at 3e-4 they agree to 1e-7."""
-    return ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "24",
-            "--lr", "3e-4",
+def train_args(run_dir: Path, steps: int, image_size: int = 64) -> list[str]:
+    """squeezenet1_1 with the default dropout. At 64 px, steps take about 0.05 s on 3
+    emulated hosts here, so a run is quick and faults land between its checkpoints (at
+    32 px a fast CPU ran 30 steps a second, and a fault meant for step 8 landed after the
+    last checkpoint). The embedded set has 20 steps an epoch: --max-steps ends the run.
+    At the use case's learning rate (1e-3) this net's training amplifies the float
+    rounding of another host count 1.4x a step (measured at 32 px: 1.5e-8 after 2 steps,
+    1.3e-5 after 20, 2 hosts against 1), so no two host counts agree to 1e-5 after 24
+    steps; at 3e-4 they agree to 1e-7 at 32 px, and to 4e-5 at 64 px: a run that changes
+    its host count (tests/test_launcher.py) trains at 32 px."""
+    return ["train", "--model", "squeezenet1_1", "--image-size", str(image_size),
+            "--batch-size", "24", "--lr", "3e-4",
             "--epochs", "100", "--max-steps", str(steps), "--strategy", "sequential",
             "--checkpoint-every",
             str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir)]
 
 
-def launch_args(run_dir: Path, steps: int) -> list[str]:
+def launch_args(run_dir: Path, steps: int, image_size: int = 64) -> list[str]:
     return ["--min-hosts", "2", "--restarts", "8", "--retry-delay", "2", "--",
-            *train_args(run_dir, steps)]
+            *train_args(run_dir, steps, image_size)]
 
 
 class CheckpointWatch:
@@ -78,6 +81,8 @@ class CheckpointWatch:
     checkpoint written; its position says how far the run is."""
 
     def __init__(self, run_dir: Path):
+        import torch  # noqa: F401  imported here: on first use it took seconds, 10+ steps
+
         self.path = run_dir / CHECKPOINT
         self.bytes_written = 0
         self.writes = 0

@@ -59,12 +59,12 @@ def test_bad_launch_input_is_one_line_and_exit_2(tmp_path):
 def test_a_lost_host_sits_out_one_relaunch_and_the_run_ends_as_uninterrupted(tmp_path):
     before_shm = set(os.listdir("/dev/shm"))
     reference = tmp_path / "reference"
-    done = run_cli(*chaos.train_args(reference, STEPS))
+    done = run_cli(*chaos.train_args(reference, STEPS, image_size=32))
     assert done.returncode == 0, done.stderr[-2000:]
     run_dir = tmp_path / "run"
     log = open(tmp_path / "log.txt", "w")
     with EmulatedHosts(hosts=3) as cluster:
-        argv, env = launch_on(cluster, chaos.launch_args(run_dir, STEPS))
+        argv, env = launch_on(cluster, chaos.launch_args(run_dir, STEPS, image_size=32))
         env["PYTHONPATH"] = str(REPO)
         launcher = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         watch = chaos.CheckpointWatch(run_dir)
