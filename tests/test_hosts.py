@@ -122,3 +122,25 @@ def test_gradients_a_strategy_owns_are_copied_in_and_out():
     buckets.scatter(bucket)
     assert all(p.grad is g for p, g in zip(model.parameters(), owned))
     assert all(bool((g == 0.5).all()) for g in owned)
+
+
+def test_a_steps_interface_bytes_run_from_the_previous_steps_end():
+    """Bytes that leave between two steps (a message's tail still queued in the kernel when
+    the averaging returned) count in the next step, not nowhere; an epoch starts afresh."""
+    from hybriddl.hosts.traffic import TrafficMeter
+
+    meter = TrafficMeter()
+    meter.begin_epoch()
+    counter = 1000
+    for sent_inside, sent_after in ((10, 4), (10, 0), (10, 7)):
+        start = meter.nic_step_start(counter)
+        counter += sent_inside
+        meter.step_done(bytes_at_start=0, compute_seconds=0.0, comm_seconds=0.0,
+                        nic_at_start=start, nic_at_end=counter)
+        counter += sent_after
+    assert meter.epoch_figures()["nic_bytes_sent"] == 10 + 14 + 10
+    meter.begin_epoch()  # validation's bytes, between the epochs, are no step's
+    start = meter.nic_step_start(counter + 50)
+    meter.step_done(bytes_at_start=0, compute_seconds=0.0, comm_seconds=0.0,
+                    nic_at_start=start, nic_at_end=counter + 60)
+    assert meter.epoch_figures()["nic_bytes_sent"] == 10

@@ -205,7 +205,8 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
     if launcher.emulated:
         # Bytes on the network: what host 0's own interface sent in the epoch's steps
         # (18 images: batches of 8, 8 and 2), against the scheme's theory;
-        # summed, since a step's last bytes can leave after rank 0's counter read; data
+        # summed, since a step's last bytes can leave after rank 0's counter read (they
+        # count in the next step, and the last step's after the epoch in none); data
         # parallelism would send 23x more.
         theory = record["theory_bytes_per_host_per_step"]
         sent = metrics["epochs"][0]["per_step"]["nic_bytes_sent"]

@@ -117,7 +117,8 @@ class Hosts:
         """
         started = time.perf_counter()
         bytes_at_start = self.traffic.bytes_sent
-        nic_at_start = interface_bytes_sent() if self.size > 1 else 0
+        nic_at_start = (self.traffic.nic_step_start(interface_bytes_sent())
+                        if self.size > 1 else 0)
         self._arm(share)
 
         def average(samples: int) -> None:
@@ -129,8 +130,9 @@ class Hosts:
             self.traffic.step_done(bytes_at_start=bytes_at_start,
                                    compute_seconds=entered - started,
                                    comm_seconds=time.perf_counter() - entered,
-                                   nic_bytes=(interface_bytes_sent() - nic_at_start
-                                              if self.size > 1 else 0))
+                                   nic_at_start=nic_at_start,
+                                   nic_at_end=(interface_bytes_sent()
+                                               if self.size > 1 else 0))
 
         try:
             yield average

@@ -35,6 +35,7 @@ class TrafficMeter:
         self._counts_buckets = counts_buckets
         self._steps: dict[str, list] = {name: [] for name in STEP_FIGURES}
         self._epoch_bytes_at = 0
+        self._nic_at_last_step: int | None = None
 
     def sent(self, nbytes: int) -> None:
         self.bytes_sent += int(nbytes)
@@ -44,13 +45,23 @@ class TrafficMeter:
             values.clear()
         self._epoch_bytes_at = self.bytes_sent
         self.buckets_sent_in_backward = 0
+        self._nic_at_last_step = None
+
+    def nic_step_start(self, now: int) -> int:
+        """Where a step's count of the interface's bytes starts: the end of the epoch's
+        previous step, so bytes that leave between steps (the tail of a step's messages,
+        still queued in the kernel when its averaging returned: seen at 10 Gbit/s) are
+        counted in the next step rather than lost; `now` for an epoch's first step."""
+        return now if self._nic_at_last_step is None else self._nic_at_last_step
 
     def step_done(self, *, bytes_at_start: int, compute_seconds: float,
-                  comm_seconds: float, nic_bytes: int = 0) -> None:
+                  comm_seconds: float, nic_at_start: int = 0, nic_at_end: int = 0) -> None:
         """One step's figures; `bytes_at_start` is `bytes_sent` when the step began,
-        `nic_bytes` what the host's interfaces sent during it."""
+        `nic_at_start` (from `nic_step_start`) and `nic_at_end` the host's interface
+        counter around it."""
         self._steps["mpi_bytes_sent"].append(self.bytes_sent - bytes_at_start)
-        self._steps["nic_bytes_sent"].append(nic_bytes)
+        self._steps["nic_bytes_sent"].append(nic_at_end - nic_at_start)
+        self._nic_at_last_step = nic_at_end
         self._steps["comm_seconds"].append(comm_seconds)
         self._steps["compute_seconds"].append(compute_seconds)
 
