@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 FAULTS = ("kill", "stop", "link", "disk", "sigterm")
+HOST_LOSING = {"kill", "stop", "link"}  # the run goes on without a host
 HOSTS = 3
 CHECKPOINT_EVERY = 4
 OUTAGE_SECONDS = 20.0  # SIGSTOP and link down: longer than the heartbeat's 15 s of silence
@@ -54,16 +55,13 @@ DISK_MB = 48  # room for the run (two ~10 MB checkpoints, model.pt) and little m
 DEADLINE_SECONDS = 600
 
 
-def train_args(run_dir: Path, steps: int, image_size: int = 64) -> list[str]:
-    """squeezenet1_1 with the default dropout. At 64 px, steps take about 0.05 s on 3
-    emulated hosts here, so a run is quick and faults land between its checkpoints (at
-    32 px a fast CPU ran 30 steps a second, and a fault meant for step 8 landed after the
-    last checkpoint). The embedded set has 20 steps an epoch: --max-steps ends the run.
-    At the use case's learning rate (1e-3) this net's training amplifies the float
-    rounding of another host count 1.4x a step (measured at 32 px: 1.5e-8 after 2 steps,
-    1.3e-5 after 20, 2 hosts against 1), so no two host counts agree to 1e-5 after 24
-    steps; at 3e-4 they agree to 1e-7 at 32 px, and to 4e-5 at 64 px: a run that changes
-    its host count (tests/test_launcher.py) trains at 32 px."""
+def train_args(run_dir: Path, steps: int, image_size: int) -> list[str]:
+    """squeezenet1_1 with the default dropout; `image_size` from `image_size_for`. The
+    embedded set has 20 steps an epoch: --max-steps ends the run. At the use case's
+    learning rate (1e-3) this net's training amplifies the float rounding of another host
+    count 1.4x a step (measured at 32 px: 1.5e-8 after 2 steps, 1.3e-5 after 20, 2 hosts
+    against 1), so no two host counts agree to 1e-5 after 24 steps; at 3e-4 they agree to
+    1e-7 at 32 px (and only to 4e-5 at 64 px)."""
     return ["train", "--model", "squeezenet1_1", "--image-size", str(image_size),
             "--batch-size", "24", "--lr", "3e-4",
             "--epochs", "100", "--max-steps", str(steps), "--strategy", "sequential",
@@ -71,7 +69,16 @@ def train_args(run_dir: Path, steps: int, image_size: int = 64) -> list[str]:
             str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir)]
 
 
-def launch_args(run_dir: Path, steps: int, image_size: int = 64) -> list[str]:
+def image_size_for(kinds: list[str]) -> int:
+    """32 px where a fault takes a host away (the run goes on with another host count,
+    which agrees with the uninterrupted run only at 32 px); 64 px otherwise, whose steps
+    (about 0.05 s on 3 emulated hosts) let a fault land between checkpoints on a fast CPU
+    (at 32 px one ran 30 steps a second, and a fault meant for step 8 of 24 landed after
+    the last checkpoint)."""
+    return 32 if set(kinds) & HOST_LOSING else 64
+
+
+def launch_args(run_dir: Path, steps: int, image_size: int) -> list[str]:
     return ["--min-hosts", "2", "--restarts", "8", "--retry-delay", "2", "--",
             *train_args(run_dir, steps, image_size)]
 
@@ -182,10 +189,10 @@ class ChaosRun:
     """The launcher on the emulated hosts, and the faults applied to it."""
 
     def __init__(self, cluster: EmulatedHosts, run_dir: Path, disk: Path | None, steps: int,
-                 rng: random.Random, log):
+                 image_size: int, rng: random.Random, log):
         self.cluster, self.run_dir, self.disk, self.steps = cluster, run_dir, disk, steps
         self.rng, self.log = rng, log
-        self.argv, self.env = launch_on(cluster, launch_args(run_dir, steps))
+        self.argv, self.env = launch_on(cluster, launch_args(run_dir, steps, image_size))
         self.process: subprocess.Popen | None = None
         self.seen_pids: set[int] = set()
         self.exit_codes: list[int] = []
@@ -324,6 +331,7 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
     """Run the uninterrupted run, then the chaos run; returns the results (see module doc)."""
     rng = random.Random(seed)
     plan = schedule(rng, kinds, steps)
+    image_size = image_size_for(kinds)
     before_shm = set(os.listdir("/dev/shm"))
     scratch = Path(tempfile.mkdtemp(prefix="hybriddl-chaos-"))
     log = open(log_path or scratch / "log.txt", "a")
@@ -338,7 +346,8 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
             mounted = True
         with EmulatedHosts(hosts=HOSTS) as cluster:
             # The uninterrupted run: the same launch on the same hosts, no fault.
-            reference = ChaosRun(cluster, scratch / "reference", None, steps, rng, log)
+            reference = ChaosRun(cluster, scratch / "reference", None, steps, image_size, rng,
+                                 log)
             started = time.monotonic()
             reference.start()
             if reference.finish() != 0:
@@ -346,7 +355,7 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
             reference_seconds = time.monotonic() - started
 
             run_dir = disk / "run"
-            run = ChaosRun(cluster, run_dir, disk, steps, rng, log)
+            run = ChaosRun(cluster, run_dir, disk, steps, image_size, rng, log)
             watch = CheckpointWatch(run_dir)
             faults = []
             started = time.monotonic()
@@ -395,7 +404,7 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
                 "checkpoints_written": watch.writes,
                 "seconds": {"uninterrupted": round(reference_seconds, 2),
                             "chaos": round(chaos_seconds, 2)},
-                "train_args": train_args(Path("RUN_DIR"), steps),
+                "train_args": train_args(Path("RUN_DIR"), steps, image_size),
             }
     finally:
         log.close()

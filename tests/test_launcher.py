@@ -28,6 +28,7 @@ chaos = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(chaos)
 
 STEPS = 24
+LOST_HOST_SIZE = chaos.image_size_for(["kill"])  # another host count: 32 px
 
 
 def test_the_training_must_name_one_run_directory():
@@ -59,12 +60,12 @@ def test_bad_launch_input_is_one_line_and_exit_2(tmp_path):
 def test_a_lost_host_sits_out_one_relaunch_and_the_run_ends_as_uninterrupted(tmp_path):
     before_shm = set(os.listdir("/dev/shm"))
     reference = tmp_path / "reference"
-    done = run_cli(*chaos.train_args(reference, STEPS, image_size=32))
+    done = run_cli(*chaos.train_args(reference, STEPS, LOST_HOST_SIZE))
     assert done.returncode == 0, done.stderr[-2000:]
     run_dir = tmp_path / "run"
     log = open(tmp_path / "log.txt", "w")
     with EmulatedHosts(hosts=3) as cluster:
-        argv, env = launch_on(cluster, chaos.launch_args(run_dir, STEPS, image_size=32))
+        argv, env = launch_on(cluster, chaos.launch_args(run_dir, STEPS, LOST_HOST_SIZE))
         env["PYTHONPATH"] = str(REPO)
         launcher = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         watch = chaos.CheckpointWatch(run_dir)
