@@ -46,8 +46,9 @@ CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
 # fastest local strategy for one host at 224 px on 2 cores (within noise of layerwise for
 # AlexNet, results/bench_local-SimpleBig.json), and one that writes each gradient once, so
 # --overlap sends buckets during backward (layerwise adds its threads' gradients at the end).
-LOCAL = {"SimpleBig": ["--strategy", "intraop", "--workers", "2", "--channels-last"],
-         "ComplexSmall": ["--strategy", "intraop", "--workers", "2", "--channels-last"]}
+# Its workers are the host's cores (--cores-per-host).
+LOCAL = {"SimpleBig": ["--strategy", "intraop", "--channels-last"],
+         "ComplexSmall": ["--strategy", "intraop", "--channels-last"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,7 +87,8 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
             args.cores_per_host
     # --overlap for every contender: where the local strategy allows it, gradients leave
     # during backward (the hybrid's: the convolutions').
-    return [*common, *LOCAL[args.usecase], "--overlap", "--host-parallel", contender], 1
+    return [*common, *LOCAL[args.usecase], "--workers", str(args.cores_per_host), "--overlap",
+            "--host-parallel", contender], 1
 
 
 def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
