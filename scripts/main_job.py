@@ -55,6 +55,7 @@ def run_main_job(folder: Path) -> dict:
     metrics = json.loads(next((folder / "runs").glob("*/metrics.json")).read_text())
     epochs = metrics["epochs"]
     choice = metrics["config"].get("strategy_choice") or {}
+    profiles = [json.loads(p.read_text()) for p in (folder / "profiles").glob("*.json")]
     return {
         "main_job": shlex.join(["hybriddl", *MAIN_JOB]),
         "wall_seconds": round(wall, 1),
@@ -64,7 +65,12 @@ def run_main_job(folder: Path) -> dict:
         "epoch_seconds": [round(e["seconds"], 1) for e in epochs],
         "strategy": metrics["config"]["strategy"],
         "strategy_choice": choice.get("message"),
-        "tuned": bool(list((folder / "profiles").glob("*.json"))),
+        "tuned": bool(profiles),
+        "tune_budget_seconds": profiles[0]["measurement"].get("budget_seconds") if profiles
+        else None,
+        "rows": [{"epoch": e["epoch"], "val_accuracy": round(e["val_accuracy"], 4),
+                  "train_loss": round(e["train_loss"], 5), "seconds": round(e["seconds"], 1)}
+                 for e in epochs],
     }
 
 
