@@ -1,5 +1,4 @@
-"""What the README's main job gives a new user: its validation accuracy per epoch and its
-minutes, end to end, on this machine.
+"""What the README's main job gives a new user: accuracy per epoch, minutes, this machine.
 
 The main job is the README's first command after the install (Set up, block 1):
 

@@ -51,3 +51,37 @@ def test_docs_links_point_at_files_that_exist():
             if "://" in target or target.startswith("mailto:"):
                 continue
             assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}"
+
+
+def test_the_main_job_line_quotes_the_readmes_first_command():
+    """results/main_job.json measured the command README's block 1 gives, and the README
+    says what it gave (scripts/write_docs.py writes the line from that JSON)."""
+    docs = write_docs()
+    text = (REPO / "README.md").read_text()
+    data, why = docs.load_quotable(docs.MAIN_JOB_JSON)
+    assert data is not None, f"results/main_job.json: {why}"
+    first = re.findall(r"```bash\n(.*?)```", text, re.S)[0]
+    assert data["main_job"].replace("hybriddl ", ".venv/bin/hybriddl ", 1) in first
+    between = text.split(docs.MAIN_JOB_BEGIN, 1)[1].split(docs.MAIN_JOB_END, 1)[0]
+    assert ", ".join(f"{a:.3f}" for a in data["val_accuracy"]) in between
+    assert f"{data['cores']} cores" in between and data["cpu_model"] in between
+
+
+def scaling_results(time_scale: float) -> dict:
+    row = {"bandwidth": "1gbit", "images_per_second": 10.0, "efficiency": 0.9,
+           "nic_bytes_per_step": 13.3e6}
+    return {"usecase": "SimpleBig", "image_size": 224, "cores_per_host": 1,
+            "command": "c", "cpu_model": "cpu", "cores": 2, "torch": "t", "commit": "x",
+            "summary": [{**row, "contender": c, "hosts": h}
+                        for c, h in (("data", 1), ("hybrid", 2), ("data", 2))],
+            "cells": [{"contender": "data", "hosts": 1, "time_scale": 1.0},
+                      {"contender": "hybrid", "hosts": 2, "time_scale": time_scale}]}
+
+
+def test_the_scaling_headline_comes_only_from_hosts_side_by_side():
+    docs = write_docs()
+    table = docs.TABLES[0]
+    assert "D = 1" in docs.scaling_headline(table, scaling_results(1.0))
+    assert docs.turns_line(scaling_results(1.0)) is None
+    assert docs.scaling_headline(table, scaling_results(2.0)) is None
+    assert "2 hosts at D = 2" in docs.turns_line(scaling_results(2.0))
