@@ -19,6 +19,13 @@ from hybriddl.errors import StorageError
 PARTIAL_GLOB = ".*.tmp-*"
 
 
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/hybriddl, else ~/.cache/hybriddl: what hybriddl keeps between runs
+    on this machine (decoded data, the allocator measured fastest)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hybriddl"
+
+
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Temporary file, fsync, rename, fsync the directory: a kill at any moment leaves the
     old file or the new, and a failed write (disk full, read-only, I/O error) leaves the old

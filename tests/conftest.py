@@ -78,6 +78,16 @@ def profile_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def glibc_allocator():
+    """`python -m hybriddl` in the tests runs on glibc's allocator, as a test's figures were
+    taken, without measuring the host's fastest first (about a minute);
+    tests/test_allocator_choice.py chooses its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDDL_ALLOCATOR", "glibc")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def data_cache_dir(tmp_path_factory):
     """Where streamed data are cached during the tests (the default cache directory
     follows $XDG_CACHE_HOME): never the user's own ~/.cache."""

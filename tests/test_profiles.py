@@ -13,7 +13,7 @@ from hybriddl.tuning.profiles import (DROPPED, MEASURED, SCHEMA_VERSION, Candida
 
 SETTINGS = Settings(usecase="ComplexSmall", model="vgg16", image_size=32, batch_size=4)
 FINGERPRINT = {"cpu_model": "Test CPU", "cores_usable": 2, "ram_gib": 8.0, "gpus": [],
-               "torch": "2.0"}
+               "torch": "2.0", "allocator": "glibc"}
 SEQUENTIAL = StrategySpec("sequential")
 
 
@@ -180,7 +180,7 @@ def test_fingerprint_changes_lists_only_what_differs():
 
 def test_this_hosts_fingerprint_has_the_documented_fields():
     fp = profiles.fingerprint()
-    assert set(fp) == {"cpu_model", "cores_usable", "ram_gib", "gpus", "torch"}
+    assert set(fp) == {"cpu_model", "cores_usable", "ram_gib", "gpus", "torch", "allocator"}
     assert fp["cores_usable"] >= 1 and isinstance(fp["gpus"], list)
 
 

@@ -10,6 +10,7 @@ import argparse
 
 from hybriddl import __version__
 from hybriddl.cli import compare, emulate, evaluate, info, launch, predict, report, train, tune
+from hybriddl.cli.allocator import add_flag as add_allocator_flag, run_on_chosen_allocator
 from hybriddl.display import console, show_error
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 
@@ -28,6 +29,7 @@ COMMANDS = (train, compare, tune, report, info, emulate, evaluate, predict, laun
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="hybriddl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hybriddl {__version__}")
+    add_allocator_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     for command in COMMANDS:
         command.add_parser(commands)
@@ -35,8 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script. Run as one (`argv` None) it first settles the allocator and,
+    where needed, starts again on it; called with `argv` it runs in this process as it is."""
     args = build_parser().parse_args(argv)
     try:
+        if argv is None:
+            run_on_chosen_allocator(args)
         return args.handler(args)
     except UsageError as exc:
         show_error("error: ", exc)

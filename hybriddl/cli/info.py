@@ -1,4 +1,5 @@
-"""`hybriddl info`: this host's cores, RAM, GPUs and library versions."""
+"""`hybriddl info`: this host's cores, RAM, GPUs, library versions and the allocator this
+command runs on."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from hybriddl.hosts.mpi import library_versions
+    from hybriddl.machine.allocator import loaded_allocator
     from hybriddl.machine.hostinfo import host_info
 
-    info = host_info() | library_versions()
+    info = host_info() | library_versions() | {"allocator": loaded_allocator()}
     if args.json:
         out.print_json(json.dumps(info))
         return 0

@@ -14,8 +14,9 @@ rounds, is still read)::
       "hybriddl": "0.1.0",
       "fingerprint": {                         # a change in any field makes the profile stale
         "cpu_model": "Intel(R) Xeon(R) ...", "cores_usable": 2, "ram_gib": 7.8,
-        "gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.14.1"
-      },
+        "gpus": ["NVIDIA H100 80GB HBM3"], "torch": "2.14.1",
+        "allocator": "tcmalloc"                # what the tune ran on (absent in older
+      },                                       # profiles: glibc, all hybriddl ran on then)
       "settings": {                            # what was measured; train matches all six
         "usecase": "ComplexSmall", "model": "vgg16", "image_size": 224, "batch_size": 16,
         "precision": "fp32",                   # --precision: fp32, bf16 or auto
@@ -67,6 +68,7 @@ import torch
 
 from hybriddl import __version__
 from hybriddl.errors import UsageError
+from hybriddl.machine.allocator import GLIBC, loaded_allocator
 from hybriddl.machine.hostinfo import cpu_model, gpus, usable_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.files import atomic_write_json
@@ -121,6 +123,7 @@ def fingerprint() -> dict:
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "gpus": [g["name"] for g in gpus()],
         "torch": torch.__version__,
+        "allocator": loaded_allocator(),  # steps differ by allocator (machine/allocator.py)
     }
 
 
@@ -238,7 +241,9 @@ class Profile:
             raise ProfileError(f"{source} has schema version {version!r}, this hybriddl reads "
                                f"versions {', '.join(map(str, READABLE_VERSIONS))}: run 'hybriddl tune' to measure again")
         try:
-            profile = cls(host=str(record["host"]), fingerprint=dict(record["fingerprint"]),
+            # Before allocators were chosen every tune ran on glibc's.
+            profile = cls(host=str(record["host"]),
+                          fingerprint={"allocator": GLIBC, **record["fingerprint"]},
                           settings=Settings(**record["settings"]),
                           candidates=[CandidateResult.from_dict(c) for c in record["candidates"]],
                           pick=StrategySpec.from_dict(record["pick"]),

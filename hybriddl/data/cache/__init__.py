@@ -41,13 +41,12 @@ from hybriddl.data.cache.layout import read_header, read_records, skipped_list_p
 from hybriddl.data.cache.reading import CacheFile, DiskImages, StreamedImageSet
 from hybriddl.data.sources import Source
 from hybriddl.errors import StorageError, TrainingError, UsageError
-from hybriddl.files import atomic_write_bytes
+from hybriddl.files import atomic_write_bytes, user_cache_dir
 
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/hybriddl, else ~/.cache/hybriddl: shared by every run and by tune."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hybriddl"
+    return user_cache_dir()
 
 
 def _open_valid(path: Path, source: Source) -> CacheFile | None:

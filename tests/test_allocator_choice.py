@@ -1,0 +1,201 @@
+"""Which allocator hybriddl runs on (machine/allocator.py, cli/allocator.py,
+tuning/allocators.py): the console script starts again once on the chosen library, every
+process it starts inherits it, `auto` is measured once per host, an absent library falls
+back with one line, a bad value is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import hybriddl_env
+from hybriddl.machine import allocator
+from hybriddl.tuning.profiles import Profile, fingerprint, fingerprint_changes
+
+needs = {name: pytest.mark.skipif(allocator.library_path(name) is None,
+                                  reason=f"{allocator.LIBRARIES[name]} is not installed "
+                                         f"(Debian: apt-get install {allocator.PACKAGES[name]})")
+         for name in allocator.LIBRARIES}
+
+# The console script (main() with no argv, so it may start again on its allocator), whose
+# `info` command here sets up the processes strategy and reports what is mapped into this
+# process and into each spawned worker, read from /proc/<pid>/maps.
+WORKERS_MAPS = """
+import json, sys, torch
+import hybriddl.cli.info
+from hybriddl.machine import allocator
+
+def workers_maps(args):
+    from hybriddl.strategies import StrategyOptions, make_strategy
+    with make_strategy("processes", StrategyOptions(workers=2, oversubscribe=True)) as s:
+        s.setup(torch.nn.Linear(4, 2))
+        pids = [p.pid for p in s.processes]
+        maps = {pid: allocator.loaded_allocator(f"/proc/{pid}/maps") for pid in pids}
+    print(json.dumps({"main": allocator.loaded_allocator(), "workers": list(maps.values())}))
+    return 0
+
+hybriddl.cli.info.cmd_info = workers_maps
+sys.argv = ["hybriddl", *json.loads(sys.argv[1])]
+from hybriddl.cli import main
+raise SystemExit(main())
+"""
+
+
+def console_script(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    environ = hybriddl_env(**env)
+    environ.pop("HYBRIDDL_ALLOCATOR", None)  # conftest's glibc: here the flag decides
+    return subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True,
+                          text=True, timeout=300, env=environ)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs[n]) for n in allocator.LIBRARIES])
+def test_the_console_script_and_its_spawned_workers_run_on_the_asked_allocator(name):
+    done = console_script(WORKERS_MAPS, "--allocator", name, "info")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"main": name, "workers": [name]}
+    assert done.stderr == ""  # started again once, silently
+
+
+@needs["tcmalloc"]
+def test_glibc_takes_an_inherited_preload_out():
+    preloaded = allocator.preload_environment("tcmalloc", {})
+    done = console_script(WORKERS_MAPS, "--allocator", "glibc", "info", **preloaded)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"main": "glibc", "workers": ["glibc"]}
+
+
+@needs["tcmalloc"]
+def test_a_process_started_on_the_choice_keeps_it_without_starting_again():
+    # What a rank or a compare contender sees: the parent's environment, auto.
+    preloaded = allocator.preload_environment("tcmalloc", {})
+    done = console_script(WORKERS_MAPS, "info", **preloaded)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"main": "tcmalloc", "workers": ["tcmalloc"]}
+
+
+ABSENT_JEMALLOC = WORKERS_MAPS.replace(
+    "from hybriddl.machine import allocator\n",
+    "from hybriddl.machine import allocator\n"
+    "allocator.LIBRARIES['jemalloc'] = 'libjemalloc-absent.so.99'\n")
+
+
+def test_an_absent_library_falls_back_to_glibc_with_one_line():
+    done = console_script(ABSENT_JEMALLOC, "--allocator", "jemalloc", "info")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"main": "glibc", "workers": ["glibc"]}
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "jemalloc is not installed" in lines[0]
+    assert "apt-get install libjemalloc2" in lines[0] and "glibc" in lines[0]
+
+
+def test_a_bad_allocator_flag_is_one_line_and_exit_2(cli_here):
+    done = cli_here("--allocator", "mimalloc", "info")
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and "choose from" in done.stderr
+
+
+def test_a_bad_allocator_variable_is_one_line_and_exit_2(cli):
+    done = cli("info", HYBRIDDL_ALLOCATOR="mimalloc")
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and "HYBRIDDL_ALLOCATOR=mimalloc" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+# --- auto: measured once per host --------------------------------------------------------
+
+@pytest.fixture
+def two_installed(monkeypatch):
+    """A host with tcmalloc and glibc, whose choice nobody made yet."""
+    monkeypatch.setattr(allocator, "installed_allocators", lambda: ["tcmalloc", "glibc"])
+    monkeypatch.delenv(allocator.PRELOADED_ENV, raising=False)
+
+
+class Timer:
+    """A measurement that says glibc is faster here, and counts how often it was asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, names):
+        self.calls.append(names)
+        return {"tcmalloc": [1.0, 1.2, 1.1], "glibc": [0.9, 0.95, 1.3]}
+
+
+def test_auto_measures_once_and_then_reads_the_hosts_choice(tmp_path, two_installed):
+    timer, cache = Timer(), tmp_path / "allocator-h.json"
+    first = allocator.settle("auto", timer, cache=cache)
+    assert (first.name, first.how) == ("glibc", "measured")
+    assert len(first.notes) == 1 and "glibc 0.950, tcmalloc 1.100" in first.notes[0]
+    again = allocator.settle("auto", timer, cache=cache)
+    assert (again.name, again.how, again.notes) == ("glibc", "cached", [])
+    assert timer.calls == [["tcmalloc", "glibc"]]
+    assert json.loads(cache.read_text())["median_seconds"] == {"tcmalloc": 1.1, "glibc": 0.95}
+
+
+def test_auto_measures_again_when_the_host_changed(tmp_path, two_installed, monkeypatch):
+    timer, cache = Timer(), tmp_path / "allocator-h.json"
+    allocator.settle("auto", timer, cache=cache)
+    monkeypatch.setattr(allocator, "usable_cores", lambda: 64)
+    assert allocator.settle("auto", timer, cache=cache).how == "measured"
+    assert len(timer.calls) == 2
+
+
+def test_auto_takes_the_choice_a_parent_process_settled(tmp_path, two_installed, monkeypatch):
+    monkeypatch.setenv(allocator.PRELOADED_ENV, "tcmalloc")
+    timer = Timer()
+    choice = allocator.settle("auto", timer, cache=tmp_path / "allocator-h.json")
+    assert (choice.name, choice.how, timer.calls) == ("tcmalloc", "inherited", [])
+
+
+def test_an_allocator_that_fails_to_run_is_left_out(tmp_path, two_installed):
+    choice = allocator.settle("auto", lambda names: {"glibc": [1.0]},
+                              cache=tmp_path / "allocator-h.json")
+    assert choice.name == "glibc" and "tcmalloc failed to run" in choice.notes[0]
+
+
+@needs["tcmalloc"]
+@pytest.mark.slow
+def test_the_probe_runs_each_allocator_in_a_child_that_really_uses_it():
+    from hybriddl.tuning.allocators import time_allocators
+
+    seconds = time_allocators(["tcmalloc", "glibc"], rounds=1, image_size=64, batch_size=4,
+                              steps=1)
+    # A child that ran on another allocator than it was started with would be left out.
+    assert set(seconds) == {"tcmalloc", "glibc"}
+    assert all(len(s) == 1 and s[0] > 0 for s in seconds.values())
+
+
+# --- profiles record it -----------------------------------------------------------------
+
+def test_a_profile_records_the_allocator_its_tune_ran_on():
+    assert fingerprint()["allocator"] == allocator.loaded_allocator()
+
+
+def test_a_profile_from_before_allocators_reads_as_measured_on_glibc():
+    old = {"schema_version": 2, "host": "h", "fingerprint": {"cpu_model": "x", "torch": "2"},
+           "settings": {"usecase": "SimpleBig", "model": "alexnet", "image_size": 224,
+                        "batch_size": 32},
+           "candidates": [{"strategy": {"name": "sequential"}, "status": "measured",
+                           "seconds_per_step": 1.0}],
+           "pick": {"name": "sequential"}}
+    profile = Profile.from_dict(old)
+    assert profile.fingerprint["allocator"] == "glibc"
+    assert fingerprint_changes(profile.fingerprint, {**profile.fingerprint,
+                                                     "allocator": "tcmalloc"}) \
+        == ["allocator 'glibc' -> 'tcmalloc'"]
+
+
+def test_freed_memory_is_given_back_on_every_allocator():
+    code = ("from hybriddl.machine.allocator import give_back_freed_memory, keep_freed_memory,"
+            " loaded_allocator; import torch; kept = keep_freed_memory(); torch.ones(2**24); "
+            "print(loaded_allocator(), kept, give_back_freed_memory())")
+    for name in allocator.installed_allocators():
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=allocator.preload_environment(name, hybriddl_env()))
+        assert done.returncode == 0, done.stderr
+        # glibc keeps freed memory by mallopt; the others do by design and are left alone.
+        assert done.stdout.split() == [name, str(name == "glibc"), "True"]
