@@ -9,7 +9,9 @@ processes, and plain PyTorch (its default threads) as it comes and tuned: glibc 
 keep freed memory (fp32-kept, as every hybriddl row does: machine/allocator.py) or
 tcmalloc preloaded (fp32-tcmalloc, Debian's libtcmalloc-minimal4), each also with
 channels_last (-cl), and with --compile-peer torch.compile too (fp32-kept-compile, its
-compile inside the warm-up). "Tuned PyTorch" is the fastest of these plain rows.
+compile inside the warm-up). "Tuned PyTorch" is the fastest of these plain rows. The
+hybriddl rows run on the allocator hybriddl runs on here (`--allocator`, default auto: the
+one measured fastest on this host, machine/allocator.py), as its console script would.
 `--variants` adds the hybriddl rows again in other numerics (channels_last, bf16
 autocast, gradient accumulation in 2 or 4 chunks: -acc2, -acc4); a bf16 variant also
 adds plain PyTorch with autocast, the bf16 peer. Each row
@@ -51,9 +53,11 @@ from hybriddl.usecases import (USECASES, build_model, check_image_size, get_usec
                                use_case_workload)
 from hybriddl.errors import UsageError
 from hybriddl.hosts.mpi import library_versions
+from hybriddl.machine import allocator
 from hybriddl.machine.hostinfo import host_info, usable_cores
 from hybriddl.files import atomic_write_json
 from hybriddl.strategies import STRATEGIES, StrategyOptions, StrategySpec, cpu_strategies, make_strategy
+from hybriddl.tuning.allocators import time_allocators
 
 # The baseline, then every CPU strategy of the registry.
 STRATEGY_ROWS = tuple(cpu_strategies())
@@ -99,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-peer", action="store_true",
                         help="add plain PyTorch with torch.compile to the peers (its compile "
                              "runs in the warm-up; slower than eager where measured here)")
+    parser.add_argument("--allocator", choices=allocator.CHOICES,
+                        help="the hybriddl rows' allocator (default: $HYBRIDDL_ALLOCATOR, else "
+                             "auto: the one hybriddl measured fastest on this host)")
     parser.add_argument("--output", help="write the table as JSON here")
     return parser.parse_args(argv)
 
@@ -150,6 +157,7 @@ class Row:
     args: tuple
     kwargs: tuple = ()
     env: tuple = ()
+    allocator: str = allocator.GLIBC  # what the row's process runs on
 
     @property
     def peer(self) -> bool:
@@ -161,7 +169,9 @@ class Row:
                                 **dict(self.kwargs))
 
 
-def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
+def plan_rows(args, model_name: str, num_classes: int, x, y,
+              ours: str = allocator.GLIBC) -> list[Row]:
+    """The rows of a round; the hybriddl rows run on allocator `ours`."""
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for variant in variants:
@@ -174,8 +184,11 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
         raise UsageError("--variants must include fp32: every ratio is taken against the "
                          "float32 rows")
     base = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe)
+    preloaded = allocator.preload_environment(ours, {})
+    on_ours = dict(env=(("LD_PRELOAD", preloaded.get("LD_PRELOAD", "")),
+                        (allocator.PRELOADED_ENV, ours)), allocator=ours)
     rows = [Row("sequential", "fp32", measure_strategy,
-                ("sequential", base, model_name, num_classes, x, y))]
+                ("sequential", base, model_name, num_classes, x, y), **on_ours)]
     for variant in variants:
         numerics = VARIANTS[variant]
         options = StrategyOptions(workers=args.workers, oversubscribe=args.oversubscribe,
@@ -185,7 +198,7 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
         for name in strategies:
             make_strategy(name, options)  # refuses an infeasible K before anything runs
             rows.append(Row(name, variant, measure_strategy,
-                            (name, options, model_name, num_classes, x, y)))
+                            (name, options, model_name, num_classes, x, y), **on_ours))
     default_threads = torch.get_num_threads()  # PyTorch's own choice, before anyone pins it
     tcmalloc = tcmalloc_path()
     for variant, (kept, preload, channels_last, compiled) in PEER_VARIANTS.items():
@@ -195,7 +208,8 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
                   ("numerics", StrategyOptions(channels_last=channels_last)))
         rows.append(Row("pytorch", variant, measure_pytorch,
                         (default_threads, model_name, num_classes, x, y), kwargs,
-                        (("LD_PRELOAD", tcmalloc),) if preload else ()))
+                        (("LD_PRELOAD", tcmalloc),) if preload else (),
+                        "tcmalloc" if preload else allocator.GLIBC))
         if variant == "fp32":
             rows.append(Row("ddp", "fp32", measure_ddp,
                             (args.workers, model_name, num_classes, x, y)))
@@ -207,7 +221,8 @@ def plan_rows(args, model_name: str, num_classes: int, x, y) -> list[Row]:
     return rows
 
 
-def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
+def run(args, on_measured=lambda round_, row, timing: None, argv=None,
+        on_measuring=lambda names, path: None) -> dict:
     case = get_usecase(args.usecase)
     model_name, _, batch_size = use_case_workload(args.usecase, args.model, args.image_size,
                                                   args.batch_size)
@@ -220,7 +235,9 @@ def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
         raise UsageError(f"--warmup {args.warmup}: give 0 or more")
     check_image_size(build_model(model_name, num_classes), args.image_size, num_classes)
     x, y = batch(model_name, batch_size, args.image_size, num_classes)
-    rows = plan_rows(args, model_name, num_classes, x, y)
+    ours = allocator.settle(allocator.requested_allocator(args.allocator), time_allocators,
+                            on_measuring=on_measuring)
+    rows = plan_rows(args, model_name, num_classes, x, y, ours.name)
     common = dict(warmup=args.warmup, steps=args.steps, lr=case.lr, momentum=case.momentum)
     rounds: list[list[StepTiming]] = []
     for round_ in range(args.rounds):
@@ -229,7 +246,7 @@ def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
             timing = row.measure(common)
             rounds[-1].append(timing)
             on_measured(round_, row, timing)
-    notes = []
+    notes = list(ours.notes)
     if tcmalloc_path() is None:
         notes.append("the tcmalloc peers were left out: tcmalloc is not installed (Debian: "
                      "apt-get install libtcmalloc-minimal4)")
@@ -240,6 +257,7 @@ def run(args, on_measured=lambda round_, row, timing: None, argv=None) -> dict:
             "model": model_name, "image_size": args.image_size,
             "batch_size": batch_size, "workers": args.workers, "warmup": args.warmup,
             "steps": args.steps, "rounds": args.rounds, "host": host_info() | library_versions(),
+            "hybriddl_allocator": {"name": ours.name, "how": ours.how},
             "tuned_pytorch": min(plain, key=lambda r: r["seconds_per_step"])["variant"],
             "fastest_peer": "{name} {variant}".format(
                 **min(peers, key=lambda r: r["seconds_per_step"])),
@@ -269,6 +287,7 @@ def summarise(rows: list[Row], rounds: list[list[StepTiming]]) -> list[dict]:
         last = timings[-1]
         summary.append({
             "name": row.name, "variant": row.variant, "strategy": last.strategy,
+            "allocator": row.allocator,
             "batch_size": last.batch_size, "seconds_per_step": median,
             "seconds_min": min(seconds), "seconds_max": max(seconds),
             "round_seconds": seconds, "images_per_second": last.batch_size / median,
@@ -322,13 +341,17 @@ def main(argv=None) -> int:
     try:
         result = run(args, on_measured=lambda round_, row, timing: console.print(
             f"round {round_ + 1}: {row.name} {row.variant} {timing.seconds_per_step:.3f} s/step",
-            highlight=False), argv=argv)
+            highlight=False), argv=argv, on_measuring=lambda names, path: console.print(
+            f"allocator auto: timing {', '.join(names)} once on this host; kept in {path}",
+            highlight=False))
     except UsageError as exc:
         Console(stderr=True).print(f"bench_local: error: {exc}", markup=False, soft_wrap=True)
         return 2
     console.print(table(result))
     console.print(f"tuned PyTorch: pytorch {result['tuned_pytorch']}; fastest peer: "
-                  f"{result['fastest_peer']}", highlight=False)
+                  f"{result['fastest_peer']}; the hybriddl rows ran on "
+                  f"{result['hybriddl_allocator']['name']} "
+                  f"({result['hybriddl_allocator']['how']})", highlight=False)
     for note in result["notes"]:
         console.print(f"note: {note}", highlight=False)
     if args.output:

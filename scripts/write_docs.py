@@ -242,6 +242,10 @@ def bench_local_table(data: dict) -> str:
                      f"{r['hwm_vs_faster_peer']:.2f} |")
     lines += ["", f"Tuned PyTorch (the fastest plain PyTorch row): `pytorch "
                   f"{data['tuned_pytorch']}`; the fastest peer: `{data['fastest_peer']}`."]
+    if "hybriddl_allocator" in data:  # absent in results from before allocators were chosen
+        ours = data["hybriddl_allocator"]
+        lines += [f"The hybriddl rows ran on {ours['name']} ({ours['how']}: "
+                  f"{ALLOCATOR_HOW.get(ours['how'], ours['how'])})."]
     lines += [f"Note: {note}" for note in data.get("notes", [])]
     return "\n".join(lines)
 
@@ -252,10 +256,15 @@ def bench_local_setting(data: dict) -> str:
             f"steps per row and round, {data['rounds']} interleaved round(s), one host")
 
 
+ALLOCATOR_HOW = {"measured": "the allocator hybriddl measured fastest on this host",
+                 "cached": "the allocator hybriddl had measured fastest on this host",
+                 "asked": "named by --allocator", "inherited": "set by the parent process",
+                 "fallback": "the one asked for is not installed"}
 BENCH_LOCAL_NOTES = """How to read it: every row trains the same model on the same batch, each in a fresh
 process, in interleaved rounds. The peers are PyTorch DDP and plain PyTorch as it comes and
-tuned (`fp32-kept`: glibc keeps freed memory, as every hybriddl row does; `fp32-tcmalloc`:
-tcmalloc preloaded; `-cl`: channels_last). *vs fastest peer* is the fastest float32 peer's
+tuned (`fp32-kept`: glibc keeps freed memory, as hybriddl does on glibc; `fp32-tcmalloc`:
+tcmalloc preloaded; `-cl`: channels_last). The hybriddl rows run on the allocator hybriddl
+chose for this host (see [tuning](../tuning.md#allocator)). *vs fastest peer* is the fastest float32 peer's
 step over the row's, within each round. HWM is the kernel's peak resident memory (see
 [methodology](../methodology.md))."""
 
@@ -371,9 +380,10 @@ def bench_local_headline(table: Table, data: dict) -> str | None:
     if not ours:
         return None
     best = min(ours, key=lambda r: r["seconds_per_step"])
+    on = f" on {best['allocator']}" if "allocator" in best else ""
     return (f"- **One host, {data['model']}, {data['image_size']} px, batch "
             f"{data['batch_size']}, {p['cores']} cores** — the fastest local strategy "
-            f"({best['name']}, {best['seconds_per_step']:.2f} s/step) runs at "
+            f"({best['name']}{on}, {best['seconds_per_step']:.2f} s/step) runs at "
             f"{best['vs_faster_peer']:.2f}× the fastest peer (`{data['fastest_peer']}`; "
             f"tuned PyTorch: the fastest of plain PyTorch with kept memory or tcmalloc, with "
             f"and without channels_last, and DDP; {p['cpu_model']}, torch {p['torch']}; "

@@ -126,3 +126,28 @@ def test_unknown_variant_is_one_line_and_exit_2():
     assert done.stderr.strip().splitlines() == [
         "bench_local: error: --variants fp8: choose from fp32, fp32-cl, bf16, bf16-cl, "
         "fp32-cl-acc2, fp32-cl-acc4"]
+
+
+def test_the_hybriddl_rows_run_on_hybriddls_allocator_and_the_peers_on_theirs(monkeypatch):
+    from hybriddl.machine import allocator
+
+    args = bench_local.parse_args(["--image-size", "32", "--workers", "2"])
+    monkeypatch.setattr(bench_local, "tcmalloc_path", lambda: "/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setattr(allocator, "library_path",
+                        lambda name: None if name == "glibc" else f"/lib/{name}.so")
+    rows = bench_local.plan_rows(args, "alexnet", 3, None, None, "jemalloc")
+    ours = [row for row in rows if row.name not in ("pytorch", "ddp")]
+    assert ours and all(dict(row.env) == {"LD_PRELOAD": "/lib/jemalloc.so",
+                                          allocator.PRELOADED_ENV: "jemalloc"}
+                        and row.allocator == "jemalloc" for row in ours)
+    peers = {row.variant: row.allocator for row in rows if row.name == "pytorch"}
+    assert peers["fp32-tcmalloc"] == "tcmalloc" and peers["fp32-kept"] == "glibc"
+    # glibc: an inherited preload is taken out of the hybriddl rows' processes.
+    glibc = bench_local.plan_rows(args, "alexnet", 3, None, None, "glibc")[0]
+    assert dict(glibc.env)["LD_PRELOAD"] == "" and glibc.allocator == "glibc"
+
+
+def test_the_result_says_which_allocator_the_hybriddl_rows_ran_on(monkeypatch, tmp_path):
+    _, result = fake_run(monkeypatch, tmp_path)  # conftest: HYBRIDDL_ALLOCATOR=glibc
+    assert result["hybriddl_allocator"] == {"name": "glibc", "how": "asked"}
+    assert {r["allocator"] for r in result["rows"] if r["name"] == "layerwise"} == {"glibc"}
