@@ -206,3 +206,48 @@ def test_compare_refuses_fewer_samples_than_workers_and_writes_nothing(cli_here,
     assert done.returncode == 2
     assert "smaller than the 4 workers" in done.stderr
     assert not output.exists()
+
+
+def test_the_hybrid_contender_splits_where_its_local_strategy_can_and_averages_where_not():
+    from hybriddl.compare.compare import hybrid_scheme
+    from hybriddl.compare.settings import CompareConfig
+
+    # The default local strategy must run the split: with it the README's compare line
+    # (AlexNet) runs the hybrid contender as a hybrid.
+    assert hybrid_scheme(CompareConfig().local_strategy) == "hybrid"
+    assert hybrid_scheme("layerwise") == "hybrid"
+    assert hybrid_scheme("processes") == "data"
+    assert hybrid_scheme("threads") == "data"
+
+
+def test_the_table_names_each_rows_scheme_and_local_strategy():
+    from hybriddl.compare.outputs import table_cells
+
+    row = {"name": "hybrid", "scheme": "data", "local_strategy": "processes K=2", "ranks": 2,
+           "seconds_per_step": 1.0, "seconds_per_step_vs_hybrid": 1.0,
+           "host_nic_bytes_per_step": [1e6, 1e6], "host_nic_bytes_theory": [1e6, 1e6],
+           "allreduce": "ring", "host_nic_bytes_vs_hybrid": 1.0,
+           "host_peak_rss_bytes": [1e8, 1e8], "host_peak_rss_vs_hybrid": 1.0}
+    cells = table_cells({"contenders": [row]})[0]
+    assert cells[:3] == ["hybrid", "data", "processes K=2"]
+
+
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_compare_runs_alexnet_with_processes_as_data_and_says_so(cli, tmp_path):
+    """AlexNet with a local strategy that cannot split (the README's compare line broke
+    this way when `processes` was compare's default): the hybrid contender averages."""
+    if CANNOT_EMULATE:
+        pytest.skip(CANNOT_EMULATE)
+    output = tmp_path / "out"
+    done = cli("compare", "--usecase", "SimpleBig", "--image-size", "64", "--batch-size", "8",
+               "--warmup", "1", "--steps", "1", "--hosts", "2", "--workers-per-host", "2",
+               "--local-strategy", "processes", "--contenders", "hybrid",
+               "--output", str(output), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    hybrid = json.loads((output / RESULT).read_text())["contenders"][0]
+    assert hybrid["scheme"] == hybrid["host_parallel"] == "data"
+    assert hybrid["local_strategy"] == "processes K=2"
+    assert "| hybrid | data | processes K=2 |" in (output / REPORT).read_text()

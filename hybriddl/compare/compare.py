@@ -4,7 +4,8 @@ Every contender runs, one after the other, on the same H emulated hosts (network
 namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 
 - hybrid:    one MPI rank per host, its local strategy over K workers, the classifier's
-             linear layers split across hosts (--host-parallel hybrid);
+             linear layers split across hosts (--host-parallel hybrid) where that strategy
+             can run the convolutions alone, the whole gradient averaged where it cannot;
 - data:      the same hosts averaging the whole gradient (--host-parallel data);
 - flat-mpi:  H*K ranks, one sequential worker each (Horovod's model), the MPI library's
              default collectives;
@@ -36,7 +37,7 @@ from hybriddl.compare.theory import host_nic_theory
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.rundir import check_new_run_dir, default_run_dir
-from hybriddl.strategies import STRATEGIES, Flat, Sequential, StrategyOptions
+from hybriddl.strategies import STRATEGIES, Flat, Sequential, StrategyOptions, StrategySpec
 
 # Open MPI's ring allreduce for the blocking path (coll/tuned) and the non-blocking one
 # (coll/libnbc, which --overlap's Iallreduce takes).
@@ -140,6 +141,7 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
         return python + ["hybriddl.cli.compare_worker", *options, *common, *result(name)]
 
     workers = [] if config.local_strategy == Sequential.name else ["--workers", str(k)]
+    split = hybrid_scheme(config.local_strategy)
     # The flat ranks of one host divide its cores among themselves; the hybrid's local
     # workers may need more workers than cores when hosts are small (said in the notes).
     flat = ["--strategy", Flat.name, "--overlap", "--fusion-mib", str(HOROVOD_FUSION_MIB)]
@@ -147,7 +149,7 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
     launches = {
         "hybrid": lambda: cluster.mpirun(worker("hybrid", "--strategy", config.local_strategy,
                                                 *workers, "--oversubscribe", "--overlap",
-                                                "--host-parallel", "hybrid"), mpirun=mpirun),
+                                                "--host-parallel", split), mpirun=mpirun),
         "data": lambda: cluster.mpirun(worker("data", "--strategy", config.local_strategy,
                                               *workers, "--oversubscribe", "--overlap",
                                               "--host-parallel", "data"), mpirun=mpirun),
@@ -169,6 +171,13 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
     algorithms = {"hybrid": "split", "data": "ring", FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
                   FLAT_RING: "ring", "ddp": "ring"}
     return Contender(name, ranks[name], launches[name](), algorithms[name])
+
+
+def hybrid_scheme(local_strategy: str) -> str:
+    """What the hybrid contender's hosts run: the classifier split across hosts where its
+    local strategy can run the convolutions alone, the whole gradient averaged where it
+    cannot (the table's scheme column says which ran)."""
+    return "hybrid" if STRATEGIES[local_strategy].runs_convolutions_alone else "data"
 
 
 # --------------------------------------------------------------------------- running
@@ -266,7 +275,9 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
                                  contender.algorithm, payload, config.hosts, contender.ranks)
     return {
         "name": contender.name, "ranks": contender.ranks, "workers": config.workers,
-        "strategy": records[0]["strategy"], "launch": contender.describe_launch(),
+        "strategy": records[0]["strategy"], "local_strategy": local_label(records[0]["strategy"]),
+        "scheme": scheme if contender.algorithm == "split" or contender.name == "data"
+        else contender.name, "launch": contender.describe_launch(),
         "allreduce": contender.algorithm if scheme != "data" or contender.algorithm != "split"
         else "ring", "host_parallel": scheme,
         "seconds_per_step": seconds, "step_seconds": per_step,
@@ -278,6 +289,13 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
         "host_peak_rss_bytes": [sum(r["peak_rss_bytes"] for r in mine)
                                 for mine in on_host.values()],
     }
+
+
+def local_label(strategy: dict) -> str:
+    """How a rank computed its part: its strategy's label (DDP's processes by name)."""
+    if strategy.get("name") in STRATEGIES:
+        return StrategySpec.from_dict(strategy).label
+    return f"{strategy.get('name')} x{strategy.get('processes', '?')}"
 
 
 def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:

@@ -12,7 +12,8 @@ REPORT = "comparison.md"
 
 # (key of a display row, header, format): the CLI's rich table and the Markdown share it.
 COLUMNS = [
-    ("name", "contender", "{}"), ("ranks", "ranks", "{:d}"),
+    ("name", "contender", "{}"), ("scheme", "scheme", "{}"), ("local_strategy", "local strategy", "{}"),
+    ("ranks", "ranks", "{:d}"),
     ("seconds_per_step", "s/step", "{:.3f}"),
     ("seconds_per_step_vs_hybrid", "s/step vs hybrid", "{:.2f}×"),
     ("nic_mb_per_step", "MB per host NIC /step", "{}"),

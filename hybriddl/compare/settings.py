@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hybriddl.run.settings import TrainConfig
-from hybriddl.strategies import Processes, StrategyOptions
+from hybriddl.strategies import IntraOp, StrategyOptions
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
@@ -54,7 +54,11 @@ class CompareConfig:
     settings: MeasureSettings = field(default_factory=MeasureSettings)
     hosts: int = 2  # H
     workers_per_host: int = 2  # K
-    local_strategy: str = Processes.name  # the hybrid hosts' strategy; the paper's fastest on CPU
+    # The hybrid hosts' strategy: one that runs the convolutions apart from the classifier,
+    # so the hybrid contender splits it (worker processes cannot: with them the hybrid
+    # contender averages the whole gradient, as data does, and the table says so). intraop
+    # was the fastest local strategy for AlexNet in scripts/scaling_e2e.py's cells.
+    local_strategy: str = IntraOp.name
     contenders: tuple[str, ...] = CONTENDERS
     output: str | None = None
     bandwidth: str | None = None  # every host's link rate, tc's units (1gbit)
