@@ -294,9 +294,26 @@ def test_command_block_runs_as_written(block: Block, tmp_path):
     if f"{VENV_BIN}/activate" in script and not (VENV_BIN / "activate").exists():
         pytest.skip(f"{block.id}: the tests do not run in a venv ({sys.executable})")
     folder = reader_folder(tmp_path)
-    env = hybriddl_env(PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    done = run_script(script, folder)
     assert done.returncode == 0, f"{block.id} failed (exit {done.returncode}):\n{script}\n" \
                                  f"{(done.stdout + done.stderr)[-4000:]}"
     check_outputs(script, folder)
+
+
+def run_script(script: str, folder: Path) -> subprocess.CompletedProcess:
+    """The block's script in bash, stopping at its first failing command."""
+    env = hybriddl_env(PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+
+def test_a_block_with_a_broken_command_fails(tmp_path):
+    """What a README edit that breaks a command meets: the block's exit is not 0."""
+    good = Block(REPO / "README.md", 1, ".venv/bin/hybriddl --version > version.txt\n", None)
+    broken = Block(REPO / "README.md", 1, ".venv/bin/hybriddl --no-such-flag\n"
+                   ".venv/bin/hybriddl --version > version.txt\n", None)
+    assert run_script(runnable(good)[0], tmp_path).returncode == 0
+    check_outputs(runnable(good)[0], tmp_path)
+    (tmp_path / "version.txt").unlink()
+    assert run_script(runnable(broken)[0], tmp_path).returncode == 2
+    assert not (tmp_path / "version.txt").exists()  # stopped at the broken command
