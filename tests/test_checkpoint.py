@@ -21,6 +21,7 @@ from torch import nn
 
 from held_run import Held
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
+from hybriddl.dropout import MASKS
 from hybriddl.run import checkpoint
 from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
 from hybriddl.cli import main
@@ -116,6 +117,8 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
         [r["train_loss"] for r in expected["epochs"]], rel=1e-6)
     assert metrics["resumes"][0]["epoch"] == resumed_at.epoch + 1
     assert metrics["resumes"][0]["step"] == resumed_at.step
+    # Same mask generator before and after: no note that the resume changed the draws.
+    assert metrics["config"]["dropout_masks"] == MASKS and "note" not in metrics["resumes"][0]
     assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybriddl.data.sharding import split_bounds
-from hybriddl.dropout import KeyedDropout, current_keys
+from hybriddl.dropout import KeyedDropout, current_keys, keep_mask
 
 # Layers that act on each value alone: a slice of their input gives the slice of their output.
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.Hardswish, nn.GELU, nn.SiLU, nn.Tanh, nn.Identity,
@@ -175,18 +175,20 @@ class RowLinear(nn.Module):
 
 class SlicedDropout(KeyedDropout):
     """KeyedDropout on columns [start, stop) of a layer `width` wide: each sample's mask is
-    the whole row's, drawn from its key, then sliced, so it is the mask one host holding the
-    whole layer would draw."""
+    the whole row's columns [start, stop), so it is the mask one host holding the whole
+    layer would draw."""
 
     def __init__(self, dropout: nn.Dropout, width: int, start: int, stop: int):
         super().__init__(dropout.p, getattr(dropout, "layer", 0))
         self.width, self.start, self.stop = width, start, stop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0 or current_keys() is None:
+        keys = current_keys()
+        if not self.training or self.p == 0.0 or keys is None:
             return super().forward(x)
-        whole = torch.ones((x.shape[0], self.width), dtype=x.dtype, device=x.device)
-        return x * super().forward(whole)[:, self.start:self.stop]
+        # The mask is a function of each element's index: draw only this host's columns.
+        keep = keep_mask(keys, self.layer, self.start, self.stop, self.p, x.device)
+        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, columns [{self.start}, {self.stop}) of {self.width}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hybriddl import data as datamod
-from hybriddl.dropout import dropout_keys, sample_keys
+from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
@@ -284,10 +284,16 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     # A resumed run may be extended or given another learning rate: the record follows.
     metrics["config"].update(epochs=config.epochs, max_steps=config.max_steps, lr=config.lr,
                              momentum=config.momentum, checkpoint_every=config.checkpoint_every)
-    metrics.setdefault("resumes", []).append({
+    resume = {
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
-        "host_parallel": host_parallel_record(prepared, hosts, scheme)})
+        "host_parallel": host_parallel_record(prepared, hosts, scheme)}
+    if metrics["config"].get("dropout_masks") != MASKS:
+        resume["note"] = (f"dropout masks drawn by {MASKS} from here on, by "
+                          f"{metrics['config'].get('dropout_masks') or 'mt19937 per sample'} "
+                          "before: the steps after this resume differ from the uninterrupted run")
+        metrics["config"]["dropout_masks"] = MASKS
+    metrics.setdefault("resumes", []).append(resume)
     return metrics
 
 
@@ -354,7 +360,8 @@ def config_record(prepared: PreparedRun, hosts, scheme) -> dict:
         "global_batch": config.batch_size, "image_size": config.image_size,
         "epochs": config.epochs, "max_steps": config.max_steps,
         "checkpoint_every": config.checkpoint_every, "lr": config.lr,
-        "momentum": config.momentum, "dropout": config.dropout, "seed": config.seed,
+        "momentum": config.momentum, "dropout": config.dropout, "dropout_masks": MASKS,
+        "seed": config.seed,
         "weights": prepared.start_weights,
         "torch": torch.__version__, "python": platform.python_version(),
     }
