@@ -295,7 +295,8 @@ def local_label(strategy: dict) -> str:
     """How a rank computed its part: its strategy's label (DDP's processes by name)."""
     if strategy.get("name") in STRATEGIES:
         return StrategySpec.from_dict(strategy).label
-    return f"{strategy.get('name')} x{strategy.get('processes', '?')}"
+    return f"{strategy.get('name')} (" + ", ".join(f"{key} {value}" for key, value in strategy.items()
+                                               if key != "name") + ")"
 
 
 def with_ratios(results: list[dict], baseline: str = "hybrid") -> list[dict]:
