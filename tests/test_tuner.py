@@ -634,3 +634,128 @@ def test_rounds_that_would_overrun_the_budget_are_not_started():
     assert [len(r.round_seconds) for r in results] == [2, 2, 2]
     assert all(r.note == "2 of 3 rounds fit the budget" for r in results)
     assert clock.now == 12
+
+
+# --------------------------------------------------------------------------- GPU hosts
+
+def gpu_host_candidates():
+    """What a one-GPU, 16-core host tunes at precision auto: about a hundred CPU variants,
+    the GPU's three numerics and the pipeline's micro-batch counts, in the registry's order
+    (gpu-threads needs two GPUs)."""
+    return enumerate_candidates(HostResources(cores=16, cuda_devices=1), 32, ALL, precision="auto")
+
+
+def gpu_host_costs(choice, step):
+    """Seconds per step as an H100 host measured them (issue 33), roughly: the GPU 9x the
+    best CPU candidate."""
+    if choice.name == "gpu":
+        return 0.012 if not choice.channels_last else 0.011
+    if choice.name == "pipeline":
+        return 0.03
+    if choice.name == "gpu-threads":
+        return 0.02
+    return 4.0 if choice == BASELINE else 0.106 * 16 / (choice.workers or 1) ** 0.5
+
+
+def test_a_gpu_host_measures_each_kind_first_and_picks_the_gpu():
+    clock = FakeClock()
+    candidates = gpu_host_candidates()
+    visited = []
+
+    def cost(choice, step):
+        if not visited or visited[-1] != choice:
+            visited.append(choice)
+        return gpu_host_costs(choice, step)
+
+    results = measure_candidates(candidates, cost_measure(clock, cost, steps=1), budget=120,
+                                 rounds=3, second_look=2, clock=clock)
+    kinds = [tuner.candidate_kind(c) for c in visited]
+    # The first of each device kind, the baseline, the best-guess CPU candidate: first.
+    assert kinds[:4] == ["gpu", "pipeline", "cpu", "cpu"]
+    assert visited[2] == BASELINE and visited[3].name == "intraop" and visited[3].workers == 16
+    pick = select_pick(results)
+    assert pick.name == "gpu"
+    by_choice = {r.choice: r for r in results}
+    assert by_choice[pick].speedup_over_gpu is not None and by_choice[pick].speedup > 100
+    # CPU variations cannot win once a GPU step is several times faster: not started.
+    outrun = [r for r in results if tuner.candidate_kind(r.choice) == "cpu"
+              and r.choice not in visited]
+    assert len(outrun) > 50
+    assert all(r.note.startswith("not started: a gpu step measured") for r in outrun)
+    # ... so the GPU's numerics got every round and the second look.
+    assert all(len(r.round_seconds) >= 3 for r in results if r.choice.name == "gpu")
+
+
+def test_every_kind_is_measured_before_a_tight_budget_is_spent():
+    clock = FakeClock()
+    results = measure_candidates(gpu_host_candidates(),
+                                 cost_measure(clock, gpu_host_costs, steps=1), budget=10,
+                                 rounds=1, clock=clock)
+    measured = {tuner.candidate_kind(r.choice) for r in results if r.measured}
+    assert measured == {"gpu", "pipeline", "cpu"}
+    assert select_pick(results).name == "gpu"
+
+
+def test_a_kind_that_can_still_win_keeps_its_variations():
+    """A GPU only 1.5x faster than the CPU: the CPU variations are measured too."""
+    clock = FakeClock()
+
+    def cost(choice, step):
+        return 0.1 if choice.name in ("gpu", "pipeline", "gpu-threads") else (
+            1.0 if choice == BASELINE else 0.15)
+
+    results = measure_candidates(gpu_host_candidates()[:30] + gpu_host_candidates()[-8:],
+                                 cost_measure(clock, cost, steps=1), budget=1000, clock=clock)
+    assert all(r.measured for r in results)
+
+
+def test_a_cpu_host_keeps_the_registry_order():
+    cpu = enumerate_candidates(HostResources(cores=4), 32, ALL)
+    assert tuner.scouts(cpu, [tuner.candidate_kind(c) for c in cpu]) == []
+
+
+class FakeDevice(STRATEGIES["sequential"]):
+    """A registered "device" strategy as the registry's toy pattern adds one: its step only
+    zeroes the gradient, so it is far faster than any CPU step."""
+
+    name = "fake-device"
+    summary = "a device that computes nothing, registered by a test"
+    needs_gpu = True
+
+    @classmethod
+    def tuning_candidates(cls, host, batch_size):
+        return [StrategySpec(cls.name)]
+
+    def compute_gradients(self, x, y):
+        from hybriddl.strategies import StepStats
+
+        for parameter in self.model.parameters():
+            if parameter.grad is None:
+                parameter.grad = parameter.detach().new_zeros(parameter.shape)
+        return StepStats(len(y), 0.0)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    from hybriddl import strategies
+
+    saved = dict(STRATEGIES)
+    strategies.register(FakeDevice)
+    monkeypatch.setattr(HostResources, "here", classmethod(lambda cls: cls(cores=2)))
+    yield FakeDevice
+    STRATEGIES.clear()
+    STRATEGIES.update(saved)
+
+
+@pytest.mark.slow
+def test_tune_host_measures_a_registered_fast_device_early_and_picks_it(fake_device):
+    profile = tuner.tune_host(TINY, tiny_images(), budget=120, steps=1, rounds=2, second_look=1)
+    by_name = {}
+    for c in profile.candidates:
+        by_name.setdefault(c.choice.name, []).append(c)
+    assert profile.pick == StrategySpec("fake-device")
+    assert by_name["fake-device"][0].measured and by_name["sequential"][0].measured
+    # The CPU variations other than the baseline and the best guess were outrun.
+    cpu = [c for c in profile.candidates if c.choice.name not in ("fake-device", "sequential")]
+    assert sum(c.measured for c in cpu) == 1
+    assert all("fake-device step measured" in c.note for c in cpu if not c.measured)

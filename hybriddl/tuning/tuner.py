@@ -29,6 +29,15 @@ last visits of its candidates predict that it fits in what is left, each visit w
 equal share of that; a tight budget thus costs rounds (the note says how many fit), not
 candidates. A candidate that cannot time a step in a later round leaves the race with
 the rounds it had, and its note says why.
+
+GPU hosts: on a host with GPUs a hundred CPU variants would share out the budget before
+the GPU was reached (seen on an H100 host: auto picked a CPU step 9x slower than the GPU's).
+Candidates come in kinds (`candidate_kind`: cpu, gpu, pipeline, ...); every round first
+visits the scouts (`scouts`: the first candidate of each device kind, the baseline, the
+best-guess CPU candidate), each keeping a share for everyone after it, so every kind is
+measured before the variations share the rest. A variation is not started, and leaves
+the race in later rounds, once another kind's fastest step is DEVICE_DOMINANCE times
+faster than its own kind's.
 """
 
 from __future__ import annotations
@@ -69,6 +78,11 @@ TUNE_TIMED_STEPS = 2  # per visit
 SECOND_LOOK_ROUNDS = 2
 SECOND_LOOK_SPAN = 0.10
 SECOND_LOOK_MOST = 4
+# On a host with GPUs: a kind (cpu, gpu, pipeline) whose fastest measured step is this many
+# times another kind's fastest cannot win, and its remaining variations are not measured.
+# On an H100 host AlexNet's GPU step was 9x the best CPU candidate's (issue 33); variations
+# of numerics or workers moved a kind's step by 1.2-2x at most in the profiles here.
+DEVICE_DOMINANCE = 3.0
 # A runner-up within this much of the fastest, and within the noise, ties with it; kept
 # below check_tune's 5 % so a tie never costs more than the check allows.
 TIE_TOLERANCE = 0.03
@@ -122,10 +136,35 @@ class TuneObserver:
     def on_candidate_end(self, index: int, result: CandidateResult) -> None: ...
 
 
+def candidate_kind(choice: StrategySpec) -> str:
+    """What a candidate computes on, as the tuner groups them: each GPU strategy is a kind
+    of its own (gpu, pipeline, ...), every CPU strategy is "cpu"."""
+    cls = STRATEGIES.get(choice.name)
+    return choice.name if cls is not None and cls.needs_gpu else "cpu"
+
+
+def scouts(candidates: list[StrategySpec], kinds: list[str]) -> list[int]:
+    """Where several kinds compete (a GPU host): the first candidate of each device kind,
+    the baseline and the best-guess CPU candidate (the most workers of the first CPU
+    strategy listed), measured first in every round so that every kind has a measured step
+    before the budget is shared out among the variations. None on a host of one kind."""
+    if len(set(kinds)) <= 1:
+        return []
+    everyone = range(len(candidates))
+    devices = [kinds.index(kind) for kind in dict.fromkeys(kinds) if kind != "cpu"]
+    baseline = [i for i in everyone if is_the_baseline(candidates[i])]
+    cpu = [i for i in everyone if kinds[i] == "cpu" and i not in baseline]
+    guess = [max(cpu, key=lambda i: (candidates[i].name == candidates[cpu[0]].name,
+                                     candidates[i].workers or 0, -i))] if cpu else []
+    return devices + baseline + guess
+
+
 def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budget: float,
                        warmup: int = 1, steps: int = 5, rounds: int = 1, second_look: int = 0,
                        clock: Callable[[], float] = time.monotonic,
-                       observer: TuneObserver | None = None) -> list[CandidateResult]:
+                       observer: TuneObserver | None = None,
+                       kind_of: Callable[[StrategySpec], str] = candidate_kind
+                       ) -> list[CandidateResult]:
     """Measure the candidates in interleaved rounds within the budget (see the module docstring).
 
     Round r visits every candidate still in the race once (A B C A B C ...): a visit is
@@ -138,10 +177,29 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
     observer = observer or TuneObserver()
     started = clock()
     states = [_Candidate(choice) for choice in candidates]
+    kinds = [kind_of(choice) for choice in candidates]
+    first = scouts(candidates, kinds)
+    order = first + [i for i in range(len(states)) if i not in first]
+    scouting = set(first)
+
+    def outrun(index: int) -> str | None:
+        """Why candidate `index` cannot win any more: a measured step of another kind is
+        DEVICE_DOMINANCE times faster than the fastest of its own kind; None while it can."""
+        fastest: dict[str, float] = {}
+        for state, kind in zip(states, kinds):
+            # The baseline (one core) says nothing of what its kind's variations can do.
+            if state.figures and not is_the_baseline(state.choice):
+                fastest[kind] = min(fastest.get(kind, math.inf), statistics.median(state.figures))
+        mine = fastest.get(kinds[index])
+        best = min(fastest, key=fastest.get, default=None)
+        if mine is None or best is None or mine < DEVICE_DOMINANCE * fastest[best]:
+            return None
+        return (f"a {best} step measured {mine / fastest[best]:.1f}x faster than any "
+                f"{kinds[index]} step")
 
     def run_round(number: int, indices: list[int], second: bool) -> bool:
         """Visit the candidates of `indices` still in the race; False: it would not fit."""
-        racing = [i for i in indices if states[i].in_race]
+        racing = [i for i in order if i in indices and states[i].in_race]
         if not racing:
             return True
         if number > 1:
@@ -152,11 +210,18 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
         for position, index in enumerate(racing):
             state = states[index]
             now = clock()
-            share = max(budget - (now - started), 0.0) / (len(racing) - position)
+            left = max(budget - (now - started), 0.0)
+            # A scout (the first of each kind) keeps a share for everyone after it.
+            share = (left / (len(scouting & set(racing[position:])) + 1) if index in scouting
+                     else left / (len(racing) - position))
             observer.on_candidate_start(index, state.choice, share)
             is_baseline = is_the_baseline(state.choice)
             if share <= 0 and not is_baseline:
                 state.stop("not started: the budget was spent")
+                continue
+            if not is_baseline and (index not in scouting or state.figures) and \
+                    (why := outrun(index)):
+                state.stop(("not started: " if not state.figures else "left the race: ") + why)
                 continue
             _visit_one(index, state, measure, now + share, share, is_baseline, warmup, steps,
                        clock, observer)
@@ -284,7 +349,10 @@ def add_speedups(results: list[CandidateResult]) -> None:
     """Speedup = t_baseline / t_candidate (the paper's definition), over one core and one GPU."""
     measured = [r for r in results if r.measured]
     cpu = next((r for r in measured if is_the_baseline(r.choice)), None)
-    gpu = next((r for r in measured if r.choice.name == Gpu.name), None)
+    gpus = [r for r in measured if r.choice.name == Gpu.name]
+    # The GPU baseline: the plain loop in float32 where it was measured.
+    gpu = next((r for r in gpus if (r.choice.precision, r.choice.channels_last) == ("fp32", False)),
+               gpus[0] if gpus else None)
     for r in measured:
         r.speedup = cpu.seconds_per_step / r.seconds_per_step if cpu else None
         r.speedup_over_gpu = gpu.seconds_per_step / r.seconds_per_step if gpu else None
