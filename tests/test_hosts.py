@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -144,3 +147,38 @@ def test_a_steps_interface_bytes_run_from_the_previous_steps_end():
     meter.step_done(bytes_at_start=0, compute_seconds=0.0, comm_seconds=0.0,
                     nic_at_start=start, nic_at_end=counter + 60)
     assert meter.epoch_figures()["nic_bytes_sent"] == 10
+
+
+def test_an_aborting_rank_waits_until_its_pipes_are_read():
+    from hybriddl.hosts.mpi import _unread_bytes, let_mpirun_read_output
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"rank 0 on h0: rank 1 on host h1 failed while averaging\n")
+        assert _unread_bytes(write_end) > 0
+        reader = threading.Thread(target=os.read, args=(read_end, 4096))
+        started = time.monotonic()
+        reader.start()
+        let_mpirun_read_output((write_end,), seconds=30)
+        assert time.monotonic() - started < 10  # it returned on the read, not the allowance
+        assert _unread_bytes(write_end) == 0
+        reader.join()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_an_aborting_rank_gives_up_on_a_pipe_nobody_reads():
+    from hybriddl.hosts.mpi import _unread_bytes, let_mpirun_read_output
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"unread\n")
+        started = time.monotonic()
+        let_mpirun_read_output((write_end,), seconds=0.3)
+        assert 0.3 <= time.monotonic() - started < 5
+        assert _unread_bytes(write_end) == 7
+        assert _unread_bytes(99999) == 0  # a closed descriptor: nothing to wait for
+    finally:
+        os.close(read_end)
+        os.close(write_end)

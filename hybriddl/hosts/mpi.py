@@ -14,9 +14,13 @@ deadline (--host-timeout).
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import pickle
+import stat
+import sys
+import termios
 import threading
 import time
 
@@ -39,6 +43,9 @@ PIECE_BYTES = 8 * 2**20
 # The link measurement at start: large enough that latency is a small part of it.
 LINK_PROBE_BYTES = 8 * 2**20
 LINK_PROBE_TAG = 7301
+# How long an aborting rank waits for mpirun to read what it last wrote (see
+# `let_mpirun_read_output`).
+OUTPUT_READ_SECONDS = 2.0
 
 
 def library_versions() -> dict:
@@ -532,7 +539,41 @@ class MPIHosts(Hosts):
         self.MPI.Finalize()
 
     def abort(self, exit_code: int) -> None:
+        let_mpirun_read_output((1, 2), OUTPUT_READ_SECONDS)
         self.comm.Abort(exit_code)
+
+
+def let_mpirun_read_output(fds: tuple[int, ...], seconds: float) -> None:
+    """Flush Python's streams, then wait (at most `seconds`) until whoever reads the pipes
+    among `fds` has read every byte written to them.
+
+    MPI_Abort has mpirun kill every rank and exit at once, and a rank's output reaches the
+    terminal only once the daemon of its host has read it from the rank's pipe: the line
+    that says which rank failed, written just before the abort, was lost now and then
+    (issue 34). Once the daemon has read it, mpirun writes it out before it exits. A pty
+    (Open MPI's stdout) or a file has no such wait.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    deadline = time.monotonic() + seconds
+    for fd in fds:
+        while _unread_bytes(fd) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes still in the pipe `fd` (0 when `fd` is no pipe, or closed)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        count = bytearray(4)
+        fcntl.ioctl(fd, termios.FIONREAD, count)
+    except OSError:
+        return 0
+    return int.from_bytes(count, sys.byteorder)
 
 
 def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
