@@ -196,8 +196,10 @@ class TrainDisplay:
             return
         self._samples += samples
         self._seconds += seconds
+        # loss: the mean since it was last read back (None until then: keep the shown one).
+        fields = {} if loss is None else {"loss": loss}
         self.progress.update(self.task, advance=1, rate=self._samples / max(self._seconds, 1e-9),
-                             loss=loss)
+                             **fields)
 
     def on_epoch_end(self, record: dict) -> None:
         self.records.append(record)
@@ -294,5 +296,6 @@ def show_start_weights(record: dict) -> None:
     head = record.get("replaced_head")
     replaced = (f"; its {head['file_classes']}-class head {head['layer']} replaced by a "
                 f"re-initialised {head['classes']}-class one" if head else "")
-    console.print(f"starting from weights {record['file']} (sha256 {record['sha256'][:12]}){replaced}",
+    named = f"torchvision's {record['name']}, " if record.get("name") else ""
+    console.print(f"starting from weights {named}{record['file']} (sha256 {record['sha256'][:12]}){replaced}",
                   markup=False, highlight=False, soft_wrap=True)

@@ -210,14 +210,16 @@ class BatchPrefetcher:
     """Assembles the next batches in a background thread so the step never waits on data.
 
     Iterating yields (HostShare, x, y): `share(batch)` says which part of each global
-    batch is this host's, and x, y are that part's samples. `wait_seconds` adds up the
+    batch is this host's, and x, y are that part's samples; `stage(x)` runs here too (a
+    GPU strategy copies the images to its device while the step before computes). `wait_seconds` adds up the
     time the training loop spent blocked here (the metric `data_wait_seconds`).
     """
 
     def __init__(self, images: ImageSet, batches: list[GlobalBatch], transform: BatchTransform,
-                 share: Callable[[GlobalBatch], HostShare] = HostShare.whole, depth: int = 2):
+                 share: Callable[[GlobalBatch], HostShare] = HostShare.whole, depth: int = 2,
+                 stage: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
         self._images, self._batches, self._transform = images, batches, transform
-        self._share = share
+        self._share, self._stage = share, stage
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.wait_seconds = 0.0
@@ -230,7 +232,7 @@ class BatchPrefetcher:
             for batch in self._batches:
                 share = self._share(batch)
                 mine = share.part
-                x = self._transform(self._images.images[mine.indices], mine.flips)
+                x = self._stage(self._transform(self._images.images[mine.indices], mine.flips))
                 if not self._offer((share, x, self._images.labels[mine.indices])):
                     return
             self._offer(None)

@@ -66,16 +66,24 @@ class EpochProgress:
     steps: int = 0
     global_samples: int = 0  # samples over all hosts (for images per second)
     samples: int = 0  # this host's samples
-    loss_sum: float = 0.0  # this host's sum of per-sample losses
+    # This host's sum of per-sample losses: while the epoch runs, a tensor on the device
+    # that computed it may stand here (reading it back waits for the device); `settle`
+    # makes it a float.
+    loss_sum: float = 0.0
     seconds: float = 0.0
     data_wait_seconds: float = 0.0
 
-    def add_step(self, global_samples: int, samples: int, loss_sum: float, seconds: float) -> None:
+    def add_step(self, global_samples: int, samples: int, loss_sum, seconds: float) -> None:
         self.steps += 1
         self.global_samples += global_samples
         self.samples += samples
-        self.loss_sum += loss_sum
+        self.loss_sum = self.loss_sum + loss_sum
         self.seconds += seconds
+
+    def settle(self) -> float:
+        """The loss sum as a float (read back from its device where it is a tensor)."""
+        self.loss_sum = float(self.loss_sum)
+        return self.loss_sum
 
 
 @dataclass
@@ -415,6 +423,11 @@ class Checkpointer:
         self.position = Position(epoch, 0, self.position.steps_done)
         return EpochProgress()
 
+    def saves_next_step(self) -> bool:
+        """True when the coming step_done writes a checkpoint for --checkpoint-every (a stop
+        asked for may make it write one too)."""
+        return self.every is not None and (self.position.steps_done + 1) % self.every == 0
+
     def step_done(self, progress: EpochProgress) -> None:
         self.position.step += 1
         self.position.steps_done += 1
@@ -467,7 +480,7 @@ class Checkpointer:
 
     def save(self, progress: EpochProgress, metrics: dict | None = None) -> None:
         # Collective: every host contributes its loss sum, so rank 0 can store the total.
-        mean_loss = self.hosts.mean_over_hosts(progress.loss_sum, progress.samples)
+        mean_loss = self.hosts.mean_over_hosts(progress.settle(), progress.samples)
         self.wait_for_write()  # its staging buffers are about to be overwritten
         if self._preparing is not None:
             self._staging, self._preparing = self._preparing.result(), None

@@ -9,6 +9,7 @@ update. Nothing here knows which strategy ran.
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import resource
 import time
@@ -49,7 +50,10 @@ class TrainingObserver:
     def on_data_progress(self, done: int, total: int) -> None: ...
     def on_start(self, info: dict) -> None: ...
     def on_epoch_start(self, epoch: int, steps: int) -> None: ...
-    def on_step(self, epoch: int, step: int, samples: int, seconds: float, loss: float) -> None: ...
+    # loss: the mean per-sample loss of the steps since it was last read back from the
+    # device (every step on a CPU; about every LossReader.READ_SECONDS on a GPU), or None.
+    def on_step(self, epoch: int, step: int, samples: int, seconds: float,
+                loss: float | None) -> None: ...
     def on_epoch_end(self, record: dict) -> None: ...
 
 
@@ -64,7 +68,7 @@ class PreparedRun:
     run_dir: Path
     strategy_choice: dict | None = None  # auto: the profile and figures behind the strategy
     resume: ckpt.Checkpoint | None = None
-    start_weights: dict | None = None  # --weights: file, sha256, the head replaced
+    start_weights: dict | None = None  # --weights: name, file, sha256, the head replaced
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
@@ -101,7 +105,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     model = build_model(config.model, len(split.classes), config.dropout)
     check_image_size(model, config.image_size, len(split.classes))
     # A resumed run's model comes from its checkpoint, whatever it started from.
-    start = (load_start_weights(model, config.weights, len(split.classes))
+    start = (load_start_weights(model, config.weights, len(split.classes), config.model)
              if config.weights and resume is None else None)
     if strategy is not None:
         strategy.check_model(model)  # before the run directory exists
@@ -219,7 +223,9 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     waited_before = progress.data_wait_seconds
     hosts.traffic.begin_epoch()
     step_seconds = []
-    with datamod.BatchPrefetcher(split.train, batches, transform, share=hosts.share) as prefetch:
+    loss = LossReader(progress)
+    with datamod.BatchPrefetcher(split.train, batches, transform, share=hosts.share,
+                                 stage=strategy.stage_batch) as prefetch:
         for share, x, y in prefetch:
             step = share.batch.step
             step_started = time.perf_counter()
@@ -227,9 +233,6 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                     dropout_keys(sample_keys(seed, epoch, share.part.indices)):
 
                 def average(stats: StepStats) -> None:
-                    if not torch.isfinite(torch.tensor(stats.loss)):
-                        raise TrainingError(f"loss became {stats.loss} at epoch {epoch + 1}, "
-                                            f"step {step + 1}: lower --lr; {keeper.kept()}")
                     average_over_hosts(stats.samples)
 
                 def gradients(strategy, x, y, share=share):
@@ -250,17 +253,48 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             progress.data_wait_seconds = waited_before + prefetch.wait_seconds
             last = now
             step_seconds.append(now - step_started)
-            observer.on_step(epoch, step, share.global_samples, now - step_started, stats.loss)
+            if loss.due(stats.loss_sum, now) or keeper.saves_next_step():
+                loss.read(progress, now, f"epoch {epoch + 1}, step {step + 1}", keeper.kept)
+            observer.on_step(epoch, step, share.global_samples, now - step_started, loss.last)
             keeper.step_done(progress)
+    loss.read(progress, time.perf_counter(), f"the end of epoch {epoch + 1}", keeper.kept)
     # mpi_bytes_sent, comm/compute seconds, per step and per rank
     traffic = hosts.traffic.epoch_record(hosts.allgather)
     traffic["per_step"]["seconds"] = [round(s, 6) for s in step_seconds]
     return {"epoch": epoch + 1, "steps": progress.steps, "samples": progress.global_samples,
             "seconds": progress.seconds,
             "images_per_second": progress.global_samples / max(progress.seconds, 1e-9),
-            "train_loss": hosts.mean_over_hosts(progress.loss_sum, progress.samples),
+            "train_loss": hosts.mean_over_hosts(progress.settle(), progress.samples),
             "data_wait_seconds": progress.data_wait_seconds,
             "started_at": started_at, "ended_at": time.time(), **traffic}
+
+
+class LossReader:
+    """The epoch's running loss, read back where a strategy leaves it on a device only
+    every READ_SECONDS (for the progress bar) and before a checkpoint: a read makes the
+    host wait for the device, and a read every step kept a GPU step from being queued
+    while the last one ran. A loss on the CPU is read every step. A loss that is not
+    finite stops the run at its read, before the next checkpoint, naming the step."""
+
+    READ_SECONDS = 0.5
+
+    def __init__(self, progress):
+        self.last: float | None = None
+        self.read_at = -math.inf
+        self._sum, self._samples = progress.settle(), progress.samples
+
+    def due(self, loss_sum, now: float) -> bool:
+        on_device = isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu"
+        return not on_device or now - self.read_at >= self.READ_SECONDS
+
+    def read(self, progress, now: float, where: str, kept) -> None:
+        total = progress.settle()
+        if not math.isfinite(total):
+            raise TrainingError(f"loss became {total} by {where}: lower --lr; {kept()}")
+        if progress.samples > self._samples:
+            # The mean over the steps since the last read (the step's own on a CPU).
+            self.last = (total - self._sum) / (progress.samples - self._samples)
+        self._sum, self._samples, self.read_at = total, progress.samples, now
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:

@@ -122,6 +122,16 @@ class LocalStrategy(ABC):
     def after_step(self) -> None:
         """Called after the optimizer updated the master parameters."""
 
+    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The next batch's images where the step will want them; called by the prefetch
+        thread while the current step computes (a GPU strategy copies them to its device
+        there). The images as they are by default."""
+        return x
+
+    def synchronize(self) -> None:
+        """Wait until the work queued so far on this strategy's devices is done: before a
+        clock is read (a GPU step returns when its kernels are queued, not run)."""
+
     def evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Logits for x in eval mode (validation); strategies may override for speed."""
         assert self.model is not None

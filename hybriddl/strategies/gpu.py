@@ -1,4 +1,12 @@
-"""The GPU baseline: the plain loop, with the model on one CUDA device."""
+"""The GPU baseline: the plain loop, with the model on one CUDA device.
+
+At plain PyTorch's speed (torchvision's reference training script does the same): the
+next batch is pinned and copied to the device on a side stream by the prefetch thread
+(`stage_batch`) while the current step computes; nothing in the step makes the host wait
+for the device (dropout masks are drawn on the device, the loss stays there until the
+trainer reads it for progress), so the host queues the next step's kernels while the
+device runs this one. `--devices cpu` runs the same code on the CPU (how CI tests it).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +14,18 @@ import time
 
 import torch
 
+from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.strategies.base import LocalStrategy, PlainConvolutions, StepStats, criterion, run_forward
 from hybriddl.strategies.resources import parse_devices, require_cuda
-from hybriddl.strategies.spec import StrategySpec
+from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 
 
 class Gpu(PlainConvolutions, LocalStrategy):
     name = "gpu"
     summary = "one GPU, the plain loop: the GPU baseline"
     needs_gpu = True
+    example_options = StrategyOptions(devices=("cpu",))
 
     @classmethod
     def tuning_candidates(cls, host, batch_size: int) -> list[StrategySpec]:
@@ -24,15 +34,17 @@ class Gpu(PlainConvolutions, LocalStrategy):
 
     @classmethod
     def check_feasible(cls, options) -> None:
-        require_cuda(cls.name)
+        if not options.devices:
+            require_cuda(cls.name)
         devices = parse_devices(options, ("cuda:0",))
-        if len(devices) != 1 or devices[0].type != "cuda":
+        if len(devices) != 1:
             raise UsageError(f"--devices {','.join(options.devices)}: strategy 'gpu' takes one "
-                             "CUDA device, e.g. --devices cuda:0")
+                             "device, e.g. --devices cuda:0")
 
     def __init__(self, options):
         super().__init__(options)
         self._device = parse_devices(options, ("cuda:0",))[0]
+        self._copies: torch.cuda.Stream | None = None  # the side stream batches arrive on
 
     def describe(self) -> dict:
         return {"name": self.name, "devices": [str(self._device)], **self.numerics()}
@@ -43,11 +55,33 @@ class Gpu(PlainConvolutions, LocalStrategy):
 
     def setup(self, model) -> None:
         super().setup(model.to(self._device))
+        if self._device.type == "cuda":
+            self._copies = torch.cuda.Stream(self._device)
+
+    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch's images on the device, copied from pinned memory on the side stream;
+        called by the prefetch thread ahead of the step that uses them."""
+        if self._copies is None:
+            return x
+        with torch.cuda.stream(self._copies):
+            return x.pin_memory().to(self._device, non_blocking=True)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
+        if self._copies is not None:
+            compute = torch.cuda.current_stream(self._device)
+            compute.wait_stream(self._copies)  # the staged batch has arrived
+            if x.device == self._device:
+                x.record_stream(compute)  # allocated on the side stream, freed after this one
         x = x.to(self._device, non_blocking=True)
         y = y.to(self._device, non_blocking=True)
-        loss = criterion(run_forward(self.model, x, self.options), y)
+        keys = current_keys()
+        with dropout_keys(None if keys is None else keys.to(self._device, non_blocking=True)):
+            loss = criterion(run_forward(self.model, x, self.options), y)
         loss.backward()
-        return StepStats(len(y), loss.item() * len(y), time.perf_counter() - started)
+        # The loss stays on the device: reading it would make the host wait for the step.
+        return StepStats(len(y), loss.detach() * len(y), time.perf_counter() - started)
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)

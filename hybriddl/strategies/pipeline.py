@@ -13,6 +13,7 @@ into disjoint parameters (one stage each), so no .grad is shared between threads
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -32,6 +33,30 @@ from hybriddl.usecases import PIPELINE_SPLITS
 MICRO_BATCHES = (1, 2, 4, 8)  # M the tuner tries
 
 DEFAULT_DEVICES = ("cuda:0", "cuda:1")
+
+
+def _on(stream):
+    """Queue on `stream` (a CUDA stream), or as usual where it is None (a CPU stage)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _ready(stream):
+    """An event marking what `stream` has queued so far (None on a CPU stage)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _follow(stream, event) -> None:
+    """Make `stream` wait for `event`, or for its device's current stream where None."""
+    if stream is None:
+        return
+    if event is None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    else:
+        stream.wait_event(event)
 
 
 def pipeline_model_name(model: nn.Module) -> str:
@@ -89,6 +114,8 @@ class Pipeline(LocalStrategy):
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.second_stage: threading.Thread | None = None
+        self.streams: tuple = (None, None)
+        self._marks = []
 
     def describe(self) -> dict:
         return {"name": self.name, "micro_batches": self.micro_batches,
@@ -103,6 +130,11 @@ class Pipeline(LocalStrategy):
         # Module.to() moves parameters in place: the model's own parameters now live on
         # the stage devices, and the optimizer built on model.parameters() updates them.
         self.stages = (first.to(self.devices[0]), second.to(self.devices[1]))
+        # On CUDA each stage queues on a stream of its own, so that micro-batch m + 1's
+        # first stage runs on the device while m's second stage does, even with both
+        # stages on one GPU (one stream would run them one after the other).
+        self.streams = tuple(torch.cuda.Stream(d) if d.type == "cuda" else None
+                             for d in self.devices)
         super().setup(model)
         self.second_stage = threading.Thread(target=self._second_stage_loop,
                                              name="hybriddl-pipeline-stage-2", daemon=True)
@@ -113,41 +145,98 @@ class Pipeline(LocalStrategy):
         first, _ = self.stages
         n = len(y)
         parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.micro_batches) if b > a]
+        for stream in self.streams:  # the optimizer's update of the parameters comes first
+            _follow(stream, None)
         x = x.to(self.devices[0], non_blocking=True)
         y = y.to(self.devices[1], non_blocking=True)
         activations = []
-        for a, b in parts:  # fill
-            keys = current_keys(a, b)  # the stage-2 thread sees no keys of its own
-            with dropout_keys(keys):
-                activation = first(x[a:b])
-            activations.append(activation)
-            self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n, keys))
+        with _on(self.streams[0]):
+            for m, (a, b) in enumerate(parts):  # fill
+                keys = current_keys(a, b)  # the stage-2 thread sees no keys of its own
+                with dropout_keys(keys), self._busy(0, m):
+                    activation = first(x[a:b])
+                activations.append(activation)
+                self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n,
+                                keys, m, _ready(self.streams[0])))
         loss_sum, failure = 0.0, None
-        for activation in activations:  # drain, in micro-batch order
-            reply = self.outbox.get()
-            if reply[0] == "error":
-                failure = failure or reply[1]
-            elif failure is None:
-                _, activation_grad, micro_loss_sum = reply
-                activation.backward(activation_grad.to(self.devices[0]))
-                loss_sum += micro_loss_sum
+        with _on(self.streams[0]):
+            for m, activation in enumerate(activations):  # drain, in micro-batch order
+                reply = self.outbox.get()
+                if reply[0] == "error":
+                    failure = failure or reply[1]
+                elif failure is None:
+                    _, activation_grad, micro_loss_sum, ready = reply
+                    _follow(self.streams[0], ready)
+                    with self._busy(0, m):
+                        activation.backward(activation_grad.to(self.devices[0]))
+                    loss_sum = loss_sum + micro_loss_sum
         if failure is not None:
             raise failure
+        for device, stream in zip(self.devices, self.streams):  # the optimizer runs after
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
         return StepStats(n, loss_sum, time.perf_counter() - started,
                          {"micro_batches": len(parts)})
 
     def _second_stage_loop(self) -> None:
         _, second = self.stages
+        stream = self.streams[1]
         while (message := self.inbox.get()) is not None:
-            activation, y, weight, keys = message
+            activation, y, weight, keys, m, ready = message
             try:
-                activation.requires_grad_()
-                with dropout_keys(keys):
-                    loss = criterion(second(activation), y)
-                (loss * weight).backward()
-                self.outbox.put(("grad", activation.grad, loss.item() * len(y)))
+                with _on(stream):
+                    _follow(stream, ready)
+                    if stream is not None:
+                        activation.record_stream(stream)  # made on the first stage's stream
+                    activation.requires_grad_()
+                    with dropout_keys(keys), self._busy(1, m):
+                        loss = criterion(second(activation), y)
+                        (loss * weight).backward()
+                    self.outbox.put(("grad", activation.grad, loss.detach() * len(y),
+                                     _ready(stream)))
             except Exception as exc:  # handed to the master, which raises it
                 self.outbox.put(("error", exc))
+
+    # ------------------------------------------------------------------ timeline
+    # Per-stage busy time, to show that the stages overlap (scripts/bench_gpu.py): with
+    # `record_timeline` set, each stage's work on each micro-batch is bracketed by CUDA
+    # events (a clock on CPU devices); `timeline()` reads them after the step.
+    record_timeline = False
+
+    @contextlib.contextmanager
+    def _busy(self, stage: int, micro_batch: int):
+        if not self.record_timeline:
+            yield
+            return
+        stream = self.streams[stage]
+        if stream is None:
+            began = time.perf_counter()
+            yield
+            self._marks.append((stage, micro_batch, began, time.perf_counter()))
+            return
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record(stream)
+        yield
+        ended.record(stream)
+        self._marks.append((stage, micro_batch, began, ended))
+
+    def timeline(self) -> list[dict]:
+        """The recorded intervals since the last call, in milliseconds from the first:
+        [{"stage": 1 or 2, "micro_batch": m, "start_ms", "end_ms"}]."""
+        marks, self._marks = self._marks, []
+        if not marks:
+            return []
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        origin = marks[0][2]
+
+        def ms(mark) -> float:
+            return (origin.elapsed_time(mark) if isinstance(mark, torch.cuda.Event)
+                    else (mark - origin) * 1e3)
+
+        return sorted(({"stage": stage + 1, "micro_batch": m, "start_ms": ms(a), "end_ms": ms(b)}
+                       for stage, m, a, b in marks), key=lambda r: r["start_ms"])
 
     def evaluate(self, x):
         first, second = self.stages

@@ -116,9 +116,12 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
         strategy.setup(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         warm, seconds, peak = [], [], tree_memory()
+        x = strategy.stage_batch(x)  # on the device already, as training's prefetch leaves it
+        strategy.synchronize()
         for step in range(warmup + steps):
             started = time.perf_counter()
             optimizer_step(strategy, optimizer, x, y)
+            strategy.synchronize()  # a GPU step returns when it is queued
             elapsed = time.perf_counter() - started
             peak = tuple(map(max, peak, tree_memory()))
             if step >= warmup:

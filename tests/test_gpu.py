@@ -1,0 +1,192 @@
+"""GPU strategies on a CUDA device, and the GPU code paths that run on CPU devices in CI.
+
+On a GPU the equivalence is checked against the plain loop on the same device (`gpu`,
+sequential SGD there) within 1e-5, with TF32 off and cuDNN deterministic for that
+comparison, and against the CPU baseline within GPU_VS_CPU: GPU kernels sum in another
+order than the CPU (on an H100 the first conv weight of AlexNet differed by 1.8e-6
+after 3 steps, 3.5e-6 of its largest value). Without CUDA each such test says why it skips.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import hybriddl_env
+from test_strategies import assert_same_parameters, sequential_parameters, slim_model, train
+from hybriddl.dropout import KeyedDropout, dropout_keys, sample_keys
+from hybriddl.rundir import MODEL
+from hybriddl.strategies import StrategyOptions, make_strategy
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this host: GPU figures and "
+                                                 "GPU equivalence need one")
+GPUS = torch.cuda.device_count() if CUDA else 0
+GPU_VS_CPU = 1e-4  # of each parameter tensor's largest value, after 3 SGD steps
+
+
+@pytest.fixture
+def exact_cuda():
+    """float32 as the CPU computes it: no TF32, deterministic cuDNN kernels."""
+    if not CUDA:
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved
+
+
+@functools.cache
+def gpu_parameters(model_name: str) -> list[torch.Tensor]:
+    return train("gpu", StrategyOptions(devices=("cuda:0",)), model_name)
+
+
+def assert_close(actual, expected, tolerance: float) -> None:
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        error = ((a - e).abs().max() / e.abs().max()).item()
+        assert error <= tolerance, f"parameter {i}: {error:.2e} of its largest value"
+
+
+# --------------------------------------------------------------------------- on CPU devices
+
+def test_the_gpu_step_leaves_its_loss_on_the_device():
+    """No read-back inside the step: the loss is a tensor of the strategy's device (the
+    trainer reads it for progress), here the CPU standing in for a GPU."""
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(3, (4,))
+    with make_strategy("gpu", StrategyOptions(devices=("cpu",))) as gpu:
+        gpu.setup(slim_model("alexnet"))
+        assert gpu.stage_batch(x) is x  # nothing to copy on the CPU
+        with dropout_keys(sample_keys(0, 0, torch.arange(4))):
+            stats = gpu.compute_gradients(x, y)
+    assert isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.device == gpu.device
+    assert stats.loss > 0
+
+
+def test_the_pipelines_timeline_has_each_stage_of_each_micro_batch():
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(3, (8,))
+    with make_strategy("pipeline", StrategyOptions(micro_batches=4, devices=("cpu", "cpu"))) as pipe:
+        pipe.setup(slim_model("alexnet"))
+        pipe.record_timeline = True
+        pipe.compute_gradients(x, y)
+        timeline = pipe.timeline()
+    # Stage 1's forward and backward of each micro-batch, stage 2's forward+backward.
+    assert sorted((r["stage"], r["micro_batch"]) for r in timeline) == sorted(
+        [(1, m) for m in range(4)] * 2 + [(2, m) for m in range(4)])
+    assert all(r["end_ms"] >= r["start_ms"] >= 0 for r in timeline)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+@needs_cuda
+@pytest.mark.gpu
+def test_keyed_dropout_masks_are_the_same_on_cpu_and_cuda():
+    keys = sample_keys(3, 2, torch.arange(64))
+    layer = KeyedDropout(0.5, layer=1).train()
+    with dropout_keys(keys):
+        on_cpu = layer(torch.ones(64, 4096))
+        on_cuda = layer(torch.ones(64, 4096, device="cuda"))
+    assert torch.equal(on_cpu, on_cuda.cpu())
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_matches_the_cpu_baseline_within_float_tolerance(exact_cuda):
+    assert_close(gpu_parameters("alexnet"), sequential_parameters("alexnet"), GPU_VS_CPU)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_a_staged_batch_trains_what_a_copied_one_does(exact_cuda):
+    """The prefetch thread's copy on the side stream, against the step's own copy."""
+    model_a, model_b = slim_model("alexnet"), slim_model("alexnet")
+    x, y = torch.randn(6, 3, 64, 64), torch.randint(3, (6,))
+    grads = []
+    for model, staged in ((model_a, False), (model_b, True)):
+        with make_strategy("gpu", StrategyOptions(devices=("cuda:0",))) as gpu:
+            gpu.setup(model)
+            images = gpu.stage_batch(x) if staged else x
+            assert images.is_cuda == staged
+            with dropout_keys(sample_keys(0, 0, torch.arange(6))):
+                gpu.compute_gradients(images, y)
+            grads.append([p.grad.cpu() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_pipeline_on_one_gpu_matches_gpu(micro_batches, exact_cuda):
+    options = StrategyOptions(micro_batches=micro_batches, devices=("cuda:0", "cuda:0"))
+    assert_same_parameters(train("pipeline", options, "alexnet"), gpu_parameters("alexnet"))
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"{GPUS} CUDA device(s): the two-GPU pipeline needs two")
+def test_pipeline_on_two_gpus_matches_gpu(exact_cuda):
+    options = StrategyOptions(micro_batches=4, devices=("cuda:0", "cuda:1"))
+    assert_same_parameters(train("pipeline", options, "alexnet"), gpu_parameters("alexnet"))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_threads_on_one_gpu_matches_gpu(exact_cuda):
+    options = StrategyOptions(devices=("cuda:0", "cuda:0"))
+    assert_same_parameters(train("gpu-threads", options, "alexnet"), gpu_parameters("alexnet"))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_the_pipelines_stages_overlap_on_one_gpu():
+    """Each stage on its own stream: some of stage 1's work on micro-batch m + 1 runs while
+    stage 2 works on m (VGG16, whose stages are of similar cost)."""
+    x, y = torch.randn(16, 3, 224, 224), torch.randint(3, (16,))
+    with make_strategy("pipeline", StrategyOptions(micro_batches=4,
+                                                   devices=("cuda:0", "cuda:0"))) as pipe:
+        from hybriddl.usecases import build_model
+
+        pipe.setup(build_model("vgg16", 3))
+        for _ in range(3):
+            pipe.compute_gradients(x, y)
+        pipe.record_timeline = True
+        pipe.compute_gradients(x, y)
+        timeline = pipe.timeline()
+    first = [(r["start_ms"], r["end_ms"]) for r in timeline if r["stage"] == 1]
+    second = [(r["start_ms"], r["end_ms"]) for r in timeline if r["stage"] == 2]
+    overlap = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in first for a2, b2 in second)
+    assert overlap > 0, timeline
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path):
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists():
+        pytest.skip(f"no mpirun at {mpirun}")
+    train_args = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",
+                  "--max-steps", "3", "--epochs", "1", "--strategy", "gpu", "--devices", "cuda:0"]
+    env = {**hybriddl_env(), "NVIDIA_TF32_OVERRIDE": "0"}
+    one = subprocess.run([sys.executable, "-m", "hybriddl", *train_args, "--run-dir",
+                          str(tmp_path / "one")], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([str(mpirun), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
+                          "btl_tcp_if_include", "lo", "-np", "2", sys.executable, "-m",
+                          "hybriddl", *train_args, "--run-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stdout + two.stderr
+    got, want = torch.load(tmp_path / "two" / MODEL), torch.load(tmp_path / "one" / MODEL)
+    assert_close([got[k] for k in want], list(want.values()), GPU_VS_CPU)
