@@ -45,7 +45,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                         help=f"SGD momentum (default: the use case's, {case.momentum})")
     parser.add_argument("--dropout", type=float,
                         help="dropout of the torchvision model; 0 makes runs comparable step for step")
-    parser.add_argument("--weights", metavar="FILE", help="start from a state_dict, e.g. a run's model.pt")
+    parser.add_argument("--weights", metavar="FILE|NAME",
+                        help="start from a state_dict (e.g. a run's model.pt), or from weights "
+                             "torchvision lists for the model (DEFAULT, IMAGENET1K_V1, "
+                             "AlexNet_Weights.IMAGENET1K_V1), read from torch's cache "
+                             "($TORCH_HOME/hub/checkpoints) or downloaded there")
     parser.add_argument("--seed", type=int, help="initialisation, shuffling and augmentation seed "
                         f"(default: {default_of(TrainConfig, 'seed')})")
     parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
