@@ -309,6 +309,49 @@ def main_job_line(data: dict) -> str:
             f"[measured](docs/benchmarks/main_job.md) by `scripts/main_job.py`.")
 
 
+def bench_gpu_table(data: dict) -> str:
+    lines = ["| strategy | numerics | dropout | ms/step (median) | spread | vs fastest PyTorch |",
+             "|---|---|---:|---:|---|---:|"]
+    for r in data["rows"]:
+        vs = "—" if r.get("vs_fastest_peer") is None else f"{r['vs_fastest_peer']:.2f}×"
+        lines.append(f"| {r['strategy']} | {r['variant']} | {r['dropout']:g} | "
+                     f"{r['seconds_per_step'] * 1e3:.2f} | {r['spread']['min'] * 1e3:.2f}–"
+                     f"{r['spread']['max'] * 1e3:.2f} | {vs} |")
+    for r in data["rows"]:
+        if r.get("stages"):
+            st = r["stages"]
+            lines += ["", f"Pipeline ({r['variant']}), one step: stage 1 busy "
+                          f"{st['stage1_busy_ms']:.1f} ms, stage 2 busy {st['stage2_busy_ms']:.1f} ms, "
+                          f"both at once {st['both_busy_ms']:.1f} ms, step {st['step_ms']:.1f} ms. "
+                          "The two-GPU pipeline's speedup is not measured (one GPU)."]
+    if data.get("train"):
+        t = data["train"]
+        lines += ["", f"`hybriddl {t['command']}`: {t['images_per_second']:.0f} img/s over "
+                      f"{t['steps']} steps, data wait {t['data_wait_share']:.1%} of the time."]
+    return "\n".join(lines)
+
+
+def bench_gpu_setting(data: dict) -> str:
+    return (f"{data['model']} at {data['image_size']} px, batch {data['batch_size']}, "
+            f"{data['rounds']} interleaved rounds of {data['warmup_steps']} warm-up and "
+            f"{data['timed_steps']} timed steps (one device synchronisation per visit)")
+
+
+BENCH_GPU_NOTES = """How to read it: every row trains the same batch, already on the GPU, in interleaved
+rounds; *vs fastest PyTorch* is the fastest plain PyTorch row's step over the row's, within
+each round. The pytorch rows are torchvision's model with nn.Dropout; the gpu rows are
+hybriddl's whole optimizer step with keyed dropout (dropout 0.5) or none (0)."""
+
+
+def gpu_tests_table(data: dict) -> str:
+    return ("| passed | failed | skipped |\n|---:|---:|---:|\n"
+            f"| {data['passed']} | {data['failed']} | {data['skipped']} |")
+
+
+def gpu_tests_setting(data: dict) -> str:
+    return f"`{data['command']}` on {data['gpu_name']}"
+
+
 def fidelity_table(data: dict) -> str:
     lines = ["| check | time scale D | expected | measured (median) | spread | error "
              "| within |", "|---|---:|---:|---:|---|---:|---|"]
@@ -461,6 +504,14 @@ TABLES = [
     Table("bench_local-SimpleBig", "One host: local strategies against tuned PyTorch, AlexNet",
           "results/bench_local-SimpleBig.json", bench_local_table, bench_local_setting,
           BENCH_LOCAL_NOTES, headline=bench_local_headline),
+    Table("bench_gpu-SimpleBig", "One GPU: hybriddl's step against plain PyTorch, AlexNet",
+          "results/bench_gpu-SimpleBig.json", bench_gpu_table, bench_gpu_setting,
+          BENCH_GPU_NOTES),
+    Table("bench_gpu-ComplexSmall", "One GPU: hybriddl's step against plain PyTorch, VGG16",
+          "results/bench_gpu-ComplexSmall.json", bench_gpu_table, bench_gpu_setting,
+          BENCH_GPU_NOTES),
+    Table("gpu_tests", "The GPU tests on a GPU", "results/gpu_tests.json", gpu_tests_table,
+          gpu_tests_setting, ""),
     Table("main_job", "The main job: VGG16, 64 px, 5 epochs on one host",
           "results/main_job.json", main_job_table, main_job_setting, MAIN_JOB_NOTES),
     Table("time_to_accuracy-ComplexSmall-1gbit",
@@ -481,7 +532,7 @@ def load_quotable(path: Path) -> tuple[dict | None, str]:
     missing = [k for k, v in provenance(data).items() if v is None]
     if missing:
         return None, "does not record " + ", ".join(missing)
-    if not (data.get("summary") or data.get("rows")):
+    if not (data.get("summary") or data.get("rows") or "passed" in data):
         return None, "no rows yet"
     return data, ""
 
@@ -494,6 +545,7 @@ def benchmark_page(table: Table, data: dict) -> str:
              f"- **command**: `{p['command']}`",
              f"- **date**: {measured_date(data, p['commit'])}",
              f"- **CPU**: {p['cpu_model']}, {p['cores']} cores",
+             *([f"- **GPU**: {data['gpu_name']}"] if data.get("gpu_name") else []),
              f"- **torch**: {p['torch']}",
              f"- **commit**: `{p['commit']}`",
              f"- **JSON**: [`{table.json}`](../../{table.json})"]

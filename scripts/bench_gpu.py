@@ -1,0 +1,285 @@
+"""hybriddl's GPU step against plain PyTorch on the same GPU, side by side, in one run.
+
+    python scripts/bench_gpu.py --usecase SimpleBig --rounds 5     # AlexNet, batch 32, 224 px
+    python scripts/bench_gpu.py --usecase ComplexSmall --rounds 5  # VGG16, batch 16, 224 px
+
+Rows, every one on the same batch already on the device, in interleaved rounds (A B C A B
+C ...), each visit `--warmup` steps then `--steps` steps timed together between two
+`torch.cuda.synchronize()` (a GPU step returns when its kernels are queued, so a clock
+read without one times the queueing; one sync per visit lets the host queue ahead as in
+training):
+- hybriddl: the `gpu` strategy's optimizer step (hybriddl.step.optimizer_step, what
+  training runs) in fp32, channels_last and bf16 autocast + channels_last, with the
+  models' keyed dropout on (the default) and at dropout 0;
+- pytorch: the textbook loop on a torchvision model (nn.Dropout), fp32, channels_last,
+  bf16 autocast + channels_last, and torch.compile of the fastest of those with
+  `--compile-peer`;
+- pipeline: both stages on one GPU, M micro-batches, with each stage's busy time and the
+  time both stages were busy at once (from CUDA events around each stage's work).
+A row's seconds/step is the median over rounds; its spread the lowest and highest round;
+vs_fastest_peer = the fastest pytorch row's seconds / the row's, within each round, median
+over rounds. Then `--train-steps` steps of `hybriddl train --strategy gpu` (the fastest
+hybriddl numerics) give the data wait at the GPU's rate: the share of the epoch's time
+the step waited for the prefetch thread (crop, flip and normalisation on the CPU).
+
+Writes results/bench_gpu-<usecase>.json (gpu_name, torch, commit, command, date,
+cpu_model, rows). Without a CUDA device it writes nothing and exits 2: no GPU figure is
+written where it was not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench_common import REPO, results_header, spread
+from hybriddl.dropout import dropout_keys, sample_keys
+from hybriddl.errors import UsageError
+from hybriddl.files import atomic_write_json
+from hybriddl.step import optimizer_step
+from hybriddl.strategies import StrategyOptions, make_strategy
+from hybriddl.strategies.base import criterion, prepare_model, run_forward
+from hybriddl.usecases import build_model, get_usecase, use_case_workload
+
+NUMERICS = {"fp32": StrategyOptions(), "fp32-cl": StrategyOptions(channels_last=True),
+            "bf16-cl": StrategyOptions(precision="bf16", channels_last=True)}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--usecase", default="SimpleBig")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, help="default: the use case's "
+                        "(AlexNet 32, VGG16 16)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--compile-peer", action="store_true",
+                        help="add torch.compile of the fastest plain PyTorch numerics")
+    parser.add_argument("--train-steps", type=int, default=200,
+                        help="steps of `hybriddl train` for the data wait (0: none)")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--output", help="default: results/bench_gpu-<usecase>.json")
+    return parser.parse_args(argv)
+
+
+class Row:
+    """One contender: `visit()` returns seconds per step over `steps` steps."""
+
+    def __init__(self, strategy: str, variant: str, dropout: float | None, visit):
+        self.strategy, self.variant, self.dropout, self.visit = strategy, variant, dropout, visit
+        self.rounds: list[float] = []
+        self.extra: dict = {}
+
+
+def timed(device: torch.device, step, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return (time.perf_counter() - started) / steps
+
+
+def hybriddl_row(model_name, classes, x, y, device, variant, dropout, args,
+                 name="gpu", options=None) -> Row:
+    options = options or StrategyOptions(devices=(str(device),), precision=NUMERICS[variant].precision,
+                                         channels_last=NUMERICS[variant].channels_last)
+    state = {}
+
+    def visit() -> float:
+        if "strategy" not in state:  # built once, kept between rounds
+            torch.manual_seed(0)
+            model = build_model(model_name, classes, **({} if dropout is None else
+                                                         {"dropout": dropout}))
+            strategy = make_strategy(name, options)
+            strategy.setup(model)
+            state.update(strategy=strategy, x=strategy.stage_batch(x),
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9),
+                         keys=sample_keys(0, 0, torch.arange(len(y))))
+        strategy = state["strategy"]
+
+        def step():
+            with dropout_keys(state["keys"]):
+                optimizer_step(strategy, state["optimizer"], state["x"], y)
+
+        return timed(device, step, args.warmup, args.steps)
+
+    row = Row(name, variant, 0.5 if dropout is None else dropout, visit)
+    row.state = state
+    return row
+
+
+def pytorch_row(model_name, classes, x, y, device, variant, args, compile=False) -> Row:
+    numerics = NUMERICS[variant]
+    state = {}
+
+    def visit() -> float:
+        if "model" not in state:
+            torch.manual_seed(0)
+            import torchvision
+
+            model = torchvision.models.get_model(model_name, num_classes=classes).to(device)
+            prepare_model(model, numerics)
+            state.update(model=torch.compile(model) if compile else model,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9),
+                         x=x.to(device), y=y.to(device))
+
+        def step():
+            state["optimizer"].zero_grad(set_to_none=True)
+            criterion(run_forward(state["model"], state["x"], numerics), state["y"]).backward()
+            state["optimizer"].step()
+
+        return timed(device, step, args.warmup, args.steps)
+
+    return Row("pytorch", variant + ("-compile" if compile else ""), 0.5, visit)
+
+
+def pipeline_row(model_name, classes, x, y, device, args) -> Row:
+    options = StrategyOptions(micro_batches=args.micro_batches, devices=(str(device),) * 2)
+    row = hybriddl_row(model_name, classes, x, y, device, "fp32", None, args,
+                       name="pipeline", options=options)
+    row.variant = f"fp32 M={args.micro_batches} one GPU"
+    measure = row.visit
+
+    def visit() -> float:
+        seconds = measure()
+        pipe = row.state["strategy"]
+        pipe.record_timeline = True
+        with dropout_keys(row.state["keys"]):
+            optimizer_step(pipe, row.state["optimizer"], row.state["x"], y)
+        pipe.record_timeline = False
+        row.extra.setdefault("timelines", []).append(stage_busy(pipe.timeline()))
+        return seconds
+
+    row.visit = visit
+    return row
+
+
+def stage_busy(timeline: list[dict]) -> dict:
+    """Each stage's busy milliseconds in one step, and the milliseconds both were busy."""
+    stages = {s: [(r["start_ms"], r["end_ms"]) for r in timeline if r["stage"] == s] for s in (1, 2)}
+    both = sum(max(0.0, min(b1, b2) - max(a1, a2)) for a1, b1 in stages[1] for a2, b2 in stages[2])
+    return {"stage1_busy_ms": round(sum(b - a for a, b in stages[1]), 3),
+            "stage2_busy_ms": round(sum(b - a for a, b in stages[2]), 3),
+            "both_busy_ms": round(both, 3),
+            "step_ms": round(max(r["end_ms"] for r in timeline), 3), "timeline": timeline}
+
+
+def measure(rows: list[Row], rounds: int, on_visit=lambda r, row, s: None) -> None:
+    for number in range(rounds):
+        for row in rows:
+            seconds = row.visit()
+            row.rounds.append(seconds)
+            on_visit(number, row, seconds)
+
+
+def summarise(rows: list[Row]) -> list[dict]:
+    peers = [r for r in rows if r.strategy == "pytorch"]
+    out = []
+    for row in rows:
+        fastest_peer = [min(p.rounds[i] for p in peers) for i in range(len(row.rounds))] if peers else []
+        record = {"strategy": row.strategy, "variant": row.variant, "dropout": row.dropout,
+                  "seconds_per_step": statistics.median(row.rounds),
+                  "spread_seconds": spread(row.rounds)["min"], "round_seconds": row.rounds,
+                  "spread": spread(row.rounds),
+                  "vs_fastest_peer": statistics.median(p / s for p, s in zip(fastest_peer, row.rounds))
+                  if peers else None}
+        if row.extra.get("timelines"):
+            last = row.extra["timelines"][-1]
+            record["stages"] = {k: v for k, v in last.items() if k != "timeline"}
+            record["timeline"] = last["timeline"]
+        out.append(record)
+    return out
+
+
+def train_data_wait(usecase: str, image_size: int, batch_size: int, variant: str,
+                    steps: int, device: str) -> dict:
+    """`hybriddl train --strategy gpu` for `steps` steps: images/s and the data wait."""
+    options = NUMERICS[variant]
+    with tempfile.TemporaryDirectory() as scratch:
+        run_dir = Path(scratch) / "run"
+        command = [sys.executable, "-m", "hybriddl", "train", "--usecase", usecase,
+                   "--strategy", "gpu", "--devices", device, "--image-size", str(image_size),
+                   "--batch-size", str(batch_size), "--max-steps", str(steps), "--epochs", "1",
+                   "--precision", options.precision, "--run-dir", str(run_dir)]
+        if options.channels_last:
+            command.append("--channels-last")
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"train failed: {done.stderr.strip().splitlines()[-1:]}")
+        epoch = json.loads((run_dir / "metrics.json").read_text())["epochs"][0]
+    return {"command": " ".join(command[1:]), "steps": epoch["steps"],
+            "images_per_second": epoch["images_per_second"],
+            "seconds": epoch["seconds"], "data_wait_seconds": epoch["data_wait_seconds"],
+            "data_wait_share": epoch["data_wait_seconds"] / epoch["seconds"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here: run it on a GPU host (nothing written: no GPU "
+              "figure without a GPU)", file=sys.stderr)
+        return 2
+    try:
+        case = get_usecase(args.usecase)
+        model_name, image_size, batch_size = use_case_workload(case.name, None, args.image_size,
+                                                               args.batch_size)
+    except UsageError as exc:
+        print(f"bench_gpu: {exc}", file=sys.stderr)
+        return 2
+    classes = 3
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
+    y = torch.randint(classes, (batch_size,), generator=generator)
+    rows = [hybriddl_row(model_name, classes, x, y, device, v, None, args) for v in NUMERICS]
+    rows += [hybriddl_row(model_name, classes, x, y, device, v, 0.0, args) for v in NUMERICS]
+    rows += [pytorch_row(model_name, classes, x, y, device, v, args) for v in NUMERICS]
+    rows.append(pipeline_row(model_name, classes, x, y, device, args))
+    measure(rows, args.rounds, lambda n, row, s: print(
+        f"round {n + 1}: {row.strategy} {row.variant} dropout {row.dropout}: {s * 1e3:.2f} ms",
+        file=sys.stderr))
+    if args.compile_peer:
+        peers = [r for r in rows if r.strategy == "pytorch"]
+        best = min(peers, key=lambda r: statistics.median(r.rounds)).variant
+        compiled = pytorch_row(model_name, classes, x, y, device, best, args, compile=True)
+        compiled.visit()  # compiles
+        rest = [r for r in rows if r.strategy == "pytorch"] + [compiled] + [
+            r for r in rows if r.strategy == "gpu" and r.dropout != 0.0]
+        for r in rest:
+            r.rounds = []
+        measure(rest, args.rounds)
+        rows.append(compiled)
+    summary = summarise(rows)
+    hybriddl_rows = [r for r in summary if r["strategy"] == "gpu" and r["dropout"] != 0.0]
+    fastest = min(hybriddl_rows, key=lambda r: r["seconds_per_step"])
+    result = {**results_header("bench_gpu.py", argv), "gpu_name": torch.cuda.get_device_name(device),
+              "usecase": case.name, "model": model_name, "image_size": image_size,
+              "batch_size": batch_size, "rounds": args.rounds, "warmup_steps": args.warmup,
+              "timed_steps": args.steps, "rows": summary,
+              "fastest_hybriddl": {"variant": fastest["variant"],
+                                   "vs_fastest_peer": fastest["vs_fastest_peer"]}}
+    if args.train_steps:
+        result["train"] = train_data_wait(case.name, image_size, batch_size, fastest["variant"],
+                                          args.train_steps, args.device)
+    output = Path(args.output or REPO / "results" / f"bench_gpu-{case.name}.json")
+    atomic_write_json(output, result)
+    print(f"written: {output}; fastest hybriddl row {fastest['variant']}: "
+          f"{fastest['vs_fastest_peer']:.2f}x the fastest PyTorch peer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
