@@ -349,7 +349,7 @@ def gpu_tests_table(data: dict) -> str:
 
 
 def gpu_tests_setting(data: dict) -> str:
-    return f"`{data['command']}` on {data['gpu_name']}"
+    return f"`{data['pytest']}` on {data['gpu_name']} (one of {data['gpu_count']} GPUs)"
 
 
 def fidelity_table(data: dict) -> str:

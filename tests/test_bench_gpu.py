@@ -46,3 +46,14 @@ def test_without_cuda_nothing_is_written(bench_gpu, tmp_path, capsys):
     assert not output.exists()
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no CUDA device" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA: the script runs")
+def test_gpu_tests_records_nothing_without_cuda(capsys):
+    spec = importlib.util.spec_from_file_location("gpu_tests", REPO / "scripts" / "gpu_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = (REPO / "results" / "gpu_tests.json").exists()
+    assert module.main([]) == 2
+    assert (REPO / "results" / "gpu_tests.json").exists() == before
+    assert "no CUDA device" in capsys.readouterr().err
