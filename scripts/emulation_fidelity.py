@@ -4,8 +4,8 @@
         --output results/emulation_fidelity.json
 
 `hybriddl emulate` emulates H hosts of C cores that exceed this machine's cores by
-slowing time down by D (DESIGN.md, "Time scale"); `--time-scale D` forces D, so each
-check compares the same emulated hosts at D = 1 and at D > 1:
+slowing time down by D (docs/methodology.md, "Emulated hosts"); `--time-scale D` forces D,
+so each check compares the same emulated hosts at D = 1 and at D > 1:
 
 (a) compute: one host of --cores cores trains (`hybriddl train`, sequential strategy,
     --steps steps, the first --warmup left out) at each D; its step (metrics.json's

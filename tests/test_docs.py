@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -51,6 +52,25 @@ def test_docs_links_point_at_files_that_exist():
             if "://" in target or target.startswith("mailto:"):
                 continue
             assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to {target}"
+
+
+def test_no_code_doc_or_test_points_outside_the_repository():
+    """A page named (any `NAME.md`) is one in the repository; no path leaves it."""
+    files = []
+    for folder, dirs, names in os.walk(REPO):
+        # Not the repository's: the venv, git's own, and what runs leave.
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "profiles",
+                                                                        "__pycache__")]
+        files += [Path(folder, name) for name in names]
+    pages = {path.name for path in files if path.suffix == ".md"}
+    for path in files:
+        if path.suffix not in (".py", ".md", ".sh", ".cfg", ".toml", ".txt") or path == Path(__file__):
+            continue
+        text = path.read_text(errors="replace")
+        named = {name for name in re.findall(r"[\w.-]+\.md\b", text) if Path(name).name not in pages}
+        assert not named, f"{path.relative_to(REPO)} names {sorted(named)}, not in the repository"
+        assert not re.search(r"\.\./shared|(?<![\w.])/work/", text), \
+            f"{path.relative_to(REPO)} points outside the repository"
 
 
 def test_the_main_job_line_quotes_the_readmes_first_command():

@@ -127,19 +127,32 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
                             "regardless")
 
 
-def add_measure_flags(parser: argparse.ArgumentParser, settings: type) -> None:
-    """--steps, --warmup, --seed: the timed steps of compare and its contenders' ranks;
-    their defaults are `settings`' (compare.settings.MeasureSettings)."""
-    parser.add_argument("--steps", type=int,
-                        help=f"timed steps (default: {default_of(settings, 'steps')})")
-    parser.add_argument("--warmup", type=int,
-                        help=f"untimed steps before them (default: {default_of(settings, 'warmup')})")
-    parser.add_argument("--seed", type=int, help="initialisation and data seed "
+def add_seed_flag(parser: argparse.ArgumentParser, settings: type) -> None:
+    """--seed, a run's one seed (initialisation, shuffling, augmentation, dropout masks); its
+    default is `settings`' (run.settings.TrainConfig, compare.settings.MeasureSettings)."""
+    parser.add_argument("--seed", type=int, help="initialisation, shuffling and augmentation seed "
                         f"(default: {default_of(settings, 'seed')})")
 
 
+def add_timed_steps_flags(parser: argparse.ArgumentParser, steps: int, warmup: int,
+                          each: str = "") -> None:
+    """--steps and --warmup: the optimizer steps a measurement times, and the untimed ones
+    before them (`each`: what one measurement is, e.g. " per visit"). Left out, they are
+    None and the measurement's own defaults, `steps` and `warmup`, apply."""
+    parser.add_argument("--steps", type=int, help=f"timed steps{each} (default: {steps})")
+    parser.add_argument("--warmup", type=int,
+                        help=f"untimed steps{each} before them (default: {warmup})")
+
+
+def add_measure_flags(parser: argparse.ArgumentParser, settings: type) -> None:
+    """--steps, --warmup, --seed: the timed steps of compare and its contenders' ranks;
+    their defaults are `settings`' (compare.settings.MeasureSettings)."""
+    add_timed_steps_flags(parser, default_of(settings, "steps"), default_of(settings, "warmup"))
+    add_seed_flag(parser, settings)
+
+
 def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
-    """tune's budget and interleaved rounds, defaults the tuner's."""
+    """tune's budget, interleaved rounds and timed steps per visit, defaults the tuner's."""
     parser.add_argument("--budget", type=float, default=tuner.TUNE_BUDGET_SECONDS,
                         help="seconds for all candidates together; a candidate that cannot "
                              "finish within its share is dropped "
@@ -150,10 +163,7 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
                         help="extra rounds for the two fastest and any other whose fastest "
                              f"round is within {tuner.SECOND_LOOK_SPAN:.0%}% of the fastest, at "
                              f"most {tuner.SECOND_LOOK_MOST} (default: {tuner.SECOND_LOOK_ROUNDS})")
-    parser.add_argument("--steps", type=int, default=tuner.TUNE_TIMED_STEPS,
-                        help=f"timed steps per visit (default: {tuner.TUNE_TIMED_STEPS})")
-    parser.add_argument("--warmup", type=int, default=tuner.TUNE_WARMUP_STEPS,
-                        help=f"warm-up steps per visit (default: {tuner.TUNE_WARMUP_STEPS})")
+    add_timed_steps_flags(parser, tuner.TUNE_TIMED_STEPS, tuner.TUNE_WARMUP_STEPS, " per visit")
 
 
 def add_profile_dir_flag(parser: argparse.ArgumentParser, what: str) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_flags,
-                                add_numerics_flags, add_profile_dir_flag, add_strategy_flags,
-                                add_workload_flags, default_of)
+                                add_numerics_flags, add_profile_dir_flag, add_seed_flag,
+                                add_strategy_flags, add_workload_flags, default_of)
 from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
 from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
 from hybriddl.errors import TrainingInterrupted
@@ -50,8 +50,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                              "torchvision lists for the model (DEFAULT, IMAGENET1K_V1, "
                              "AlexNet_Weights.IMAGENET1K_V1), read from torch's cache "
                              "($TORCH_HOME/hub/checkpoints) or downloaded there")
-    parser.add_argument("--seed", type=int, help="initialisation, shuffling and augmentation seed "
-                        f"(default: {default_of(TrainConfig, 'seed')})")
+    add_seed_flag(parser, TrainConfig)
     parser.add_argument("--run-dir", help="output folder (default: a new folder under runs/)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its checkpoint; flags left out "

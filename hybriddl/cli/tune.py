@@ -50,7 +50,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         loading.stop()
     display = TuneDisplay()
     try:
-        rounds = {key: getattr(args, key) for key in ("warmup", "steps", "rounds", "second_look")}
+        rounds = {key: getattr(args, key) for key in ("warmup", "steps", "rounds", "second_look")
+                  if getattr(args, key) is not None}
         profile = tuner.tune_host(settings, images, budget=args.budget, observer=display, **rounds)
     finally:
         display.stop()

@@ -9,16 +9,16 @@ counters are exactly what that host put on the network. `tc` on both ends of eac
 gives every link a rate (full duplex) and a one-way latency.
 
 Time scale. H hosts of C cores that do not fit this machine's cores are emulated with
-time slowed down by D = H x C / cores (DESIGN.md, "Time scale"): each host gets C/D
-cores' worth of CPU time, links run at rate/D, latencies are x D, and emulated time is
-wall time / D. The hosts take turns (gang scheduling): each host's processes share a
-cgroup, and a `TimeSlicer` lets one slot of hosts (as many as fit the cores side by side)
-run at a time, every thread of theirs at full speed, while it freezes the others. A
-host still sees C cores (or all of the machine's, if fewer), so its ranks run C threads,
-and its parallel regions and its serial phases are both slowed D times. (Quotas per host
-(cgroup cpu) leave a serial phase at full speed; quotas per thread as well throttle each
-thread on its own clock, so threads that meet at barriers wait for one another: two
-2-core VGG16 hosts at D = 2 ran at half their speed.)
+time slowed down by D = H x C / cores (docs/methodology.md, "Emulated hosts"): each host
+gets C/D cores' worth of CPU time, links run at rate/D, latencies are x D, and emulated
+time is wall time / D. The hosts take turns (gang scheduling): each host's processes
+share a cgroup, and a `TimeSlicer` lets one slot of hosts (as many as fit the cores side
+by side) run at a time, every thread of theirs at full speed, while it freezes the
+others. A host still sees C cores (or all of the machine's, if fewer), so its ranks run C
+threads, and its parallel regions and its serial phases are both slowed D times. (Quotas
+per host (cgroup cpu) leave a serial phase at full speed; quotas per thread as well
+throttle each thread on its own clock, so threads that meet at barriers wait for one
+another: two 2-core VGG16 hosts at D = 2 ran at half their speed.)
 
 Nothing is created or changed in the root network namespace: the veth pairs are made
 directly inside the namespaces. Every namespace is named `hybriddl-emu-<pid>-...` after
