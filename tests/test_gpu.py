@@ -66,6 +66,11 @@ def test_the_gpu_step_leaves_its_loss_on_the_device():
     with make_strategy("gpu", StrategyOptions(devices=("cpu",))) as gpu:
         gpu.setup(slim_model("alexnet"))
         assert gpu.stage_batch(x) is x  # nothing to copy on the CPU
+        rows, flips = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8), torch.tensor([1, 0, 1, 0]).bool()
+        from hybriddl.data import BatchTransform
+
+        assert torch.equal(gpu.prepare_batch(rows, flips, BatchTransform(64)),
+                           BatchTransform(64)(rows, flips))
         with dropout_keys(sample_keys(0, 0, torch.arange(4))):
             stats = gpu.compute_gradients(x, y)
     assert isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.device == gpu.device
@@ -96,6 +101,24 @@ def test_keyed_dropout_masks_are_the_same_on_cpu_and_cuda():
         on_cpu = layer(torch.ones(64, 4096))
         on_cuda = layer(torch.ones(64, 4096, device="cuda"))
     assert torch.equal(on_cpu, on_cuda.cpu())
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_augmentation_on_the_gpu_makes_the_cpus_batch():
+    """uint8 rows scaled, flipped and normalised on the device, against the CPU."""
+    from hybriddl.data import BatchTransform
+
+    rows = torch.randint(0, 256, (8, 3, 80, 80), dtype=torch.uint8)
+    flips = torch.tensor([True, False] * 4)
+    with make_strategy("gpu", StrategyOptions(devices=("cuda:0",))) as gpu:
+        gpu.setup(slim_model("alexnet"))
+        for size in (80, 64):  # as stored, and scaled
+            transform = BatchTransform(size)
+            on_gpu = gpu.prepare_batch(rows, flips, transform)
+            torch.cuda.synchronize()
+            assert on_gpu.is_cuda
+            assert torch.allclose(on_gpu.cpu(), transform(rows, flips), atol=1e-5 if size == 80 else 2e-2)
 
 
 @needs_cuda

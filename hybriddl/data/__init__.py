@@ -140,12 +140,15 @@ class BatchTransform:
         self.std = torch.tensor(RGB_STD).view(1, 3, 1, 1)
 
     def __call__(self, images: torch.Tensor, flips: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch on `images`' device (uint8 rows copied to a GPU are augmented there)."""
         if images.shape[-1] != self.image_size or images.shape[-2] != self.image_size:
             images = v2.functional.resize(images, [self.image_size, self.image_size],
                                           antialias=True)
         if flips is not None and bool(flips.any()):
+            flips = flips.to(images.device, non_blocking=True)
             images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
-        return (images.float().div_(255.0) - self.mean) / self.std
+        mean, std = self.mean.to(images.device), self.std.to(images.device)
+        return (images.float().div_(255.0) - mean) / std
 
 
 @dataclass(frozen=True)
@@ -210,16 +213,18 @@ class BatchPrefetcher:
     """Assembles the next batches in a background thread so the step never waits on data.
 
     Iterating yields (HostShare, x, y): `share(batch)` says which part of each global
-    batch is this host's, and x, y are that part's samples; `stage(x)` runs here too (a
-    GPU strategy copies the images to its device while the step before computes). `wait_seconds` adds up the
+    batch is this host's, and x, y are that part's samples, made from its uint8 rows by
+    `prepare(rows, flips, transform)` (by default the transform on the CPU; a GPU strategy
+    copies the rows to its device and augments them there while the step before computes). `wait_seconds` adds up the
     time the training loop spent blocked here (the metric `data_wait_seconds`).
     """
 
     def __init__(self, images: ImageSet, batches: list[GlobalBatch], transform: BatchTransform,
                  share: Callable[[GlobalBatch], HostShare] = HostShare.whole, depth: int = 2,
-                 stage: Callable[[torch.Tensor], torch.Tensor] = lambda x: x):
+                 prepare: Callable[[torch.Tensor, torch.Tensor, BatchTransform], torch.Tensor]
+                 = lambda images, flips, transform: transform(images, flips)):
         self._images, self._batches, self._transform = images, batches, transform
-        self._share, self._stage = share, stage
+        self._share, self._prepare = share, prepare
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.wait_seconds = 0.0
@@ -232,7 +237,7 @@ class BatchPrefetcher:
             for batch in self._batches:
                 share = self._share(batch)
                 mine = share.part
-                x = self._stage(self._transform(self._images.images[mine.indices], mine.flips))
+                x = self._prepare(self._images.images[mine.indices], mine.flips, self._transform)
                 if not self._offer((share, x, self._images.labels[mine.indices])):
                     return
             self._offer(None)

@@ -128,6 +128,11 @@ class LocalStrategy(ABC):
         there). The images as they are by default."""
         return x
 
+    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
+        """The next batch made from its uint8 rows by `transform` (crop/scale, flip,
+        normalise), where the step will want it; called by the prefetch thread."""
+        return self.stage_batch(transform(rows, flips))
+
     def synchronize(self) -> None:
         """Wait until the work queued so far on this strategy's devices is done: before a
         clock is read (a GPU step returns when its kernels are queued, not run)."""

@@ -1,8 +1,8 @@
 """The GPU baseline: the plain loop, with the model on one CUDA device.
 
 At plain PyTorch's speed (torchvision's reference training script does the same): the
-next batch is pinned and copied to the device on a side stream by the prefetch thread
-(`stage_batch`) while the current step computes; nothing in the step makes the host wait
+prefetch thread pins the next batch's uint8 rows, copies them to the device and augments
+them there, on a side stream (`prepare_batch`), while the current step computes; nothing in the step makes the host wait
 for the device (dropout masks are drawn on the device, the loss stays there until the
 trainer reads it for progress), so the host queues the next step's kernels while the
 device runs this one. `--devices cpu` runs the same code on the CPU (how CI tests it).
@@ -65,6 +65,15 @@ class Gpu(PlainConvolutions, LocalStrategy):
             return x
         with torch.cuda.stream(self._copies):
             return x.pin_memory().to(self._device, non_blocking=True)
+
+    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
+        """The uint8 rows copied (a quarter of the float32 bytes) and augmented on the
+        device, on the side stream: at AlexNet's thousands of images per second on a GPU
+        the CPU's crop, flip and normalisation would keep the device waiting."""
+        if self._copies is None:
+            return transform(rows, flips)
+        with torch.cuda.stream(self._copies):
+            return transform(rows.pin_memory().to(self._device, non_blocking=True), flips)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
