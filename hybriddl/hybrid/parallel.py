@@ -128,7 +128,7 @@ class HybridParallel(DataParallel):
                     features = strategy.convolutions_forward(x[a:b])
             else:
                 features = torch.zeros((0, self.features_width))
-            local = features.float().cpu().requires_grad_()
+            local = to_host(features.float()).requires_grad_()
             # Every sample's label and dropout key travel with its features.
             chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
             tags = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
@@ -282,6 +282,15 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     decision = hosts.broadcast_object(_decide(theory, rate, compute) if hosts.rank == 0 else None)
     scheme, reason = decision
     return (HybridParallel if scheme == "hybrid" else DataParallel)(reason)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `tensor` for MPI (the Open MPI wheel is not CUDA-aware): from a GPU
+    through pinned memory, which the device fills by DMA without a staging copy."""
+    if tensor.device.type != "cuda":
+        return tensor.cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor)
 
 
 def probe_compute(model: nn.Module, batch: int, image_size: int) -> float:
