@@ -145,10 +145,10 @@ class Pipeline(LocalStrategy):
         first, _ = self.stages
         n = len(y)
         parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.micro_batches) if b > a]
-        for stream in self.streams:  # the optimizer's update of the parameters comes first
-            _follow(stream, None)
         x = x.to(self.devices[0], non_blocking=True)
         y = y.to(self.devices[1], non_blocking=True)
+        for stream in self.streams:  # after the optimizer's update and these copies
+            _follow(stream, None)
         activations = []
         with _on(self.streams[0]):
             for m, (a, b) in enumerate(parts):  # fill
@@ -167,6 +167,8 @@ class Pipeline(LocalStrategy):
                 elif failure is None:
                     _, activation_grad, micro_loss_sum, ready = reply
                     _follow(self.streams[0], ready)
+                    if self.streams[0] is not None:  # made on the second stage's stream
+                        activation_grad.record_stream(self.streams[0])
                     with self._busy(0, m):
                         activation.backward(activation_grad.to(self.devices[0]))
                     loss_sum = loss_sum + micro_loss_sum
