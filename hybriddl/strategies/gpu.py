@@ -45,6 +45,7 @@ class Gpu(PlainConvolutions, LocalStrategy):
         super().__init__(options)
         self._device = parse_devices(options, ("cuda:0",))[0]
         self._copies: torch.cuda.Stream | None = None  # the side stream batches arrive on
+        self._ready: dict[int, torch.cuda.Event] = {}  # a staged batch's storage -> its event
 
     def describe(self) -> dict:
         return {"name": self.name, "devices": [str(self._device)], **self.numerics()}
@@ -64,7 +65,7 @@ class Gpu(PlainConvolutions, LocalStrategy):
         if self._copies is None:
             return x
         with torch.cuda.stream(self._copies):
-            return x.pin_memory().to(self._device, non_blocking=True)
+            return self._arriving(x.pin_memory().to(self._device, non_blocking=True))
 
     def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
         """The uint8 rows copied (a quarter of the float32 bytes) and augmented on the
@@ -73,13 +74,26 @@ class Gpu(PlainConvolutions, LocalStrategy):
         if self._copies is None:
             return transform(rows, flips)
         with torch.cuda.stream(self._copies):
-            return transform(rows.pin_memory().to(self._device, non_blocking=True), flips)
+            return self._arriving(transform(rows.pin_memory().to(self._device,
+                                                                 non_blocking=True), flips))
+
+    def _arriving(self, x: torch.Tensor) -> torch.Tensor:
+        """Note the event after which the side stream has made `x` (the step waits for that
+        batch only, not for the next one the prefetch thread may have queued since)."""
+        event = torch.cuda.Event()
+        event.record(self._copies)
+        self._ready[x.untyped_storage().data_ptr()] = event
+        return x
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         if self._copies is not None:
             compute = torch.cuda.current_stream(self._device)
-            compute.wait_stream(self._copies)  # the staged batch has arrived
+            event = self._ready.pop(x.untyped_storage().data_ptr(), None) if x.is_cuda else None
+            if event is not None:
+                compute.wait_event(event)  # the staged batch has arrived
+            else:
+                compute.wait_stream(self._copies)
             if x.device == self._device:
                 x.record_stream(compute)  # allocated on the side stream, freed after this one
         x = x.to(self._device, non_blocking=True)
