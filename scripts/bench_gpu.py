@@ -79,6 +79,12 @@ class Row:
         self.strategy, self.variant, self.dropout, self.visit = strategy, variant, dropout, visit
         self.rounds: list[float] = []
         self.extra: dict = {}
+        self.state: dict = {}
+
+    def close(self) -> None:
+        """Stop the row's strategy (a pipeline's stage thread) once it is measured."""
+        if "strategy" in self.state:
+            self.state.pop("strategy").close()
 
 
 def timed(device: torch.device, step, warmup: int, steps: int) -> float:
@@ -262,6 +268,8 @@ def main(argv=None) -> int:
             r.rounds = []
         measure(rest, args.rounds)
         rows.append(compiled)
+    for row in rows:
+        row.close()
     summary = summarise(rows)
     hybriddl_rows = [r for r in summary if r["strategy"] == "gpu" and r["dropout"] != 0.0]
     fastest = min(hybriddl_rows, key=lambda r: r["seconds_per_step"])

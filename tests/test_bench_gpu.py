@@ -2,6 +2,7 @@
 without a CUDA device it writes no figure."""
 
 import importlib.util
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,12 @@ def test_rows_interleave_and_compare_with_the_fastest_peer(bench_gpu):
             bench_gpu.pytorch_row("alexnet", 3, x, y, cpu, "fp32", args),
             bench_gpu.pipeline_row("alexnet", 3, x, y, cpu, args)]
     visits = []
-    bench_gpu.measure(rows, 2, lambda n, row, s: visits.append((n, row.strategy)))
+    try:
+        bench_gpu.measure(rows, 2, lambda n, row, s: visits.append((n, row.strategy)))
+    finally:
+        for row in rows:
+            row.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-pipeline")]
     assert visits == [(0, "gpu"), (0, "pytorch"), (0, "pipeline"),
                       (1, "gpu"), (1, "pytorch"), (1, "pipeline")]
     summary = bench_gpu.summarise(rows)
