@@ -10,6 +10,7 @@ record of skips would say nothing about a GPU.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,7 @@ def outcomes(junit: Path) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_tests: no CUDA device here: run it on a GPU host (nothing written)",
               file=sys.stderr)
