@@ -288,9 +288,12 @@ class LossReader:
         return not on_device or now - self.read_at >= self.READ_SECONDS
 
     def read(self, progress, now: float, where: str, kept) -> None:
+        on_device = isinstance(progress.loss_sum, torch.Tensor) and progress.loss_sum.device.type != "cpu"
         total = progress.settle()
         if not math.isfinite(total):
-            raise TrainingError(f"loss became {total} by {where}: lower --lr; {kept()}")
+            # Read every step on a CPU: at that step; from a device: by it.
+            raise TrainingError(f"loss became {total} {'by' if on_device else 'at'} {where}: "
+                                f"lower --lr; {kept()}")
         if progress.samples > self._samples:
             # The mean over the steps since the last read (the step's own on a CPU).
             self.last = (total - self._sum) / (progress.samples - self._samples)
