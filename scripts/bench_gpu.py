@@ -44,7 +44,7 @@ from bench_common import REPO, results_header, spread
 from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.errors import UsageError
 from hybriddl.files import atomic_write_json
-from hybriddl.step import optimizer_step
+from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.strategies.base import criterion, prepare_model, run_forward
 from hybriddl.usecases import build_model, get_usecase, use_case_workload
@@ -112,7 +112,7 @@ def hybriddl_row(model_name, classes, x, y, device, variant, dropout, args,
             strategy = make_strategy(name, options)
             strategy.setup(model)
             state.update(strategy=strategy, x=strategy.stage_batch(x),
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9),
+                         optimizer=make_optimizer(model.parameters(), 0.001, 0.9),
                          keys=sample_keys(0, 0, torch.arange(len(y))))
         strategy = state["strategy"]
 

@@ -28,6 +28,7 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl import strategies
 from hybriddl.strategies import (STRATEGIES, HostResources, LocalStrategy, StrategyOptions,
                                  StrategySpec, cpu_strategies, make_strategy)
+from hybriddl.step import make_optimizer
 from hybriddl.strategies.base import host_gradients, plain_step
 from hybriddl.strategies.pipeline import split_stages
 from hybriddl.dropout import dropout_keys, key_dropout, sample_keys
@@ -66,7 +67,7 @@ def train(strategy: str, options: StrategyOptions, model_name: str) -> list[torc
     try:
         with make_strategy(strategy, options) as local:
             local.setup(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            optimizer = make_optimizer(model.parameters(), 0.01, 0.9)
             first = 0
             for x, y in batches(model_name):
                 optimizer.zero_grad(set_to_none=False)

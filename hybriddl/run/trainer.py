@@ -31,7 +31,7 @@ from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
-from hybriddl.step import optimizer_step
+from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
 from hybriddl.tuning.tuner import AUTO, auto_strategy, tune_settings
@@ -170,7 +170,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
             "config": config_record(prepared, hosts, scheme), "epochs": []}
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+        optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         keeper = monitoring.enter_context(ckpt.Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
             config.checkpoint_every, layout=scheme))

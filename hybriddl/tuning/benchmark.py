@@ -18,7 +18,7 @@ import torch
 
 from hybriddl.data import BatchTransform, ImageSet
 from hybriddl.errors import UsageError
-from hybriddl.step import optimizer_step
+from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
 from hybriddl.usecases import SGD_LR, SGD_MOMENTUM, build_model
 from hybriddl.machine.allocator import give_back_freed_memory, reset_high_water_mark
@@ -114,7 +114,7 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
     # Strategies pin threads; leave the caller as it was.
     with torch_threads(), make_strategy(name, options) as strategy:
         strategy.setup(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        optimizer = make_optimizer(model.parameters(), lr, momentum)
         warm, seconds, peak = [], [], tree_memory()
         x = strategy.stage_batch(x)  # on the device already, as training's prefetch leaves it
         strategy.synchronize()
