@@ -302,7 +302,12 @@ def main_job_line(data: dict) -> str:
     p = provenance(data)
     accuracy = ", ".join(f"{a:.3f}" for a in data["val_accuracy"])
     tuning = (f", the first {data['tune_budget_seconds']:g} s at most tuning this host's "
-              f"local strategies (later runs reuse the profile)" if data.get("tuned") else "")
+              f"local strategies" if data.get("tuned") else "")
+    if data.get("allocator_timed"):
+        tuning += ", and about a minute before that timing its allocators"
+    if tuning:
+        tuning += " (later runs reuse both)" if data.get("allocator_timed") else \
+            " (later runs reuse the profile)"
     return (f"Block 1's training (`{data['main_job']}`) reaches validation accuracy {accuracy} "
             f"after epochs 1 to {data['epochs']}, in {_minutes(data['wall_seconds'])} on "
             f"{p['cores']} cores ({p['cpu_model']}, torch {p['torch']}){tuning}; "
@@ -418,12 +423,14 @@ def scaling_headline(table: Table, data: dict) -> str | None:
 def bench_local_headline(table: Table, data: dict) -> str | None:
     """The fastest hybriddl row against the fastest peer (tuned PyTorch or DDP)."""
     p = provenance(data)
+    # float32 rows, in either memory format (as the peers are): no bf16, no accumulation.
     ours = [r for r in data["rows"] if r["name"] not in ("pytorch", "ddp")
-            and r["variant"] == "fp32"]
+            and r["variant"] in ("fp32", "fp32-cl")]
     if not ours:
         return None
     best = min(ours, key=lambda r: r["seconds_per_step"])
-    on = f" on {best['allocator']}" if "allocator" in best else ""
+    on = " with channels_last" if best["variant"] == "fp32-cl" else ""
+    on += f" on {best['allocator']}" if "allocator" in best else ""
     return (f"- **One host, {data['model']}, {data['image_size']} px, batch "
             f"{data['batch_size']}, {p['cores']} cores** — the fastest local strategy "
             f"({best['name']}{on}, {best['seconds_per_step']:.2f} s/step) runs at "
