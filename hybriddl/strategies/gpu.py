@@ -85,17 +85,26 @@ class Gpu(PlainConvolutions, LocalStrategy):
         self._ready[x.untyped_storage().data_ptr()] = event
         return x
 
+    def _arrived(self, x: torch.Tensor) -> None:
+        """Make the step's stream wait until the side stream has made `x`."""
+        if self._copies is None:
+            return
+        compute = torch.cuda.current_stream(self._device)
+        event = self._ready.pop(x.untyped_storage().data_ptr(), None) if x.is_cuda else None
+        if event is not None:
+            compute.wait_event(event)  # the staged batch has arrived
+        else:
+            compute.wait_stream(self._copies)
+        if x.device == self._device:
+            x.record_stream(compute)  # allocated on the side stream, freed after this one
+
+    def convolutions_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._arrived(x)  # the classifier split across hosts starts here
+        return super().convolutions_forward(x)
+
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
-        if self._copies is not None:
-            compute = torch.cuda.current_stream(self._device)
-            event = self._ready.pop(x.untyped_storage().data_ptr(), None) if x.is_cuda else None
-            if event is not None:
-                compute.wait_event(event)  # the staged batch has arrived
-            else:
-                compute.wait_stream(self._copies)
-            if x.device == self._device:
-                x.record_stream(compute)  # allocated on the side stream, freed after this one
+        self._arrived(x)
         x = x.to(self._device, non_blocking=True)
         y = y.to(self._device, non_blocking=True)
         keys = current_keys()
