@@ -753,7 +753,7 @@ def test_tune_host_measures_a_registered_fast_device_early_and_picks_it(fake_dev
     by_name = {}
     for c in profile.candidates:
         by_name.setdefault(c.choice.name, []).append(c)
-    assert profile.pick == StrategySpec("fake-device")
+    assert profile.pick.name == "fake-device"  # in either memory format: both take no time
     assert by_name["fake-device"][0].measured and by_name["sequential"][0].measured
     # The CPU variations other than the baseline and the best guess were outrun.
     cpu = [c for c in profile.candidates if c.choice.name not in ("fake-device", "sequential")]
