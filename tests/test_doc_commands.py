@@ -44,7 +44,7 @@ CI_RUN = REPO / ".ci" / "run"
 # The smallest image each model takes (AlexNet's pooling needs 63 px); 32 px otherwise.
 SMALLEST_IMAGE = {"SimpleBig": 64, "alexnet": 64}
 # Tuning's budget in a test: enough for a few candidates at 32 px on 2 busy cores.
-TUNE_SECONDS = "15"
+TUNE_SECONDS = "6"
 SHRINK = {
     "train": ["--epochs", "1", "--max-steps", "2", "--tune-budget", TUNE_SECONDS],
     "tune": ["--budget", TUNE_SECONDS, "--rounds", "1", "--second-look", "0", "--steps", "1"],
