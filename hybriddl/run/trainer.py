@@ -283,12 +283,15 @@ class LossReader:
         self.read_at = -math.inf
         self._sum, self._samples = progress.settle(), progress.samples
 
+    @staticmethod
+    def on_device(loss_sum) -> bool:
+        return isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu"
+
     def due(self, loss_sum, now: float) -> bool:
-        on_device = isinstance(loss_sum, torch.Tensor) and loss_sum.device.type != "cpu"
-        return not on_device or now - self.read_at >= self.READ_SECONDS
+        return not self.on_device(loss_sum) or now - self.read_at >= self.READ_SECONDS
 
     def read(self, progress, now: float, where: str, kept) -> None:
-        on_device = isinstance(progress.loss_sum, torch.Tensor) and progress.loss_sum.device.type != "cpu"
+        on_device = self.on_device(progress.loss_sum)
         total = progress.settle()
         if not math.isfinite(total):
             # Read every step on a CPU: at that step; from a device: by it.

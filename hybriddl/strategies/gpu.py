@@ -65,7 +65,7 @@ class Gpu(PlainConvolutions, LocalStrategy):
         if self._copies is None:
             return x
         with torch.cuda.stream(self._copies):
-            return self._arriving(x.pin_memory().to(self._device, non_blocking=True))
+            return self._arriving(self._copied(x))
 
     def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
         """The uint8 rows copied (a quarter of the float32 bytes) and augmented on the
@@ -74,8 +74,12 @@ class Gpu(PlainConvolutions, LocalStrategy):
         if self._copies is None:
             return transform(rows, flips)
         with torch.cuda.stream(self._copies):
-            return self._arriving(transform(rows.pin_memory().to(self._device,
-                                                                 non_blocking=True), flips))
+            return self._arriving(transform(self._copied(rows), flips))
+
+    def _copied(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` on the device, copied from pinned memory (by DMA, not through a staging copy)
+        on the current stream: call it on the side stream."""
+        return x.pin_memory().to(self._device, non_blocking=True)
 
     def _arriving(self, x: torch.Tensor) -> torch.Tensor:
         """Note the event after which the side stream has made `x` (the step waits for that
