@@ -31,7 +31,7 @@ def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
     """One step on (x, y); `gradients` leaves the host's gradient in .grad (the hosts'
     scheme's, hybriddl.hybrid.parallel; by default the strategy's over the host batch),
     `average` turns it into the global one."""
-    optimizer.zero_grad(set_to_none=False)
+    zero_gradients(optimizer)
     if gradients is not None:
         stats = gradients(strategy, x, y)
     else:
@@ -39,6 +39,34 @@ def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
         stats = host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
     if average is not None:
         average(stats)
+    _absent_as_zero(optimizer)
     optimizer.step()
     strategy.after_step()
     return stats
+
+
+def zero_gradients(optimizer: Optimizer) -> None:
+    """Clear the gradients before a step: a gradient that is a view of another buffer (a
+    fusion bucket, hosts/fusion.py, which MPI sends from) is zeroed in place so that
+    backward keeps adding into the buffer; every other one is dropped (None), so backward
+    hands its fresh gradient over instead of adding it into zeros. Zeroing then adding
+    reads and writes every gradient once more per step (on a GPU, a kernel more per
+    tensor: issue 39); plain PyTorch drops them too (its default since 2.0)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad._base is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
+
+
+def _absent_as_zero(optimizer: Optimizer) -> None:
+    """A trained parameter that got no gradient this step updates as with a zero gradient
+    (momentum still moves it), as it did when gradients were zeroed rather than dropped:
+    SGD skips a parameter whose .grad is None. Costs nothing where every one has one."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
