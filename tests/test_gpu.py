@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,6 +59,108 @@ def assert_close(actual, expected, tolerance: float) -> None:
 
 
 # --------------------------------------------------------------------------- on CPU devices
+
+class Elsewhere(torch.Tensor):
+    """CPU data that says it lives on another device (`meta`): what a CUDA tensor is to code
+    that must not hand it to numpy or MPI. Every operation runs on the data and stays
+    "elsewhere"; only a copy into a CPU tensor brings the data back."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor):
+        made = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype,
+                                                   device="meta", strides=data.stride())
+        made.data_here = data
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(value):
+            return value.data_here if isinstance(value, Elsewhere) else value
+
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None \
+                and kwargs["device"].type == "cpu":
+            return unwrap(args[0]).clone()
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func is torch.ops.aten.copy_.default:
+            return args[0]
+        return tree_map(lambda v: Elsewhere(v) if isinstance(v, torch.Tensor) else v, out)
+
+
+class OneRankComm:
+    """MPI's collectives for one rank, on numpy arrays only (what mpi4py reads)."""
+
+    def __init__(self):
+        self.buffers = []
+
+    def _seen(self, *arrays):
+        import numpy as np
+
+        for array in arrays:
+            assert isinstance(array, np.ndarray), f"MPI was handed {type(array).__name__}"
+            self.buffers.append(array)
+
+    def Iallgatherv(self, send, receive):
+        self._seen(send, receive[0])
+        receive[0].reshape(-1)[:send.size] = send.reshape(-1)
+
+    def Ireduce_scatter(self, send, receive, counts, op):
+        self._seen(send, receive)
+        receive.reshape(-1)[:] = send.reshape(-1)[:counts[0]]
+
+    def Iallreduce(self, send, receive, op):
+        self._seen(send, receive)
+        receive[...] = send
+
+    def Igatherv(self, send, receive, root):
+        self._seen(send, receive[0])
+        receive[0].reshape(-1)[:send.size] = send.reshape(-1)
+
+    def Ibcast(self, buffer, root):  # rank 0's parameters: sevens
+        self._seen(buffer)
+        buffer[...] = 7
+
+
+def one_rank_mpi_hosts():
+    """An MPIHosts of one rank whose MPI is OneRankComm (no MPI runtime started)."""
+    from hybriddl.hosts.mpi import MPIHosts
+    from hybriddl.hosts.traffic import TrafficMeter
+
+    hosts = MPIHosts.__new__(MPIHosts)
+    hosts.comm, hosts.MPI = OneRankComm(), SimpleNamespace(SUM="sum")
+    hosts.rank, hosts.size, hosts.traffic = 0, 1, TrafficMeter()
+    hosts._wait = lambda requests, what: None
+    hosts.barrier = lambda: None
+    return hosts
+
+
+def test_every_mpi_entry_point_stages_a_tensor_of_another_device_through_host_memory():
+    """The classifier split across hosts hands device tensors to the hosts' collectives
+    (issue 39: `.numpy()` of a CUDA tensor crashed two hosts with --strategy gpu): each is
+    copied to host memory for MPI, and the result comes back on the tensor's device."""
+    hosts = one_rank_mpi_hosts()
+    rows = torch.arange(12.0).view(4, 3)
+    for call in (lambda t: hosts.allgather_rows(t, [4]), lambda t: hosts.reduce_scatter_rows(t, [4]),
+                 hosts.allreduce_sum, lambda t: hosts.gather_rows(t, [4])):
+        out = call(Elsewhere(rows))
+        assert isinstance(out, Elsewhere) and torch.equal(out.data_here, rows)
+    weight = Elsewhere(torch.zeros(2, 3))
+    hosts.broadcast_parameters(SimpleNamespace(parameters=lambda: [weight], buffers=lambda: []))
+    assert torch.equal(weight.data_here, torch.full((2, 3), 7.0))
+
+
+def test_mpi_refuses_a_tensor_of_another_device_and_reads_a_cpu_one_in_place():
+    from hybriddl.hosts.mpi import _as_mpi
+
+    with pytest.raises(RuntimeError, match="MPI reads host memory only"):
+        _as_mpi(Elsewhere(torch.zeros(3)))
+    hosts = one_rank_mpi_hosts()
+    rows = torch.arange(6.0).view(2, 3)
+    assert torch.equal(hosts.allreduce_sum(rows), rows)
+    assert hosts.comm.buffers[0].ctypes.data == rows.data_ptr()  # no copy on the CPU path
+
 
 def test_the_gpu_step_leaves_its_loss_on_the_device():
     """No read-back inside the step: the loss is a tensor of the strategy's device (the

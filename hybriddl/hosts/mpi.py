@@ -342,8 +342,7 @@ class MPIHosts(Hosts):
         staged = []
         for tensor in [*model.parameters(), *model.buffers()]:
             data = tensor.detach()
-            on_cpu = data.device.type == "cpu" and data.is_contiguous()
-            staged.append((data, data if on_cpu else data.cpu().contiguous()))
+            staged.append((data, _to_host(data)))
         requests = [self.comm.Ibcast(host.numpy(), root=0) for _, host in staged]
         self._wait(requests, "receiving rank 0's initial parameters")
         for data, host in staged:
@@ -373,46 +372,46 @@ class MPIHosts(Hosts):
 
     # ------------------------------------------------------------------ tensors
     def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        tensor = tensor.detach().contiguous()
+        given, tensor = tensor, _to_host(tensor.detach())
         row = _row_elements(tensor)
-        out = torch.empty((sum(counts), *tensor.shape[1:]), dtype=tensor.dtype)
+        out = _host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device)
         sizes = [c * row for c in counts]
         self._wait([self.comm.Iallgatherv(_as_mpi(tensor), [_as_mpi(out), sizes])],
                    "exchanging classifier inputs")
         self.traffic.sent(tensor.nbytes)
-        return out
+        return _back_to(out, given)
 
     def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        tensor = tensor.detach().contiguous()
+        given, tensor = tensor, _to_host(tensor.detach())
         row = _row_elements(tensor)
-        out = torch.empty((counts[self.rank], *tensor.shape[1:]), dtype=tensor.dtype)
+        out = _host_empty((counts[self.rank], *tensor.shape[1:]), tensor.dtype, given.device)
         self._wait([self.comm.Ireduce_scatter(_as_mpi(tensor), _as_mpi(out),
                                               [c * row for c in counts], self.MPI.SUM)],
                    "returning classifier input gradients")
         self.traffic.sent(tensor.nbytes)
-        return out
+        return _back_to(out, given)
 
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.detach().contiguous()
-        out = torch.empty_like(tensor)
+        given, tensor = tensor, _to_host(tensor.detach())
+        out = _host_empty(tensor.shape, tensor.dtype, given.device)
         # Out of place, through libnbc's ring (set in _initialise): every host ends with
         # the same bits, so the classifier's replicated layers stay identical.
         self._wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
                    "summing a classifier layer's partial outputs")
         self.traffic.sent(tensor.nbytes)
-        return out
+        return _back_to(out, given)
 
     def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        tensor = tensor.detach().contiguous()
+        given, tensor = tensor, _to_host(tensor.detach())
         row = _row_elements(tensor)
-        out = torch.empty((sum(counts), *tensor.shape[1:]), dtype=tensor.dtype) \
+        out = _host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device) \
             if self.rank == 0 else None
         target = [_as_mpi(out), [c * row for c in counts]] if out is not None else None
         self._wait([self.comm.Igatherv(_as_mpi(tensor), target, root=0)],
                    "gathering the classifier's slices")
         if self.rank != 0:
             self.traffic.sent(tensor.nbytes)
-        return out
+        return None if out is None else _back_to(out, given)
 
     # ------------------------------------------------------------------ gradients
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
@@ -578,7 +577,34 @@ def _unread_bytes(fd: int) -> int:
 
 def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor as the array MPI reads or writes in place."""
+    if tensor.device.type != "cpu":  # the Open MPI wheel is not CUDA-aware
+        raise RuntimeError(f"MPI reads host memory only: a tensor on {tensor.device} goes "
+                           "through _to_host first")
     return tensor.numpy()
+
+
+def _host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty CPU tensor MPI fills for a tensor of `device`: pinned for a GPU, which
+    copies from or into it by DMA, without a staging copy (hybrid/parallel.py's
+    `to_host` does the same for the features)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous in host memory, where MPI reads it: itself on the CPU, a copy
+    from any other device (the Open MPI wheel is not CUDA-aware), made before MPI starts."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    return _host_empty(tensor.shape, tensor.dtype, tensor.device).copy_(tensor)
+
+
+def _back_to(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """What MPI wrote into `host`, on the device of `given` (the tensor it came for): from a
+    GPU, copied on that device's current stream without waiting (the caching host allocator
+    keeps the pinned buffer until the copy is done)."""
+    if given.device.type == "cpu":
+        return host
+    return given.new_empty(host.shape).copy_(host, non_blocking=True)
 
 
 def time_scale() -> float:
