@@ -1,19 +1,40 @@
 """What gradients look like on the wire between hosts (Horovod's `Compression` idea).
 
-A compression is a small object, chosen once per run, that turns a fused gradient
-buffer into the buffer handed to MPI and names how MPI sums it. The averaging code never
-branches on which one it holds.
+A compression is a small object, chosen once per run (`parse_compression`, the text of
+`--compression`). `none` and `fp16` turn each fused gradient buffer into the buffer handed
+to MPI and name how MPI sums it; `powersgd:R` (hosts/powersgd.py) compresses the step's
+whole gradient at once, its allreduce passed in. Every one says, for the planner, what it
+sends: `name`, `exact`, `wire_bytes(model or shapes)` (bytes one host hands to the
+allreduce per step, before the ring's 2(H-1)/H) and `allreduces_per_step` (exchanges that
+wait for one another in a step: the fusion buckets of `none` and `fp16` are all in flight
+at once, so one).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from hybriddl.errors import UsageError
+from hybriddl.hosts.powersgd import PowerSGD, gradient_shapes
+
+# What --compression accepts; "auto" is the planner's to settle.
+SCHEMES = ("none", "fp16", "powersgd:R", "auto")
+AUTO = "auto"
 
 
 class NoCompression:
     """Gradients travel in their own precision: the fusion buffer itself is sent."""
 
     name = "none"
+    exact = True
+    allreduces_per_step = 1
+    whole_gradient = False  # bucket by bucket: wire_buffer, compress, mpi_sum
+    itemsize = 4  # float32 gradients
+
+    def wire_bytes(self, model_or_shapes) -> int:
+        return sum(math.prod(s) for s in gradient_shapes(model_or_shapes)) * self.itemsize
 
     def wire_buffer(self, flat: torch.Tensor) -> torch.Tensor:
         return flat
@@ -44,6 +65,13 @@ class FP16Compression:
     """
 
     name = "fp16"
+    exact = False
+    allreduces_per_step = 1
+    whole_gradient = False
+    itemsize = 2
+
+    def wire_bytes(self, model_or_shapes) -> int:
+        return NoCompression.wire_bytes(self, model_or_shapes)
 
     def wire_buffer(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.empty(flat.shape, dtype=torch.float16)
@@ -70,3 +98,21 @@ class Compression:
 
     none = NoCompression()
     fp16 = FP16Compression()
+
+
+def parse_compression(text: str):
+    """The compression `--compression TEXT` names, or AUTO (the planner settles it);
+    UsageError, one line, for anything else."""
+    text = (text or "").strip()
+    if text in ("none", "fp16"):
+        return getattr(Compression, text)
+    if text == AUTO:
+        return AUTO
+    scheme, _, rank = text.partition(":")
+    if scheme == "powersgd":
+        if not rank.strip().lstrip("-").isdigit():
+            raise UsageError(f"--compression {text}: give PowerSGD's rank as a whole number, "
+                             "e.g. powersgd:2")
+        return PowerSGD(int(rank))
+    raise UsageError(f"--compression {text}: choose one of {', '.join(SCHEMES)} "
+                     "(R: PowerSGD's rank, e.g. powersgd:2)")

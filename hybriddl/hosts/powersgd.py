@@ -1,0 +1,259 @@
+"""PowerSGD: each gradient matrix sent as rank-R factors (Vogels, Karimireddy & Jaggi,
+NeurIPS 2019), as epfml/powersgd computes it, with one allreduce per step.
+
+A gradient of shape out x in (a convolution's out x in*k*k) is approximated by P Q^T,
+P out x R and Q in x R: R*(out+in) floats instead of out*in. The algorithm alternates,
+one step computing Q = M^T P from last step's P, the next P = M Q from last step's Q
+(M: this host's gradient plus its error), so each step sends ONE of the two factors of
+every matrix, batched with the dense tensors (biases, small matrices) in one allreduce,
+where PyTorch's powerSGD_hook sends both in two allreduces that wait for each other.
+The factor of last step is the warm start: one step of power iteration on a gradient
+that changes slowly tracks its leading subspace. What the approximation leaves out of
+a host's M stays in its error buffer and is added to the next step's gradient (error
+feedback), so nothing is lost, only delayed.
+
+Hosts contribute n_h/N * g_h (the averaging's weights for uneven shares) and the
+factors are summed, so the approximation is of the mean gradient over the global batch.
+Each host's error is the part of its own M outside the shared factor's span; their sum
+is the mean's M minus the approximation, so what is applied depends only on the mean
+gradient: 1 host and H hosts train the same mathematics (to float rounding), and a
+checkpoint keeps the errors summed over hosts (any host count may resume it).
+
+Every host computes the approximation from the same summed factor, the same bits: the
+factor is orthogonalised in float64 (LAPACK's rounding, which depends on the CPU,
+stays far below float32's), and P Q^T is summed outer product by outer product
+(elementwise operations round the same on every IEEE machine), so replicas never drift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybriddl.errors import UsageError
+
+# The seed of the first P and Q: the same on every host, whatever the run's --seed.
+FACTOR_SEED = 0
+
+
+def gradient_shapes(model_or_shapes: nn.Module | Iterable) -> list[tuple[int, ...]]:
+    """The shapes of a model's trainable parameters (its gradients), or the shapes given."""
+    if isinstance(model_or_shapes, nn.Module):
+        return [tuple(p.shape) for p in model_or_shapes.parameters() if p.requires_grad]
+    return [tuple(shape) for shape in model_or_shapes]
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
+    """A gradient as the matrix PowerSGD approximates: out x (everything else), as
+    epfml/powersgd views a convolution; None for vectors and scalars."""
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), math.prod(shape[1:])
+
+
+@dataclass
+class _Group:
+    """The compressed matrices of one shape, batched (epfml/powersgd's idea: one bmm each)."""
+
+    shape: tuple[int, int]
+    indices: list[int]  # positions in the gradient list
+    p: torch.Tensor  # (k, out, R), the same on every host
+    q: torch.Tensor  # (k, in, R), the same on every host
+    error: torch.Tensor  # (k, out, in), this host's
+
+
+class PowerSGD:
+    """`powersgd:R`: rank-R factors of every gradient matrix, error feedback, warm start.
+
+    `aggregate(gradients, allreduce)` returns the approximate sum over hosts of the
+    gradients (each host's already weighted n_h/N), `allreduce` being the transport:
+    tensor -> its sum over hosts (the same bits everywhere). The state (factors, errors,
+    which factor is next) is `state_dict(allreduce)` / `load_state_dict`.
+
+    A matrix goes dense, in the same allreduce, where R >= min(out, in) (a rank-R
+    approximation would be the matrix) or where R*(out+in) >= out*in (the factors are
+    no smaller than the matrix): `setup` returns one line naming them.
+    """
+
+    exact = False
+    allreduces_per_step = 1
+    whole_gradient = True  # the step's whole gradient at once, not bucket by bucket
+
+    def __init__(self, rank: int, seed: int = FACTOR_SEED):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise UsageError(f"--compression powersgd:{rank}: give a rank of at least 1, "
+                             "e.g. powersgd:2")
+        self.rank = rank
+        self.seed = seed
+        self.name = f"powersgd:{rank}"
+        self.step = 0  # even: Q is computed and sent this step; odd: P
+        self._shapes: list[tuple[int, ...]] | None = None
+        self._groups: list[_Group] = []
+        self._dense: list[int] = []
+
+    # ------------------------------------------------------------------ planning
+    def compresses(self, shape: Sequence[int]) -> bool:
+        """Whether a gradient of this shape travels as factors (else dense)."""
+        matrix = matrix_shape(shape)
+        if matrix is None:
+            return False
+        rows, cols = matrix
+        return self.rank < min(rows, cols) and self.rank * (rows + cols) < rows * cols
+
+    def wire_bytes(self, model_or_shapes) -> int:
+        """Bytes one host hands to the allreduce per step: the dense tensors plus, for each
+        compressed matrix, P (out*R) one step and Q (in*R) the next, counted as their mean."""
+        floats = 0.0
+        for shape in gradient_shapes(model_or_shapes):
+            if self.compresses(shape):
+                rows, cols = matrix_shape(shape)
+                floats += self.rank * (rows + cols) / 2
+            else:
+                floats += math.prod(shape)
+        return math.ceil(floats) * 4
+
+    def setup(self, shapes: Sequence[Sequence[int]], names: Sequence[str] | None = None,
+              device: torch.device | str = "cpu") -> list[str]:
+        """Lay out the state for gradients of these shapes (their order is the order
+        `aggregate` receives them in); returns the note to show, at most one line."""
+        self._shapes = [tuple(int(d) for d in s) for s in shapes]
+        names = list(names) if names is not None else [f"#{i}" for i in range(len(shapes))]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        self._dense, dense_matrices = [], []
+        for i, shape in enumerate(self._shapes):
+            if self.compresses(shape):
+                by_shape.setdefault(matrix_shape(shape), []).append(i)
+            else:
+                self._dense.append(i)
+                if matrix_shape(shape) is not None:
+                    dense_matrices.append(f"{names[i]} {'x'.join(map(str, matrix_shape(shape)))}")
+        generator = torch.Generator().manual_seed(self.seed)
+        self._groups = []
+        for (rows, cols), indices in by_shape.items():
+            k = len(indices)
+            # Drawn on the CPU from the seeded generator: the same bits on every host and device.
+            p = torch.randn((k, rows, self.rank), generator=generator)
+            q = torch.randn((k, cols, self.rank), generator=generator)
+            self._groups.append(_Group((rows, cols), indices, p.to(device), q.to(device),
+                                       torch.zeros((k, rows, cols), device=device)))
+        self.step = 0
+        if not dense_matrices:
+            return []
+        return [f"--compression {self.name} sends {len(dense_matrices)} gradient "
+                f"matri{'x' if len(dense_matrices) == 1 else 'ces'} dense, which rank "
+                f"{self.rank} factors would not make smaller: " + ", ".join(dense_matrices)]
+
+    # ------------------------------------------------------------------ one step
+    def aggregate(self, gradients: Sequence[torch.Tensor],
+                  allreduce: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """The approximate sum over hosts of `gradients`, one call of `allreduce`.
+
+        The gradients are read, not changed. Every host must call it at the same step with
+        gradients of the same shapes."""
+        shapes = [tuple(g.shape) for g in gradients]
+        if self._shapes is None:
+            self.setup(shapes, device=gradients[0].device if gradients else "cpu")
+        elif shapes != self._shapes:
+            raise ValueError(f"{self.name} was set up for gradients of shapes {self._shapes}, "
+                             f"given {shapes}")
+        sends_q = self.step % 2 == 0
+        local = []
+        for group in self._groups:
+            # M = this step's gradient + what earlier approximations left out (error feedback).
+            for j, i in enumerate(group.indices):
+                group.error[j].add_(gradients[i].reshape(group.shape))
+            if sends_q:
+                group.p.copy_(orthogonal(group.p))
+                local.append(torch.bmm(group.error.transpose(1, 2), group.p))  # Q_h = M^T P
+            else:
+                group.q.copy_(orthogonal(group.q))
+                local.append(torch.bmm(group.error, group.q))  # P_h = M Q
+        dense = [gradients[i].reshape(-1) for i in self._dense]
+        parts = [f.reshape(-1) for f in local] + dense
+        device = gradients[0].device if gradients else torch.device("cpu")
+        wire = torch.cat(parts) if parts else torch.zeros(0, device=device)
+        total = allreduce(wire)
+        outputs: list[torch.Tensor | None] = [None] * len(gradients)
+        offset = 0
+        for group, mine in zip(self._groups, local):
+            summed = total[offset:offset + mine.numel()].view(mine.shape)
+            offset += mine.numel()
+            if sends_q:
+                group.q.copy_(summed)
+                # This host's error: the part of its M outside span(P), P orthonormal.
+                group.error.baddbmm_(group.p, mine.transpose(1, 2), alpha=-1)
+            else:
+                group.p.copy_(summed)
+                group.error.baddbmm_(mine, group.q.transpose(1, 2), alpha=-1)
+            approximation = outer_products(group.p, group.q)
+            for j, i in enumerate(group.indices):
+                outputs[i] = approximation[j].view(shapes[i])
+        for i in self._dense:
+            n = math.prod(shapes[i])
+            outputs[i] = total[offset:offset + n].view(shapes[i])
+            offset += n
+        self.step += 1
+        return outputs
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, allreduce: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """The state as a checkpoint keeps it: the factors (the same on every host) and the
+        errors summed over hosts by `allreduce` (one call, collective), on the CPU."""
+        errors = [g.error.reshape(-1) for g in self._groups]
+        summed = allreduce(torch.cat(errors)) if errors else torch.zeros(0)
+        offset, error_sums = 0, []
+        for group in self._groups:
+            error_sums.append(summed[offset:offset + group.error.numel()]
+                              .view(group.error.shape).cpu().clone())
+            offset += group.error.numel()
+        return {"name": self.name, "step": self.step,
+                "shapes": [list(s) for s in (self._shapes or [])],
+                "p": [g.p.cpu().clone() for g in self._groups],
+                "q": [g.q.cpu().clone() for g in self._groups],
+                "error": error_sums}
+
+    def load_state_dict(self, state: dict, holds_error: bool = True) -> None:
+        """Continue from `state_dict`'s record; the host that `holds_error` takes the summed
+        errors, the others start theirs at zero (their sum is what was saved). ValueError
+        when the record is of another scheme or of other gradients."""
+        if state.get("name") != self.name:
+            raise ValueError(f"it is {state.get('name')}'s, not {self.name}'s")
+        shapes = [tuple(s) for s in state["shapes"]]
+        if self._shapes is None:
+            self.setup(shapes)
+        if shapes != self._shapes:
+            raise ValueError("it is of other gradients (another model, or the other "
+                             "--host-parallel scheme)")
+        for group, p, q, error in zip(self._groups, state["p"], state["q"], state["error"]):
+            if p.shape != group.p.shape or q.shape != group.q.shape or error.shape != group.error.shape:
+                raise ValueError("its factors are of other shapes")
+            group.p.copy_(p)
+            group.q.copy_(q)
+            if holds_error:
+                group.error.copy_(error)
+            else:
+                group.error.zero_()
+        self.step = int(state["step"])
+
+
+def orthogonal(factors: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning each matrix's (k, n, R), as epfml/powersgd's
+    orthogonalize, in float64 so that every host rounds to the same float32 bits."""
+    wide = factors.double()
+    if factors.shape[-1] == 1:
+        # Each matrix's own norm (epfml divides the whole batch by one norm).
+        return (wide / wide.norm(dim=1, keepdim=True).clamp_min(1e-30)).to(factors.dtype)
+    return torch.linalg.qr(wide).Q.to(factors.dtype)
+
+
+def outer_products(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P Q^T for each matrix of the batch, a sum of R outer products, each operation
+    elementwise: the same bits on every host (a matrix product's may depend on its kernel)."""
+    result = p[:, :, 0:1] * q[:, :, 0].unsqueeze(1)
+    for r in range(1, p.shape[-1]):
+        result += p[:, :, r:r + 1] * q[:, :, r].unsqueeze(1)
+    return result
