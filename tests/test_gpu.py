@@ -180,6 +180,29 @@ def test_the_gpu_step_leaves_its_loss_on_the_device():
     assert stats.loss > 0
 
 
+def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_path):
+    """A GPU step returns once its kernels are queued: the epoch's seconds end when the
+    device has run them (`synchronize`), not when the last step was queued."""
+    from hybriddl.run import trainer
+    from hybriddl.run.settings import TrainConfig
+
+    config = TrainConfig(strategy="gpu", strategy_options=StrategyOptions(devices=("cpu",)),
+                         model="resnet18", image_size=32, batch_size=8, max_steps=2,
+                         run_dir=str(tmp_path / "run"))
+    prepared = trainer.prepare(config)
+    queued = 0.5  # seconds of work a stand-in device still has when the last step returns
+    prepared.strategy.synchronize = lambda: time.sleep(queued)
+    steps = []
+
+    class Steps(trainer.TrainingObserver):
+        def on_step(self, epoch, step, samples, seconds, loss):
+            steps.append(seconds)
+
+    epoch = trainer.run(prepared, Steps())["epochs"][0]
+    assert len(steps) == 2 and epoch["seconds"] >= sum(steps) + queued
+    assert epoch["images_per_second"] <= 16 / queued
+
+
 def test_the_pipelines_timeline_has_each_stage_of_each_micro_batch():
     x, y = torch.randn(8, 3, 64, 64), torch.randint(3, (8,))
     with make_strategy("pipeline", StrategyOptions(micro_batches=4, devices=("cpu", "cpu"))) as pipe:

@@ -257,6 +257,9 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                 loss.read(progress, now, f"epoch {epoch + 1}, step {step + 1}", keeper.kept)
             observer.on_step(epoch, step, share.global_samples, now - step_started, loss.last)
             keeper.step_done(progress)
+    # A GPU step returns once queued: the epoch's clock stops when its last step has run.
+    strategy.synchronize()
+    progress.seconds += time.perf_counter() - last
     loss.read(progress, time.perf_counter(), f"the end of epoch {epoch + 1}", keeper.kept)
     # mpi_bytes_sent, comm/compute seconds, per step and per rank
     traffic = hosts.traffic.epoch_record(hosts.allgather)
