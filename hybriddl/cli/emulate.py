@@ -1,5 +1,5 @@
 """`hybriddl emulate`: run a command under mpirun across H emulated hosts, report each NIC
-(and the time scale, when the hosts are emulated slower than real time)."""
+(and the time scale and speedup, when emulated time is not wall time)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import signal
 import sys
 from pathlib import Path
 
-from hybriddl.cli.flags import add_link_flags, add_mca_flag
-from hybriddl.emulation.hosts import EmulationFailed
+from hybriddl.cli.flags import add_link_flags, add_mca_flag, add_workload_flags
+from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_cores_per_host,
+                                      duration_seconds, quota_of)
 from hybriddl.errors import UsageError
 
 
@@ -24,6 +25,17 @@ per host), links run at rate/D and latencies are x D. The report and the console
 itself measures stays in wall time: a run's metrics.json reports wall seconds and
 images_per_second, so on the emulated hosts img/s = images_per_second x D and step
 seconds = step seconds / D. NIC bytes do not depend on D.
+
+speedup: --speedup S lets each host stand for one S times faster than its cores here (a
+server, a GPU): the hosts run at once, never in turns, links run at rate/S, latencies are
+x S and emulated seconds = wall seconds / S. Where H x C exceeds the machine's cores, every
+host still runs at once, held to C/D cores of CPU time by a CPU quota over 10 ms periods
+(D as above): the dilation is then S x D (rates / (S x D), emulated = wall / (S x D)).
+--host-step 10ms --usecase NAME measures one host's step here (C threads, the use case's
+per-host batch and image size, or --batch-size and --image-size) and takes S = that step
+/ 10 ms. The report gives speedup, time_scale, dilation and emulated_seconds; the ranks'
+deadlines and the link rate they measure are in emulated time (HYBRIDDL_TIME_SCALE =
+S x D), what the command writes stays in wall time.
 
 limits: compute is assumed to scale with cores (a host of C cores is C/D cores' worth of
 CPU time; a host of more cores than the machine has runs the machine's cores' threads);
@@ -48,12 +60,25 @@ def add_parser(commands) -> argparse.ArgumentParser:
                          help="slow time down by D (default: the least D at which the hosts "
                               "fit, 1 when they do); 1 where they do not fit shares every "
                               "core between the hosts, unfaithfully")
+    emulate.add_argument("--speedup", type=float, metavar="S",
+                         help="each host stands for one S times faster than its cores here: "
+                              "hosts run at once, links at rate/S, latencies x S, emulated "
+                              "seconds = wall / S (see below)")
+    emulate.add_argument("--host-step", metavar="DURATION",
+                         help="derive S from a step: S = one host's step measured here for "
+                              "--usecase (on C cores) / DURATION, e.g. 10ms, 0.01s, 1.5s")
+    add_workload_flags(emulate, batch="the per-host batch --host-step measures at",
+                       typed_only=True)
+    emulate.add_argument("--channels-last", action="store_true",
+                         help="--host-step measures with channels_last (as a command that "
+                              "trains with --channels-last)")
     emulate.add_argument("--ranks-per-host", type=int, default=1,
                          help="MPI ranks per host, mpirun -npernode K (default: 1)")
     add_link_flags(emulate)
     add_mca_flag(emulate)
-    emulate.add_argument("--report", help="JSON file: time scale, wall and emulated "
-                         "seconds, per host its name and NIC bytes")
+    emulate.add_argument("--report", help="JSON file: speedup, time scale, dilation, wall "
+                         "and emulated seconds, the measured host step, per host its name "
+                         "and NIC bytes")
     emulate.add_argument("command", nargs=argparse.REMAINDER,
                          help="-- COMMAND...: what mpirun starts on every rank ('hybriddl ...' "
                               "runs this installation's hybriddl)")
@@ -70,6 +95,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                          "-- hybriddl train --max-steps 3")
     if command[0] == "hybriddl":
         command = [sys.executable, "-m", "hybriddl", *command[1:]]
+    speed = _speed_flags(args)
     report = Path(args.report) if args.report else None
     if report and not report.parent.is_dir():
         raise UsageError(f"--report {report}: folder {report.parent} does not exist")
@@ -83,7 +109,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     try:
-        return _run(args, command, report, env, console)
+        return _run(args, command, report, env, console, speed)
     except EmulationFailed as exc:
         console.print(f"hybriddl: emulated hosts failed: {exc}", markup=False, highlight=False,
                       soft_wrap=True)
@@ -92,6 +118,51 @@ def cmd_emulate(args: argparse.Namespace) -> int:
         console.print(f"hybriddl: emulate interrupted by {signal.Signals(stop.signum).name}; "
                       "the emulated hosts are torn down", markup=False, highlight=False)
         return 128 + stop.signum
+
+
+def _speed_flags(args: argparse.Namespace) -> dict:
+    """--speedup, --host-step and what it measures, checked before anything is made:
+    {"speedup": S or None, "host_step": seconds or None}."""
+    workload = [flag for flag, value in (("--usecase", args.usecase), ("--model", args.model),
+                                         ("--image-size", args.image_size),
+                                         ("--batch-size", args.batch_size),
+                                         ("--channels-last", args.channels_last)) if value]
+    if args.speedup is not None and args.host_step is not None:
+        raise UsageError("give --speedup S or --host-step DURATION (which derives S), not both")
+    if args.time_scale is not None and (args.speedup is not None or args.host_step is not None):
+        raise UsageError("--time-scale with --speedup/--host-step: at a speedup the hosts run at "
+                         "once and the time scale follows from the cores; leave --time-scale out")
+    if args.host_step is not None and args.usecase is None:
+        raise UsageError(f"--host-step {args.host_step}: give --usecase NAME, the use case whose "
+                         "step is measured here to derive the speedup")
+    if args.host_step is None and workload:
+        raise UsageError(f"{', '.join(workload)}: these say what --host-step measures; give "
+                         "--host-step DURATION too, or leave them out")
+    return {"speedup": None if args.speedup is None else check_speedup(args.speedup),
+            "host_step": None if args.host_step is None
+            else duration_seconds(args.host_step, "--host-step")}
+
+
+def _measure_speedup(args: argparse.Namespace, host_step: float, console) -> tuple[float, dict]:
+    """S from one host's step measured here; says it in one line. (S, the report's record)."""
+    from hybriddl.emulation.hosts import speedup_for_step
+    from hybriddl.tuning.host_step import measure_host_step
+
+    cores = args.cores_per_host or default_cores_per_host(args.hosts)
+    if cores < 1:
+        raise UsageError(f"--cores-per-host {cores}: give at least 1")
+    measured = measure_host_step(args.usecase, cores, model=args.model,
+                                 image_size=args.image_size, batch_size=args.batch_size,
+                                 channels_last=args.channels_last)
+    speedup = speedup_for_step(measured.seconds, host_step)
+    low, high = measured.spread
+    console.print(f"hybriddl: host step {host_step * 1e3:g} ms: {measured.usecase} "
+                  f"({measured.model}, batch {measured.batch_size}, {measured.image_size} px, "
+                  f"{measured.strategy}) takes {measured.seconds:.4g} s here on {cores} "
+                  f"core(s) (median of {len(measured.step_seconds)}, {low:.4g}-{high:.4g} s): "
+                  f"speedup S = {speedup:.4g}", markup=False, highlight=False, soft_wrap=True)
+    return speedup, {"asked_seconds": host_step, "measured": measured.as_dict(),
+                     "speedup": speedup}
 
 
 class Interrupted(Exception):
@@ -104,21 +175,24 @@ def _interrupt(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-def _run(args, command, report, env, console) -> int:
+def _run(args, command, report, env, console, speed) -> int:
     from rich.table import Table
 
     from hybriddl.emulation.hosts import EmulatedHosts
     from hybriddl.files import atomic_write_json
 
+    speedup, host_step = speed["speedup"], None
+    if speed["host_step"] is not None:
+        speedup, host_step = _measure_speedup(args, speed["host_step"], console)
     with EmulatedHosts(hosts=args.hosts, cores_per_host=args.cores_per_host,
                        bandwidth=args.bandwidth, latency=args.latency,
-                       time_scale=args.time_scale) as cluster:
+                       time_scale=args.time_scale, speedup=speedup) as cluster:
         for note in cluster.notes:
             console.print(f"hybriddl: note: {note}", markup=False, highlight=False,
                           soft_wrap=True)
         run = cluster.run(command, ranks_per_host=args.ranks_per_host,
                           mca=dict(args.mca or []), env=env)
-    wall = " wall" if run.time_scale != 1 else ""
+    wall = " wall" if run.dilation != 1 else ""
     table = Table(title=f"NIC bytes during the run ({run.seconds:.1f} s{wall}, "
                         f"exit {run.returncode})")
     for column in ("host", "sent", "received"):
@@ -126,7 +200,12 @@ def _run(args, command, report, env, console) -> int:
     for host in run.traffic:
         table.add_row(host.host, f"{host.bytes_sent:,}", f"{host.bytes_received:,}")
     console.print(table)
-    if run.time_scale != 1:
+    if speedup is not None:
+        console.print(f"hybriddl: speedup {run.speedup:.4g} x time scale {run.time_scale:g} = "
+                      f"dilation {run.dilation:.4g}: {run.seconds:.1f} s wall = "
+                      f"{run.emulated_seconds:.4g} s on the emulated hosts", markup=False,
+                      highlight=False, soft_wrap=True)
+    elif run.time_scale != 1:
         console.print(f"hybriddl: time scale {run.time_scale:g}: {run.seconds:.1f} s wall = "
                       f"{run.emulated_seconds:.1f} s on the emulated hosts", markup=False,
                       highlight=False, soft_wrap=True)
@@ -135,8 +214,15 @@ def _run(args, command, report, env, console) -> int:
             "emulated_hosts": args.hosts, "cores_per_host": cluster.cores_per_host,
             "ranks_per_host": args.ranks_per_host,
             "bandwidth": args.bandwidth, "latency": args.latency,
-            "time_scale": run.time_scale, "command": command, "returncode": run.returncode,
+            # emulated = wall / dilation; dilation = speedup x time_scale.
+            "speedup": run.speedup, "time_scale": run.time_scale, "dilation": run.dilation,
+            "turns": cluster.takes_turns,
+            "cpu_quota": None if cluster.quota_cores is None else {
+                "cores_per_host": cluster.quota_cores,
+                "period_seconds": quota_of(cluster.quota_cores)[1] / 1e6},
+            "host_step": host_step,
+            "command": command, "returncode": run.returncode,
             "seconds": round(run.seconds, 3),
-            "emulated_seconds": round(run.emulated_seconds, 3),
+            "emulated_seconds": round(run.emulated_seconds, 6),
             "hosts": [host.as_dict() for host in run.traffic]})
     return run.returncode

@@ -20,6 +20,13 @@ per host (cgroup cpu) leave a serial phase at full speed; quotas per thread as w
 throttle each thread on its own clock, so threads that meet at barriers wait for one
 another: two 2-core VGG16 hosts at D = 2 ran at half their speed.)
 
+Speedup. `speedup` S lets each host stand for one S times faster than its cores here (a
+32-core server, a GPU): links run at rate/S, latencies are x S and emulated time is wall
+time / S. The hosts then never take turns (an exchange would wait for its partner's turn):
+where they do not fit side by side they all run at once, each held to C/D cores of CPU
+time by a CPU quota with a short period (`QUOTA_PERIOD`), so time is dilated by S x D
+(`Dilation`).
+
 Nothing is created or changed in the root network namespace: the veth pairs are made
 directly inside the namespaces. Every namespace is named `hybriddl-emu-<pid>-...` after
 the process that made it, so a run that was killed before it could tear down is found
@@ -67,6 +74,12 @@ DELAY = re.compile(r"^(\d+(?:\.\d+)?)\s*(us|ms|s)$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 # How long a slot of hosts runs before the next takes the cores (TimeSlicer).
 SLICE = 0.02
+# The period of the CPU quota of hosts that run at once (speedup): short, so a host held to
+# its share waits at most this long to run again (an exchange waits as long for its
+# partner), and a step of tens of milliseconds spans several periods.
+QUOTA_PERIOD = 0.01
+# The kernel's least CPU quota (cgroup v1 cpu.cfs_quota_us, v2 cpu.max): 1 ms.
+LEAST_QUOTA = 0.001
 
 
 class EmulationUnavailable(UsageError):
@@ -104,11 +117,17 @@ class EmulatedRun:
     stdout: str | None = None
     stderr: str | None = None
     time_scale: float = 1.0
+    speedup: float = 1.0
+
+    @property
+    def dilation(self) -> float:
+        """S x D: wall seconds per emulated second."""
+        return Dilation(self.speedup, self.time_scale).factor
 
     @property
     def emulated_seconds(self) -> float:
-        """What the run took on the emulated hosts: wall time / D."""
-        return self.seconds / self.time_scale
+        """What the run took on the emulated hosts: wall time / (S x D)."""
+        return Dilation(self.speedup, self.time_scale).emulated(self.seconds)
 
 
 def bits_per_second(rate: str) -> float:
@@ -128,6 +147,67 @@ def seconds_of(delay: str) -> float:
     if not match:
         raise UsageError(f"latency {delay!r}: give a delay such as 0.1ms, 50us or 1ms")
     return float(match[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match[2].lower()]
+
+
+def duration_seconds(text: str, flag: str) -> float:
+    """'10ms' -> 0.01, '0.01s' -> 0.01, '1.5s' -> 1.5, '500us' -> 0.0005 (a positive one)."""
+    match = DELAY.match(text.strip())
+    if not match or float(match[1]) <= 0:
+        raise UsageError(f"{flag} {text!r}: give a positive duration such as 10ms, 0.01s or "
+                         "1.5s")
+    return float(match[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match[2].lower()]
+
+
+def check_speedup(speedup: float) -> float:
+    """S as given: 1 or more (a host S times faster than its cores here)."""
+    if not speedup >= 1 or math.isinf(speedup):
+        raise UsageError(f"--speedup {speedup:g}: give 1 or more (how many times faster than "
+                         "its cores here each emulated host computes)")
+    return float(speedup)
+
+
+def speedup_for_step(measured_seconds: float, host_step_seconds: float) -> float:
+    """S at which a host whose step takes `measured_seconds` here stands for one whose step
+    takes `host_step_seconds`: their ratio, refused (exit 2) below 1."""
+    speedup = measured_seconds / host_step_seconds
+    if speedup < 1:
+        raise UsageError(f"--host-step {host_step_seconds:g} s: this host's step takes "
+                         f"{measured_seconds:.3g} s already, so the emulated host would be "
+                         f"slower; give a step of at most {measured_seconds:.3g} s")
+    return speedup
+
+
+@dataclass(frozen=True)
+class Dilation:
+    """How emulated time relates to wall time: S (speedup, each host stands for one S times
+    faster) times D (time scale, each host gets C/D cores of CPU time where the hosts do
+    not fit side by side). Everything that is not the hosts' compute follows it: links run
+    at rate / (S x D), latencies are x (S x D), emulated seconds = wall seconds / (S x D)."""
+
+    speedup: float = 1.0
+    time_scale: float = 1.0
+
+    @property
+    def factor(self) -> float:
+        return self.speedup * self.time_scale
+
+    def link_rate(self, bits_per_second: float) -> float:
+        """What tc is set to for an emulated link of `bits_per_second`."""
+        return bits_per_second / self.factor
+
+    def link_delay(self, seconds: float) -> float:
+        """What netem is set to for an emulated one-way latency of `seconds`."""
+        return seconds * self.factor
+
+    def emulated(self, wall_seconds: float) -> float:
+        return wall_seconds / self.factor
+
+
+def quota_of(cores: float, period: float = QUOTA_PERIOD) -> tuple[int, int]:
+    """(quota, period) in microseconds that give `cores` cores' worth of CPU time: the
+    period stretched where the quota would fall below the kernel's least."""
+    period = max(period, LEAST_QUOTA / cores)
+    return round(cores * period * 1e6), round(period * 1e6)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -199,6 +279,11 @@ def _end_processes(pids: list[int], grace: float) -> None:
 TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
 
 
+def default_cores_per_host(hosts: int) -> int:
+    """C when not given: this machine's cores shared out between the hosts, at least 1."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, hosts))
+
+
 def least_time_scale(hosts: int, cores_per_host: int, machine_cores: int) -> float:
     """The smallest D at which `hosts` hosts of `cores_per_host` cores fit `machine_cores`.
 
@@ -232,23 +317,67 @@ def freezer_hierarchy() -> tuple[Path, int] | None:
     return None
 
 
+def cpu_hierarchy() -> tuple[Path, int] | None:
+    """Where cgroups with a CPU quota are made, and the cgroup version: v1's cpu hierarchy
+    where it is mounted, else a cgroup v2 mount whose children may have the cpu
+    controller; None without either."""
+    mounts = psutil.disk_partitions(all=True)
+    for mount in mounts:
+        if mount.fstype == "cgroup" and "cpu" in mount.opts.split(","):
+            return Path(mount.mountpoint), 1
+    for mount in mounts:
+        if mount.fstype == "cgroup2":
+            root = Path(mount.mountpoint)
+            try:
+                if "cpu" in (root / "cgroup.controllers").read_text().split():
+                    return root, 2
+            except OSError:
+                pass
+    return None
+
+
 @dataclass(frozen=True)
 class HostCgroup:
     """One emulated host's cgroup: every process the host starts joins it, and the
-    `TimeSlicer` freezes and thaws them together."""
+    `TimeSlicer` freezes and thaws them together (`kind` "freezer"), or a CPU quota holds
+    them to the host's share of the machine (`kind` "cpu")."""
 
     path: Path
     version: int
+    kind: str = "freezer"
 
     @classmethod
-    def create(cls, hierarchy: tuple[Path, int], name: str) -> "HostCgroup":
+    def create(cls, hierarchy: tuple[Path, int], name: str,
+               kind: str = "freezer") -> "HostCgroup":
         root, version = hierarchy
+        if version == 2 and kind == "cpu":
+            try:  # v2: a child has the cpu controller only if its parent hands it down
+                (root / "cgroup.subtree_control").write_text("+cpu")
+            except OSError as exc:
+                raise EmulationFailed(f"cannot enable the cpu controller under {root} "
+                                      f"({exc.strerror})") from None
         try:
             (root / name).mkdir()
         except OSError as exc:
             raise EmulationFailed(f"cannot make the host cgroup {root / name} "
                                   f"({exc.strerror})") from None
-        return cls(root / name, version)
+        return cls(root / name, version, kind)
+
+    def limit_cpu(self, cores: float, period: float = QUOTA_PERIOD) -> tuple[int, int]:
+        """Hold the host's processes to `cores` cores' worth of CPU time, measured over
+        every `period` (stretched to the kernel's least quota); returns (quota, period) in
+        microseconds."""
+        quota, period_us = quota_of(cores, period)
+        try:
+            if self.version == 2:
+                (self.path / "cpu.max").write_text(f"{quota} {period_us}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(period_us))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        except OSError as exc:
+            raise EmulationFailed(f"cannot set the CPU quota of {self.path} "
+                                  f"({exc.strerror})") from None
+        return quota, period_us
 
     @property
     def procs(self) -> Path:
@@ -257,6 +386,8 @@ class HostCgroup:
 
     def freeze(self, frozen: bool) -> None:
         """Stop (or let run again) every thread of the host's processes."""
+        if self.kind != "freezer":
+            return
         try:
             if self.version == 2:
                 (self.path / "cgroup.freeze").write_text("1" if frozen else "0")
@@ -329,12 +460,14 @@ class TimeSlicer(threading.Thread):
 
 
 def _leftover_cgroups() -> list[HostCgroup]:
-    hierarchy = freezer_hierarchy()
-    if hierarchy is None:
-        return []
-    root, version = hierarchy
-    return [HostCgroup(path, version) for path in root.glob(f"{PREFIX}*")
-            if path.is_dir() and not _owner_alive(path.name)]
+    found = []
+    for hierarchy, kind in ((freezer_hierarchy(), "freezer"), (cpu_hierarchy(), "cpu")):
+        if hierarchy is None:
+            continue
+        root, version = hierarchy
+        found += [HostCgroup(path, version, kind) for path in root.glob(f"{PREFIX}*")
+                  if path.is_dir() and not _owner_alive(path.name)]
+    return found
 
 
 def remove_leftovers() -> list[str]:
@@ -363,7 +496,7 @@ class EmulatedHosts:
             run.traffic   # one NicCounters per host: bytes its NIC sent/received
 
     Host i is named `h<i>` and has address 198.18.0.<i+1>. `rate` and `delay` are the
-    emulated link's; `tc` applies them scaled by `time_scale`.
+    emulated link's; `tc` applies them scaled by `dilation` (S x D).
 
     time_scale D: 1 (the default) runs in real time, each host pinned to its own
     `cores_per_host` cores where hosts x cores_per_host fits the machine, every host
@@ -371,23 +504,43 @@ class EmulatedHosts:
     hosts fit (`least_time_scale`; 1 when they fit); a number forces D. With D > 1 each
     host gets cores_per_host / D cores of CPU time (TimeSlicer), links run at rate / D
     and latencies are x D: time on the emulated hosts is wall time / D.
+
+    speedup S (None: not asked): each host stands for one S times faster than its cores
+    here. The hosts run at once, never in turns: side by side where they fit (D = 1), else
+    each held to C/D cores by a CPU quota (`QUOTA_PERIOD`), D the least at which they fit;
+    links run at rate / (S x D), latencies are x (S x D), and emulated time is wall time /
+    (S x D) (`dilation`). A time scale cannot be forced beside it.
     """
 
     def __init__(self, hosts: int, cores_per_host: int | None = None,
                  bandwidth: str | None = None, latency: str | None = None,
-                 time_scale: float | None = 1.0):
+                 time_scale: float | None = 1.0, speedup: float | None = None):
         if hosts < 1 or hosts > 250:
             raise UsageError(f"--hosts {hosts}: give between 1 and 250 hosts")
         cores = sorted(os.sched_getaffinity(0))
         if cores_per_host is None:
-            cores_per_host = max(1, len(cores) // hosts)
+            cores_per_host = default_cores_per_host(hosts)
         if cores_per_host < 1:
             raise UsageError(f"--cores-per-host {cores_per_host}: give at least 1")
         fits = least_time_scale(hosts, cores_per_host, len(cores))
+        if speedup is not None:
+            check_speedup(speedup)
+            if time_scale not in (None, 1.0, fits):
+                raise UsageError(f"--time-scale {time_scale:g} with --speedup: the hosts run "
+                                 "at once, each held to its share of the cores; leave "
+                                 "--time-scale out")
+            time_scale = None
         if time_scale is not None and not time_scale >= 1:
             raise UsageError(f"--time-scale {time_scale:g}: give 1 or more (at least "
                              f"{fits:g} for {hosts} hosts x {cores_per_host} cores here)")
         self.time_scale = fits if time_scale is None else float(time_scale)
+        self.speedup = speedup
+        self.dilation = Dilation(1.0 if speedup is None else float(speedup), self.time_scale)
+        # D > 1 without a speedup: the hosts take turns (TimeSlicer); with one they all run
+        # at once under a CPU quota each.
+        self.takes_turns = speedup is None and self.time_scale > 1
+        self.quota_cores = (cores_per_host / self.time_scale
+                            if speedup is not None and self.time_scale > 1 else None)
         self.bandwidth, self.latency = bandwidth, latency
         self.rate = bits_per_second(bandwidth) if bandwidth else None
         self.delay = seconds_of(latency) if latency else None
@@ -413,7 +566,23 @@ class EmulatedHosts:
                              f"{cores_per_host} cores take turns on this machine's "
                              f"{len(cores)} cores at {fits:g} or more: give at least {fits:g} "
                              "(or 1, to let them share every core unslowed)")
-        if self.time_scale > 1:
+        if speedup is not None:
+            factor = self.dilation.factor
+            held = (f"; the hosts do not fit side by side, so all run at once, each held to "
+                    f"{self.quota_cores:.3g} core(s) of CPU time by a quota over "
+                    f"{QUOTA_PERIOD * 1e3:g} ms: time scale D = {self.time_scale:g}, "
+                    f"dilation S x D = {factor:g}" if self.quota_cores is not None else "")
+            self.notes.append(
+                f"speedup {speedup:g}: each host stands for one {speedup:g}x faster than its "
+                f"cores here{held}; links run at rate/{factor:g} and latencies "
+                f"x{factor:g}; emulated seconds = wall seconds / {factor:g}")
+            if self.quota_cores is not None and cores_per_host > 1:
+                self.notes.append(
+                    f"a quota of {self.quota_cores:.3g} core(s) lets one thread of a "
+                    f"{cores_per_host}-core host run faster than 1/{self.time_scale:g} of "
+                    "its speed: its serial phases are slowed less than its parallel ones "
+                    "(hosts of 1 core are faithful)")
+        elif self.time_scale > 1:
             self.notes.append(
                 f"time scale {self.time_scale:g}: each host gets "
                 f"{cores_per_host / self.time_scale:.3g} core(s) of CPU time (the hosts "
@@ -454,7 +623,17 @@ class EmulatedHosts:
     def _create(self) -> None:
         self._up = True
         self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
-        if self.time_scale > 1:
+        if self.quota_cores is not None:
+            hierarchy = cpu_hierarchy()
+            if hierarchy is None:
+                raise EmulationUnavailable(
+                    f"{self.count} hosts x {self.cores_per_host} cores at a speedup need a "
+                    "CPU quota per host (cgroup v1's cpu hierarchy, or v2's cpu controller), "
+                    "which this machine lacks: mount it, or emulate fewer hosts x cores")
+            for index, namespace in enumerate(self.namespaces):
+                self.cgroups[index] = HostCgroup.create(hierarchy, namespace, kind="cpu")
+                self.cgroups[index].limit_cpu(self.quota_cores)
+        elif self.takes_turns:
             hierarchy = freezer_hierarchy()
             if hierarchy is None:
                 raise EmulationUnavailable(
@@ -509,14 +688,15 @@ class EmulatedHosts:
 
     def _limit(self, namespace: str, device: str, delay: bool) -> None:
         """Egress of `device`: the link rate (both directions), latency once per direction,
-        both in wall time (rate / D, latency x D)."""
+        both in wall time (rate / (S x D), latency x (S x D))."""
         parent = ["root"]
         if delay and self.delay:
             _tc(namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem",
-                "delay", f"{self.delay * self.time_scale * 1e6:.0f}us", "limit", "100000")
+                "delay", f"{self.dilation.link_delay(self.delay) * 1e6:.0f}us", "limit",
+                "100000")
             parent = ["parent", "1:1"]
         if self.rate:
-            rate = self.rate / self.time_scale
+            rate = self.dilation.link_rate(self.rate)
             # A burst of 1 ms at the link rate (at least a jumbo frame): short enough that
             # a transfer's time is its bytes over the rate.
             burst = max(int(rate / 8 * 1e-3), 65536)
@@ -604,17 +784,18 @@ class EmulatedHosts:
         launcher = mpirun or str(Path(sys.executable).parent / "mpirun")
         if not Path(launcher).exists():
             launcher = shutil.which("mpirun") or launcher
-        turns = TURNS_EAGER if self.time_scale > 1 else {}
+        turns = TURNS_EAGER if self.takes_turns else {}
         parameters = {**MPI_TRANSPORT, **turns, "plm_rsh_agent": str(self.folder / "agent"),
                       **(mca or {})}
         map_by = "slot"
         if self.cores[0] is None or ranks_per_host > len(self.cores[0]):
             map_by += ":oversubscribe"
         argv = [launcher, "--hostfile", str(hostfile), "--map-by", map_by, "--bind-to", "none"]
-        if self.time_scale > 1:
-            # The ranks' own deadlines (heartbeat silence, --host-timeout) are in emulated
-            # time too: a host's 15 s of silence is 15 x D s of wall time here.
-            argv += ["-x", f"{TIME_SCALE_VARIABLE}={self.time_scale:g}"]
+        if self.dilation.factor > 1:
+            # The ranks' own deadlines (heartbeat silence, --host-timeout) and the link rate
+            # they measure are in emulated time too: a host's 15 s of silence is 15 x S x D
+            # s of wall time here.
+            argv += ["-x", f"{TIME_SCALE_VARIABLE}={self.dilation.factor:g}"]
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
         return self.on_host(0, argv)
@@ -663,7 +844,7 @@ class EmulatedHosts:
         seconds = time.monotonic() - started
         traffic = [after - early for after, early in zip(self.counters(), before)]
         return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr,
-                           self.time_scale)
+                           self.time_scale, self.dilation.speedup)
 
 
 # Part of the rsh agent (see EmulatedHosts._write_agent): ssh's exit code and message

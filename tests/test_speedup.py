@@ -1,0 +1,140 @@
+"""`hybriddl emulate --speedup S` / `--host-step`: hosts that stand for hosts S times faster.
+
+The arithmetic (rates, latencies, emulated seconds, CPU quotas) is checked without making
+any namespace; bad input goes through the command line; one emulated run checks the rate
+tc really set and the report's emulated seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import hybriddl_env
+from hybriddl.emulation.hosts import (Dilation, EmulatedHosts, EmulatedRun,
+                                      cpu_hierarchy, duration_seconds, quota_of,
+                                      speedup_for_step)
+from hybriddl.errors import UsageError
+from hybriddl.tuning.host_step import HostStep
+
+MACHINE_CORES = len(os.sched_getaffinity(0))
+
+
+def test_a_speedup_divides_rates_and_emulated_seconds_and_multiplies_latencies():
+    fast = Dilation(speedup=4)
+    assert fast.factor == 4
+    assert fast.link_rate(100e6) == 25e6
+    assert fast.link_delay(0.5e-3) == 2e-3
+    assert fast.emulated(10.0) == 2.5
+    # Hosts held to C/D cores by a quota run D times slower again: S x D.
+    held = Dilation(speedup=20, time_scale=2)
+    assert held.factor == 40
+    assert held.link_rate(1e9) == 25e6
+    assert held.emulated(80.0) == 2.0
+    assert EmulatedRun(0, 12.0, [], speedup=4, time_scale=3).emulated_seconds == 1.0
+    assert EmulatedRun(0, 12.0, [], speedup=4, time_scale=3).dilation == 12
+
+
+def test_hosts_at_a_speedup_never_take_turns_and_are_held_by_a_quota_where_they_do_not_fit():
+    side_by_side = EmulatedHosts(hosts=2, cores_per_host=1, bandwidth="100mbit", speedup=4)
+    if MACHINE_CORES >= 2:
+        assert (side_by_side.time_scale, side_by_side.quota_cores) == (1, None)
+    assert side_by_side.dilation.factor == 4 * side_by_side.time_scale
+    assert not side_by_side.takes_turns
+    crowded = EmulatedHosts(hosts=4 * MACHINE_CORES, cores_per_host=1, speedup=20)
+    assert not crowded.takes_turns
+    assert crowded.time_scale == 4
+    assert crowded.quota_cores == 0.25
+    assert crowded.dilation.factor == 80
+    assert any("quota" in note for note in crowded.notes)
+    # The same hosts without a speedup take turns, as before.
+    assert EmulatedHosts(hosts=4 * MACHINE_CORES, cores_per_host=1, time_scale=None).takes_turns
+
+
+def test_a_quota_has_a_short_period_stretched_only_below_the_kernels_least():
+    assert quota_of(0.5) == (5000, 10000)  # half a core over 10 ms
+    assert quota_of(1.0) == (10000, 10000)
+    assert quota_of(0.05) == (1000, 20000)  # 1 ms is the least quota
+
+
+def test_durations_and_the_speedup_a_host_step_gives():
+    assert duration_seconds("10ms", "--host-step") == pytest.approx(0.01)
+    assert duration_seconds("0.01s", "--host-step") == pytest.approx(0.01)
+    assert duration_seconds("1.5s", "--host-step") == 1.5
+    assert duration_seconds("500us", "--host-step") == pytest.approx(5e-4)
+    for bad in ("fast", "10", "-1ms", "0s"):
+        with pytest.raises(UsageError, match="--host-step"):
+            duration_seconds(bad, "--host-step")
+    assert speedup_for_step(1.2, 0.01) == pytest.approx(120)
+    with pytest.raises(UsageError, match="at most 0.5"):
+        speedup_for_step(0.5, 1.0)
+    step = HostStep("SimpleBig", "alexnet", 224, 32, 1, 1, "intraop K=1", [1.0, 1.2, 0.9])
+    assert (step.seconds, step.spread) == (1.0, (0.9, 1.2))
+    assert step.as_dict()["seconds"] == 1.0
+
+
+def test_a_speedup_refuses_a_forced_time_scale_and_values_below_one():
+    with pytest.raises(UsageError, match="--speedup 0.5"):
+        EmulatedHosts(hosts=2, speedup=0.5)
+    with pytest.raises(UsageError, match="--time-scale 3"):
+        EmulatedHosts(hosts=2, cores_per_host=1, speedup=2, time_scale=3)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--speedup", "0.5"], "--speedup 0.5"),
+    (["--speedup", "2", "--host-step", "10ms", "--usecase", "SimpleBig"], "not both"),
+    (["--host-step", "10ms"], "--usecase"),
+    (["--speedup", "2", "--time-scale", "2"], "--time-scale"),
+    (["--host-step", "ten", "--usecase", "SimpleBig"], "--host-step 'ten'"),
+    (["--usecase", "SimpleBig"], "--host-step"),
+])
+def test_bad_speed_flags_are_one_line_and_exit_2(cli_here, args, says):
+    done = cli_here("emulate", "--hosts", "2", *args, "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert says in done.stderr
+
+
+def tc_rates(namespace: str) -> list[str]:
+    """The tbf rates tc shows on a namespace's interfaces."""
+    shown = subprocess.run(["tc", "-n", namespace, "-j", "qdisc", "show"], capture_output=True,
+                           text=True).stdout
+    return [q["options"]["rate"] for q in json.loads(shown or "[]") if q.get("kind") == "tbf"]
+
+
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)")
+@pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare"))),
+                    reason="emulated hosts need ip, tc (iproute2) and unshare")
+@pytest.mark.skipif(MACHINE_CORES < 2 and cpu_hierarchy() is None,
+                    reason="2 hosts on 1 core at a speedup need a CPU quota (cgroup cpu)")
+def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_wall(tmp_path):
+    report = tmp_path / "report.json"
+    # Each rank reads the tbf rate on its own NIC while the hosts are up.
+    program = ("import json, subprocess; shown = subprocess.run(['tc', '-j', 'qdisc', 'show', "
+               "'dev', 'eth0'], capture_output=True, text=True).stdout; "
+               "print('RATES', json.dumps([q['options']['rate'] for q in json.loads(shown) "
+               "if q.get('kind') == 'tbf']))")
+    done = subprocess.run(
+        [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--cores-per-host", "1",
+         "--speedup", "4", "--bandwidth", "100mbit", "--report", str(report), "--",
+         sys.executable, "-c", program],
+        capture_output=True, text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    rates = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+             if line.startswith("RATES ")]
+    assert len(rates) == 2
+    # tc shows bytes per second: 25 Mbit/s is 3,125,000 B/s on each host's link.
+    assert rates == [[25e6 / 8]] * 2
+    written = json.loads(report.read_text())
+    assert written["speedup"] == 4 and written["time_scale"] == 1 and written["dilation"] == 4
+    assert written["turns"] is False
+    assert written["emulated_seconds"] == pytest.approx(written["seconds"] / 4, abs=1e-3)
+    assert "speedup 4" in done.stderr
