@@ -171,6 +171,11 @@ class Hosts:
         """Bytes per second each host's link carries (the slowest's), measured now."""
         return None
 
+    def link_latency(self) -> float | None:
+        """Seconds one small message takes to the next host (the slowest host's), measured
+        now; None alone."""
+        return None
+
     # ------------------------------------------------------------------ tensors
     # The collectives of the classifier split across hosts (hybriddl.hybrid). `counts`
     # are every host's number of rows (samples, or a layer's slice), in rank order.
@@ -182,6 +187,10 @@ class Hosts:
     def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The sum over hosts of `tensor` (the same shape everywhere), cut into rows by
         `counts`: this host's part."""
+        return tensor
+
+    def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in that dtype."""
         return tensor
 
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

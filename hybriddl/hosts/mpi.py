@@ -37,6 +37,7 @@ from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
 from hybriddl.hosts.wire import as_bits, half_sum
+from hybriddl.hosts.wire import as_bits, half_sum
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 # Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
@@ -44,6 +45,9 @@ PIECE_BYTES = 8 * 2**20
 # The link measurement at start: large enough that latency is a small part of it.
 LINK_PROBE_BYTES = 8 * 2**20
 LINK_PROBE_TAG = 7301
+# The latency measurement at start: small round trips, few enough to take milliseconds.
+LATENCY_PROBE_ROUNDS = 10
+LATENCY_PROBE_TAG = 7302
 # The latency measurement at start: small round trips, few enough to take milliseconds.
 LATENCY_PROBE_ROUNDS = 10
 LATENCY_PROBE_TAG = 7302
@@ -394,6 +398,26 @@ class MPIHosts(Hosts):
         mine = sorted(seconds[1:])[rounds // 2] / self.time_scale
         return max(self.allgather(mine))
 
+    def link_latency(self, rounds: int = LATENCY_PROBE_ROUNDS) -> float:
+        """Seconds one small message takes to the next host, the slowest host's: `rounds`
+        ring exchanges of 8 bytes (each host sends to the next and receives from the
+        previous, through `_wait` as every exchange of a step), the median after one
+        unmeasured round. What the planner charges each round of a ring collective
+        (hybrid/planner.py). On emulated hosts slowed down by D, in emulated time."""
+        send, receive = np.ones(1, dtype=np.int64), np.empty(1, dtype=np.int64)
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.barrier()
+        seconds = []
+        for _ in range(rounds + 1):
+            started = time.perf_counter()
+            self._wait([self.comm.Isend(send, dest=right, tag=LATENCY_PROBE_TAG),
+                        self.comm.Irecv(receive, source=left, tag=LATENCY_PROBE_TAG)],
+                       "measuring the latency to the next host")
+            seconds.append(time.perf_counter() - started)
+        self.traffic.sent(send.nbytes * (rounds + 1))
+        mine = sorted(seconds[1:])[rounds // 2] / self.time_scale
+        return max(self.allgather(mine))
+
     # ------------------------------------------------------------------ tensors
     def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         given, tensor = tensor, _to_host(tensor.detach())
@@ -414,6 +438,19 @@ class MPIHosts(Hosts):
                    "returning classifier input gradients")
         self.traffic.sent(tensor.nbytes)
         return _back_to(out, given)
+
+    def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in its own dtype
+        (hosts/wire.py): the split's features' gradients with --feature-dtype."""
+        datatype, op = half_sum(self.MPI, tensor.dtype)
+        tensor = tensor.detach().cpu().contiguous()
+        row = _row_elements(tensor)
+        out = torch.empty((counts[self.rank], *tensor.shape[1:]), dtype=tensor.dtype)
+        self._wait([self.comm.Ireduce_scatter([as_bits(tensor), datatype], [as_bits(out), datatype],
+                                              [c * row for c in counts], op)],
+                   "returning classifier input gradients")
+        self.traffic.sent(tensor.nbytes)
+        return out
 
     def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in its own dtype

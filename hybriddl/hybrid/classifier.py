@@ -102,23 +102,30 @@ def slice_counts(width: int, hosts: int) -> list[int]:
 class GatherRows(torch.autograd.Function):
     """Forward: every host's rows (its samples), in rank order, and with them every host's
     `tags` (int64 rows: labels, dropout keys), in one exchange. Backward: the sum over hosts
-    of the gradient of those rows, this host's part (a reduce-scatter)."""
+    of the gradient of those rows, this host's part (a reduce-scatter).
+
+    `wire_dtype` (--feature-dtype bfloat16): the rows and their gradient cross the wire in
+    that 2-byte dtype, half the bytes, and come back in the rows' own; None: bit for bit."""
 
     @staticmethod
-    def forward(ctx, rows, hosts, counts, tags):
-        ctx.hosts, ctx.counts = hosts, counts
-        width = rows.shape[1] * rows.element_size()
+    def forward(ctx, rows, hosts, counts, tags, wire_dtype=None):
+        ctx.hosts, ctx.counts, ctx.wire_dtype = hosts, counts, wire_dtype
+        wire = rows.detach() if wire_dtype is None else rows.detach().to(wire_dtype)
+        width = wire.shape[1] * wire.element_size()
         # One message of bytes per row: the float rows, then the tags, bit for bit.
-        packed = torch.cat([rows.detach().contiguous().view(torch.uint8),
+        packed = torch.cat([wire.contiguous().view(torch.uint8),
                             tags.contiguous().view(torch.uint8)], 1)
         whole = hosts.allgather_rows(packed, counts)
         everyone = whole[:, width:].contiguous().view(torch.int64)
         ctx.mark_non_differentiable(everyone)
-        return whole[:, :width].contiguous().view(rows.dtype), everyone
+        return whole[:, :width].contiguous().view(wire.dtype).to(rows.dtype), everyone
 
     @staticmethod
     def backward(ctx, grad, _):
-        return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None, None
+        if ctx.wire_dtype is None:
+            return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None, None, None
+        part = ctx.hosts.reduce_scatter_half_rows(grad.to(ctx.wire_dtype), ctx.counts)
+        return part.to(grad.device, grad.dtype), None, None, None, None
 
 
 class SumOverHosts(torch.autograd.Function):

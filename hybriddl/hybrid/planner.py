@@ -1,0 +1,478 @@
+"""The exchange planned per link: each scheme's step predicted from measured inputs.
+
+At start the hosts know this host's compute per step (the profile's, or timed once), the
+link's rate and latency (measured by `Hosts.link_rate` and `Hosts.link_latency`), the host
+count and the model's shapes. From them alone, with no MPI here, `predict` gives each
+scheme's step:
+
+    step = compute
+         + bytes each host's link sends / rate      (a ring: 2(H-1)/H of an allreduce's payload,
+                                                     (H-1)/H of an allgather's or reduce-scatter's)
+         + latency x rounds of the exchanges a step waits for one after another
+                                                    (a ring allreduce 2(H-1) rounds,
+                                                     an allgather or reduce-scatter H-1)
+         + compression's own compute (casts, 2-byte sums, PowerSGD's products), this host's
+         - overlap: none credited.
+
+No overlap is credited because none was measured: on 2-core hosts at 1 Gbit/s data's step
+was the compute plus all of its exchange (AlexNet 3.12 s = 1.03 + 2.09; VGG16 17.9 s =
+12.1 + 5.8), and a credit of two thirds of the compute picked data for VGG16 where hybrid
+was 1.27x faster (see `hybrid.parallel`). A prediction errs long, never short, so an
+inexact scheme is never picked on the strength of an overlap that does not happen.
+
+The fusion buckets of one gradient exchange are all in flight at once, so they pay one
+allreduce's latency; PowerSGD's exchanges wait for one another (`allreduces_per_step`).
+
+`settle` picks: exact schemes unless `--compression auto`; with auto the fastest, but an
+inexact one only where it is predicted faster than the best exact one by more than the
+predictions' error (`PREDICTION_ERROR`), so the plan never takes a scheme slower than dense
+averaging (on fast links it says "none"). Where an inexact scheme is predicted at least
+`ADVICE_FACTOR` times faster than the exact one a run uses, the plan carries one line naming
+it and its flags.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from hybriddl.errors import UsageError
+from hybriddl.hybrid.classifier import NotSplittable, plan
+
+# The gradient exchanges the planner weighs, beside each other: exact, half precision, and
+# PowerSGD at the ranks its paper and PyTorch's hook use (1 to 4).
+COMPRESSIONS = ("none", "fp16", "powersgd:1", "powersgd:2", "powersgd:4")
+# The split's features and their gradients on the wire (--feature-dtype): float32 is exact;
+# bfloat16 halves the bytes and keeps float32's exponent range, which the gradients of the
+# global mean loss (a 1/B factor in every element) need and float16's would cut off.
+FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXACT_FEATURES = "float32"
+# Predictions were within this of measured steps (docs/multi-host.md): an inexact scheme
+# must win by more than it.
+PREDICTION_ERROR = 0.15
+# How much faster an inexact scheme must be predicted for a run on an exact one to say so.
+ADVICE_FACTOR = 2.0
+# Bytes of the tags (label, dropout key: two int64) every feature row carries.
+TAG_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One way hosts may exchange a step: how they divide it (`data`, `hybrid`), what the
+    averaged gradients look like on the wire, and (hybrid) the features' wire dtype."""
+
+    host_parallel: str
+    compression: str = "none"
+    feature_dtype: str = EXACT_FEATURES
+
+    @property
+    def exact(self) -> bool:
+        return self.compression == "none" and self.feature_dtype == EXACT_FEATURES
+
+    @property
+    def label(self) -> str:
+        parts = [self.host_parallel]
+        if self.compression != "none":
+            parts.append(self.compression)
+        if self.feature_dtype != EXACT_FEATURES:
+            parts.append(f"{self.feature_dtype} features")
+        return " + ".join(parts)
+
+    @property
+    def flags(self) -> str:
+        """The command line that asks for this scheme."""
+        line = f"--host-parallel {self.host_parallel} --compression {self.compression}"
+        if self.host_parallel == "hybrid" and self.feature_dtype != EXACT_FEATURES:
+            line += f" --feature-dtype {self.feature_dtype}"
+        return line
+
+
+def candidate_schemes(splittable: bool) -> list[Scheme]:
+    """The schemes weighed: data with each compression; hybrid exact, with 2-byte features,
+    and with each compression of its convolutions' gradients (features in bfloat16 there:
+    once a run is inexact, float32 features only cost bytes)."""
+    schemes = [Scheme("data", c) for c in COMPRESSIONS]
+    if splittable:
+        schemes += [Scheme("hybrid"), Scheme("hybrid", "none", "bfloat16")]
+        schemes += [Scheme("hybrid", c, "bfloat16") for c in COMPRESSIONS if c != "none"]
+    return schemes
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the planner needs of a model: its parameters' shapes, those the hybrid scheme
+    still averages (all but the classifier's linear layers), the width of the split's
+    features and the outputs of its row-parallel layers (each one allreduce of B rows)."""
+
+    parameters: tuple[tuple[int, ...], ...]
+    averaged_in_hybrid: tuple[tuple[int, ...], ...]
+    features: int | None = None  # None: the classifier cannot be split
+    row_outputs: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model: nn.Module, splittable: bool = True) -> ModelShapes:
+        """`model`'s shapes (any device, the meta device too); `splittable` False where the
+        hybrid scheme cannot run it whatever its classifier."""
+        every = tuple(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+        classifier = getattr(model, "classifier", None)
+        try:
+            splits = plan(classifier) if splittable and classifier is not None else None
+        except NotSplittable:
+            splits = None
+        if not splits:
+            return cls(every, every)
+        linear = {id(p) for m in classifier.modules() if isinstance(m, nn.Linear)
+                  for p in m.parameters()}
+        rest = tuple(tuple(p.shape) for p in model.parameters()
+                     if p.requires_grad and id(p) not in linear)
+        return cls(every, rest, splits[0].in_features,
+                   tuple(s.out_features for s in splits if s.kind == "row"))
+
+    @property
+    def splittable(self) -> bool:
+        return self.features is not None
+
+
+@dataclass(frozen=True)
+class Link:
+    """The slowest host's link as measured at start: bytes per second through a ring, and
+    one hop's latency for a small message."""
+
+    bytes_per_second: float
+    latency_seconds: float = 0.0
+
+
+# --------------------------------------------------------------------------- bytes
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """A gradient as PowerSGD sees it: out x (in k k); None for a vector."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None
+
+
+def _factored(matrix: tuple[int, int] | None, rank: int) -> bool:
+    """Whether PowerSGD sends this matrix as rank-`rank` factors: only where they are
+    smaller than it (as hosts/powersgd.py decides)."""
+    return bool(matrix) and rank < min(matrix) and rank * sum(matrix) < math.prod(matrix)
+
+
+def powersgd_floats(shapes, rank: int) -> int:
+    """Floats one host hands to the allreduces of a PowerSGD step of rank `rank` (both
+    factors, P and Q): R (n + m) for each n x m matrix with R below min(n, m), the rest
+    dense (vectors, and matrices the factors would not make smaller)."""
+    floats = 0
+    for shape in shapes:
+        matrix = _matrix(shape)
+        if _factored(matrix, rank):
+            floats += rank * sum(matrix)
+        else:
+            floats += math.prod(shape)
+    return floats
+
+
+@dataclass(frozen=True)
+class GradientExchange:
+    """What one compression hands to the allreduce per step: payload bytes (before the
+    ring's 2(H-1)/H), exchanges that wait for one another, and whether it is exact."""
+
+    name: str
+    payload_bytes: float
+    allreduces_per_step: int
+    exact: bool
+    source: str  # "compression object": its own figures; "planner": the arithmetic here
+
+
+def gradient_exchange(name: str, shapes) -> GradientExchange:
+    """`name`'s exchange of gradients of `shapes`: the compression object's own figures
+    where hosts/compression.py has it, else the same arithmetic here (float32 4 bytes,
+    float16 2, PowerSGD both factors in two exchanges, as PyTorch's hook sends them)."""
+    shapes = list(shapes)
+    compression = _compression_object(name)
+    if compression is not None:
+        return GradientExchange(name, float(compression.wire_bytes(shapes)),
+                                int(compression.allreduces_per_step), bool(compression.exact),
+                                "compression object")
+    elements = sum(math.prod(s) for s in shapes)
+    if name == "none":
+        return GradientExchange(name, 4.0 * elements, 1, True, "planner")
+    if name == "fp16":
+        return GradientExchange(name, 2.0 * elements, 1, False, "planner")
+    rank = powersgd_rank(name)
+    return GradientExchange(name, 4.0 * powersgd_floats(shapes, rank), 2, False, "planner")
+
+
+def powersgd_rank(name: str) -> int:
+    scheme, _, rank = name.partition(":")
+    if scheme != "powersgd" or not rank.isdigit() or int(rank) < 1:
+        raise UsageError(f"--compression {name}: choose none, fp16, powersgd:R (R >= 1) or auto")
+    return int(rank)
+
+
+def _compression_object(name: str):
+    """The compression `name` names in hosts/compression.py, where it exposes what the
+    planner reads (`wire_bytes`, `allreduces_per_step`, `exact`); None until then."""
+    try:
+        from hybriddl.hosts.compression import parse_compression
+        compression = parse_compression(name)
+    except (ImportError, UsageError):
+        return None
+    needed = ("wire_bytes", "allreduces_per_step", "exact")
+    return compression if all(hasattr(compression, n) for n in needed) else None
+
+
+# --------------------------------------------------------------------------- compute
+
+@dataclass(frozen=True)
+class HostCosts:
+    """This host's seconds for the work compression adds to a step, measured once
+    (`measure`): per element, a float32 <-> 2-byte float cast, a 2-byte float addition as
+    MPI's reduction does it (torch's add), a float32 element-wise pass, and a gradient
+    matrix's skinny product with rank-1 factors (scaled by R). `powersgd` holds seconds
+    per step measured with the PowerSGD object itself, keyed "data:R" / "hybrid:R";
+    without them its cost is estimated from the per-element figures (`estimated`)."""
+
+    cast: float
+    half_add: float
+    elementwise: float
+    matmul: float
+    powersgd: dict = field(default_factory=dict)
+
+    @classmethod
+    def measure(cls, elements: int = 1 << 21) -> HostCosts:
+        """Each figure the best of three (the first pays for allocations)."""
+        x = torch.ones(elements)
+        half = torch.empty(elements, dtype=torch.float16)
+        other = torch.ones(elements, dtype=torch.float16)
+        y = torch.empty_like(x)
+        matrix = torch.ones(1024, elements // 1024)
+        factor = torch.ones(elements // 1024, 4)
+        return cls(cast=_best(lambda: half.copy_(x)) / elements,
+                   half_add=_best(lambda: half.add_(other)) / elements,
+                   elementwise=_best(lambda: torch.add(x, x, out=y)) / elements,
+                   matmul=_best(lambda: matrix @ factor) / (elements * 4))
+
+    def powersgd_seconds(self, scope: str, shapes, rank: int) -> tuple[float, bool]:
+        """(seconds per step, estimated?) of PowerSGD's own compute on `shapes`."""
+        measured = self.powersgd.get(f"{scope}:{rank}")
+        if measured is not None:
+            return measured, False
+        seconds = 0.0
+        for shape in shapes:
+            matrix = _matrix(shape)
+            if _factored(matrix, rank):
+                n = math.prod(matrix)
+                # M Q, M^T P and P Q^T (the error), each R products per element; the error
+                # added in and the approximation taken out: two element-wise passes.
+                seconds += 3 * rank * n * self.matmul + 2 * n * self.elementwise
+        return seconds, True
+
+
+def _best(work, repeats: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return max(best, 1e-12)
+
+
+# --------------------------------------------------------------------------- predictions
+
+@dataclass(frozen=True)
+class Prediction:
+    """One scheme's predicted step and its parts, in seconds."""
+
+    scheme: Scheme
+    nic_bytes: float  # what each host's link sends per step
+    compute_seconds: float
+    wire_seconds: float
+    latency_seconds: float
+    compression_seconds: float
+    step_seconds: float
+    images_per_second: float
+    estimated: bool  # compression's own compute estimated, not measured
+
+    def record(self) -> dict:
+        return {"scheme": self.scheme.label, "host_parallel": self.scheme.host_parallel,
+                "compression": self.scheme.compression,
+                "feature_dtype": self.scheme.feature_dtype, "exact": self.scheme.exact,
+                "flags": self.scheme.flags, "nic_bytes_per_step": round(self.nic_bytes),
+                **{key: round(value, 6) for key, value in (
+                    ("compute_seconds", self.compute_seconds),
+                    ("wire_seconds", self.wire_seconds),
+                    ("latency_seconds", self.latency_seconds),
+                    ("compression_seconds", self.compression_seconds),
+                    ("overlap_seconds", 0.0),
+                    ("step_seconds", self.step_seconds),
+                    ("images_per_second", self.images_per_second))},
+                "compression_cost": "estimated" if self.estimated else "measured"}
+
+
+def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
+            compute_seconds: float, link: Link, costs: HostCosts | None = None,
+            chunks: int = 1) -> Prediction:
+    """`scheme`'s step on `hosts` hosts (see the module's docstring for the model);
+    `chunks`: --accumulate, each chunk one gather, row sums and reduce-scatter."""
+    if hosts < 2:
+        raise ValueError("one host exchanges nothing: there is nothing to predict")
+    ring = (hosts - 1) / hosts
+    averaged = shapes.parameters if scheme.host_parallel == "data" else shapes.averaged_in_hybrid
+    gradients = gradient_exchange(scheme.compression, averaged)
+    nic = 2 * ring * gradients.payload_bytes
+    rounds = gradients.allreduces_per_step * 2 * (hosts - 1)
+    extra, estimated = 0.0, False
+    elements = sum(math.prod(s) for s in averaged)
+    if costs is not None and scheme.compression == "fp16":
+        # Cast to float16 and back, and the ring's (H-1)/H additions in float16.
+        extra += 2 * elements * costs.cast + ring * elements * costs.half_add
+    elif costs is not None and scheme.compression != "none":
+        seconds, estimated = costs.powersgd_seconds(scheme.host_parallel, averaged,
+                                                    powersgd_rank(scheme.compression))
+        extra += seconds
+    if scheme.host_parallel == "hybrid":
+        if not shapes.splittable:
+            raise ValueError("the hybrid scheme needs a classifier it can split")
+        size = FEATURE_DTYPES[scheme.feature_dtype].itemsize
+        rows = global_batch * shapes.features
+        nic += ring * global_batch * (shapes.features * size + TAG_BYTES)  # allgather
+        nic += ring * rows * size  # the features' gradient, reduce-scattered
+        nic += sum(2 * ring * global_batch * out * 4 for out in shapes.row_outputs)
+        rounds += chunks * ((hosts - 1) * 2 + 2 * (hosts - 1) * len(shapes.row_outputs))
+        if costs is not None and size < 4:
+            # Each host's rows and the gradient's part cast down, the whole batch's cast
+            # back up (both ways), and the reduce-scatter's additions in 2 bytes.
+            extra += (2 + 2 / hosts) * rows * costs.cast + ring * rows * costs.half_add
+    wire = nic / link.bytes_per_second
+    latency = rounds * link.latency_seconds
+    step = compute_seconds + wire + latency + extra
+    return Prediction(scheme, nic, compute_seconds, wire, latency, extra, step,
+                      global_batch / step, estimated)
+
+
+@dataclass
+class Plan:
+    """Every scheme's prediction, the one settled and why, and the advice line (or None)."""
+
+    hosts: int
+    rows: list[Prediction]
+    chosen: Scheme
+    reason: str
+    advice: str | None = None
+    inputs: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        """The plan as metrics.json's config keeps it."""
+        return {"hosts": self.hosts, "inputs": self.inputs,
+                "rows": [row.record() for row in self.rows],
+                "chosen": {**asdict(self.chosen), "scheme": self.chosen.label,
+                           "exact": self.chosen.exact, "flags": self.chosen.flags},
+                "reason": self.reason, "advice": self.advice,
+                "overlap": "none credited (see hybriddl/hybrid/planner.py)"}
+
+
+def one_host_plan() -> Plan:
+    """Alone, a host exchanges nothing: data parallelism over itself, nothing compressed."""
+    return Plan(1, [], Scheme("data"), "one host: no exchange, nothing to compress (none)")
+
+
+def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_seconds: float,
+              link: Link, costs: HostCosts | None = None, *, host_parallel: str = "auto",
+              compression: str = "none", feature_dtype: str | None = None,
+              chunks: int = 1, compute_source: str = "") -> Plan:
+    """Predict every candidate scheme and settle the asked ones (see `settle`)."""
+    if hosts < 2:
+        return one_host_plan()
+    schemes = candidate_schemes(shapes.splittable)
+    # A scheme asked for outside the candidates (powersgd:8) is predicted too.
+    extra = _asked_scheme(host_parallel, compression, feature_dtype, shapes.splittable)
+    schemes += [s for s in extra if s not in schemes]
+    rows = [predict(s, shapes, hosts, global_batch, compute_seconds, link, costs, chunks)
+            for s in schemes]
+    rows.sort(key=lambda row: row.step_seconds)
+    chosen, reason = settle(rows, host_parallel, compression, feature_dtype)
+    reason += (f"; measured link {link.bytes_per_second * 8 / 1e9:.3f} Gbit/s, latency "
+               f"{link.latency_seconds * 1e3:.3f} ms")
+    inputs = {"compute_seconds": compute_seconds, "compute_source": compute_source,
+              "link_bytes_per_second": link.bytes_per_second,
+              "latency_seconds": link.latency_seconds, "global_batch": global_batch,
+              "accumulate": chunks,
+              "compression_costs": None if costs is None else
+              {"cast": costs.cast, "half_add": costs.half_add,
+               "elementwise": costs.elementwise, "matmul": costs.matmul,
+               "powersgd_measured": dict(costs.powersgd)}}
+    return Plan(hosts, rows, chosen.scheme, reason, advise(rows, chosen, compression), inputs)
+
+
+def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list[Scheme]:
+    """The scheme a run asked for by name, where it is none of the candidates."""
+    if compression == "auto":
+        return []
+    parallels = ["data", "hybrid"] if host_parallel == "auto" else [host_parallel]
+    if not splittable:
+        parallels = [p for p in parallels if p == "data"]
+    return [Scheme(p, compression, (feature_dtype or EXACT_FEATURES) if p == "hybrid"
+                   else EXACT_FEATURES) for p in parallels]
+
+
+def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str = "none",
+           feature_dtype: str | None = None) -> tuple[Prediction, str]:
+    """The scheme a run takes among `rows`, and why. Named choices are kept; "auto" and a
+    feature dtype left out are the planner's. With --compression auto the fastest, but an
+    inexact scheme only where it is predicted faster than the best exact one by more than
+    PREDICTION_ERROR: never a scheme slower than dense averaging."""
+    def allowed(row: Prediction) -> bool:
+        s = row.scheme
+        dtype = feature_dtype or (None if compression == "auto" else EXACT_FEATURES)
+        return (host_parallel in ("auto", s.host_parallel)
+                and compression in ("auto", s.compression)
+                and (s.host_parallel == "data" or dtype in (None, s.feature_dtype)))
+
+    options = [row for row in rows if allowed(row)]
+    if not options:
+        raise UsageError(f"no scheme fits --host-parallel {host_parallel} --compression "
+                         f"{compression}" + (f" --feature-dtype {feature_dtype}" if feature_dtype
+                                             else "") + ": the classifier cannot be split; use "
+                         "--host-parallel data")
+    best = min(options, key=lambda row: row.step_seconds)
+    exact = [row for row in options if row.scheme.exact]
+    best_exact = min(exact, key=lambda row: row.step_seconds) if exact else None
+    parts = f"predicted step {best.step_seconds:.3f} s ({_parts(best)})"
+    if compression != "auto":
+        return best, f"{best.scheme.label}: {parts}"
+    if best.scheme.exact or best_exact is None:
+        return best, f"auto: {best.scheme.label}, the fastest predicted; {parts}"
+    gain = best_exact.step_seconds / best.step_seconds
+    if gain > 1 + PREDICTION_ERROR:
+        return best, (f"auto: {best.scheme.label} (not exact), predicted {gain:.2f}x faster "
+                      f"than {best_exact.scheme.label}; {parts}")
+    return best_exact, (f"auto: none, {best_exact.scheme.label} (exact): the fastest inexact "
+                        f"scheme, {best.scheme.label}, is predicted only {gain:.2f}x faster, "
+                        f"within the predictions' {PREDICTION_ERROR:.0%}; predicted step "
+                        f"{best_exact.step_seconds:.3f} s ({_parts(best_exact)})")
+
+
+def advise(rows: list[Prediction], chosen: Prediction, compression: str) -> str | None:
+    """One line where a run on an exact scheme could go ADVICE_FACTOR times faster inexact."""
+    if compression == "auto" or not chosen.scheme.exact:
+        return None
+    exact = min((r for r in rows if r.scheme.exact), key=lambda r: r.step_seconds)
+    inexact = [r for r in rows if not r.scheme.exact]
+    if not inexact:
+        return None
+    fastest = min(inexact, key=lambda r: r.step_seconds)
+    gain = exact.step_seconds / fastest.step_seconds
+    if gain < ADVICE_FACTOR:
+        return None
+    return (f"{fastest.scheme.label} is predicted {gain:.1f}x faster than {exact.scheme.label} "
+            f"({fastest.step_seconds:.3f} s against {exact.step_seconds:.3f} s per step) but is "
+            f"not exact: to use it, run with {fastest.scheme.flags} (or --compression auto)")
+
+
+def _parts(row: Prediction) -> str:
+    return (f"compute {row.compute_seconds:.3f} + wire {row.wire_seconds:.3f} + latency "
+            f"{row.latency_seconds:.3f} + compression {row.compression_seconds:.3f} s, "
+            f"{row.nic_bytes / 1e6:.1f} MB per host")
+
