@@ -180,6 +180,25 @@ def test_the_gpu_step_leaves_its_loss_on_the_device():
     assert stats.loss > 0
 
 
+def test_a_checkpoint_of_a_device_is_staged_in_host_memory_and_its_buffers_reused():
+    """The model and momentum of a GPU are copied to (pinned) host buffers for the writer,
+    not to a second copy on the GPU; buffers are reused from one checkpoint to the next."""
+    from hybriddl.run.checkpoint import blank, stage
+
+    weights = torch.arange(6.0).view(2, 3)
+    state = {"model": {"w": Elsewhere(weights)}, "optimizer": {"state": {0: {
+        "momentum_buffer": Elsewhere(-weights)}}, "param_groups": [{"lr": 0.1}]}}
+    buffers = blank({"model": {"w": torch.empty(2, 3, device="meta")}})
+    assert buffers["model"]["w"].device.type == "cpu"
+    staged = stage(buffers, state)
+    w, m = staged["model"]["w"], staged["optimizer"]["state"][0]["momentum_buffer"]
+    assert type(w) is torch.Tensor and w.device.type == "cpu" and torch.equal(w, weights)
+    assert w is buffers["model"]["w"]
+    assert type(m) is torch.Tensor and m.device.type == "cpu" and torch.equal(m, -weights)
+    again = stage(staged, state)
+    assert again["optimizer"]["state"][0]["momentum_buffer"] is m  # reused, not reallocated
+
+
 def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_path):
     """A GPU step returns once its kernels are queued: the epoch's seconds end when the
     device has run them (`synchronize`), not when the last step was queued."""

@@ -555,17 +555,19 @@ class Checkpointer:
 
 
 def stage(staging, state):
-    """`state` with every tensor copied into `staging`'s tensor at the same place.
+    """`state` with every tensor copied into `staging`'s tensor at the same place, in host
+    memory whatever device the state is on.
 
     The buffers come from `blank` (or the first checkpoint) and are reused: copying into
     memory already mapped takes 0.08 s for VGG16's 528 MB, a fresh clone 0.26 s (page
-    faults).
+    faults). A GPU's state goes to pinned host memory (copied by DMA), not to a copy on the
+    GPU: that would hold the model and its momentum twice there (+1.1 GB for VGG16).
     """
     if isinstance(state, torch.Tensor):
-        if isinstance(staging, torch.Tensor) and staging.shape == state.shape \
-                and staging.dtype == state.dtype:
-            return staging.copy_(state)
-        return state.detach().clone()
+        if not (isinstance(staging, torch.Tensor) and staging.device.type == "cpu"
+                and staging.shape == state.shape and staging.dtype == state.dtype):
+            staging = host_buffer(state)
+        return staging.copy_(state.detach())
     if isinstance(state, dict):
         staging = staging if isinstance(staging, dict) else {}
         return {key: stage(staging.get(key), value) for key, value in state.items()}
@@ -577,14 +579,25 @@ def stage(staging, state):
 
 
 def blank(state):
-    """Zeroed tensors shaped like `state`'s, at the same places: buffers for `stage`."""
+    """Zeroed host tensors shaped like `state`'s, at the same places: buffers for `stage`."""
     if isinstance(state, torch.Tensor):
-        return torch.zeros_like(state)  # zeroing maps every page now
+        return host_buffer(state).zero_()  # zeroing maps every page now
     if isinstance(state, dict):
         return {key: blank(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
         return type(state)(blank(value) for value in state)
     return state
+
+
+def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty CPU tensor laid out as `tensor` (its strides kept, so a copy is one memcpy),
+    pinned where `tensor` is on a GPU."""
+    pinned = tensor.device.type == "cuda"
+    if tensor.is_contiguous() or (tensor.dim() == 4 and  # channels_last parameters
+                                  tensor.is_contiguous(memory_format=torch.channels_last)):
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                   pin_memory=pinned)
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
 
 
 def plain(metrics: dict) -> dict:
