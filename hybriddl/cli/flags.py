@@ -13,6 +13,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+from hybriddl.hosts.compression import SCHEMES
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import SILENCE_SECONDS
 from hybriddl.hybrid.parallel import HOST_PARALLEL
@@ -97,7 +98,17 @@ def add_accumulate_flag(parser: argparse.ArgumentParser, where: str) -> None:
 
 def add_fp16_flag(parser) -> None:
     parser.add_argument("--fp16-allreduce", action="store_true",
-                        help="half-precision gradients on the wire (half the bytes)")
+                        help="half-precision gradients on the wire (half the bytes); in train, "
+                             "the same as --compression fp16")
+
+
+def add_compression_flag(parser) -> None:
+    parser.add_argument("--compression", metavar="SCHEME",
+                        help=f"what gradients look like on the wire, one of {', '.join(SCHEMES)}: "
+                             "none is exact (default); fp16 halves the bytes; powersgd:R sends "
+                             "rank-R factors of each gradient matrix with error feedback, also "
+                             "on one host (inexact, opt-in); auto takes the fastest the planner "
+                             "predicts")
 
 
 def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +117,7 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("across hosts (when started by mpirun, one rank per host)")
     group.add_argument("--overlap", action="store_true",
                        help="send gradient buckets while backward still runs, where the strategy allows it")
+    add_compression_flag(group)
     add_fp16_flag(group)
     group.add_argument("--balance", choices=BALANCE_POLICIES,
                        help="hosts' shares of the global batch: proportional to their images/s, or "

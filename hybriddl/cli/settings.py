@@ -13,7 +13,7 @@ from dataclasses import fields
 from hybriddl.cli.flags import with_workers
 from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
-from hybriddl.hosts.compression import Compression
+from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, Compression, parse_compression
 from hybriddl.run import checkpoint
 from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import STRATEGIES, StrategyOptions
@@ -41,7 +41,26 @@ def typed_strategy_options(args: argparse.Namespace) -> dict:
 def given_settings(args: argparse.Namespace) -> dict:
     """The TrainConfig fields the user typed (train's flags are its fields, under the same
     names); strategy_options holds the typed options."""
-    return {**typed(args, TrainConfig), "strategy_options": typed_strategy_options(args)}
+    given = {**typed(args, TrainConfig), "strategy_options": typed_strategy_options(args)}
+    compression = typed_compression(args)
+    if compression is not None:
+        given["compression"] = compression
+    return given
+
+
+def typed_compression(args: argparse.Namespace) -> str | None:
+    """--compression as typed (checked), --fp16-allreduce being --compression fp16; None
+    when neither was typed."""
+    text = getattr(args, "compression", None)
+    if text is not None:
+        text = text.strip()
+        parse_compression(text)  # an unknown scheme or rank: one line, exit 2
+    if getattr(args, "fp16_allreduce", False):
+        if text not in (None, "fp16"):
+            raise UsageError(f"--fp16-allreduce and --compression {text}: --fp16-allreduce is "
+                             "--compression fp16; give one of them")
+        text = "fp16"
+    return text
 
 
 def measure_settings(args: argparse.Namespace) -> MeasureSettings:
@@ -101,8 +120,10 @@ HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
 def hosts_options(args: argparse.Namespace) -> dict:
     """`hosts.cluster.connect`'s keywords from the across-hosts flags; those left out are
     connect's defaults."""
+    compression = parse_compression(typed_compression(args) or "none")
     options = {"overlap": args.overlap,
-               "compression": Compression.fp16 if args.fp16_allreduce else Compression.none}
+               # auto is settled by the trainer (use_compression), from the planner.
+               "compression": Compression.none if compression == AUTO_COMPRESSION else compression}
     if args.fusion_mib is not None:
         options["bucket_bytes"] = int(args.fusion_mib * 2**20)
     if args.host_timeout is not None:
@@ -121,4 +142,8 @@ def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: in
         lines += [f"{flag} does nothing on a single host: it acts when mpirun starts one rank "
                   "on each of several hosts"
                   for name, flag in HOSTS_FLAGS.items() if getattr(args, name) not in (None, False)]
+        if getattr(args, "compression", None) and config.compression == Compression.fp16.name:
+            # powersgd applies alone too (the same steps as on H hosts); fp16 has nothing to send.
+            lines.append("--compression fp16 does nothing on a single host: it acts when mpirun "
+                         "starts one rank on each of several hosts")
     return lines

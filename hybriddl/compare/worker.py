@@ -28,7 +28,8 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     steps = settings.warmup + settings.steps
     # Every epoch has at least one step, so `steps` epochs always reach max_steps.
     config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
-                     max_steps=steps, epochs=steps, host_parallel=host_parallel)
+                     max_steps=steps, epochs=steps, host_parallel=host_parallel,
+                     compression=hosts.compression.name)  # as connect was told
     prepared = trainer.prepare(config, hosts_count=hosts.size)
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.traffic.bytes_sent)
     metrics = trainer.run(prepared, meter, hosts)

@@ -13,6 +13,7 @@ from torch import nn
 from hybriddl.data import GlobalBatch, HostShare
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
+from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.traffic import TrafficMeter, interface_bytes_sent
 
 BALANCE_POLICIES = ("throughput", "even")
@@ -61,8 +62,14 @@ class Hosts:
     rank = 0
     size = 1
 
-    def __init__(self, traffic: TrafficMeter | None = None) -> None:
+    def __init__(self, traffic: TrafficMeter | None = None, compression=Compression.none) -> None:
         self.traffic = traffic or TrafficMeter()
+        # What gradients look like on the wire (hosts/compression.py); `use_compression`
+        # before `attach` changes it.
+        self.compression = compression
+        # With a compression of the whole gradient (PowerSGD): the gradients it averages,
+        # in the model's parameter order, the same on every host and host count.
+        self._compressed: list[nn.Parameter] = []
         self.notes: list[str] = []  # things the user should know, for the CLI to show
         self.weights = [1.0] * self.size
         self.balance = "even"
@@ -73,7 +80,8 @@ class Hosts:
     # ------------------------------------------------------------------ set-up
     def describe(self) -> dict:
         return {"count": self.size, "names": [host_name()], "balance": self.balance,
-                "weights": self.weights, "notes": self.notes}
+                "weights": self.weights, "compression": self.compression.name,
+                "notes": self.notes}
 
     def agree(self, settings: dict, balance: str | None, throughput: float | None) -> None:
         """Refuse to start when hosts were given different training settings, then decide,
@@ -94,8 +102,23 @@ class Hosts:
         if note:
             self.notes.append(note)
 
+    def use_compression(self, compression) -> None:
+        """Send gradients as `compression` (hosts/compression.py); before `attach`."""
+        self.compression = compression
+
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
-        """Prepare gradient averaging for `model` (after the strategy set it up)."""
+        """Prepare gradient averaging for `model` (after the strategy set it up).
+
+        Alone, there is nothing to sum, but a compression of the whole gradient still
+        applies (PowerSGD's approximation and error feedback), so that one host trains
+        what H hosts do; `none` and `fp16` change nothing here."""
+        self._compressed = [p for p in model.parameters() if p.requires_grad] \
+            if self.compression.whole_gradient else []
+        if self._compressed:
+            names = {id(p): name for name, p in model.named_parameters()}
+            self.notes.extend(self.compression.setup(
+                [p.shape for p in self._compressed], [names[id(p)] for p in self._compressed],
+                self._compressed[0].device))
 
     def broadcast_parameters(self, model: nn.Module) -> None:
         """Rank 0's initial parameters everywhere; alone, they already are."""
@@ -143,7 +166,48 @@ class Hosts:
         """Gradients of `share` may be sent from now on."""
 
     def _average(self, share: HostShare) -> None:
-        """Alone, the host's mean gradient already is the global one."""
+        """Alone, the host's mean gradient already is the global one (compressed as the
+        hosts would, where the compression is of the whole gradient)."""
+        if not self._compressed:
+            return
+        scale = share.samples / share.global_samples if share.global_samples else 0.0
+        gradients = []
+        for p in self._compressed:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            gradients.append(p.grad.mul_(scale) if scale != 1.0 else p.grad)
+        for gradient, approximation in zip(
+                gradients, self.compression.aggregate(gradients, self.allreduce_sum)):
+            gradient.copy_(approximation)
+
+    # ------------------------------------------------------------------ compression state
+    def compression_state(self) -> dict | None:
+        """The compression's state as a checkpoint keeps it, on rank 0 (None elsewhere, and
+        for a compression without state). Collective: every host calls it at the same step."""
+        if not self._compressed:
+            return None
+        state = self.compression.state_dict(self.allreduce_sum)
+        return state if self.rank == 0 else None
+
+    def restore_compression(self, saved_name: str, saved: dict | None) -> str | None:
+        """Continue the compression from a checkpoint: `saved_name`, the scheme it was
+        written under, and `saved`, its `compression_state` (after `attach`). A line to show
+        when that scheme is not this run's, or its state does not fit (the compression then
+        starts afresh); None when the run simply goes on."""
+        now = self.compression.name
+        if saved_name != now:
+            return (f"resumed with --compression {now} from a checkpoint of a run with "
+                    f"--compression {saved_name}: the steps from here on are {now}'s")
+        if not self._compressed:
+            return None
+        try:
+            if saved is None:
+                raise ValueError("it has none")
+            self.compression.load_state_dict(saved, holds_error=self.rank == 0)
+        except ValueError as exc:
+            return (f"--compression {now}: the checkpoint's state does not fit this run ({exc}); "
+                    "its factors and errors start afresh")
+        return None
 
     def _disarm(self) -> None:
         """The step is over: nothing more leaves until the next one is armed."""

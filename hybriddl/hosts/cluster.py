@@ -30,7 +30,7 @@ def connect(*, overlap: bool = False, compression=Compression.none,
     worker processes that strategies spawn) never pays for it or depends on it.
     """
     if not launched_by_mpirun():
-        return SingleHost()
+        return SingleHost(compression=compression)
     from hybriddl.hosts.mpi import MPIHosts
 
     return MPIHosts(overlap=overlap, compression=compression, bucket_bytes=bucket_bytes,

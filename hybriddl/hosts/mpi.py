@@ -175,10 +175,9 @@ class MPIHosts(Hosts):
         self.comm = MPI.COMM_WORLD
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        super().__init__(TrafficMeter(counts_buckets=True))
+        super().__init__(TrafficMeter(counts_buckets=True), compression)
         self.timeout = timeout
         self.overlap = overlap
-        self.compression = compression
         self._wire_type, self._sum = compression.mpi_sum(MPI)
         self.bucket_bytes = bucket_bytes
         self.thread_level = MPI.Query_thread()
@@ -243,7 +242,7 @@ class MPIHosts(Hosts):
             "compression": self.compression.name, "overlap": self.overlap_by_rank,
             "fusion_buckets": len(self.buckets.buckets) if self.buckets else None,
             "fusion_bucket_bytes": self.bucket_bytes,
-            "gradient_bytes_per_step": self.buckets.wire_bytes if self.buckets else None,
+            "gradient_bytes_per_step": self._gradient_bytes() if self.buckets else None,
             "thread_level": self.thread_level,
             "heartbeat": {"interval_seconds": self.heartbeat.interval,
                           "silence_seconds": self.heartbeat.silence,
@@ -488,20 +487,37 @@ class MPIHosts(Hosts):
         return None if out is None else _back_to(out, given)
 
     # ------------------------------------------------------------------ gradients
+    def use_compression(self, compression) -> None:
+        if self.buckets is not None:
+            raise RuntimeError("use_compression before attach(model)")
+        super().use_compression(compression)
+        self._wire_type, self._sum = compression.mpi_sum(self.MPI)
+
     def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
         """Lay out the fusion buckets; with --overlap and a strategy whose backward writes
-        each gradient once, send each bucket as soon as backward has filled it."""
+        each gradient once, send each bucket as soon as backward has filled it. A
+        compression of the whole gradient (PowerSGD) reads the buckets once backward is
+        done and sends its factors in one allreduce."""
         self._deadline_armed = True  # training starts: every wait now has --host-timeout
-        self.buckets = GradientBuckets(model, self.compression, self.bucket_bytes)
-        signatures = self.allgather(self.buckets.signature())
+        whole = self.compression.whole_gradient
+        # The buckets hold the gradients themselves where the compression is of the whole.
+        self.buckets = GradientBuckets(model, Compression.none if whole else self.compression,
+                                       self.bucket_bytes)
+        signatures = self.allgather((self.compression.name, self.buckets.signature()))
         if any(s != signatures[0] for s in signatures):
             raise UsageError("hosts lay out gradients differently (different models, library "
-                             "versions or --fp16-allreduce): give every host the same options")
+                             "versions or --compression): give every host the same options")
         self.buckets.install_views()
         self._pending = [set() for _ in self.buckets.buckets]
         self._received = {}
-        self.overlapping = self.overlap and gradient_hooks
-        if self.overlap and not gradient_hooks:
+        if whole:
+            self._setup_whole_gradient(model)
+        self.overlapping = self.overlap and gradient_hooks and not whole
+        if self.overlap and whole:
+            self.notes.append(f"--overlap: --compression {self.compression.name} sends the "
+                              "step's factors in one allreduce once backward is done, so "
+                              "nothing leaves during backward")
+        elif self.overlap and not gradient_hooks:
             self.notes.append(f"--overlap: rank {self.rank}'s strategy computes gradients "
                               "outside one backward pass, so it sends them after the step")
         everyone = self.allgather((self.overlapping, self.notes))
@@ -558,27 +574,73 @@ class MPIHosts(Hosts):
         received = self._received.get(bucket.index)
         if received is None:
             received = self._received[bucket.index] = torch.empty_like(bucket.wire)
-        # Several pieces in flight: libnbc's ring waits for every step of one allreduce
-        # before the next, and another piece's transfer fills that gap. Measured on 4
-        # emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s, 8 MiB pieces 0.932 s
-        # (bound 0.805 s); with another job on the machine 1.04 s against 1.73 s.
-        wire, out = _as_mpi(bucket.wire), _as_mpi(received)
-        n = wire.size
-        pieces = max(1, round(bucket.wire.nbytes / PIECE_BYTES))
+        self._requests.extend(self._iallreduce(bucket.wire, received))
+        self.traffic.sent(bucket.wire.nbytes)
+
+    def _iallreduce(self, wire: torch.Tensor, received: torch.Tensor) -> list:
+        """Requests that sum `wire` over hosts into `received` (CPU tensors), in pieces.
+
+        Several pieces in flight: libnbc's ring waits for every step of one allreduce
+        before the next, and another piece's transfer fills that gap. Measured on 4
+        emulated hosts at 1 Gbit/s, 64 MiB: one call 0.965 s, 8 MiB pieces 0.932 s
+        (bound 0.805 s); with another job on the machine 1.04 s against 1.73 s."""
+        wire_array, out = _as_mpi(wire), _as_mpi(received)
+        n = wire_array.size
+        pieces = max(1, round(wire.nbytes / PIECE_BYTES))
         cuts = [i * n // pieces for i in range(pieces + 1)]
         try:
-            requests = [self.comm.Iallreduce(self._typed(wire[a:b]), self._typed(out[a:b]),
-                                             self._sum)
-                        for a, b in zip(cuts, cuts[1:])]
+            return [self.comm.Iallreduce(self._typed(wire_array[a:b]), self._typed(out[a:b]),
+                                         self._sum)
+                    for a, b in zip(cuts, cuts[1:])]
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
-        self._requests.extend(requests)
-        self.traffic.sent(bucket.wire.nbytes)
+
+    # ------------------------------------------------------------------ whole-gradient compression
+    def _setup_whole_gradient(self, model: nn.Module) -> None:
+        """The compression's gradients: bucket slots, in the model's parameter order (the
+        order SingleHost gives it, so that the state is the same whatever the host count)."""
+        where = {id(p): (bucket, i) for bucket in self.buckets.buckets
+                 for i, p in enumerate(bucket.params)}
+        self._compressed = [p for p in model.parameters() if p.requires_grad]
+        self._slots = [where[id(p)] for p in self._compressed]
+        names = {id(p): name for name, p in model.named_parameters()}
+        self.notes.extend(self.compression.setup([p.shape for p in self._compressed],
+                                                 [names[id(p)] for p in self._compressed]))
+
+    def _average_whole_gradient(self) -> None:
+        try:
+            for bucket in self.buckets.buckets:
+                self.buckets.gather(bucket)
+                if self._scale != 1.0:
+                    bucket.flat.mul_(self._scale)
+            gradients = [bucket.slot(i) for bucket, i in self._slots]
+            approximations = self.compression.aggregate(gradients, self._sum_gradients)
+        finally:
+            self._armed = False
+        for gradient, approximation in zip(gradients, approximations):
+            gradient.copy_(approximation)
+        for bucket in self.buckets.buckets:
+            self.buckets.scatter(bucket)
+
+    def _sum_gradients(self, wire: torch.Tensor) -> torch.Tensor:
+        """The allreduce a whole-gradient compression is given: `wire` summed over hosts."""
+        received = torch.empty_like(wire)
+        self._wait(self._iallreduce(wire.contiguous(), received), "averaging gradients")
+        self.traffic.sent(wire.nbytes)
+        return received
+
+    def _gradient_bytes(self) -> int:
+        """Bytes one gradient exchange hands to MPI."""
+        if self.compression.whole_gradient:
+            return self.compression.wire_bytes([p.shape for p in self._compressed])
+        return self.buckets.wire_bytes
 
     def _typed(self, array: np.ndarray):
         return array if self._wire_type is None else [array, self._wire_type]
 
     def _average(self, share) -> None:
+        if self.compression.whole_gradient:
+            return self._average_whole_gradient()
         if self._progress:
             self._progress.release()
         for bucket in self.buckets.buckets[self._next_to_post:]:

@@ -95,6 +95,11 @@ class PowerSGD:
         self._groups: list[_Group] = []
         self._dense: list[int] = []
 
+    def mpi_sum(self, MPI):
+        """(datatype, op) MPI sums the wire with: factors and dense tensors are float32,
+        which MPI reads and sums itself."""
+        return None, MPI.SUM
+
     # ------------------------------------------------------------------ planning
     def compresses(self, shape: Sequence[int]) -> bool:
         """Whether a gradient of this shape travels as factors (else dense)."""

@@ -98,6 +98,10 @@ class Checkpoint:
     metrics: dict
     strategy: dict
     profile: dict | None = None
+    # The gradient compression's state (hosts.compression_state: PowerSGD's factors and its
+    # errors summed over hosts), so a compressed run resumes as if uninterrupted; None for
+    # exact runs and checkpoints written before it was kept.
+    compression: dict | None = None
     format: int = FORMAT
 
     def to_payload(self) -> dict:
@@ -485,6 +489,7 @@ class Checkpointer:
         if self._preparing is not None:
             self._staging, self._preparing = self._preparing.result(), None
         whole = self._whole_state()  # collective where the model is split across hosts
+        compression = self.hosts.compression_state()  # collective: the hosts' errors summed
         if self.hosts.rank != 0:
             self.check_finite(self.model.state_dict())
             self.saved = Position(**asdict(self.position))
@@ -501,7 +506,8 @@ class Checkpointer:
             position=Position(**asdict(self.position)), progress=total,
             model=self._staging["model"], optimizer=self._staging["optimizer"],
             rng=capture_rng(), metrics=plain(metrics if metrics is not None else self.metrics),
-            strategy=self.about["strategy"], profile=self.about.get("profile"))
+            strategy=self.about["strategy"], profile=self.about.get("profile"),
+            compression=compression)
         self._pending = self._executor().submit(atomic_torch_save, self.run_dir / CHECKPOINT,
                                             checkpoint.to_payload())
         self._pending_position = checkpoint.position

@@ -8,7 +8,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from hybriddl.errors import UsageError
+from hybriddl.hosts.compression import parse_compression
 from hybriddl.hybrid.parallel import HOST_PARALLEL
+from hybriddl.hybrid.planner import FEATURE_DTYPES
 from hybriddl.strategies import StrategyOptions
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
@@ -43,6 +45,12 @@ class TrainConfig(NamesAUseCase):
     throughput: float | None = None  # this host's images/s (its profile's) for --balance
     host_parallel: str = "auto"  # across hosts: "data", "hybrid" or "auto" (hybrid/parallel.py)
     weights: str | None = None  # a state_dict to start from (run/weights.py); None: fresh
+    # What gradients look like on the wire (hosts/compression.py): "none" (exact), "fp16",
+    # "powersgd:R", or "auto" (the planner's pick).
+    compression: str = "none"
+    # The split's features and their gradients on the wire (--feature-dtype, hybrid only):
+    # "float32" (exact), "bfloat16"; None: float32, or the planner's under --compression auto.
+    feature_dtype: str | None = None
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -72,6 +80,10 @@ class TrainConfig(NamesAUseCase):
             raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
             raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
+        parse_compression(filled.compression)  # auto: the planner settles it at start
+        if filled.feature_dtype is not None and filled.feature_dtype not in FEATURE_DTYPES:
+            raise UsageError(f"--feature-dtype {filled.feature_dtype}: choose one of "
+                             f"{', '.join(FEATURE_DTYPES)}")
         if filled.host_parallel not in HOST_PARALLEL:
             raise UsageError(f"--host-parallel {filled.host_parallel}: choose one of "
                              f"{', '.join(HOST_PARALLEL)}")

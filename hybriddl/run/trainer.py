@@ -23,6 +23,7 @@ from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
+from hybriddl.hosts.compression import parse_compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
@@ -161,6 +162,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring:
         hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
+        hosts.use_compression(parse_compression(config.compression))
         host_batch = -(-config.batch_size // hosts.size)
         scheme = choose(config.host_parallel, model, strategy, hosts, config.batch_size,
                         config.image_size,
@@ -331,6 +333,11 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
         "host_parallel": host_parallel_record(prepared, hosts, scheme)}
+    saved = prepared.resume.config.get("compression", "none")
+    if note := hosts.restore_compression(saved, prepared.resume.compression):
+        resume["compression"] = note
+        metrics["config"]["hosts"].setdefault("notes", []).append(note)  # shown at start
+    metrics["config"]["compression"] = config.compression
     if metrics["config"].get("dropout_masks") != MASKS:
         resume["note"] = (f"dropout masks drawn by {MASKS} from here on, by "
                           f"{metrics['config'].get('dropout_masks') or 'mt19937 per sample'} "
@@ -353,7 +360,7 @@ def settings_hosts_share(prepared: PreparedRun) -> dict:
     config = prepared.config
     return {**{key: getattr(config, key) for key in (
         "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
-        "momentum", "dropout", "seed", "host_parallel")},
+        "momentum", "dropout", "seed", "host_parallel", "compression")},
         "train_images": len(prepared.split.train)}
 
 
@@ -399,7 +406,7 @@ def config_record(prepared: PreparedRun, hosts, scheme) -> dict:
         "host_parallel": host_parallel_record(prepared, hosts, scheme),
         "usecase": config.usecase, "model": config.model, "data": datamod.describe(prepared.split),
         "strategy": prepared.strategy.describe(), "strategy_choice": prepared.strategy_choice,
-        "hosts": hosts.describe(),
+        "hosts": hosts.describe(), "compression": config.compression,
         "global_batch": config.batch_size, "image_size": config.image_size,
         "epochs": config.epochs, "max_steps": config.max_steps,
         "checkpoint_every": config.checkpoint_every, "lr": config.lr,
