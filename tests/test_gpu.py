@@ -235,6 +235,62 @@ def test_the_pipelines_timeline_has_each_stage_of_each_micro_batch():
     assert all(r["end_ms"] >= r["start_ms"] >= 0 for r in timeline)
 
 
+class FakeCuda:
+    """torch.cuda's streams and events as the pipeline uses them, for stages whose data stay
+    on the CPU: an event is timed only against an event of its own device, as CUDA does."""
+
+    class Stream:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.device, self.at = None, None
+
+        def record(self, stream=None):
+            self.device, self.at = stream.device, time.perf_counter()
+
+        def elapsed_time(self, end) -> float:
+            if end.device != self.device:
+                raise RuntimeError("CUDA cannot time events of two devices against each other")
+            return (end.at - self.at) * 1e3
+
+    @classmethod
+    def install(cls, monkeypatch):
+        import contextlib
+
+        monkeypatch.setattr(torch.cuda, "Event", cls.Event)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cls.Stream(device))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None)
+
+
+def test_the_timeline_of_a_pipeline_over_two_gpus_times_each_stage_on_its_own_device(monkeypatch):
+    """Issue 39: timeline() timed stage 2's events (cuda:1) against stage 1's first (cuda:0),
+    which CUDA refuses. Here the stages' streams are fake streams of cuda:0 and cuda:1."""
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(3, (8,))
+    with make_strategy("pipeline", StrategyOptions(micro_batches=2, devices=("cpu", "cpu"))) as pipe:
+        pipe.setup(slim_model("alexnet"))
+        FakeCuda.install(monkeypatch)
+        pipe.streams = (FakeCuda.Stream("cuda:0"), FakeCuda.Stream("cuda:1"))
+        pipe.record_timeline = True
+        pipe.compute_gradients(x, y)
+        timeline = pipe.timeline()
+    assert sorted((r["stage"], r["micro_batch"]) for r in timeline) == sorted(
+        [(1, m) for m in range(2)] * 2 + [(2, m) for m in range(2)])
+    assert min(r["start_ms"] for r in timeline) == 0
+    assert all(r["end_ms"] >= r["start_ms"] >= 0 for r in timeline)
+    stage_2 = [r for r in timeline if r["stage"] == 2]
+    assert stage_2 and all(r["start_ms"] > 0 for r in stage_2)  # after stage 1's first
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 @needs_cuda

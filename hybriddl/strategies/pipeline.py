@@ -116,6 +116,7 @@ class Pipeline(LocalStrategy):
         self.second_stage: threading.Thread | None = None
         self.streams: tuple = (None, None)
         self._marks = []
+        self._origins: dict | None = None  # the timeline's reference marks, one per clock
 
     def describe(self) -> dict:
         return {"name": self.name, "micro_batches": self.micro_batches,
@@ -149,6 +150,8 @@ class Pipeline(LocalStrategy):
         y = y.to(self.devices[1], non_blocking=True)
         for stream in self.streams:  # after the optimizer's update and these copies
             _follow(stream, None)
+        if self.record_timeline and self._origins is None:
+            self._origins = self._reference_marks()
         activations = []
         with _on(self.streams[0]):
             for m, (a, b) in enumerate(parts):  # fill
@@ -165,24 +168,29 @@ class Pipeline(LocalStrategy):
                 if reply[0] == "error":
                     failure = failure or reply[1]
                 elif failure is None:
-                    _, activation_grad, micro_loss_sum, ready = reply
+                    # loss_sum: the step's so far, summed by stage 2 on its own stream (an
+                    # add queued here would run on its device's current stream, which on
+                    # two GPUs never waited for stage 2's).
+                    _, activation_grad, loss_sum, ready = reply
                     _follow(self.streams[0], ready)
                     if self.streams[0] is not None:  # made on the second stage's stream
                         activation_grad.record_stream(self.streams[0])
                     with self._busy(0, m):
                         activation.backward(activation_grad.to(self.devices[0]))
-                    loss_sum = loss_sum + micro_loss_sum
         if failure is not None:
             raise failure
         for device, stream in zip(self.devices, self.streams):  # the optimizer runs after
             if stream is not None:
                 torch.cuda.current_stream(device).wait_stream(stream)
+        if self.streams[1] is not None:  # read (and freed) on its device's current stream
+            loss_sum.record_stream(torch.cuda.current_stream(self.devices[1]))
         return StepStats(n, loss_sum, time.perf_counter() - started,
                          {"micro_batches": len(parts)})
 
     def _second_stage_loop(self) -> None:
         _, second = self.stages
         stream = self.streams[1]
+        loss_sum = None  # the step's sum of losses so far, on this stage's stream
         while (message := self.inbox.get()) is not None:
             activation, y, weight, keys, m, ready = message
             try:
@@ -194,16 +202,33 @@ class Pipeline(LocalStrategy):
                     with dropout_keys(keys), self._busy(1, m):
                         loss = criterion(second(activation), y)
                         (loss * weight).backward()
-                    self.outbox.put(("grad", activation.grad, loss.detach() * len(y),
-                                     _ready(stream)))
+                    micro = loss.detach() * len(y)
+                    loss_sum = micro if m == 0 else loss_sum + micro
+                    self.outbox.put(("grad", activation.grad, loss_sum, _ready(stream)))
             except Exception as exc:  # handed to the master, which raises it
                 self.outbox.put(("error", exc))
 
     # ------------------------------------------------------------------ timeline
     # Per-stage busy time, to show that the stages overlap (scripts/bench_gpu.py): with
     # `record_timeline` set, each stage's work on each micro-batch is bracketed by CUDA
-    # events (a clock on CPU devices); `timeline()` reads them after the step.
+    # events (a clock on CPU devices); `timeline()` reads them after the step. CUDA times an
+    # event only against another of its own device: each device's events are read against
+    # a reference event of that device (`_reference_marks`).
     record_timeline = False
+
+    def _reference_marks(self) -> dict:
+        """Where the timeline counts from, one mark per clock: the host's, and an event on
+        each CUDA device, recorded while every device is idle so that they mark the same
+        moment (to within a few launches). Only when a timeline is recorded: it waits."""
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        marks = {"host": time.perf_counter()}
+        for stream in self.streams:
+            if stream is not None and stream.device not in marks:
+                marks[stream.device] = torch.cuda.Event(enable_timing=True)
+                marks[stream.device].record(stream)
+        return marks
 
     @contextlib.contextmanager
     def _busy(self, stage: int, micro_batch: int):
@@ -226,19 +251,25 @@ class Pipeline(LocalStrategy):
         """The recorded intervals since the last call, in milliseconds from the first:
         [{"stage": 1 or 2, "micro_batch": m, "start_ms", "end_ms"}]."""
         marks, self._marks = self._marks, []
+        origins, self._origins = self._origins, None
         if not marks:
             return []
         for device in self.devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-        origin = marks[0][2]
 
-        def ms(mark) -> float:
-            return (origin.elapsed_time(mark) if isinstance(mark, torch.cuda.Event)
-                    else (mark - origin) * 1e3)
+        def ms(stage: int, mark) -> float:
+            if isinstance(mark, float):  # a CPU stage's clock
+                return (mark - origins["host"]) * 1e3
+            return origins[self.streams[stage].device].elapsed_time(mark)
 
-        return sorted(({"stage": stage + 1, "micro_batch": m, "start_ms": ms(a), "end_ms": ms(b)}
-                       for stage, m, a, b in marks), key=lambda r: r["start_ms"])
+        rows = [{"stage": stage + 1, "micro_batch": m, "start_ms": ms(stage, a),
+                 "end_ms": ms(stage, b)} for stage, m, a, b in marks]
+        first = min(r["start_ms"] for r in rows)
+        for r in rows:
+            r["start_ms"] -= first
+            r["end_ms"] -= first
+        return sorted(rows, key=lambda r: r["start_ms"])
 
     def evaluate(self, x):
         first, second = self.stages
