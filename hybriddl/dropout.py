@@ -14,8 +14,9 @@ uninterrupted one drew.
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -75,8 +76,7 @@ class KeyedDropout(nn.Dropout):
         if len(keys) != len(x):
             raise RuntimeError(f"dropout got {len(x)} samples but {len(keys)} sample keys: "
                                "slice the keys like the batch")
-        keep = keep_mask(keys, self.layer, 0, x[0].numel(), self.p, x.device).view(x.shape)
-        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+        return keyed_dropout(x, keys, self.layer, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer={self.layer}"
@@ -120,6 +120,126 @@ def keep_mask(keys: torch.Tensor, layer: int, start: int, stop: int, p: float,
     draws = torch.stack(((state >> 32).bitwise_and_(_LOW32), state.bitwise_and_(_LOW32)), 2)
     offset = start - 2 * first
     return draws.view(len(keys), -1)[:, offset:offset + stop - start] >= round(p * 2 ** 32)
+
+
+def keyed_dropout(x: torch.Tensor, keys: torch.Tensor, layer: int, p: float,
+                  start: int = 0) -> torch.Tensor:
+    """Dropout at rate `p` of x's rows (one per key; each row elements [start, start +
+    row size) of the layer's whole row): x times the keep mask, scaled by 1 / (1 - p);
+    on a CUDA device one compiled kernel each way (see COMPILED_DEVICES)."""
+    keys = keys.to(x.device, non_blocking=True)
+    return _KeyedDropoutFunction.apply(x, keys, layer, p, start)
+
+
+def _forward(x: torch.Tensor, keys: torch.Tensor, layer: int, p: float,
+             start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x dropped out, and what backward needs: the keep mask as booleans (a quarter of the
+    bytes of x's float32), which the compiled backward scales in the same kernel."""
+    keep = keep_mask(keys, layer, start, start + x[0].numel(), p, x.device).view(x.shape)
+    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p)), keep
+
+
+def _backward(grad: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    return grad * keep.to(grad.dtype).mul_(1.0 / (1.0 - p))
+
+
+def _forward_eager(x, keys, layer, p, start):
+    """Eager ops keep the scaled mask instead: backward is then one multiply, not three."""
+    keep = keep_mask(keys, layer, start, start + x[0].numel(), p, x.device).view(x.shape)
+    scaled = keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+    return x * scaled, scaled
+
+
+def _backward_eager(grad, scaled, p):
+    return grad * scaled
+
+
+class _KeyedDropoutFunction(torch.autograd.Function):
+    # Its own backward, so that the fused kernels never meet autograd: torch.compile then
+    # compiles two plain functions, forward and backward, with nothing compiled lazily in
+    # autograd's device threads. Backward runs the kernels forward ran: they chose what
+    # was saved.
+    @staticmethod
+    def forward(ctx, x, keys, layer, p, start):
+        ctx.kernels = _kernels(x.device)
+        y, saved = ctx.kernels.forward(x, keys, layer, p, start)
+        ctx.save_for_backward(saved)
+        ctx.p = p
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        return ctx.kernels.backward(grad, saved, ctx.p), None, None, None, None
+
+
+# The mask is about 35 elementwise ops (the hash of every pair, the split into draws, the
+# compare, the scale): on a GPU each is a kernel launch and a pass over int64 memory, where
+# nn.Dropout is one kernel. torch.compile fuses forward and backward into one kernel each,
+# with the same int64 arithmetic, so the same bits (tests/test_dropout.py checks the
+# compiled functions against the pure-Python reference on the CPU; tests/test_gpu.py CUDA
+# against the CPU). Only on CUDA devices: on the CPU, compiling took 27 s on 2 cores and
+# the compiled kernels ran slower than the eager ops (forward and backward of AlexNet's two
+# dropout layers, batch 64, one thread: 12-21 ms against 2.5-7 ms a step; the fused kernel
+# hashes each pair once per element, twice, where the eager ops hash it once: cheap on a
+# GPU's arithmetic, not on a CPU's; scripts/bench_dropout.py --compiled).
+# HYBRIDDL_COMPILE_DROPOUT=0 keeps the eager ops on CUDA too.
+COMPILED_DEVICES = frozenset({"cuda"})
+
+
+class _Kernels:
+    """The forward and backward functions of keyed dropout: eager or compiled."""
+
+    def __init__(self, forward: Callable, backward: Callable, compiled: bool):
+        self.compiled = compiled
+        self._forward, self._backward = forward, backward
+        self.fallback: str | None = None  # why compiling failed, once it did
+
+    def forward(self, *args):
+        return self._run("_forward", args)
+
+    def backward(self, *args):
+        return self._run("_backward", args)
+
+    def _run(self, name: str, args):
+        if not self.compiled:
+            return getattr(self, name)(*args)
+        try:
+            # torch.compile is not thread-safe (pytorch/pytorch#118260): pipeline stages and
+            # gpu-threads replicas call it from their own threads, and autograd runs a
+            # backward in its device's thread. The calls only queue kernels: taking turns
+            # costs microseconds.
+            with _COMPILE_LOCK:
+                return getattr(self, name)(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the eager ops, same bits
+            # The uncompiled functions themselves: they save what the compiled ones save.
+            self.compiled, self.fallback = False, f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self._forward, self._backward = _forward, _backward
+            return getattr(self, name)(*args)
+
+
+_COMPILE_LOCK = threading.Lock()
+_EAGER = _Kernels(_forward_eager, _backward_eager, compiled=False)
+_compiled: _Kernels | None = None
+
+
+def compiled_kernels() -> _Kernels:
+    """The compiled forward and backward (compiled at their first call), made once."""
+    global _compiled
+    with _COMPILE_LOCK:
+        if _compiled is None:
+            _compiled = _Kernels(torch.compile(_forward, dynamic=True),
+                                 torch.compile(_backward, dynamic=True), compiled=True)
+    return _compiled
+
+
+def _kernels(device: torch.device) -> _Kernels:
+    if device.type not in COMPILED_DEVICES or os.environ.get("HYBRIDDL_COMPILE_DROPOUT") == "0":
+        return _EAGER
+    kernels = compiled_kernels()
+    return kernels if kernels.compiled else _EAGER
 
 
 def key_dropout(model: nn.Module) -> nn.Module:

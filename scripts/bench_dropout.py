@@ -9,10 +9,15 @@ dropout (0.5). Two figures, both from interleaved rounds (median and spread):
   they get in a step), keyed against nn.Dropout, as a share of the plain step's time.
   The rest of the step is identical code, so this is the cost the keyed masks add.
 
-Usage: python scripts/bench_dropout.py [--rounds 7] [--output results/dropout_cost.json]
+With `--compiled`, a third isolated row: the keyed layers through the torch.compile'd
+kernels that CUDA devices run (hybriddl.dropout.COMPILED_DEVICES), here compiled for the
+CPU (compiling is not timed): what fusing the mask's ops does to its cost on this CPU.
+
+Usage: python scripts/bench_dropout.py [--rounds 7] [--compiled] [--output results/dropout_cost.json]
 """
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -20,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench_common import spread
+from bench_common import results_header, spread
+from hybriddl import dropout
 from hybriddl.dropout import KeyedDropout, dropout_keys, sample_keys
 from hybriddl.strategies.base import plain_step
 from hybriddl.usecases import build_model
@@ -73,6 +79,8 @@ def layers_seconds(layers, keyed: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the compiled kernels CUDA devices run, on this CPU")
     parser.add_argument("--output", type=Path, default=Path("results/dropout_cost.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -85,7 +93,12 @@ def main() -> None:
     assert all(isinstance(m, KeyedDropout) for m, _ in keyed_layers), "the model lost its keyed dropout"
     step_seconds(keyed, x, y, True), step_seconds(plain, x, y, False)  # warm-up
     times = {"keyed": [], "plain": [], "keyed_layers": [], "plain_layers": []}
-    step_percent, isolated_percent = [], []
+    step_percent, isolated_percent, compiled_percent = [], [], []
+    if args.compiled:
+        times["keyed_compiled_layers"] = []
+        compiled_devices = dropout.COMPILED_DEVICES | {"cpu"}
+        with _compiled_on(compiled_devices):
+            layers_seconds(keyed_layers, True)  # compiles, untimed
     for _ in range(args.rounds):
         times["plain"].append(step_seconds(plain, x, y, False))
         times["keyed"].append(step_seconds(keyed, x, y, True))
@@ -94,16 +107,37 @@ def main() -> None:
         step_percent.append(100 * (times["keyed"][-1] / times["plain"][-1] - 1))
         isolated_percent.append(
             100 * (times["keyed_layers"][-1] - times["plain_layers"][-1]) / times["plain"][-1])
-    result = {"what": "keyed dropout vs nn.Dropout, cost per optimizer step", "model": "alexnet",
+        if args.compiled:
+            with _compiled_on(compiled_devices):
+                times["keyed_compiled_layers"].append(layers_seconds(keyed_layers, True))
+            compiled_percent.append(100 * (times["keyed_compiled_layers"][-1]
+                                           - times["plain_layers"][-1]) / times["plain"][-1])
+    result = {**results_header("bench_dropout.py"),
+              "what": "keyed dropout vs nn.Dropout, cost per optimizer step", "model": "alexnet",
               "image_size": SIZE, "batch": BATCH, "threads": 1, "rounds": args.rounds,
               "steps_per_round": STEPS, "dropout_inputs": [list(s) for _, s in keyed_layers],
               "seconds": times,
               "whole_step_overhead_percent": spread(step_percent, digits=2),
               "isolated_overhead_percent_of_step": spread(isolated_percent, digits=2)}
+    if args.compiled:
+        if not dropout.compiled_kernels().compiled:
+            raise SystemExit(f"bench_dropout: torch.compile failed here "
+                             f"({dropout.compiled_kernels().fallback}): no compiled row")
+        result["compiled_isolated_overhead_percent_of_step"] = spread(compiled_percent, digits=2)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k.endswith("percent")
                       or k.endswith("percent_of_step")}))
+
+
+@contextlib.contextmanager
+def _compiled_on(devices):
+    """Keyed dropout runs its compiled kernels on these device types meanwhile."""
+    saved, dropout.COMPILED_DEVICES = dropout.COMPILED_DEVICES, devices
+    try:
+        yield
+    finally:
+        dropout.COMPILED_DEVICES = saved
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Keyed dropout: a sample's masks depend on (seed, epoch, sample index, layer) only."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -107,3 +108,87 @@ def test_a_hosts_columns_draw_the_whole_rows_mask():
     sliced.train()
     with dropout_keys(keys):
         assert torch.equal(sliced(torch.ones(5, 15)), whole(torch.ones(5, 40))[:, 13:28])
+
+
+def test_backward_scales_the_gradient_by_the_same_mask():
+    keys = sample_keys(2, 0, torch.arange(3))
+    x = torch.randn(3, 50, requires_grad=True)
+    layer = KeyedDropout(0.25, layer=2).train()
+    with dropout_keys(keys):
+        y = layer(x)
+    y.backward(torch.ones_like(y))
+    kept = y != 0
+    assert torch.equal(x.grad, kept.float() / 0.75)
+    assert torch.allclose(y[kept], x.detach()[kept] / 0.75)
+
+
+def test_cpu_steps_run_the_eager_ops_and_cuda_the_compiled_unless_switched_off(monkeypatch):
+    from hybriddl import dropout
+
+    assert dropout._kernels(torch.device("cpu")) is dropout._EAGER
+    monkeypatch.setenv("HYBRIDDL_COMPILE_DROPOUT", "0")
+    assert dropout._kernels(torch.device("cuda", 0)) is dropout._EAGER
+
+
+def test_a_compiler_that_fails_leaves_the_eager_ops_with_the_same_bits(monkeypatch):
+    from hybriddl import dropout
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no working C++ compiler\nsecond line")
+
+    monkeypatch.setattr(dropout, "COMPILED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(dropout, "_compiled", dropout._Kernels(broken, broken, compiled=True))
+    keys = sample_keys(7, 2, torch.tensor([0, 1, 123456, 2 ** 31]))
+    x = torch.ones(4, 3, 5, 7, requires_grad=True)
+    with dropout_keys(keys):
+        y = KeyedDropout(0.5, layer=3).train()(x)
+    y.sum().backward()
+    kept = y != 0
+    assert torch.equal(kept, _reference_mask(keys, 3, 3 * 5 * 7).view(4, 3, 5, 7))
+    assert torch.equal(x.grad, kept * 2.0)
+    assert dropout._compiled.fallback == "RuntimeError: no working C++ compiler"
+    assert dropout._kernels(torch.device("cpu")) is dropout._EAGER
+
+
+def _reference_mask(keys, layer, elements, start=0, p=0.5):
+    return torch.tensor([[_reference_keep(k, layer, e, p) for e in range(start, start + elements)]
+                         for k in keys.tolist()])
+
+
+@pytest.mark.slow
+def test_the_compiled_kernels_draw_the_reference_bits_on_the_cpu():
+    """What CUDA devices run (torch.compile of forward and backward), compiled here for the
+    CPU: bit for bit the pure-Python SplitMix64, for two shapes, an odd column offset (a
+    host's slice) and the gradient. 15-30 s of compiling on 2 cores."""
+    from hybriddl.dropout import compiled_kernels
+
+    kernels = compiled_kernels()
+    keys = sample_keys(7, 2, torch.tensor([0, 1, 123456, 2 ** 31]))
+    x = torch.randn(4, 3, 5, 7)
+    y, keep = kernels.forward(x, keys, 3, 0.5, 0)
+    assert torch.equal(keep, _reference_mask(keys, 3, 105).view(4, 3, 5, 7))
+    assert torch.equal(y, x * keep * 2.0)
+    y, keep = kernels.forward(torch.ones(3, 15), keys[:3], 1, 0.3, 13)
+    assert torch.equal(keep, _reference_mask(keys[:3], 1, 15, start=13, p=0.3))
+    grad = torch.randn(3, 15)
+    assert torch.equal(kernels.backward(grad, keep, 0.3), grad * keep.float().mul_(1 / 0.7))
+    assert kernels.compiled and kernels.fallback is None  # not the eager fallback's bits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host: the "
+                    "compiled kernels' bits on a GPU need one")
+def test_keyed_dropout_forward_and_backward_are_the_same_on_cpu_and_cuda():
+    from hybriddl.dropout import compiled_kernels
+
+    keys = sample_keys(3, 2, torch.arange(64))
+    layer = KeyedDropout(0.5, layer=1).train()
+    x = torch.randn(64, 4096)
+    grads = []
+    for device in ("cpu", "cuda"):
+        inputs = x.to(device).requires_grad_()
+        with dropout_keys(keys):
+            layer(inputs).backward(torch.ones(64, 4096, device=device))
+        grads.append(inputs.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
+    assert compiled_kernels().compiled, compiled_kernels().fallback
