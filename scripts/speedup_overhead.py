@@ -1,0 +1,106 @@
+"""What `hybriddl emulate --speedup S` dilates that a faster host may not speed up: the
+CPU-side work of an exchange (copies, MPI's own work), bounded per step.
+
+One run: `hybriddl emulate --hosts 2 --cores-per-host 1 --speedup S --bandwidth R --
+hybriddl train --host-parallel data ...` (no overlap, so each step's averaging comes after
+its compute and the trainer's traffic meter times it alone: `comm_seconds`). Per timed
+step and host, the wire time is the bytes its NIC sent over the link's wall rate R/S; the
+rest of the averaging (comm_seconds - wire) is time in MPI not spent sending at the link's
+rate: MPI's and the kernel's CPU work, copies, and waits for the partner (so an upper
+bound on the CPU-side work). The emulation counts it as overhead / S emulated seconds; on a
+host whose CPU-side work is no faster than here it would take `overhead` itself, so an
+emulated step understates such a host's step by at most overhead x (1 - 1/S).
+
+    flock /tmp/hybriddl-heavy.lock python scripts/speedup_overhead.py --speedup 20 \\
+        --bandwidth 1gbit --output results/speedup_overhead-SimpleBig.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_common import results_header
+from hybriddl.emulation.hosts import bits_per_second
+from hybriddl.files import atomic_write_json
+from hybriddl.usecases import get_usecase
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--usecase", default="SimpleBig")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--speedup", type=float, default=20.0)
+    parser.add_argument("--bandwidth", default="1gbit")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--output", required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    case = get_usecase(args.usecase)
+    wall_rate = bits_per_second(args.bandwidth) / args.speedup
+    with tempfile.TemporaryDirectory(prefix="hybriddl-overhead-") as scratch:
+        run_dir, report = Path(scratch) / "run", Path(scratch) / "report.json"
+        train = ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
+                 str(args.image_size), "--batch-size", str(case.batch_size * HOSTS),
+                 "--epochs", "1", "--max-steps", str(args.warmup + args.steps),
+                 "--monitor-interval", "0", "--strategy", "intraop", "--workers", "1",
+                 "--channels-last", "--host-parallel", "data", "--run-dir", str(run_dir)]
+        command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(HOSTS),
+                   "--cores-per-host", "1", "--speedup", repr(args.speedup), "--bandwidth",
+                   args.bandwidth, "--report", str(report), "--", *train]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        if done.returncode != 0:
+            sys.exit(f"the run failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        emulation = json.loads(report.read_text())
+    dilation = emulation["dilation"]
+    per_step = metrics["epochs"][0]["per_step"]
+    timed = slice(args.warmup, None)
+    steps = []
+    for seconds, comm, nic in zip(per_step["seconds"][timed], per_step["comm_seconds"][timed],
+                                  per_step["nic_bytes_sent"][timed]):
+        wire = nic * 8 / wall_rate
+        overhead = comm - wire
+        steps.append({"wall_seconds": seconds, "comm_seconds": comm, "nic_bytes_sent": nic,
+                      "wire_seconds": wire, "overhead_seconds": overhead,
+                      "emulated_step_seconds": seconds / dilation,
+                      # What the step would gain if that work ran no faster than here.
+                      "bound_emulated_seconds": max(0.0, overhead) * (1 - 1 / dilation)})
+    median = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
+    result = {
+        "what": __doc__.splitlines()[0],
+        "usecase": args.usecase, "image_size": args.image_size, "hosts": HOSTS,
+        "cores_per_host": 1, "host_parallel": "data", "bandwidth": args.bandwidth,
+        "speedup": emulation["speedup"], "time_scale": emulation["time_scale"],
+        "dilation": dilation, "wall_link_bits_per_second": wall_rate,
+        "warmup": args.warmup, "timed_steps": args.steps,
+        **results_header("speedup_overhead.py", argv),
+        "run_command": shlex.join(["hybriddl", *command[3:]]),
+        "steps_rank0": steps, "median_rank0": median,
+        "bound_fraction_of_emulated_step": (median["bound_emulated_seconds"]
+                                            / median["emulated_step_seconds"]),
+    }
+    atomic_write_json(Path(args.output), result)
+    print(json.dumps({k: result[k] for k in ("speedup", "dilation",
+                                             "bound_fraction_of_emulated_step")}
+                     | {"median_rank0": median}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
