@@ -179,6 +179,7 @@ class TrainDisplay:
             if scheme and (hosts["count"] > 1 or scheme["scheme"] != "data"):
                 console.print(f"across hosts: [bold]{scheme['scheme']}[/] ({scheme['reason']})",
                               highlight=False)
+            show_plan(info.get("plan"))
             for note in hosts.get("notes", []):
                 console.print(f"[yellow]note:[/] {note}", highlight=False)
 
@@ -212,6 +213,43 @@ class TrainDisplay:
     def stop(self) -> None:
         self.progress.stop()
         self.tuning.stop()
+
+
+def plan_table(plan: dict) -> Table:
+    """The exchange planner's predictions (hybrid/planner.py), fastest first, the settled
+    scheme in bold."""
+    inputs = plan["inputs"]
+    table = Table(title=f"Exchange plan: {plan['hosts']} hosts, compute "
+                        f"{inputs['compute_seconds']:.3f} s, link "
+                        f"{inputs['link_bytes_per_second'] * 8 / 1e9:.2f} Gbit/s, latency "
+                        f"{inputs['latency_seconds'] * 1e3:.2f} ms")
+    for column in ("scheme", "exact", "MB/step", "step s", "images/s"):
+        table.add_column(column, justify="left" if column == "scheme" else "right",
+                         no_wrap=True)
+    chosen = plan["chosen"]["scheme"]
+    estimated = False
+    for row in plan["rows"]:
+        mark = "*" if row["compression_cost"] == "estimated" else ""
+        estimated = estimated or bool(mark)
+        table.add_row(row["scheme"], "yes" if row["exact"] else "no",
+                      f"{row['nic_bytes_per_step'] / 1e6:.2f}", f"{row['step_seconds']:.3f}{mark}",
+                      f"{row['images_per_second']:.1f}",
+                      style="bold" if row["scheme"] == chosen else None)
+    if estimated:
+        table.caption = "predicted; * PowerSGD's own compute estimated, not measured"
+    return table
+
+
+def show_plan(plan: dict | None) -> None:
+    """The plan's table and, where an inexact scheme is predicted much faster than the
+    exact one the run takes, the one line that names it; alone, nothing (no exchange)."""
+    if not plan or not plan.get("rows"):
+        return
+    console.print(plan_table(plan))
+    console.print(f"exchange: [bold]{plan['chosen']['scheme']}[/] "
+                  f"({'exact' if plan['chosen']['exact'] else 'not exact'})", highlight=False)
+    if plan.get("advice"):
+        console.print(f"[yellow]hint:[/] {plan['advice']}", highlight=False, soft_wrap=True)
 
 
 def epoch_table(records: list[dict]) -> Table:

@@ -278,15 +278,16 @@ def test_auto_decides_from_the_measured_link_and_says_why(images, tmp_path, laun
 
 
 def test_auto_predicts_compute_plus_bytes_over_the_link():
-    """AlexNet's bytes at 2 hosts, a 1 s step: the hybrid's fewer bytes win at 1 and 10
-    Gbit/s; with no compute known, bytes alone decide, and the reason says so."""
-    from hybriddl.hybrid.parallel import _decide
-    theory = {"data": 228e6, "hybrid": 13.3e6}
-    gigabit = 1e9 / 8
-    scheme, reason = _decide(theory, gigabit, 1.0)
-    assert scheme == "hybrid" and "predicted step 1.106 s hybrid, 2.824 s data" in reason
-    assert _decide({"data": 1e6, "hybrid": 2e6}, gigabit, 1.0)[0] == "data"
-    assert "compute unknown" in _decide(theory, gigabit, None)[1]
+    """AlexNet's bytes at 2 hosts, a 1 s step: the hybrid's fewer bytes win at 1 Gbit/s;
+    the reason gives the predicted step and its parts (the planner's: tests/test_planner.py)."""
+    from hybriddl.hybrid.planner import Link, ModelShapes, make_plan
+    with torch.device("meta"):
+        shapes = ModelShapes.of(build_model("alexnet", 3))
+    plan = make_plan(shapes, 2, 32, 1.0, Link(1e9 / 8))
+    assert plan.chosen.host_parallel == "hybrid" and plan.chosen.exact
+    assert "predicted step 1.093 s (compute 1.000 + wire 0.093" in plan.reason
+    steps = {row.scheme.label: row.step_seconds for row in plan.rows}
+    assert steps["data"] == pytest.approx(1.0 + 228_064_524 / (1e9 / 8))
 
 
 def test_the_compute_probe_leaves_the_model_as_it_was():

@@ -138,3 +138,27 @@ def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_w
     assert written["turns"] is False
     assert written["emulated_seconds"] == pytest.approx(written["seconds"] / 4, abs=1e-3)
     assert "speedup 4" in done.stderr
+
+
+def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_host_step():
+    import scaling_e2e
+
+    args = scaling_e2e.parse_args(["--output", "x.json", "--speedup", "20"])
+    assert scaling_e2e.speed_flags(args) == ["--speedup", "20.0"]
+    assert scaling_e2e.dilation_of({"speedup": 20, "time_scale": 2, "dilation": 40}) == 40
+    assert scaling_e2e.dilation_of({"time_scale": 2}) == 2  # reports from before --speedup
+    cell = {"contender": "data", "bandwidth": "1gbit", "median_nic_bytes_per_step": None,
+            "host_parallel": None}
+    cells = [{**cell, "hosts": 1, "speedup": 20.0, "images_per_second": 100.0,
+              "emulated_step_seconds": [0.3, 0.32]},
+             {**cell, "hosts": 2, "speedup": 20.0, "images_per_second": 150.0,
+              "emulated_step_seconds": [0.4], "median_nic_bytes_per_step": 5},
+             # The same cell at another speedup is another row, with its own reference.
+             {**cell, "hosts": 2, "speedup": 1.0, "images_per_second": 9.0,
+              "emulated_step_seconds": [7.0], "median_nic_bytes_per_step": 5}]
+    rows = {(r["speedup"], r["hosts"]): r for r in scaling_e2e.summarise(cells, {1.0: 3.5})}
+    assert rows[20.0, 2]["host_step_seconds"] == pytest.approx(0.31)
+    assert rows[20.0, 2]["efficiency"] == pytest.approx(0.75)
+    assert rows[1.0, 2]["host_step_seconds"] == 3.5 and rows[1.0, 2]["efficiency"] is None
+    with pytest.raises(SystemExit):
+        scaling_e2e.parse_args(["--output", "x.json", "--speedup", "2", "--host-step", "1s"])

@@ -13,6 +13,7 @@ from hybriddl.cli.flags import add_link_flags, add_mca_flag, add_workload_flags
 from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_cores_per_host,
                                       duration_seconds, quota_of)
 from hybriddl.errors import UsageError
+from hybriddl.usecases import USECASES
 
 
 EPILOG = """\
@@ -69,6 +70,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                               "--usecase (on C cores) / DURATION, e.g. 10ms, 0.01s, 1.5s")
     add_workload_flags(emulate, batch="the per-host batch --host-step measures at",
                        typed_only=True)
+    # Here a use case has no default: it is what --host-step measures, and asked with it.
+    usecase = next(action for action in emulate._actions if action.dest == "usecase")
+    usecase.help = f"the use case --host-step measures, one of {', '.join(USECASES)}"
     emulate.add_argument("--channels-last", action="store_true",
                          help="--host-step measures with channels_last (as a command that "
                               "trains with --channels-last)")

@@ -17,6 +17,7 @@ from hybriddl.hosts.compression import SCHEMES
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import SILENCE_SECONDS
 from hybriddl.hybrid.parallel import HOST_PARALLEL
+from hybriddl.hybrid.planner import FEATURE_DTYPES
 from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning import tuner
@@ -118,6 +119,11 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", action="store_true",
                        help="send gradient buckets while backward still runs, where the strategy allows it")
     add_compression_flag(group)
+    group.add_argument("--feature-dtype", choices=tuple(FEATURE_DTYPES),
+                       help="with --host-parallel hybrid, the split's features and their "
+                            "gradients on the wire: float32 is exact (default), bfloat16 half "
+                            "the bytes (inexact, opt-in); with --compression auto, left out, "
+                            "the planner's")
     add_fp16_flag(group)
     group.add_argument("--balance", choices=BALANCE_POLICIES,
                        help="hosts' shares of the global batch: proportional to their images/s, or "

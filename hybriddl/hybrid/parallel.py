@@ -31,6 +31,8 @@ from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.hybrid.classifier import (GatherRows, NotSplittable, SplitClassifier, plan,
                                         slice_counts, split_classifier)
+from hybriddl.hybrid.planner import (EXACT_FEATURES, FEATURE_DTYPES, HostCosts, Link,
+                                     ModelShapes, make_plan, measure_powersgd, one_host_plan)
 from hybriddl.strategies import LocalStrategy, StepStats
 from hybriddl.strategies.base import cut_computes_model, host_gradients, run_forward, \
     split_at_classifier
@@ -42,6 +44,11 @@ class DataParallel:
     """The whole model on every host; the whole gradient averaged."""
 
     name = "data"
+    # Settled by `choose` with the planner (hybrid/planner.py): its record, the gradients'
+    # compression and (hybrid) the features' wire dtype.
+    plan: dict | None = None
+    compression = "none"
+    feature_dtype = EXACT_FEATURES
 
     def __init__(self, reason: str = ""):
         self.reason = reason
@@ -67,7 +74,7 @@ class DataParallel:
         return state
 
     def describe(self, model: nn.Module | None = None) -> dict:
-        return {"scheme": self.name, "reason": self.reason}
+        return {"scheme": self.name, "reason": self.reason, "compression": self.compression}
 
 
 class HybridParallel(DataParallel):
@@ -132,7 +139,7 @@ class HybridParallel(DataParallel):
             # Every sample's label and dropout key travel with its features.
             chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
             tags = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
-            whole, everyone = GatherRows.apply(local, hosts, counts, tags)
+            whole, everyone = GatherRows.apply(local, hosts, counts, tags, self.wire_dtype)
             global_keys = everyone[:, 1] if keys is not None else None
             with dropout_keys(global_keys):
                 logits = run_forward(self.classifier, whole.to(strategy.device), strategy.options)
@@ -188,8 +195,14 @@ class HybridParallel(DataParallel):
             return None
         return whole.t().contiguous() if dim == 1 else whole
 
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The features' dtype on the wire (--feature-dtype); None: their own, bit for bit."""
+        return None if self.feature_dtype == EXACT_FEATURES else FEATURE_DTYPES[self.feature_dtype]
+
     def describe(self, model: nn.Module | None = None) -> dict:
-        record = {"scheme": self.name, "reason": self.reason}
+        record = {"scheme": self.name, "reason": self.reason, "compression": self.compression,
+                  "feature_dtype": self.feature_dtype}
         if self.split is not None:
             record["classifier"] = [{"layer": s.index, "split": s.kind,
                                      "in": s.in_features, "out": s.out_features}
@@ -251,37 +264,84 @@ def traffic_bytes(model: nn.Module, hosts: int, global_batch: int) -> dict[str, 
 
 
 def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_batch: int,
-           image_size: int, compute_seconds: float | None) -> DataParallel:
-    """The scheme for `--host-parallel asked`, the same on every host (rank 0 decides)."""
+           image_size: int, compute_seconds: float | None, compression: str = "none",
+           feature_dtype: str | None = None, accumulate: int = 1) -> DataParallel:
+    """The scheme for `--host-parallel asked --compression compression [--feature-dtype]`,
+    the same on every host (rank 0 plans, hybrid/planner.py): every scheme's step predicted
+    from the compute (the profile's, or timed once), the link's rate and latency measured
+    now and the model's shapes; "auto" and a feature dtype left out settled from it. The
+    scheme carries the plan (`plan`), the gradients' compression and the features' dtype."""
     if asked not in HOST_PARALLEL:
         raise UsageError(f"--host-parallel {asked}: choose one of {', '.join(HOST_PARALLEL)}")
-    if asked == "data":
-        return DataParallel("asked for (--host-parallel data)")
+    if feature_dtype is not None and feature_dtype not in FEATURE_DTYPES:
+        raise UsageError(f"--feature-dtype {feature_dtype}: choose one of "
+                         f"{', '.join(FEATURE_DTYPES)}")
+    cannot_split = None
     try:
         HybridParallel.check(model, strategy)
         if not cut_computes_model(model, torch.zeros(1, 3, image_size, image_size)):
             raise NotSplittable("its forward does more than features -> avgpool -> classifier")
     except NotSplittable as exc:
-        return DataParallel(f"hybrid cannot split {type(model).__name__}: {exc}; averaging "
-                            "the whole gradient instead")
+        cannot_split = (f"hybrid cannot split {type(model).__name__}: {exc}; averaging the "
+                        "whole gradient instead")
     except UsageError as exc:
         if asked == "hybrid":
             raise
-        return DataParallel(f"{exc}")
-    if asked == "hybrid":
-        return HybridParallel("asked for (--host-parallel hybrid)")
+        cannot_split = f"{exc}"
     if hosts.size == 1:
-        return DataParallel("one host: nothing to split or average")
-    rate = hosts.link_rate()
-    theory = traffic_bytes(model, hosts.size, global_batch)
+        if asked == "hybrid" and cannot_split is None:
+            scheme = HybridParallel("asked for (--host-parallel hybrid)")
+        elif asked == "hybrid" or (asked == "auto" and cannot_split is not None):
+            scheme = DataParallel(cannot_split)
+        else:
+            scheme = DataParallel("asked for (--host-parallel data)" if asked == "data"
+                                  else "one host: nothing to split or average")
+        # Alone nothing crosses a wire: auto is none; a named compression still applies
+        # (PowerSGD trains the same steps on one host as on H).
+        return _settled(scheme, one_host_plan().record(),
+                        "none" if compression == "auto" else compression,
+                        feature_dtype or EXACT_FEATURES)
+    rate, latency = hosts.link_rate(), hosts.link_latency() or 0.0
+    source = "the profile" if compute_seconds is not None else "timed once on a copy of the model"
     if compute_seconds is None:  # no profile: time this host's share once
         share = -(-global_batch // hosts.size)
         compute_seconds = probe_compute(model, share, image_size) / getattr(
             hosts, "time_scale", 1.0)
-    compute = max(hosts.allgather(compute_seconds)) if compute_seconds is not None else None
-    decision = hosts.broadcast_object(_decide(theory, rate, compute) if hosts.rank == 0 else None)
-    scheme, reason = decision
-    return (HybridParallel if scheme == "hybrid" else DataParallel)(reason)
+    compute = max(hosts.allgather(compute_seconds))
+    record = None
+    if hosts.rank == 0:
+        shapes = ModelShapes.of(model, splittable=cannot_split is None)
+        gradients = [p.detach() for p in model.parameters() if p.requires_grad]
+        averaged = {id(p) for p in split_at_classifier(model)[0].parameters()} \
+            if cannot_split is None else set()
+        in_hybrid = [g for g in gradients if id(g) in averaged] if averaged else gradients
+
+        def measure(scope: str, rank: int) -> float:
+            return measure_powersgd(gradients if scope == "data" else in_hybrid, rank)
+
+        record = make_plan(shapes, hosts.size, global_batch, compute, Link(rate, latency),
+                           HostCosts.measure(), host_parallel=asked, compression=compression,
+                           feature_dtype=feature_dtype, chunks=accumulate,
+                           compute_source=f"this host's share, {source}; the slowest host's",
+                           measure=measure).record()
+    record = hosts.broadcast_object(record)
+    chosen = record["chosen"]
+    if chosen["host_parallel"] == "hybrid":
+        scheme = HybridParallel("asked for (--host-parallel hybrid); " + record["reason"]
+                                if asked == "hybrid" else record["reason"])
+    else:
+        scheme = DataParallel(cannot_split + "; " + record["reason"] if asked != "data"
+                              and cannot_split else
+                              "asked for (--host-parallel data); " + record["reason"]
+                              if asked == "data" else record["reason"])
+    return _settled(scheme, record, chosen["compression"], chosen["feature_dtype"])
+
+
+def _settled(scheme: DataParallel, plan: dict, compression: str,
+             feature_dtype: str) -> DataParallel:
+    scheme.plan, scheme.compression = plan, compression
+    scheme.feature_dtype = feature_dtype if scheme.name == "hybrid" else EXACT_FEATURES
+    return scheme
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,20 +365,3 @@ def probe_compute(model: nn.Module, batch: int, image_size: int) -> float:
         probe(x).float().sum().backward()
         seconds = time.perf_counter() - started
     return seconds
-
-
-def _decide(theory: dict, rate: float, compute: float | None) -> tuple[str, str]:
-    """The scheme with the shorter predicted step: compute plus each scheme's bytes over
-    the link. No credit for gradients that leave during backward (--overlap): measured
-    end to end on 2-core hosts at 1 Gbit/s, data's step was the compute plus all of its
-    exchange (AlexNet 3.12 s = 1.03 + 2.09; VGG16 17.9 s = 12.1 + 5.8), and a credit of
-    two thirds of the compute made auto pick data for VGG16 where hybrid was 1.27x
-    faster."""
-    predicted = {scheme: (compute or 0.0) + theory[scheme] / rate for scheme in ("data", "hybrid")}
-    scheme = min(predicted, key=predicted.get)
-    base = "compute " + (f"{compute:.3f} s + " if compute is not None else "unknown, ")
-    reason = (f"auto: predicted step {predicted['hybrid']:.3f} s hybrid, {predicted['data']:.3f} s "
-              f"data ({base}bytes per host {theory['hybrid'] / 1e6:.1f} MB vs "
-              f"{theory['data'] / 1e6:.1f} MB over the measured link "
-              f"{rate * 8 / 1e9:.3f} Gbit/s)")
-    return scheme, reason

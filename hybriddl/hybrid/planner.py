@@ -51,6 +51,7 @@ COMPRESSIONS = ("none", "fp16", "powersgd:1", "powersgd:2", "powersgd:4")
 # global mean loss (a 1/B factor in every element) need and float16's would cut off.
 FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXACT_FEATURES = "float32"
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 # Predictions were within this of measured steps (docs/multi-host.md): an inexact scheme
 # must win by more than it.
 PREDICTION_ERROR = 0.15
@@ -79,7 +80,7 @@ class Scheme:
         if self.compression != "none":
             parts.append(self.compression)
         if self.feature_dtype != EXACT_FEATURES:
-            parts.append(f"{self.feature_dtype} features")
+            parts.append(f"{SHORT_NAMES[self.feature_dtype]} features")
         return " + ".join(parts)
 
     @property
@@ -270,6 +271,19 @@ class HostCosts:
         return seconds, True
 
 
+def measure_powersgd(gradients: list[torch.Tensor], rank: int) -> float:
+    """Seconds of one step of PowerSGD's own compute (hosts/powersgd.py, its `aggregate`
+    with the allreduce left out) on `gradients` as stand-ins (their values do not change
+    the work), after its set-up; a step sends one factor, the next the other, at the same
+    cost."""
+    from hybriddl.hosts.compression import parse_compression
+    compression = parse_compression(f"powersgd:{rank}")
+    compression.setup([g.shape for g in gradients])
+    started = time.perf_counter()
+    compression.aggregate(gradients, lambda wire: wire)
+    return time.perf_counter() - started
+
+
 def _best(work, repeats: int = 3) -> float:
     best = math.inf
     for _ in range(repeats):
@@ -381,18 +395,32 @@ def one_host_plan() -> Plan:
 def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_seconds: float,
               link: Link, costs: HostCosts | None = None, *, host_parallel: str = "auto",
               compression: str = "none", feature_dtype: str | None = None,
-              chunks: int = 1, compute_source: str = "") -> Plan:
-    """Predict every candidate scheme and settle the asked ones (see `settle`)."""
+              chunks: int = 1, compute_source: str = "", measure=None) -> Plan:
+    """Predict every candidate scheme and settle the asked ones (see `settle`).
+
+    `measure(scope, rank)`: seconds of PowerSGD's own compute per step, measured on this
+    host (`measure_powersgd`). Measuring every rank takes seconds, so it is asked only for
+    the rows that decide (the one settled, the one advised) while their cost is estimated,
+    and the plan made again: an estimate never decides."""
     if hosts < 2:
         return one_host_plan()
     schemes = candidate_schemes(shapes.splittable)
     # A scheme asked for outside the candidates (powersgd:8) is predicted too.
     extra = _asked_scheme(host_parallel, compression, feature_dtype, shapes.splittable)
     schemes += [s for s in extra if s not in schemes]
-    rows = [predict(s, shapes, hosts, global_batch, compute_seconds, link, costs, chunks)
-            for s in schemes]
-    rows.sort(key=lambda row: row.step_seconds)
-    chosen, reason = settle(rows, host_parallel, compression, feature_dtype)
+    while True:
+        rows = [predict(s, shapes, hosts, global_batch, compute_seconds, link, costs, chunks)
+                for s in schemes]
+        rows.sort(key=lambda row: row.step_seconds)
+        chosen, reason = settle(rows, host_parallel, compression, feature_dtype)
+        advised = advise(rows, chosen, compression)
+        deciding = [chosen] + ([advised[0]] if advised else [])
+        estimated = [r.scheme for r in deciding if r.estimated]
+        if not estimated or measure is None or costs is None:
+            break
+        for scheme in estimated:
+            costs.powersgd[f"{scheme.host_parallel}:{powersgd_rank(scheme.compression)}"] = \
+                measure(scheme.host_parallel, powersgd_rank(scheme.compression))
     reason += (f"; measured link {link.bytes_per_second * 8 / 1e9:.3f} Gbit/s, latency "
                f"{link.latency_seconds * 1e3:.3f} ms")
     inputs = {"compute_seconds": compute_seconds, "compute_source": compute_source,
@@ -403,7 +431,8 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
               {"cast": costs.cast, "half_add": costs.half_add,
                "elementwise": costs.elementwise, "matmul": costs.matmul,
                "powersgd_measured": dict(costs.powersgd)}}
-    return Plan(hosts, rows, chosen.scheme, reason, advise(rows, chosen, compression), inputs)
+    return Plan(hosts, rows, chosen.scheme, reason, advice_line(*advised) if advised else None,
+                inputs)
 
 
 def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list[Scheme]:
@@ -454,8 +483,10 @@ def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str
                         f"{best_exact.step_seconds:.3f} s ({_parts(best_exact)})")
 
 
-def advise(rows: list[Prediction], chosen: Prediction, compression: str) -> str | None:
-    """One line where a run on an exact scheme could go ADVICE_FACTOR times faster inexact."""
+def advise(rows: list[Prediction], chosen: Prediction,
+           compression: str) -> tuple[Prediction, Prediction] | None:
+    """(the fastest inexact row, the best exact row) where a run on an exact scheme could
+    go ADVICE_FACTOR times faster inexact; None elsewhere, and under --compression auto."""
     if compression == "auto" or not chosen.scheme.exact:
         return None
     exact = min((r for r in rows if r.scheme.exact), key=lambda r: r.step_seconds)
@@ -463,12 +494,16 @@ def advise(rows: list[Prediction], chosen: Prediction, compression: str) -> str 
     if not inexact:
         return None
     fastest = min(inexact, key=lambda r: r.step_seconds)
-    gain = exact.step_seconds / fastest.step_seconds
-    if gain < ADVICE_FACTOR:
-        return None
-    return (f"{fastest.scheme.label} is predicted {gain:.1f}x faster than {exact.scheme.label} "
-            f"({fastest.step_seconds:.3f} s against {exact.step_seconds:.3f} s per step) but is "
-            f"not exact: to use it, run with {fastest.scheme.flags} (or --compression auto)")
+    return (fastest, exact) if exact.step_seconds >= ADVICE_FACTOR * fastest.step_seconds \
+        else None
+
+
+def advice_line(fastest: Prediction, exact: Prediction) -> str:
+    """The one line that names a scheme predicted ADVICE_FACTOR times faster, and its flags."""
+    return (f"{fastest.scheme.label} is predicted {exact.step_seconds / fastest.step_seconds:.1f}x "
+            f"faster than {exact.scheme.label} ({fastest.step_seconds:.3f} s against "
+            f"{exact.step_seconds:.3f} s per step) but is not exact: to use it, run with "
+            f"{fastest.scheme.flags} (or --compression auto)")
 
 
 def _parts(row: Prediction) -> str:

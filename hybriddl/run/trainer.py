@@ -162,11 +162,15 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring:
         hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
-        hosts.use_compression(parse_compression(config.compression))
         host_batch = -(-config.batch_size // hosts.size)
+        # The exchange planned per link (hybrid/planner.py): --host-parallel, --compression
+        # and --feature-dtype settled together where they are auto.
         scheme = choose(config.host_parallel, model, strategy, hosts, config.batch_size,
                         config.image_size,
-                        host_batch / config.throughput if config.throughput else None)
+                        host_batch / config.throughput if config.throughput else None,
+                        config.compression, config.feature_dtype,
+                        config.strategy_options.accumulate)
+        hosts.use_compression(parse_compression(scheme.compression))
         scheme.setup(model, strategy, hosts)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
@@ -332,7 +336,7 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     resume = {
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
-        "host_parallel": host_parallel_record(prepared, hosts, scheme)}
+        "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan}
     saved = prepared.resume.config.get("compression", "none")
     if note := hosts.restore_compression(saved, prepared.resume.compression):
         resume["compression"] = note
@@ -360,7 +364,7 @@ def settings_hosts_share(prepared: PreparedRun) -> dict:
     config = prepared.config
     return {**{key: getattr(config, key) for key in (
         "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
-        "momentum", "dropout", "seed", "host_parallel", "compression")},
+        "momentum", "dropout", "seed", "host_parallel", "compression", "feature_dtype")},
         "train_images": len(prepared.split.train)}
 
 
@@ -403,7 +407,7 @@ def _whole_shape(prepared: PreparedRun):
 def config_record(prepared: PreparedRun, hosts, scheme) -> dict:
     config = prepared.config
     return {
-        "host_parallel": host_parallel_record(prepared, hosts, scheme),
+        "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan,
         "usecase": config.usecase, "model": config.model, "data": datamod.describe(prepared.split),
         "strategy": prepared.strategy.describe(), "strategy_choice": prepared.strategy_choice,
         "hosts": hosts.describe(), "compression": config.compression,

@@ -1,0 +1,259 @@
+"""The exchange planner (hybrid/planner.py): each scheme's bytes and step from measured
+inputs, checked against hand arithmetic; what it settles on fast and slow links; the one
+line of advice; --compression auto through the command line; and the split's features in
+bfloat16 across two ranks (half the feature bytes, the gradient within bfloat16's rounding)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import hybriddl_env, run_cli
+from hybriddl.hybrid.planner import (ADVICE_FACTOR, HostCosts, Link, ModelShapes, Prediction,
+                                     Scheme, advise, gradient_exchange, make_plan, powersgd_floats,
+                                     predict, settle)
+from hybriddl.rundir import METRICS
+from hybriddl.usecases import build_model
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+GIGABIT = 1e9 / 8
+# Fixed per-element costs, so that the choices below do not depend on this machine's speed.
+COSTS = HostCosts(cast=1e-9, half_add=2e-9, elementwise=1e-10, matmul=1e-10)
+# torchvision's AlexNet and VGG16 with a 3-class head (the use cases'): 61,100,840 and
+# 138,357,544 parameters with 1000 classes, less 4096 x 997 + 997.
+ALEXNET_PARAMETERS = 61_100_840 - 4096 * 997 - 997
+VGG16_PARAMETERS = 138_357_544 - 4096 * 997 - 997
+ALEXNET_CONVOLUTIONS = 2_469_696  # features: 5 convolutions and their biases
+
+
+def shapes_of(name: str) -> ModelShapes:
+    with torch.device("meta"):
+        return ModelShapes.of(build_model(name, 3))
+
+
+@pytest.fixture(scope="module")
+def alexnet() -> ModelShapes:
+    return shapes_of("alexnet")
+
+
+def test_bytes_per_host_are_the_ring_s_for_alexnet_and_vgg16(alexnet):
+    """Data: 2(H-1)/H of every gradient (AlexNet 228 MB, VGG16 537 MB); hybrid: the
+    convolutions' gradients, the features gathered (with 16 bytes of tags a row) and their
+    gradient reduce-scattered, (H-1)/H each, and the row-parallel layer's sum of B x 4096."""
+    link = Link(GIGABIT)
+    data = predict(Scheme("data"), alexnet, 2, 32, 1.0, link)
+    assert data.nic_bytes == pytest.approx(2 * 1 / 2 * 4 * ALEXNET_PARAMETERS)
+    assert 4 * ALEXNET_PARAMETERS == 228_064_524
+    vgg = predict(Scheme("data"), shapes_of("vgg16"), 4, 16, 1.0, link)
+    assert vgg.nic_bytes == pytest.approx(2 * 3 / 4 * 4 * VGG16_PARAMETERS)
+    hybrid = predict(Scheme("hybrid"), alexnet, 2, 32, 1.0, link)
+    ring = 1 / 2
+    expected = (2 * ring * 4 * ALEXNET_CONVOLUTIONS + ring * 32 * (9216 * 4 + 16)
+                + ring * 32 * 9216 * 4 + 2 * ring * 32 * 4096 * 4)
+    assert hybrid.nic_bytes == pytest.approx(expected)
+    half = predict(Scheme("hybrid", "none", "bfloat16"), alexnet, 2, 32, 1.0, link)
+    assert hybrid.nic_bytes - half.nic_bytes == pytest.approx(2 * ring * 32 * 9216 * 2)
+    fp16 = predict(Scheme("data", "fp16"), alexnet, 2, 32, 1.0, link)
+    assert fp16.nic_bytes == pytest.approx(data.nic_bytes / 2)
+
+
+def test_powersgd_sends_rank_r_factors_of_every_matrix_and_the_rest_dense(alexnet):
+    """Rank 2 on AlexNet, by hand: 2 (out + in k k) per matrix (the 3 x 4096 head too, 8198
+    floats against 12288), the 9347 biases dense: 81759 floats, the issue's ~85k."""
+    factors = [64 + 363, 192 + 1600, 384 + 1728, 256 + 3456, 256 + 2304, 4096 + 9216,
+               4096 + 4096, 3 + 4096]
+    biases = 64 + 192 + 384 + 256 + 256 + 4096 + 4096 + 3
+    assert powersgd_floats(alexnet.parameters, 2) == 2 * sum(factors) + biases == 81_759
+    # Rank 4 would not shrink the 3 x 4096 head (rank >= its 3 rows): it goes dense.
+    assert powersgd_floats(alexnet.parameters, 4) == 4 * sum(factors[:-1]) + 3 * 4096 + biases
+    exchange = gradient_exchange("powersgd:2", alexnet.parameters)
+    if exchange.source == "compression object":
+        # hosts/powersgd.py sends one factor a step, P then Q: their mean, in one allreduce.
+        assert exchange.payload_bytes == 4 * (biases + sum(factors))
+        assert exchange.allreduces_per_step == 1
+    else:
+        assert exchange.payload_bytes == 4 * 81_759 and exchange.allreduces_per_step == 2
+
+
+def test_a_step_is_compute_plus_wire_plus_latency_rounds_plus_compression(alexnet):
+    link = Link(GIGABIT, 1e-3)
+    data = predict(Scheme("data"), alexnet, 2, 32, 1.0, link)
+    # One allreduce of all buckets at once: 2(H-1) rounds.
+    assert data.step_seconds == pytest.approx(1.0 + 228_064_524 / GIGABIT + 2 * 1e-3)
+    assert data.images_per_second == pytest.approx(32 / data.step_seconds)
+    hybrid = predict(Scheme("hybrid"), alexnet, 3, 32, 1.0, link, chunks=2)
+    # The convolutions' allreduce, then per chunk a gather and a reduce-scatter (H-1 each)
+    # and the row sum (2(H-1)).
+    assert hybrid.latency_seconds == pytest.approx((4 + 2 * (2 + 2 + 4)) * 1e-3)
+    fp16 = predict(Scheme("data", "fp16"), alexnet, 2, 32, 1.0, link, COSTS)
+    n = ALEXNET_PARAMETERS
+    assert fp16.compression_seconds == pytest.approx(2 * n * 1e-9 + n / 2 * 2e-9)
+    assert fp16.step_seconds == pytest.approx(1.0 + fp16.nic_bytes / GIGABIT + 2e-3
+                                              + fp16.compression_seconds)
+
+
+def test_a_fast_link_and_slow_compute_keep_the_exact_exchange(alexnet):
+    plan = make_plan(alexnet, 2, 32, 1.0, Link(10 * GIGABIT, 1e-4), COSTS, compression="auto")
+    assert plan.chosen.exact and plan.chosen.compression == "none"
+    assert "auto: none" in plan.reason or "the fastest predicted" in plan.reason
+    assert plan.advice is None
+
+
+def test_a_slow_link_and_fast_compute_take_an_inexact_scheme_under_auto(alexnet):
+    plan = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT, 1e-4), COSTS, compression="auto")
+    assert not plan.chosen.exact
+    best = min(plan.rows, key=lambda row: row.step_seconds)
+    assert plan.chosen == best.scheme
+    record = plan.record()
+    assert record["chosen"]["scheme"] == plan.chosen.label and record["chosen"]["flags"]
+    # The same link without auto: exact, and one line names the faster scheme and its flags.
+    exact = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT, 1e-4), COSTS)
+    assert exact.chosen == Scheme("hybrid")
+    assert exact.advice.startswith(best.scheme.label) and best.scheme.flags in exact.advice
+
+
+def test_the_planner_never_picks_a_scheme_slower_than_dense_averaging(alexnet):
+    """Over links from 10 Mbit/s to 100 Gbit/s, computes from 1 ms to 10 s, and PowerSGD
+    measured cheap or dear: the scheme settled is never predicted slower than the exact
+    ones (data's dense averaging among them), and an inexact one wins by more than 15 %."""
+    for rate in (1e7 / 8, GIGABIT, 10 * GIGABIT, 100 * GIGABIT):
+        for compute in (0.001, 0.1, 10.0):
+            for powersgd in (0.001, 30.0):
+                costs = HostCosts(1e-9, 2e-9, 1e-10, 1e-10,
+                                  {f"{scope}:{r}": powersgd for scope in ("data", "hybrid")
+                                   for r in (1, 2, 4)})
+                plan = make_plan(alexnet, 4, 64, compute, Link(rate, 5e-4), costs,
+                                 compression="auto")
+                steps = {row.scheme: row.step_seconds for row in plan.rows}
+                exact = min(s for scheme, s in steps.items() if scheme.exact)
+                assert steps[plan.chosen] <= exact <= steps[Scheme("data")]
+                if not plan.chosen.exact:
+                    assert steps[plan.chosen] * 1.15 < exact
+
+
+def test_powersgd_is_measured_only_where_it_decides(alexnet):
+    """The estimate makes PowerSGD look cheap; measured dear, auto goes back to exact."""
+    asked = []
+
+    def measure(scope: str, rank: int) -> float:
+        asked.append((scope, rank))
+        return 5.0
+
+    plan = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT), HostCosts(1e-9, 2e-9, 1e-10, 1e-10),
+                     compression="auto", measure=measure)
+    assert asked and len(asked) == len(set(asked)) <= 6
+    assert "powersgd" not in plan.chosen.compression
+    measured = [row for row in plan.record()["rows"] if row["compression_cost"] == "measured"
+                and "powersgd" in row["compression"]]
+    # (hybrid's rows add the bfloat16 features' casts to PowerSGD's 5 s)
+    assert measured and all(5.0 <= row["compression_seconds"] < 5.1 for row in measured)
+
+
+def row(scheme: Scheme, step: float) -> Prediction:
+    return Prediction(scheme, 0.0, step, 0.0, 0.0, 0.0, step, 1 / step, False)
+
+
+def test_the_advice_line_appears_only_at_twice_the_speed():
+    exact = row(Scheme("data"), 1.0)
+    for step, shown in ((1 / ADVICE_FACTOR * 1.01, False), (1 / ADVICE_FACTOR, True)):
+        rows = [exact, row(Scheme("data", "powersgd:2"), step)]
+        chosen, _ = settle(rows)
+        assert chosen is exact
+        assert (advise(rows, chosen, "none") is not None) == shown
+    # Never under auto (it takes the scheme), nor for a run already inexact.
+    rows = [exact, row(Scheme("data", "powersgd:2"), 0.1)]
+    assert advise(rows, rows[0], "auto") is None
+    assert advise(rows, rows[1], "powersgd:2") is None
+
+
+def test_one_host_plans_no_exchange():
+    plan = make_plan(shapes_of("alexnet"), 1, 32, 1.0, Link(GIGABIT))
+    assert plan.rows == [] and plan.chosen.compression == "none" and "none" in plan.reason
+
+
+@pytest.mark.slow
+def test_compression_auto_on_one_host_records_none(tmp_path):
+    run_dir = tmp_path / "run"
+    done = run_cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8",
+                   "--max-steps", "1", "--epochs", "1", "--strategy", "sequential",
+                   "--monitor-interval", "0", "--compression", "auto", "--run-dir", str(run_dir),
+                   timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((run_dir / METRICS).read_text())["config"]
+    assert config["compression"] == "auto"
+    assert config["plan"]["chosen"]["compression"] == "none"
+    assert config["hosts"]["compression"] == "none"
+    assert config["host_parallel"]["compression"] == "none"
+
+
+def test_an_unknown_feature_dtype_is_refused_in_one_line():
+    from hybriddl.errors import UsageError
+    from hybriddl.run.settings import TrainConfig
+    with pytest.raises(UsageError, match="--feature-dtype float16: choose one of float32, bfloat16"):
+        TrainConfig(feature_dtype="float16").resolved()
+
+
+# What each of two ranks runs: its rows through GatherRows exact and in bfloat16, the
+# classifier's slices standing in as a weight per rank; its gradient, the bytes it sent.
+GATHER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from hybriddl.hosts.cluster import connect
+    from hybriddl.hybrid.classifier import GatherRows
+
+    hosts = connect()
+    counts, width = [3, 2], 9216
+    rows = torch.randn(counts[hosts.rank], width, generator=torch.Generator().manual_seed(hosts.rank))
+    weight = torch.randn(sum(counts), width, generator=torch.Generator().manual_seed(10 + hosts.rank))
+    tags = torch.zeros(counts[hosts.rank], 2, dtype=torch.int64)
+    result = {}
+    for name, dtype in (("exact", None), ("bfloat16", torch.bfloat16)):
+        local = rows.clone().requires_grad_()
+        before = hosts.traffic.bytes_sent
+        whole, _ = GatherRows.apply(local, hosts, counts, tags, dtype)
+        (whole * weight).sum().backward()
+        result[name] = {"sent": hosts.traffic.bytes_sent - before, "grad": local.grad.tolist(),
+                        "whole": whole.detach().tolist()}
+    first = sum(counts[:hosts.rank])
+    want = sum(torch.randn(sum(counts), width, generator=torch.Generator().manual_seed(10 + h))
+               for h in range(2))[first:first + counts[hosts.rank]]
+    result["want"] = want.tolist()
+    print("RESULT", hosts.rank, json.dumps(result))
+    hosts.close()
+""")
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+@pytest.mark.mpi
+def test_bfloat16_features_send_half_the_bytes_within_bfloat16_rounding(tmp_path):
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER_SCRIPT)
+    done = subprocess.run([str(MPIRUN), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
+                           "btl_tcp_if_include", "lo", "-np", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
+               for line in done.stdout.splitlines() if line.startswith("RESULT")}
+    assert sorted(results) == [0, 1]
+    for rank, result in results.items():
+        rows = (3, 2)[rank]
+        exact, half = result["exact"], result["bfloat16"]
+        # The gather: rows of 9216 floats and 16 bytes of tags; the reduce-scatter: all
+        # 5 rows' gradient. In bfloat16 both carry 2 bytes a value, the tags 16 still.
+        assert exact["sent"] == rows * (9216 * 4 + 16) + 5 * 9216 * 4
+        assert half["sent"] == rows * (9216 * 2 + 16) + 5 * 9216 * 2
+        want = torch.tensor(result["want"])
+        assert torch.allclose(torch.tensor(exact["grad"]), want, rtol=1e-6, atol=1e-6)
+        # Each weight rounded once to bfloat16, the sum of two rounded again: 3 x 2**-8.
+        error = (torch.tensor(half["grad"]) - want).abs()
+        assert bool((error <= 3 * 2**-8 * (want.abs() + 4)).all()), float(error.max())
+        assert not torch.equal(torch.tensor(half["grad"]), want)
+        # The gathered features: within one bfloat16 rounding of the exact ones.
+        whole, exact_whole = torch.tensor(half["whole"]), torch.tensor(exact["whole"])
+        assert torch.allclose(whole, exact_whole, rtol=2**-8, atol=0)
