@@ -19,6 +19,13 @@ report gives medians and spread of the timed steps.
 
     python scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 4 --bandwidth 1gbit \\
         --output results/scaling_e2e-SimpleBig.json
+
+Faster hosts: `--speedup S` (or `--host-step 10ms`, which measures one host's step here once,
+at the cells' settings, and takes S = that step / 10 ms) runs every cell with `hybriddl
+emulate --speedup S`: each host stands for one S times faster, links at R/S, emulated time
+= wall time / (S x D). Every cell and summary row records `speedup`, and each row
+`host_step_seconds`, the emulated one-host step (the 1-host `data` cell's, else the
+measured step / S).
 """
 
 from __future__ import annotations
@@ -57,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--cores-per-host", type=int, default=2)
     parser.add_argument("--bandwidth", nargs="+", default=["1gbit"])
+    parser.add_argument("--speedup", type=float, metavar="S",
+                        help="each host stands for one S times faster (hybriddl emulate "
+                             "--speedup)")
+    parser.add_argument("--host-step", metavar="DURATION",
+                        help="derive S from one host's step measured here: S = that step / "
+                             "DURATION (e.g. 10ms)")
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
@@ -72,7 +85,54 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hosts' cores) and add this run's; the file records every "
                              "run's command, commit and date")
     parser.add_argument("--output", required=True)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from hybriddl.emulation.hosts import check_speedup, duration_seconds
+    from hybriddl.errors import UsageError
+
+    if args.speedup is not None and args.host_step is not None:
+        parser.error("give --speedup S or --host-step DURATION (which derives S), not both")
+    try:
+        args.host_step_seconds = (None if args.host_step is None
+                                  else duration_seconds(args.host_step, "--host-step"))
+        if args.speedup is not None:
+            check_speedup(args.speedup)
+    except UsageError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def derive_speedup(args) -> dict:
+    """S for every cell, from --speedup or from one host's step measured here (--host-step:
+    the cells' local strategy, cores, per-host batch and image size); the file's record."""
+    if args.host_step_seconds is None:
+        return {"speedup": args.speedup, "host_step": None}
+    from hybriddl.emulation.hosts import speedup_for_step
+    from hybriddl.errors import UsageError
+    from hybriddl.tuning.host_step import measure_host_step
+
+    measured = measure_host_step(args.usecase, args.cores_per_host, image_size=args.image_size,
+                                 channels_last="--channels-last" in LOCAL[args.usecase])
+    try:
+        speedup = speedup_for_step(measured.seconds, args.host_step_seconds)
+    except UsageError as exc:
+        raise SystemExit(f"scaling_e2e.py: {exc}") from None
+    low, high = measured.spread
+    print(f"host step {args.host_step_seconds * 1e3:g} ms: one host here takes "
+          f"{measured.seconds:.4g} s ({low:.4g}-{high:.4g}): speedup S = {speedup:.4g}",
+          flush=True)
+    return {"speedup": speedup, "host_step": {"asked_seconds": args.host_step_seconds,
+                                              "measured": measured.as_dict()}}
+
+
+def speed_flags(args) -> list[str]:
+    """hybriddl emulate's --speedup for every cell (none: the hosts at their own speed)."""
+    return [] if args.speedup is None else ["--speedup", repr(args.speedup)]
+
+
+def dilation_of(emulation: dict) -> float:
+    """Wall seconds per emulated second from an emulate report: S x D (D alone before
+    --speedup existed)."""
+    return emulation.get("dilation", emulation.get("time_scale", 1.0))
 
 
 def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[str], int]:
@@ -106,7 +166,7 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
                       "--steps", str(args.steps)])
     command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
                "--cores-per-host", str(args.cores_per_host), "--bandwidth", bandwidth,
-               "--report", str(report), "--", "sh", "-c",
+               *speed_flags(args), "--report", str(report), "--", "sh", "-c",
                f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
@@ -116,12 +176,14 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
         return {"contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
                 "failed": done.returncode, "output_tail": lines[-5:]}
     rank0 = json.loads((result_dir / "rank0.json").read_text())
-    scale = json.loads(report.read_text()).get("time_scale", 1.0)
+    emulation = json.loads(report.read_text())
+    scale = dilation_of(emulation)
     emulated = [s / scale for s in rank0["step_seconds"]]
     global_batch = case.batch_size * hosts
     return {
         "contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
-        "ranks_per_host": args.cores_per_host, "time_scale": scale,
+        "ranks_per_host": args.cores_per_host, "time_scale": emulation.get("time_scale", 1.0),
+        "speedup": emulation.get("speedup", 1.0), "dilation": scale,
         "global_batch": global_batch, "emulated_step_seconds": emulated,
         "median_emulated_step_seconds": statistics.median(emulated),
         "images_per_second": global_batch / statistics.median(emulated),
@@ -142,7 +204,8 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     train, ranks = train_args(args, contender, hosts, run_dir)
     command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
                "--cores-per-host", str(args.cores_per_host), "--ranks-per-host", str(ranks),
-               "--bandwidth", bandwidth, "--report", str(report), "--", "hybriddl", *train]
+               "--bandwidth", bandwidth, *speed_flags(args), "--report", str(report), "--",
+               "hybriddl", *train]
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -153,14 +216,15 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
                 "failed": done.returncode, "output_tail": tail}
     metrics = json.loads((run_dir / "metrics.json").read_text())
     emulation = json.loads(report.read_text())
-    scale = emulation.get("time_scale", 1.0)
+    scale = dilation_of(emulation)
     epoch = metrics["epochs"][0]
     seconds = epoch["per_step"]["seconds"][args.warmup:]
     nic = epoch["per_step"].get("nic_bytes_sent", [])[args.warmup:]
     emulated = [s / scale for s in seconds]
     record = {
         "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-        "ranks_per_host": ranks, "time_scale": scale,
+        "ranks_per_host": ranks, "time_scale": emulation.get("time_scale", 1.0),
+        "speedup": emulation.get("speedup", 1.0), "dilation": scale,
         "global_batch": metrics["config"]["global_batch"],
         "emulated_step_seconds": emulated,
         "median_emulated_step_seconds": statistics.median(emulated),
@@ -231,33 +295,41 @@ def _classifier_held(cell: dict) -> int | None:
 def drop_superseded(cells: list[dict]) -> list[dict]:
     """The cells without those skipped or failed where a later run (--append) measured the
     same contender, host count and link."""
-    measured = {(c["contender"], c["hosts"], c["bandwidth"]) for c in cells
-                if "skipped" not in c and "failed" not in c}
-    return [c for c in cells if not (("skipped" in c or "failed" in c) and
-                                     (c["contender"], c["hosts"], c["bandwidth"]) in measured)]
+    def key(c):
+        return c["contender"], c["hosts"], c["bandwidth"], c.get("speedup", 1.0)
+
+    measured = {key(c) for c in cells if "skipped" not in c and "failed" not in c}
+    return [c for c in cells if not (("skipped" in c or "failed" in c) and key(c) in measured)]
 
 
-def summarise(cells: list[dict]) -> list[dict]:
-    """Per (bandwidth, contender, H): median img/s over rounds, and efficiency against the
-    same contender's... and against one host of `data` (the same model on one host)."""
+def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list[dict]:
+    """Per (bandwidth, speedup, contender, H): median img/s over rounds, and efficiency
+    against one host of `data` (the same model on one host) at the same link and speedup.
+    `measured_host_step`: {speedup: one host's step here / S}, the emulated one-host step
+    where no 1-host `data` cell measured it."""
     rows = {}
     for cell in cells:
         if "failed" in cell or "skipped" in cell:
             continue
-        key = (cell["bandwidth"], cell["contender"], cell["hosts"])
+        key = (cell["bandwidth"], cell.get("speedup", 1.0), cell["contender"], cell["hosts"])
         rows.setdefault(key, []).append(cell)
-    one_host = {}
-    for (bandwidth, contender, hosts), group in rows.items():
+    one_host, one_host_step = {}, {}
+    for (bandwidth, speedup, contender, hosts), group in rows.items():
         if hosts == 1 and contender == "data":
-            one_host[bandwidth] = statistics.median(c["images_per_second"] for c in group)
+            one_host[bandwidth, speedup] = statistics.median(c["images_per_second"] for c in group)
+            one_host_step[bandwidth, speedup] = statistics.median(
+                s for c in group for s in c["emulated_step_seconds"])
     out = []
-    for (bandwidth, contender, hosts), group in sorted(rows.items()):
+    for (bandwidth, speedup, contender, hosts), group in sorted(rows.items()):
         speeds = [c["images_per_second"] for c in group]
         steps = [s for c in group for s in c["emulated_step_seconds"]]
-        base = one_host.get(bandwidth)
+        base = one_host.get((bandwidth, speedup))
         speed = statistics.median(speeds)
         out.append({
             "bandwidth": bandwidth, "contender": contender, "hosts": hosts,
+            "speedup": speedup,
+            "host_step_seconds": one_host_step.get((bandwidth, speedup),
+                                                   (measured_host_step or {}).get(speedup)),
             "images_per_second": speed,
             "step_seconds_median": statistics.median(steps),
             "step_seconds_spread": [min(steps), max(steps)],
@@ -274,11 +346,20 @@ def summarise(cells: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     output = Path(args.output)
+    speed = derive_speedup(args)
+    args.speedup = speed["speedup"]
+    speedup = args.speedup or 1.0
+    # The emulated one-host step each speedup stands for, where this script measured it.
+    measured_steps = ({speedup: args.host_step_seconds} if speed["host_step"] else {})
     result = {
         "what": __doc__.splitlines()[0],
         "usecase": args.usecase, "image_size": args.image_size,
         "cores_per_host": args.cores_per_host, "warmup": args.warmup, "steps": args.steps,
         "rounds": args.rounds,
+        # S (1: the hosts at their own speed) and the emulated one-host step it stands for
+        # (--host-step's; else the 1-host data cell's once measured).
+        "speedup": speedup, "host_step_seconds": args.host_step_seconds,
+        "host_step": speed["host_step"],
         **results_header("scaling_e2e.py", argv),
         "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host)
                                       for h in args.hosts},
@@ -292,7 +373,11 @@ def main(argv=None) -> int:
                                  f"{result[key]!r}")
         result["cells"] = earlier["cells"]
         result["earlier_runs"] = earlier.get("earlier_runs", []) + [
-            {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model")}]
+            {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model", "speedup",
+                                         "host_step_seconds")}]
+        measured_steps = {**{float(k): v for k, v in
+                             earlier.get("measured_host_step_seconds", {}).items()},
+                          **measured_steps}
         hosts = sorted({int(h) for h in earlier["theory_nic_bytes_per_step"]} | set(args.hosts))
         result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host)
                                                for h in hosts}
@@ -309,13 +394,21 @@ def main(argv=None) -> int:
                                 "skipped": too_big} if too_big else \
                             run_cell(args, contender, hosts, bandwidth, Path(scratch))
                         cell["round"] = round_
+                        cell.setdefault("speedup", speedup)
                         result["cells"].append(cell)
                         print(json.dumps({k: cell.get(k) for k in (
                             "contender", "hosts", "bandwidth", "images_per_second",
-                            "median_nic_bytes_per_step", "time_scale", "failed",
+                            "median_nic_bytes_per_step", "speedup", "time_scale", "failed",
                             "skipped", "wall_seconds")}), flush=True)
                         result["cells"] = drop_superseded(result["cells"])
-                        result["summary"] = summarise(result["cells"])
+                        result["summary"] = summarise(result["cells"], measured_steps)
+                        result["measured_host_step_seconds"] = {
+                            str(k): v for k, v in measured_steps.items()}
+                        if result["host_step_seconds"] is None:
+                            result["host_step_seconds"] = next(
+                                (row["host_step_seconds"] for row in result["summary"]
+                                 if row["speedup"] == speedup and row["hosts"] == 1
+                                 and row["contender"] == "data"), None)
                         atomic_write_json(output, result)
     return 0
 
