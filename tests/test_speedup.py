@@ -162,3 +162,20 @@ def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_hos
     assert rows[1.0, 2]["host_step_seconds"] == 3.5 and rows[1.0, 2]["efficiency"] is None
     with pytest.raises(SystemExit):
         scaling_e2e.parse_args(["--output", "x.json", "--speedup", "2", "--host-step", "1s"])
+
+
+def test_a_host_step_is_measured_at_the_cores_and_workload_asked():
+    from hybriddl.tuning.host_step import measure_host_step
+
+    step = measure_host_step("SimpleBig", 1, image_size=64, batch_size=2, warmup=0, steps=2)
+    assert (step.model, step.image_size, step.batch_size, step.cores) == ("alexnet", 64, 2, 1)
+    assert len(step.step_seconds) == 2 and all(s > 0 for s in step.step_seconds)
+    assert "K=1" in step.strategy
+
+
+def test_a_host_step_slower_than_this_hosts_is_one_line_and_exit_2(cli_here):
+    done = cli_here("emulate", "--hosts", "1", "--host-step", "1000s", "--usecase", "SimpleBig",
+                    "--image-size", "64", "--batch-size", "2", "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "give a step of at most" in done.stderr
