@@ -257,3 +257,15 @@ def test_bfloat16_features_send_half_the_bytes_within_bfloat16_rounding(tmp_path
         # The gathered features: within one bfloat16 rounding of the exact ones.
         whole, exact_whole = torch.tensor(half["whole"]), torch.tensor(exact["whole"])
         assert torch.allclose(whole, exact_whole, rtol=2**-8, atol=0)
+
+
+def test_a_resume_under_auto_continues_the_compression_its_hosts_settled():
+    """The checkpoint's config says "auto"; its state is of the scheme auto took."""
+    from types import SimpleNamespace
+    from hybriddl.run.trainer import saved_compression
+    first = {"config": {"hosts": {"compression": "powersgd:2"}}}
+    resume = SimpleNamespace(metrics=first, config={"compression": "auto"})
+    assert saved_compression(resume) == "powersgd:2"
+    again = {**first, "resumes": [{"hosts": {"compression": "none"}}]}
+    assert saved_compression(SimpleNamespace(metrics=again, config={"compression": "auto"})) == "none"
+    assert saved_compression(SimpleNamespace(metrics={}, config={"compression": "fp16"})) == "fp16"

@@ -337,8 +337,8 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
         "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan}
-    saved = prepared.resume.config.get("compression", "none")
-    if note := hosts.restore_compression(saved, prepared.resume.compression):
+    if note := hosts.restore_compression(saved_compression(prepared.resume),
+                                         prepared.resume.compression):
         resume["compression"] = note
         metrics["config"]["hosts"].setdefault("notes", []).append(note)  # shown at start
     metrics["config"]["compression"] = config.compression
@@ -349,6 +349,14 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
         metrics["config"]["dropout_masks"] = MASKS
     metrics.setdefault("resumes", []).append(resume)
     return metrics
+
+
+def saved_compression(resume: ckpt.Checkpoint) -> str:
+    """The compression a checkpoint's last steps ran with: the one its hosts settled at
+    the latest start (--compression auto is "auto" in its config), else the one asked."""
+    starts = [resume.metrics.get("config", {}), *resume.metrics.get("resumes", [])]
+    settled = starts[-1].get("hosts", {}).get("compression")
+    return settled or resume.config.get("compression", "none")
 
 
 def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
