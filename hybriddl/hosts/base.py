@@ -196,8 +196,9 @@ class Hosts:
         starts afresh); None when the run simply goes on."""
         now = self.compression.name
         if saved_name != now:
-            return (f"resumed with --compression {now} from a checkpoint of a run with "
-                    f"--compression {saved_name}: the steps from here on are {now}'s")
+            steps = "exact" if self.compression.exact else f"{now}'s"
+            return (f"--compression {now} resumes a checkpoint of a --compression {saved_name} "
+                    f"run: the steps from here on are {steps}")
         if not self._compressed:
             return None
         try:

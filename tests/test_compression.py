@@ -1,0 +1,360 @@
+"""What crosses the wire (hosts/compression.py, hosts/powersgd.py): every scheme says what it
+sends; PowerSGD approximates each gradient matrix with rank-R factors in one allreduce per
+step, keeps what it leaves out (error feedback), trains on H hosts what it trains on one,
+and resumes from a checkpoint as if never stopped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, hybriddl_env
+from sample_data import write_tinted_classes
+from hybriddl.cli import main
+from hybriddl.hosts.compression import AUTO, Compression, parse_compression
+from hybriddl.hosts.powersgd import PowerSGD
+from hybriddl.rundir import METRICS, MODEL
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+
+
+def alone(tensor: torch.Tensor) -> torch.Tensor:
+    """One host's allreduce: the sum over one host."""
+    return tensor
+
+
+def decaying_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A matrix whose singular values halve one after the other, as gradients' fall fast."""
+    generator = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(rows, rows, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=generator))
+    k = min(rows, cols)
+    return u[:, :k] @ torch.diag(0.5 ** torch.arange(k, dtype=torch.float32)) @ v[:, :k].T
+
+
+def small_gradients(seed: int = 0) -> list[torch.Tensor]:
+    """A convolution's, a bias's, a linear layer's and a small matrix's gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 8, 3, 3, generator=generator), torch.randn(16, generator=generator),
+            torch.randn(10, 40, generator=generator), torch.randn(3, 2, generator=generator)]
+
+
+# --------------------------------------------------------------------------- what is sent
+
+def test_every_scheme_says_what_it_sends_for_the_planner():
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(64, 10))
+    parameters = sum(p.numel() for p in model.parameters())
+    assert Compression.none.wire_bytes(model) == 4 * parameters
+    assert Compression.fp16.wire_bytes(model) == 2 * parameters
+    powersgd = parse_compression("powersgd:2")
+    # Conv 16 x 27 and linear 10 x 64 as factors (the mean of P's and Q's steps), biases dense.
+    assert powersgd.wire_bytes(model) == 4 * (2 * (16 + 27) // 2 + 2 * (10 + 64) // 2 + 16 + 10)
+    assert powersgd.wire_bytes([p.shape for p in model.parameters()]) == powersgd.wire_bytes(model)
+    assert [(c.name, c.exact, c.allreduces_per_step) for c in
+            (Compression.none, Compression.fp16, powersgd)] == [
+        ("none", True, 1), ("fp16", False, 1), ("powersgd:2", False, 1)]
+    assert parse_compression("auto") == AUTO
+
+
+def test_a_rank_r_approximation_errs_less_as_r_grows():
+    """The same gradient step after step (warm start): the approximations of a higher rank
+    stay closer to it, error feedback included."""
+    gradient = decaying_matrix(32, 48)
+    errors = []
+    for rank in (1, 2, 4, 8):
+        compression = PowerSGD(rank)
+        steps = [compression.aggregate([gradient], alone)[0] for _ in range(12)]
+        errors.append(sum(float((a - gradient).norm() / gradient.norm()) for a in steps[2:]))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.25 * errors[0], errors
+
+
+def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients():
+    """What is applied lags the true gradients by exactly the error buffer, which stays
+    bounded: nothing is lost, only delayed."""
+    compression = PowerSGD(1)
+    generator = torch.Generator().manual_seed(1)
+    base = [decaying_matrix(16, 72).reshape(16, 8, 3, 3), torch.ones(16),
+            decaying_matrix(10, 40, seed=2)]
+    applied = [torch.zeros_like(g) for g in base]
+    true = [torch.zeros_like(g) for g in base]
+    lags = []
+    for _ in range(100):
+        noisy = [g + 0.1 * torch.randn(g.shape, generator=generator) for g in base]
+        for total, update in zip(applied, compression.aggregate(noisy, alone)):
+            total += update
+        for total, g in zip(true, noisy):
+            total += g
+        lags.append(sum(float((a - t).norm()) for a, t in zip(applied, true)))
+    errors = compression.state_dict(alone)["error"]  # one per shape: the conv's, the linear's
+    assert float((applied[0] - true[0]).reshape(16, 72).add(errors[0][0]).abs().max()) < 1e-3
+    assert float((applied[2] - true[2]).add(errors[1][0]).abs().max()) < 1e-3
+    assert torch.allclose(applied[1], true[1])  # the bias travels dense
+    assert max(lags[50:]) < 1.5 * max(lags[:50])
+    assert lags[-1] / sum(float(t.norm()) for t in true) < 0.1
+
+
+def test_one_allreduce_per_step_carries_factors_and_dense_tensors():
+    compression = PowerSGD(2)
+    gradients = small_gradients()
+    calls = []
+
+    def allreduce(tensor):
+        calls.append(tensor.numel())
+        return tensor.clone()
+
+    for _ in range(4):
+        compression.aggregate(gradients, allreduce)
+    # Q (in x R) then P (out x R) of the two matrices, with the bias and the small matrix.
+    dense = 16 + 3 * 2
+    q_step, p_step = 2 * (72 + 40) + dense, 2 * (16 + 10) + dense
+    assert calls == [q_step, p_step, q_step, p_step]
+    assert compression.wire_bytes([g.shape for g in gradients]) == 4 * (q_step + p_step) // 2
+
+
+def test_a_rank_at_or_above_a_layers_size_sends_it_dense_said_once():
+    gradients = [torch.randn(4, 3), torch.randn(4), torch.randn(64, 64), torch.randn(6, 5, 1, 1)]
+    compression = PowerSGD(3)
+    notes = compression.setup([g.shape for g in gradients], ["small", "bias", "big", "conv"])
+    # 4 x 3: rank 3 is its size; 6 x 5: rank-3 factors (33 floats) are no smaller than 30.
+    assert notes == ["--compression powersgd:3 sends 2 gradient matrices dense, which rank 3 "
+                     "factors would not make smaller: small 4x3, conv 6x5"]
+    out = compression.aggregate(gradients, alone)
+    for i in (0, 1, 3):
+        assert torch.equal(out[i], gradients[i])
+    assert not torch.equal(out[2], gradients[2])
+    assert PowerSGD(2).setup([(64, 64), (64,)]) == []
+
+
+# --------------------------------------------------------------------------- hosts
+
+class Ring:
+    """H hosts' allreduce inside one process: each host's thread waits for the others."""
+
+    def __init__(self, hosts: int):
+        self.barrier = threading.Barrier(hosts)
+        self.parts: dict[int, torch.Tensor] = {}
+        self.calls = 0
+
+    def of(self, host: int):
+        def allreduce(tensor: torch.Tensor) -> torch.Tensor:
+            self.parts[host] = tensor.clone()
+            self.barrier.wait()
+            total = sum(self.parts[h] for h in sorted(self.parts))
+            self.barrier.wait()
+            if host == 0:
+                self.calls += 1
+            return total
+        return allreduce
+
+
+def run_hosts(compressions, contributions, steps, ring):
+    """Each host's outputs per step; contributions[step][host] is its list of gradients."""
+    outputs = [[None] * steps for _ in compressions]
+
+    def host(h):
+        for step in range(steps):
+            outputs[h][step] = compressions[h].aggregate(contributions[step][h], ring.of(h))
+
+    threads = [threading.Thread(target=host, args=(h,)) for h in range(len(compressions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outputs
+
+
+def test_two_hosts_apply_what_one_host_applies_to_their_sum_the_same_bits_on_both():
+    steps, shares = 6, (5, 3)  # uneven batches: host h contributes n_h/N g_h
+    contributions = []
+    for step in range(steps):
+        per_host = [[g * (n / sum(shares)) for g in small_gradients(seed=10 * step + h)]
+                    for h, n in enumerate(shares)]
+        contributions.append(per_host)
+    ring = Ring(2)
+    two = run_hosts([PowerSGD(2), PowerSGD(2)], contributions, steps, ring)
+    one = PowerSGD(2)
+    for step in range(steps):
+        summed = [a + b for a, b in zip(*contributions[step])]
+        for got, want, other in zip(two[0][step], one.aggregate(summed, alone), two[1][step]):
+            assert torch.equal(got, other)  # every host applies the same update
+            assert torch.allclose(got, want, atol=1e-5), step
+    assert ring.calls == steps
+
+
+def test_a_restored_state_continues_as_if_never_stopped():
+    gradients = [[g * (step + 1) for g in small_gradients(seed=step)] for step in range(6)]
+    straight = PowerSGD(2)
+    expected = [straight.aggregate(g, alone) for g in gradients]
+    first = PowerSGD(2)
+    for g in gradients[:3]:
+        first.aggregate(g, alone)
+    state = first.state_dict(alone)
+    resumed = PowerSGD(2)
+    resumed.load_state_dict(state)
+    for g, want in zip(gradients[3:], expected[3:]):
+        for got, w in zip(resumed.aggregate(g, alone), want):
+            assert torch.equal(got, w)
+    with pytest.raises(ValueError, match="powersgd:2's, not powersgd:4's"):
+        PowerSGD(4).load_state_dict(state)
+
+
+def test_two_hosts_resumed_from_their_summed_errors_continue_as_uninterrupted():
+    """A checkpoint keeps the hosts' errors summed (any host count may resume it): on
+    resume host 0 holds the sum, the others none, and the updates go on the same."""
+    steps, cut = 6, 3
+    contributions = [[small_gradients(seed=10 * s + h) for h in range(2)] for s in range(steps)]
+    straight = run_hosts([PowerSGD(2), PowerSGD(2)], contributions, steps, Ring(2))
+    first = [PowerSGD(2), PowerSGD(2)]
+    run_hosts(first, contributions[:cut], cut, Ring(2))
+    ring = Ring(2)
+    states = [None, None]
+
+    def save(h):
+        states[h] = first[h].state_dict(ring.of(h))
+
+    threads = [threading.Thread(target=save, args=(h,)) for h in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    resumed = [PowerSGD(2), PowerSGD(2)]
+    for h in range(2):
+        resumed[h].load_state_dict(states[0], holds_error=h == 0)
+    after = run_hosts(resumed, contributions[cut:], steps - cut, Ring(2))
+    for step in range(steps - cut):
+        for got, want in zip(after[0][step], straight[0][cut + step]):
+            assert torch.allclose(got, want, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the command line
+
+@pytest.mark.parametrize("scheme, says", [
+    ("zip", "--compression zip: choose one of none, fp16, powersgd:R, auto"),
+    ("powersgd:0", "--compression powersgd:0: give a rank of at least 1"),
+    ("powersgd:-2", "--compression powersgd:-2: give a rank of at least 1"),
+    ("powersgd:R", "--compression powersgd:R: give PowerSGD's rank as a whole number"),
+    ("powersgd:1.5", "--compression powersgd:1.5: give PowerSGD's rank as a whole number"),
+])
+def test_a_bad_scheme_is_one_line_and_exit_2(scheme, says, cli_here, tmp_path):
+    done = cli_here("train", "--compression", scheme, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp16_allreduce_is_compression_fp16_and_refuses_another(cli_here, tmp_path):
+    from hybriddl.cli import build_parser
+    from hybriddl.cli.settings import training_config
+
+    config, _ = training_config(build_parser().parse_args(["train", "--fp16-allreduce"]))
+    assert config.compression == "fp16"
+    done = cli_here("train", "--fp16-allreduce", "--compression", "powersgd:2",
+                    "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and "give one of them" in done.stderr
+
+
+# --------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_tinted_classes(tmp_path_factory.mktemp("images"))
+
+
+def train_args(images: Path, run_dir: Path, *extra: str) -> list[str]:
+    # squeezenet1_1: every convolution a gradient matrix, no BatchNorm; 12 train images,
+    # 3 steps of 4 per epoch; dropout 0 so no mask depends on anything but the step.
+    return ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--dropout", "0",
+            "--strategy", "sequential", "--compression", "powersgd:2", "--run-dir", str(run_dir),
+            *extra]
+
+
+def max_difference(a: Path, b: Path) -> float:
+    want, got = torch.load(a / MODEL), torch.load(b / MODEL)
+    return max(float((want[k].double() - got[k].double()).abs().max()) for k in want)
+
+
+@pytest.mark.slow
+def test_a_compressed_run_resumed_equals_it_uninterrupted(images, tmp_path, capsys):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(train_args(images, straight)) == 0
+    assert main(train_args(images, cut, "--max-steps", "4")) == 0  # inside epoch 2
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)["compression"]
+    assert saved["name"] == "powersgd:2" and saved["step"] == 4 and saved["error"]
+    # --compression left out: the checkpoint's.
+    assert main(["train", "--resume", str(cut), "--max-steps", "6"]) == 0
+    assert max_difference(straight, cut) < 1e-6
+    assert max_difference(straight, cut) == 0.0  # one host: the very same arithmetic
+    metrics = json.loads((cut / METRICS).read_text())
+    assert metrics["config"]["compression"] == "powersgd:2"
+    assert metrics["config"]["hosts"]["compression"] == "powersgd:2"
+    assert "compression" not in metrics["resumes"][-1]
+
+
+@pytest.mark.slow
+def test_a_compressed_checkpoint_resumed_exact_says_so_in_one_line(images, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(images, run, "--max-steps", "2")) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--compression", "none", "--max-steps", "3"]) == 0
+    said = " ".join(capsys.readouterr().err.split())  # rich wraps lines to the terminal
+    line = ("--compression none resumes a checkpoint of a --compression powersgd:2 run: the "
+            "steps from here on are exact")
+    assert said.count(line) == 1 and said.count("--compression") == 2, said
+    metrics = json.loads((run / METRICS).read_text())
+    assert metrics["resumes"][-1]["compression"] == line
+    assert metrics["config"]["compression"] == "none"
+
+
+# --------------------------------------------------------------------------- under mpirun
+
+def mpirun(ranks: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MPIRUN), *LOOPBACK, "-np", str(ranks), sys.executable, *args],
+                          capture_output=True, text=True, timeout=timeout, env=hybriddl_env())
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+def test_two_ranks_average_with_powersgd_to_the_same_bits(tmp_path):
+    """tests/compression_ranks.py: both ranks' parameters after powersgd steps, the
+    allreduces each step made, and the one-host result of the same global batches."""
+    out = tmp_path / "ranks.json"
+    done = mpirun(2, [str(REPO / "tests" / "compression_ranks.py"), str(out)], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["digests"][0] == result["digests"][1]
+    assert result["allreduces_per_step"] == [1] * result["steps"]
+    assert result["max_difference_from_one_host"] < 1e-5
+    assert result["bytes_per_step"] == result["wire_bytes_by_step"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+# squeezenet averages its whole gradient; AlexNet's classifier splits across the hosts
+# (exact) while its convolutions' gradients go through PowerSGD.
+@pytest.mark.parametrize("scheme, model", [("data", "squeezenet1_1"), ("hybrid", "alexnet")])
+def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, model):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    common = ["-m", "hybriddl"]
+    flags = ["--host-parallel", scheme, "--model", model, "--epochs", "1"]
+    if model == "alexnet":
+        flags += ["--image-size", "64"]
+    for run_dir, extra in ((straight, []), (cut, ["--max-steps", "2"])):
+        done = mpirun(2, [*common, *train_args(images, run_dir, *flags, *extra)])
+        assert done.returncode == 0, done.stdout + done.stderr
+    done = mpirun(2, [*common, "train", "--resume", str(cut), "--max-steps", "3"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert max_difference(straight, cut) < 1e-6
+    metrics = json.loads((cut / METRICS).read_text())
+    assert metrics["config"]["host_parallel"]["scheme"] == scheme
+    assert metrics["config"]["hosts"]["compression"] == "powersgd:2"
