@@ -13,7 +13,12 @@ Contenders, per cell: `hybrid` (--host-parallel hybrid), `data` (--host-parallel
 `flat` (Horovod's model: one rank per core, each sequential, the whole gradient averaged
 over all H*C ranks), `auto` (what --host-parallel auto picks, and how fast it ran), and
 `ddp` (PyTorch DDP as a CPU user runs it: one single-threaded process per core, gloo over
-the hosts' NICs, each host's NIC counted over the timed steps).
+the hosts' NICs, each host's NIC counted over the timed steps); and, asked for by name, the
+peers of compression: `ddp-fp16` (DDP with torch's fp16_compress_hook), `ddp-powersgd`
+(DDP with torch's powerSGD_hook at --powersgd-rank, in one bucket: with DDP's 25 MB buckets
+it aborts on gloo; compressing from step 2, so its warm-up is at least 3 steps) and
+`flat-fp16` (Horovod's model with fp16 compression). A contender is a scheme and what its
+gradients look like on the wire (WIRE).
 Cells run in interleaved rounds (every contender of a cell, then the next round), and the
 report gives medians and spread of the timed steps.
 
@@ -49,6 +54,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
+# The compressed contenders, each (scheme, compression): the scheme's own run with its
+# gradients sent as float16 or PowerSGD's factors. Asked for by name.
+WIRE = {"ddp-fp16": ("ddp", "fp16"), "ddp-powersgd": ("ddp", "powersgd"),
+        "flat-fp16": ("flat", "fp16")}
+
+
+def scheme_of(contender: str) -> str:
+    return WIRE[contender][0] if contender in WIRE else contender
+
+
+def wire_flags(contender: str, powersgd_rank: int) -> list[str]:
+    """A contender's compression, as its command line says it."""
+    compression = WIRE.get(contender, (None, None))[1]
+    if compression == "fp16":
+        return ["--fp16-allreduce"]
+    if compression == "powersgd":
+        return ["--powersgd-rank", str(powersgd_rank)]
+    return []
+
+
 # The local strategy of every contender but flat and ddp: PyTorch's intra-op threads, the
 # fastest local strategy for one host at 224 px on 2 cores (within noise of layerwise for
 # AlexNet, results/bench_local-SimpleBig.json), and one that writes each gradient once, so
@@ -70,7 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host-step", metavar="DURATION",
                         help="derive S from one host's step measured here: S = that step / "
                              "DURATION (e.g. 10ms)")
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS),
+                        choices=[*CONTENDERS, *WIRE],
+                        help=f"default: the exact ones, {' '.join(CONTENDERS)}")
+    parser.add_argument("--powersgd-rank", type=int, default=2,
+                        help="rank of ddp-powersgd's approximation (default: 2)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
@@ -142,28 +171,29 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
               "--batch-size", str(case.batch_size * hosts), "--epochs", "1",
               "--max-steps", str(args.warmup + args.steps), "--monitor-interval", "0",
               "--run-dir", str(run_dir)]
-    if contender == "flat":
-        return [*common, "--strategy", "flat", "--overlap", "--host-parallel", "data"], \
-            args.cores_per_host
+    if scheme_of(contender) == "flat":
+        return [*common, "--strategy", "flat", "--overlap", "--host-parallel", "data",
+                *wire_flags(contender, args.powersgd_rank)], args.cores_per_host
     # --overlap for every contender: where the local strategy allows it, gradients leave
     # during backward (the hybrid's: the convolutions').
     return [*common, *LOCAL[args.usecase], "--workers", str(args.cores_per_host), "--overlap",
             "--host-parallel", contender], 1
 
 
-def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
+def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str = "ddp") -> dict:
     """PyTorch DDP as a user would run it on CPU hosts: one process (one thread) per core,
-    gloo over each host's NIC (hybriddl.cli.compare_ddp, started once per host)."""
+    gloo over each host's NIC (hybriddl.cli.compare_ddp, started once per host), with
+    DDP's own allreduce or the contender's comm hook."""
     case = get_usecase(args.usecase)
-    result_dir = scratch / f"ddp-{hosts}-{bandwidth}"
-    report = scratch / f"ddp-{hosts}-{bandwidth}.report.json"
+    result_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
+    report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
     processes = hosts * args.cores_per_host
     ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
                       str(processes), "--hosts", str(hosts), "--master-addr", "198.18.0.1",
                       "--interface", "eth0", "--result-dir", str(result_dir), "--usecase",
                       args.usecase, "--image-size", str(args.image_size), "--batch-size",
                       str(case.batch_size * hosts), "--warmup", str(args.warmup),
-                      "--steps", str(args.steps)])
+                      "--steps", str(args.steps), *wire_flags(contender, args.powersgd_rank)])
     command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
                "--cores-per-host", str(args.cores_per_host), "--bandwidth", bandwidth,
                *speed_flags(args), "--report", str(report), "--", "sh", "-c",
@@ -173,7 +203,7 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if done.returncode != 0:
         lines = (done.stdout + done.stderr).strip().splitlines()
-        return {"contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
+        return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": done.returncode, "output_tail": lines[-5:]}
     rank0 = json.loads((result_dir / "rank0.json").read_text())
     emulation = json.loads(report.read_text())
@@ -181,9 +211,11 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
     emulated = [s / scale for s in rank0["step_seconds"]]
     global_batch = case.batch_size * hosts
     return {
-        "contender": "ddp", "hosts": hosts, "bandwidth": bandwidth,
+        "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
         "ranks_per_host": args.cores_per_host, "time_scale": emulation.get("time_scale", 1.0),
         "speedup": emulation.get("speedup", 1.0), "dilation": scale,
+        # Which hook ran, and (powerSGD_hook) its rank, start step, one bucket and warm-up.
+        "comm_hook": rank0.get("comm_hook"), "warmup": rank0.get("warmup"),
         "global_batch": global_batch, "emulated_step_seconds": emulated,
         "median_emulated_step_seconds": statistics.median(emulated),
         "images_per_second": global_batch / statistics.median(emulated),
@@ -197,8 +229,8 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path) -> dict:
 
 
 def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) -> dict:
-    if contender == "ddp":
-        return run_ddp_cell(args, hosts, bandwidth, scratch)
+    if scheme_of(contender) == "ddp":
+        return run_ddp_cell(args, hosts, bandwidth, scratch, contender)
     run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
     report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
     train, ranks = train_args(args, contender, hosts, run_dir)
@@ -253,7 +285,7 @@ def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int,
     if not measured:
         return None
     peak = max(c["memory"]["peak_rss_bytes"] for c in measured)
-    ranks = hosts * (cores if contender in ("flat", "ddp") else 1)
+    ranks = hosts * (cores if scheme_of(contender) in ("flat", "ddp") else 1)
     total = psutil.virtual_memory().total
     if ranks * peak <= fraction * total:
         return None
@@ -262,10 +294,11 @@ def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int,
             f"{total / 2**30:.0f} GiB")
 
 
-def theory(usecase: str, hosts: int, cores: int) -> dict:
+def theory(usecase: str, hosts: int, cores: int, powersgd_rank: int = 2) -> dict:
     """Bytes per host NIC per step, in theory, for each contender."""
     import torch
 
+    from hybriddl.compare.theory import powersgd_elements
     from hybriddl.hybrid.parallel import traffic_bytes
     from hybriddl.usecases import build_model
 
@@ -280,8 +313,12 @@ def theory(usecase: str, hosts: int, cores: int) -> dict:
     # DDP (gloo) runs the same ring over one process per core.
     # Horovod's hierarchical allreduce (reduce inside each host, a ring across hosts,
     # broadcast inside each host) puts data's bytes on each NIC: one ring rank per host.
+    # The compressed peers: the same ring over half the bytes, or over powerSGD_hook's
+    # factors and uncompressed tensors.
+    powersgd = powersgd_elements([tuple(p.shape) for p in model.parameters()], powersgd_rank) * 4
     return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat,
-            "ddp": flat, "hierarchical": bytes_["data"]}
+            "ddp": flat, "hierarchical": bytes_["data"], "flat-fp16": flat / 2,
+            "ddp-fp16": flat / 2, "ddp-powersgd": flat * powersgd / whole}
 
 
 def _classifier_held(cell: dict) -> int | None:
@@ -300,6 +337,21 @@ def drop_superseded(cells: list[dict]) -> list[dict]:
 
     measured = {key(c) for c in cells if "skipped" not in c and "failed" not in c}
     return [c for c in cells if not (("skipped" in c or "failed" in c) and key(c) in measured)]
+
+
+def contender_note(cell: dict) -> str | None:
+    """What stands beside a compressed peer's figures."""
+    hook = cell.get("comm_hook") or {}
+    if hook.get("hook") == "powerSGD_hook":
+        return (f"torch's powerSGD_hook, rank {hook['matrix_approximation_rank']}, in one bucket "
+                f"(bucket_cap_mb {hook['bucket_cap_mb']}: with DDP's 25 MB buckets it aborts on "
+                f"gloo); compressing from step {hook['start_powerSGD_iter']}, after a warm-up of "
+                f"{cell['warmup']} steps, so every timed step was compressed")
+    if hook.get("hook") == "fp16_compress_hook":
+        return "torch's fp16_compress_hook"
+    if cell["contender"] in WIRE:
+        return "fp16 compression (hybriddl's Compression.fp16, Horovod's)"
+    return None
 
 
 def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list[dict]:
@@ -338,6 +390,7 @@ def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list
                 c["median_nic_bytes_per_step"] for c in group
                 if c["median_nic_bytes_per_step"] is not None) if hosts > 1 else 0,
             "picked": group[0]["host_parallel"]["scheme"] if group[0].get("host_parallel") else None,
+            "note": contender_note(group[0]),
             "classifier_bytes_held": _classifier_held(group[0]),
         })
     return out
@@ -361,8 +414,8 @@ def main(argv=None) -> int:
         "speedup": speedup, "host_step_seconds": args.host_step_seconds,
         "host_step": speed["host_step"],
         **results_header("scaling_e2e.py", argv),
-        "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host)
-                                      for h in args.hosts},
+        "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host,
+                                                     args.powersgd_rank) for h in args.hosts},
         "cells": [],
     }
     if args.append and output.exists():
@@ -379,14 +432,16 @@ def main(argv=None) -> int:
                              earlier.get("measured_host_step_seconds", {}).items()},
                           **measured_steps}
         hosts = sorted({int(h) for h in earlier["theory_nic_bytes_per_step"]} | set(args.hosts))
-        result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host)
+        result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host,
+                                                              args.powersgd_rank)
                                                for h in hosts}
     with tempfile.TemporaryDirectory(prefix="hybriddl-scaling-") as scratch:
         for round_ in range(args.rounds):
             for bandwidth in args.bandwidth:
                 for hosts in args.hosts:
                     for contender in args.contenders:
-                        if hosts == 1 and contender in ("flat", "auto", "hybrid"):
+                        if hosts == 1 and (contender in ("flat", "auto", "hybrid")
+                                           or contender in WIRE):
                             continue  # one host: data is the reference; nothing crosses a link
                         too_big = memory_refusal(result["cells"], contender, hosts,
                                                  args.cores_per_host, args.memory_fraction)

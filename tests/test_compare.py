@@ -22,6 +22,8 @@ SMALL = ("--usecase", "SimpleBig", "--model", "squeezenet1_1", "--image-size", "
          "--batch-size", "8", "--warmup", "1", "--steps", "2")
 H, K = 2, 2
 SLOW = "100mbit"
+CONTENDERS_RUN = ["hybrid", "flat-mpi", "flat-ring", "ddp", "ddp-fp16", "ddp-powersgd",
+                  "flat-fp16"]
 
 CANNOT_EMULATE = (None if os.geteuid() == 0 and all(map(shutil.which, ("ip", "tc", "unshare")))
                   else "emulated hosts need root (network namespaces), ip, tc and unshare")
@@ -37,7 +39,7 @@ def compare(cli, output, *args):
     report = (output / REPORT).read_text()
     for c in comparison["contenders"]:  # each row names its scheme and local strategy
         assert f"| {c['name']} | {c['scheme']} | {c['local_strategy']} |" in report
-    return comparison
+    return {**comparison, "report": report}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,9 @@ def comparison(tmp_path_factory):
     # Behind a 100 Mbit/s link the hybrid's bytes take longer than its compute, so the run
     # also shows whether the limit is really applied.
     # The data contender is left out: squeezenet's hybrid runs as data (asserted below).
+    # The compressed peers run in the same comparison, beside the exact runs they halve.
     return compare(run_cli, tmp_path_factory.mktemp("compare") / "out", "--bandwidth", SLOW,
-                   "--contenders", "hybrid,flat-mpi,flat-ring,ddp")
+                   "--contenders", ",".join(CONTENDERS_RUN))
 
 
 def contender(comparison, name):
@@ -118,8 +121,7 @@ def test_step_meter_refuses_a_result_before_the_last_timed_step():
 def test_comparison_json_contract(comparison):
     assert comparison["emulated_hosts"] == H
     assert comparison["bandwidth"] == SLOW and comparison["latency"] is None
-    assert [c["name"] for c in comparison["contenders"]] == ["hybrid", "flat-mpi",
-                                                             "flat-ring", "ddp"]
+    assert [c["name"] for c in comparison["contenders"]] == CONTENDERS_RUN
     # threads cannot run the convolutions alone (and squeezenet has no classifier to
     # split): the hybrid contender ran as data instead of refusing, and its row says so.
     hybrid = contender(comparison, "hybrid")
@@ -169,10 +171,32 @@ def test_no_host_counts_intra_host_traffic(comparison):
     Counting the K ranks would read K = 2 times the payload; the NIC also carries TCP/IP
     headers, the receiver's ACKs and whatever else crossed in that step (one DDP step, on
     one host, once read 1.105x the payload, the other host 1.003x), hence 1.25x."""
-    for name in ("flat-mpi", "flat-ring", "ddp"):
+    for name in ("flat-mpi", "flat-ring", "ddp", "flat-fp16", "ddp-fp16"):
         c = contender(comparison, name)
-        per_rank = ring_bytes_per_rank(c["gradient_bytes"], H * K)
+        per_rank = ring_bytes_per_rank(c["payload_bytes"], H * K)
         assert max(c["host_nic_bytes_per_step"]) <= 1.25 * per_rank, name
+
+
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_compressed_peers_send_what_they_compress(comparison):
+    """fp16 halves the bytes on every host's NIC, for DDP's hook as for Horovod's model; DDP's
+    PowerSGD sends its factors in every timed step, its settings beside its figures."""
+    for compressed, exact in (("ddp-fp16", "ddp"), ("flat-fp16", "flat-mpi")):
+        half, whole = contender(comparison, compressed), contender(comparison, exact)
+        assert half["compression"] == "fp16" and whole["compression"] == "none"
+        for sent, full in zip(half["host_nic_bytes_per_step"], whole["host_nic_bytes_per_step"],
+                              strict=True):
+            assert sent == pytest.approx(full / 2, rel=0.2), compressed
+    powersgd, ddp = contender(comparison, "ddp-powersgd"), contender(comparison, "ddp")
+    assert powersgd["compression"] == "powersgd r=2" and powersgd["scheme"] == "ddp"
+    # Were any timed step a vanilla allreduce, it would send the whole gradient.
+    assert powersgd["comm_bytes_per_step"] == pytest.approx(H * K * powersgd["payload_bytes"])
+    assert max(powersgd["host_nic_bytes_per_step"]) < 0.25 * min(ddp["host_nic_bytes_per_step"])
+    assert "ddp-powersgd: torch's powerSGD_hook at rank 2, in one bucket" in comparison["report"]
+    assert "so its warm-up ran 3 steps" in powersgd["note"]
 
 
 @pytest.mark.root
@@ -237,3 +261,93 @@ def test_the_table_names_each_rows_scheme_and_local_strategy():
            "host_peak_rss_bytes": [1e8, 1e8], "host_peak_rss_vs_hybrid": 1.0}
     cells = table_cells({"contenders": [row]})[0]
     assert cells[:3] == ["hybrid", "data", "processes K=2"]
+
+
+class PlannedHosts:
+    """What compare.plan asks of EmulatedHosts, without namespaces: the launch lines."""
+
+    count, addresses = H, ["198.18.0.1", "198.18.0.2"]
+
+    def mpirun(self, command, ranks_per_host=1, mca=None, mpirun=None):
+        return ["mpirun", "--ranks-per-host", str(ranks_per_host), *command]
+
+    def on_host(self, index, argv):
+        return ["on-host", str(index), *argv]
+
+
+def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch, tmp_path):
+    from hybriddl.compare import compare
+    from hybriddl.compare.settings import CONTENDERS, KNOWN, CompareConfig, MeasureSettings
+
+    monkeypatch.setattr(compare, "mpi_launcher", lambda: "mpirun")
+    config = CompareConfig(MeasureSettings(warmup=1), hosts=H, workers_per_host=K,
+                           powersgd_rank=3)
+
+    def planned(name):
+        return compare.plan(config, PlannedHosts(), tmp_path, name)
+
+    # Left out of --contenders, only the exact ones run: each peer is one more run.
+    assert all(KNOWN[name].compression == "none" for name in CONTENDERS)
+    powersgd, fp16, ddp = planned("ddp-powersgd"), planned("ddp-fp16"), planned("ddp")
+    for peer in (powersgd, fp16, ddp):
+        assert peer.ranks == H * K and len(peer.commands()) == H  # one DDP launch per host
+        assert all("hybriddl.cli.compare_ddp" in argv for argv in peer.commands())
+        assert all(str(tmp_path / peer.name) in argv for argv in peer.commands())
+    hook = powersgd.commands()[0]
+    assert hook[hook.index("--powersgd-rank") + 1] == "3" and "--fp16-allreduce" not in hook
+    assert "--fp16-allreduce" in fp16.commands()[0] and "--powersgd-rank" not in fp16.commands()[0]
+    assert not {"--fp16-allreduce", "--powersgd-rank"} & set(ddp.commands()[0])
+    flat = planned("flat-fp16")
+    assert flat.ranks == H * K and flat.algorithm == planned("flat-mpi").algorithm
+    (argv,) = flat.commands()
+    assert argv[argv.index("--ranks-per-host") + 1] == str(K)
+    assert argv[argv.index("--strategy") + 1] == "flat" and "--fp16-allreduce" in argv
+
+
+def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
+    """torch's powerSGD_hook, counted: two vanilla allreduces of the whole gradient (the least
+    start_powerSGD_iter torch allows), then its factors and small tensors only."""
+    from hybriddl.compare.ddp import payload_bytes
+    from hybriddl.compare.ddp_peer import CommHook, gloo_group, one_bucket_mb, wrap
+    from hybriddl.compare.local_peers import _free_loopback_port
+    from hybriddl.compare.stepmeter import gradient_bytes
+
+    hook = CommHook("powersgd", rank=2)
+    assert hook.untimed_steps == 3 and CommHook("fp16").untimed_steps == 0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 64),
+                          nn.ReLU(), nn.Linear(64, 3))
+    with gloo_group(0, 1, "127.0.0.1", _free_loopback_port(), "lo"):
+        ddp, counter = wrap(model, 1, hook)
+        assert ddp.bucket_bytes_cap >= gradient_bytes(model)  # one bucket, first included
+        assert ddp.bucket_bytes_cap // 2**20 == one_bucket_mb(gradient_bytes(model))
+        assert counter.state.start_powerSGD_iter == 2
+        assert counter.state.matrix_approximation_rank == 2
+        sent = []
+        for _ in range(hook.untimed_steps + 1):
+            before = counter.bytes_sent
+            ddp(torch.randn(4, 3, 8, 8)).sum().backward()
+            sent.append(counter.bytes_sent - before)
+    whole = gradient_bytes(model)
+    assert sent[:2] == [whole, whole]
+    assert sent[2] == sent[3] == payload_bytes(model, hook) < whole / 4
+
+
+def test_powersgd_sends_factors_of_the_matrices_worth_compressing():
+    from hybriddl.compare.theory import powersgd_elements
+
+    # A 64 x 288 matrix (a convolution) sends (64 + 288) x 2; a bias, and a 3 x 64 matrix
+    # whose factors would not be half its size, are sent whole.
+    assert powersgd_elements([(64, 32, 3, 3), (64,), (3, 64)], rank=2) == 704 + 64 + 192
+
+
+def test_compare_refuses_a_powersgd_rank_below_1_and_fp16_twice(cli_here, tmp_path):
+    output = tmp_path / "out"
+    for args, says in ((["--contenders", "ddp-powersgd", "--powersgd-rank", "0"],
+                        "--powersgd-rank 0: give a rank of 1 or more"),
+                       (["--contenders", "ddp,ddp-fp16", "--fp16-allreduce"],
+                        "ddp-fp16 name their own")):
+        done = cli_here("compare", *SMALL, "--output", str(output), *args)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert not output.exists()

@@ -7,7 +7,7 @@ import argparse
 from hybriddl.cli.flags import (add_data_flags, add_fp16_flag, add_link_flags, add_measure_flags,
                                 add_workload_flags, default_of)
 from hybriddl.cli.settings import compare_config
-from hybriddl.compare.settings import CONTENDERS, CompareConfig, MeasureSettings
+from hybriddl.compare.settings import CONTENDERS, KNOWN, CompareConfig, MeasureSettings
 from hybriddl.display import TrainDisplay, comparison_table, console, out
 from hybriddl.strategies import STRATEGIES, Flat
 
@@ -36,7 +36,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the hybrid hosts' local strategy: one of {local} "
                              f"(default: {default_of(CompareConfig, 'local_strategy')})")
     parser.add_argument("--contenders",
-                        help=f"which to run, comma-separated (default: {','.join(CONTENDERS)})")
+                        help="which to run, comma-separated, among "
+                             f"{', '.join(KNOWN)}: the exact ones by default "
+                             f"({','.join(CONTENDERS)}); ddp-fp16 and ddp-powersgd are DDP with "
+                             "torch's fp16_compress_hook and powerSGD_hook, flat-fp16 Horovod's "
+                             "model with fp16 compression")
+    parser.add_argument("--powersgd-rank", type=int, metavar="R",
+                        help="the rank of every PowerSGD contender's approximation "
+                             f"(default: {default_of(CompareConfig, 'powersgd_rank')})")
     add_link_flags(parser)
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")
 

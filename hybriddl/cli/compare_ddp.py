@@ -20,7 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_flags(parser, batch="global batch over all hosts and workers")
     add_data_flags(parser, cache=False)
     add_measure_flags(parser, MeasureSettings)
-    add_fp16_flag(parser)
+    hooks = parser.add_mutually_exclusive_group()
+    add_fp16_flag(hooks)
+    hooks.add_argument("--powersgd-rank", type=int, metavar="R",
+                       help="average with torch's powerSGD_hook at rank R, in one bucket "
+                            "(default: DDP's own allreduce)")
     parser.add_argument("--processes", type=int, required=True, help="DDP processes P in all")
     parser.add_argument("--hosts", type=int, default=1, help="hosts H the processes span")
     parser.add_argument("--host-index", type=int, default=0, help="which host this is")
@@ -32,10 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hybriddl.compare.ddp import run_host
+    from hybriddl.compare.ddp_peer import CommHook
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.powersgd_rank is not None and args.powersgd_rank < 1:
+        parser.error(f"--powersgd-rank {args.powersgd_rank}: give a rank of 1 or more")
+    hook = CommHook("powersgd", args.powersgd_rank) if args.powersgd_rank else CommHook()
     run_host(measure_settings(args), args.processes, args.hosts, args.host_index,
-             args.master_addr, args.interface, args.result_dir)
+             args.master_addr, args.interface, args.result_dir, hook)
     return 0
 
 

@@ -10,7 +10,11 @@ namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 - flat-mpi:  H*K ranks, one sequential worker each (Horovod's model), the MPI library's
              default collectives;
 - flat-ring: the same with a ring allreduce over all H*K ranks (Horovod's gloo/NCCL ring);
-- ddp:       PyTorch DDP, gloo, K processes on each host.
+- ddp:       PyTorch DDP, gloo, K processes on each host;
+- and, asked for by name, the peers of compression (settings.KNOWN: a scheme above with
+  what its gradients look like on the wire): ddp-fp16 (torch's fp16_compress_hook),
+  ddp-powersgd (torch's powerSGD_hook at --powersgd-rank, in one bucket: see
+  ddp_peer.wrap) and flat-fp16 (Horovod's model with Compression.fp16).
 
 Ranks of one host talk through shared memory, as on a real machine, so each host's
 NIC counter holds only what crossed the network. Beside each measurement stands the
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hybriddl.compare.outputs import write_outputs
-from hybriddl.compare.settings import CONTENDERS, FLAT_MPI, FLAT_RING, CompareConfig
+from hybriddl.compare.settings import FLAT_MPI, FLAT_RING, KNOWN, CompareConfig, ContenderKind
 from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.compare.theory import host_nic_theory
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
@@ -79,10 +83,17 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     if config.hosts < 1 or config.workers_per_host < 1:
         raise UsageError(f"--hosts {config.hosts} --workers-per-host {config.workers_per_host}: "
                          "give at least 1 of each")
-    unknown = [name for name in config.contenders if name not in CONTENDERS]
+    unknown = [name for name in config.contenders if name not in KNOWN]
     if unknown or not config.contenders:
         raise UsageError(f"--contenders {','.join(config.contenders)}: choose among "
-                         f"{', '.join(CONTENDERS)}")
+                         f"{', '.join(KNOWN)}")
+    if config.powersgd_rank < 1:
+        raise UsageError(f"--powersgd-rank {config.powersgd_rank}: give a rank of 1 or more")
+    compressed = [name for name in config.contenders if KNOWN[name].compression != "none"]
+    if config.settings.fp16_allreduce and compressed:
+        raise UsageError(f"--fp16-allreduce sends every contender's gradients as float16, and "
+                         f"{', '.join(compressed)} name their own: leave out one or the other")
+    schemes = {KNOWN[name].scheme for name in config.contenders}
     if config.local_strategy not in STRATEGIES or config.local_strategy == Flat.name:
         choices = ", ".join(name for name in STRATEGIES if name != Flat.name)
         raise UsageError(f"--local-strategy {config.local_strategy!r}: choose one of {choices}")
@@ -91,8 +102,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
         raise UsageError(f"--steps {settings.steps} --warmup {settings.warmup}: "
                          "give at least 1 timed step and no negative warm-up")
     workers = None if config.local_strategy == Sequential.name else config.workers_per_host
-    if workers is None and config.workers_per_host != 1 and \
-            {"hybrid", "data"} & set(config.contenders):
+    if workers is None and config.workers_per_host != 1 and {"hybrid", "data"} & schemes:
         raise UsageError("--local-strategy sequential has one worker per host: give "
                          "--workers-per-host 1 or a parallel local strategy")
     options = StrategyOptions(workers=workers, oversubscribe=True)
@@ -106,7 +116,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     if config.latency:
         seconds_of(config.latency)
     check_available()
-    if set(config.contenders) - {"ddp"}:
+    if schemes - {"ddp"}:
         mpi_launcher()
     output = Path(config.output) if config.output else default_run_dir(
         f"compare-{settings.usecase}")
@@ -131,46 +141,58 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
     """The command line(s) of contender `name` on `cluster`. Build it just before it runs:
     an mpirun command line's hostfile (slots per host) is rewritten for each."""
     python = [sys.executable, "-m"]
-    common = config.settings.to_argv()
+    kind = KNOWN[name]
+    common = [*config.settings.to_argv(), *wire_flags(kind, config.powersgd_rank),
+              "--result-dir", str(result_root / name)]
     k = config.workers_per_host
 
-    def result(name: str) -> list[str]:
-        return ["--result-dir", str(result_root / name)]
-
-    def worker(name: str, *options: str) -> list[str]:
-        return python + ["hybriddl.cli.compare_worker", *options, *common, *result(name)]
+    def worker(*options: str) -> list[str]:
+        return python + ["hybriddl.cli.compare_worker", *options, *common]
 
     workers = [] if config.local_strategy == Sequential.name else ["--workers", str(k)]
     split = hybrid_scheme(config.local_strategy)
     # The flat ranks of one host divide its cores among themselves; the hybrid's local
     # workers may need more workers than cores when hosts are small (said in the notes).
     flat = ["--strategy", Flat.name, "--overlap", "--fusion-mib", str(HOROVOD_FUSION_MIB)]
-    mpirun = mpi_launcher()
+    mpirun = mpi_launcher() if kind.scheme != "ddp" else None
     launches = {
-        "hybrid": lambda: cluster.mpirun(worker("hybrid", "--strategy", config.local_strategy,
-                                                *workers, "--oversubscribe", "--overlap",
+        "hybrid": lambda: cluster.mpirun(worker("--strategy", config.local_strategy, *workers,
+                                                "--oversubscribe", "--overlap",
                                                 "--host-parallel", split), mpirun=mpirun),
-        "data": lambda: cluster.mpirun(worker("data", "--strategy", config.local_strategy,
-                                              *workers, "--oversubscribe", "--overlap",
+        "data": lambda: cluster.mpirun(worker("--strategy", config.local_strategy, *workers,
+                                              "--oversubscribe", "--overlap",
                                               "--host-parallel", "data"), mpirun=mpirun),
-        FLAT_MPI: lambda: cluster.mpirun(worker(FLAT_MPI, *flat), ranks_per_host=k,
-                                         mpirun=mpirun),
-        FLAT_RING: lambda: cluster.mpirun(worker(FLAT_RING, *flat), ranks_per_host=k,
-                                          mca=RING_ALLREDUCE, mpirun=mpirun),
+        FLAT_MPI: lambda: cluster.mpirun(worker(*flat), ranks_per_host=k, mpirun=mpirun),
+        FLAT_RING: lambda: cluster.mpirun(worker(*flat), ranks_per_host=k, mca=RING_ALLREDUCE,
+                                          mpirun=mpirun),
         "ddp": lambda: [cluster.on_host(i, python + [
             "hybriddl.cli.compare_ddp", "--processes", str(config.workers), "--hosts",
             str(cluster.count), "--host-index", str(i), "--master-addr", cluster.addresses[0],
-            "--interface", HOST_NIC, *common, *result("ddp")]) for i in range(cluster.count)],
+            "--interface", HOST_NIC, *common]) for i in range(cluster.count)],
     }
-    ranks = {"hybrid": config.hosts, "data": config.hosts, FLAT_MPI: config.workers, FLAT_RING: config.workers,
-             "ddp": config.workers}
+    ranks = {"hybrid": config.hosts, "data": config.hosts, FLAT_MPI: config.workers,
+             FLAT_RING: config.workers, "ddp": config.workers}
     # With --overlap the flat ranks post MPI_Iallreduce, which Open MPI 5 hands to coll/libnbc
     # whatever the placement; its default for 4 or more ranks and large buffers is a ring
     # (its blocking MPI_Allreduce would take the hierarchical coll/han instead, which sends
     # 2(H-1)/H S per host). gloo's allreduce is a ring too.
-    algorithms = {"hybrid": "split", "data": "ring", FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
+    algorithms = {"hybrid": "split", "data": "ring",
+                  FLAT_MPI: "ring" if config.workers >= 4 else "hierarchical",
                   FLAT_RING: "ring", "ddp": "ring"}
-    return Contender(name, ranks[name], launches[name](), algorithms[name])
+    return Contender(name, ranks[kind.scheme], launches[kind.scheme](), algorithms[kind.scheme])
+
+
+def wire_flags(kind: ContenderKind, powersgd_rank: int) -> list[str]:
+    """What a contender's ranks are told of its compression: the MPI ranks' and the DDP
+    processes' flags for fp16 are the same (Compression.fp16; torch's fp16_compress_hook);
+    PowerSGD is DDP's powerSGD_hook."""
+    if kind.compression == "fp16":
+        return ["--fp16-allreduce"]
+    if kind.compression == "powersgd" and kind.scheme == "ddp":
+        return ["--powersgd-rank", str(powersgd_rank)]
+    if kind.compression == "none":
+        return []
+    raise ValueError(f"no {kind.compression} for the {kind.scheme} contender")
 
 
 def hybrid_scheme(local_strategy: str) -> str:
@@ -203,7 +225,8 @@ def run_comparison(config: CompareConfig, output: Path,
     comparison = {
         "config": {**asdict(config.settings), "hosts": config.hosts,
                    "workers_per_host": config.workers_per_host,
-                   "local_strategy": config.local_strategy},
+                   "local_strategy": config.local_strategy,
+                   "powersgd_rank": config.powersgd_rank},
         "emulated_hosts": config.hosts,
         "bandwidth": config.bandwidth,
         "latency": config.latency,
@@ -257,8 +280,12 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     # A step ends when its slowest rank ends: the per-step maximum, then the median.
     per_step = [max(r["step_seconds"][i] for r in records) for i in range(steps)]
     seconds = statistics.median(per_step)
+    kind = KNOWN[contender.name]
+    compression = "fp16" if settings.fp16_allreduce else kind.compression
     gradient = records[0]["gradient_bytes"]
-    payload = gradient / 2 if settings.fp16_allreduce else gradient
+    # What one rank hands to its allreduce(s) per step: a DDP rank records its hook's.
+    payload = records[0].get("payload_bytes",
+                             gradient / 2 if compression == "fp16" else gradient)
     on_host = {host: [r for r in records if r["host"] == host] for host in hosts}
     missing = [host for host, mine in on_host.items() if not mine]
     if missing:
@@ -276,8 +303,11 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     return {
         "name": contender.name, "ranks": contender.ranks, "workers": config.workers,
         "strategy": records[0]["strategy"], "local_strategy": local_label(records[0]["strategy"]),
-        "scheme": scheme if contender.algorithm == "split" or contender.name == "data"
-        else contender.name, "launch": contender.describe_launch(),
+        "scheme": scheme if contender.algorithm == "split" or kind.scheme == "data"
+        else kind.scheme, "launch": contender.describe_launch(),
+        "compression": f"powersgd r={config.powersgd_rank}" if compression == "powersgd"
+        else compression,
+        "note": contender_note(compression, records[0]) if kind.compression != "none" else None,
         "allreduce": contender.algorithm if scheme != "data" or contender.algorithm != "split"
         else "ring", "host_parallel": scheme,
         "seconds_per_step": seconds, "step_seconds": per_step,
@@ -286,9 +316,28 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
         "host_nic_bytes_per_step": nic,
         "host_nic_bytes_theory": [theory] * len(hosts),
         "gradient_bytes": gradient,
+        "payload_bytes": payload,
         "host_peak_rss_bytes": [sum(r["peak_rss_bytes"] for r in mine)
                                 for mine in on_host.values()],
     }
+
+
+def contender_note(compression: str, record: dict) -> str | None:
+    """What stands beside a compressed contender's figures: which hook or compression ran,
+    and for powerSGD_hook the settings it needed (as its ranks recorded them)."""
+    hook = record.get("comm_hook", {})
+    if hook.get("hook") == "powerSGD_hook":
+        return (f"torch's powerSGD_hook at rank {hook['matrix_approximation_rank']}, in one "
+                f"bucket (bucket_cap_mb {hook['bucket_cap_mb']}, above the model's size: with "
+                "DDP's 25 MB buckets it aborts at its first compressed step on gloo); vanilla "
+                f"allreduce before step {hook['start_powerSGD_iter']} (start_powerSGD_iter, "
+                f"the least torch allows), so its warm-up ran {record['warmup']} steps and "
+                "every timed step was compressed; three allreduces per bucket and step")
+    if hook.get("hook") == "fp16_compress_hook":
+        return "torch's fp16_compress_hook: gradients sent as float16"
+    if compression == "fp16":
+        return "hybriddl's Compression.fp16 (Horovod's): gradients sent as float16"
+    return None
 
 
 def local_label(strategy: dict) -> str:

@@ -7,7 +7,9 @@ Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...
 CPU thread each, gloo over the host's NIC (`--interface`); each takes its 1/P of every
 global batch (the same batches, flips and model as the other contenders) and writes
 what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
-handed to gloo, as the MPI layer's counter does for MPI.
+handed to gloo, as the MPI layer's counter does for MPI: DDP's own allreduce, torch's
+fp16_compress_hook (`--fp16-allreduce`) or powerSGD_hook (`--powersgd-rank R`, one bucket,
+see ddp_peer.wrap).
 """
 
 import time
@@ -17,12 +19,13 @@ import torch
 import torch.multiprocessing as mp
 
 from hybriddl.compare.settings import MeasureSettings
-from hybriddl.compare.ddp_peer import gloo_group, wrap
+from hybriddl.compare.ddp_peer import CommHook, gloo_group, wrap
 from hybriddl.data import BatchTransform, epoch_batches
 from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_bounds
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
+from hybriddl.compare.theory import powersgd_elements
 from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model
 
@@ -31,7 +34,7 @@ PORT = 29500
 
 
 def peer(local_rank: int, first_rank: int, world: int, address: str, interface: str,
-         settings: MeasureSettings, result_dir: str) -> None:
+         settings: MeasureSettings, result_dir: str, hook: CommHook = CommHook()) -> None:
     """One DDP process: join the group, run the steps, write rank<rank>.json."""
     rank = first_rank + local_rank
     # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
@@ -39,20 +42,23 @@ def peer(local_rank: int, first_rank: int, world: int, address: str, interface: 
     monitor_dir.mkdir(parents=True, exist_ok=True)
     with gloo_group(rank, world, address, PORT, interface):
         with Monitor(monitor_dir, rank) as monitor:
-            record = measure_ddp(rank, world, settings, interface)
+            record = measure_ddp(rank, world, settings, interface, hook)
             record["monitor"] = monitor.stop()
         write_rank_result(result_dir, rank, record)
 
 
-def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str) -> dict:
+def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str,
+                hook: CommHook = CommHook()) -> dict:
     config = settings.train_config(Sequential.name).resolved()
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
-    ddp, state = wrap(model, world, fp16=settings.fp16_allreduce)
+    hook = CommHook("fp16") if settings.fp16_allreduce and hook.name == "allreduce" else hook
+    ddp, state = wrap(model, world, hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
     transform = BatchTransform(config.image_size)
-    meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: state.bytes_sent,
+    warmup = max(settings.warmup, hook.untimed_steps)
+    meter = StepMeter(warmup, settings.steps, comm_bytes=lambda: state.bytes_sent,
                       interface=interface)
     epoch = 0
     while meter.remaining:
@@ -72,14 +78,26 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str
         epoch += 1
     return {**meter.result(), "strategy": {"name": "ddp", "backend": "gloo", "processes": world,
                                             "threads_per_process": 1},
-            "gradient_bytes": gradient_bytes(model)}
+            "gradient_bytes": gradient_bytes(model), "warmup": warmup,
+            "comm_hook": hook.describe(gradient_bytes(model)),
+            "payload_bytes": payload_bytes(model, hook)}
+
+
+def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
+    """What one rank hands to gloo per step, in theory: the gradient in float32 or float16,
+    or PowerSGD's factors and uncompressed tensors."""
+    if hook.name == "powersgd":
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        return powersgd_elements(shapes, hook.rank) * 4
+    return gradient_bytes(model) / (2 if hook.name == "fp16" else 1)
 
 
 def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: int,
-             master_addr: str, interface: str, result_dir: str) -> None:
+             master_addr: str, interface: str, result_dir: str,
+             hook: CommHook = CommHook()) -> None:
     """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json."""
     # start_processes joins them all and, if one fails, stops the others and raises.
     here = processes // hosts
     mp.start_processes(peer, args=(host_index * here, processes, master_addr, interface,
-                                   settings, result_dir),
+                                   settings, result_dir, hook),
                        nprocs=here, start_method="spawn")

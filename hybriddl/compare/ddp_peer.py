@@ -6,12 +6,14 @@ contender and the DDP peer of `scripts/bench_local.py` (`local_peers.measure_ddp
 # against dist.GradBucket itself, not a string.
 
 import inspect
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from hybriddl.machine.cpu_threads import set_torch_threads
@@ -23,29 +25,69 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                   else {"broadcast_buffers": False})
 
 
-@dataclass
-class CountingAllreduce:
-    """DDP comm-hook state: the process group and the bytes handed to it so far."""
+# With error feedback or warm start (both on, as PowerSGD's authors and torch advise),
+# torch refuses a start_powerSGD_iter below 2: the steps before it are vanilla allreduces.
+POWERSGD_START_ITER = 2
 
-    group: dist.ProcessGroup | None
-    world: int
+
+@dataclass(frozen=True)
+class CommHook:
+    """Which of torch's DDP communication hooks averages the gradients: `allreduce` (DDP's
+    default), `fp16` (fp16_compress_hook) or `powersgd` (powerSGD_hook at `rank`)."""
+
+    name: str = "allreduce"
+    rank: int | None = None
+
+    @property
+    def untimed_steps(self) -> int:
+        """Steps to leave out of a timing so that every timed step runs compressed: the
+        vanilla ones, and the first compressed one, which allocates P, Q and the error."""
+        return POWERSGD_START_ITER + 1 if self.name == "powersgd" else 0
+
+    def describe(self, model_bytes: int) -> dict:
+        if self.name == "powersgd":
+            return {"hook": "powerSGD_hook", "matrix_approximation_rank": self.rank,
+                    "start_powerSGD_iter": POWERSGD_START_ITER,
+                    "bucket_cap_mb": one_bucket_mb(model_bytes)}
+        return {"hook": {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook"}[self.name]}
+
+
+@dataclass
+class CountingHook:
+    """DDP comm-hook state: the hook's own state (its process group, or a PowerSGDState)
+    and the bytes handed to gloo so far."""
+
+    state: object
     fp16: bool = False
     bytes_sent: int = 0
 
 
-def counting_allreduce_hook(state: CountingAllreduce, bucket: dist.GradBucket):
-    """DDP's default averaging allreduce (optionally in float16), counting what it sends."""
+def counting_allreduce_hook(counter: CountingHook, bucket: dist.GradBucket):
+    """DDP's default averaging allreduce, or fp16_compress_hook, counting what it sends."""
     buffer = bucket.buffer()
-    sent = buffer.to(torch.float16) if state.fp16 else buffer
-    sent.div_(state.world)
-    state.bytes_sent += sent.numel() * sent.element_size()
-    future = dist.all_reduce(sent, group=state.group, async_op=True).get_future()
+    counter.bytes_sent += buffer.numel() * (2 if counter.fp16 else buffer.element_size())
+    hook = default_hooks.fp16_compress_hook if counter.fp16 else default_hooks.allreduce_hook
+    return hook(counter.state, bucket)
 
-    def unpack(fut):
-        buffer.copy_(fut.value()[0])
-        return buffer
 
-    return future.then(unpack)
+def counting_powersgd_hook(counter: CountingHook, bucket: dist.GradBucket):
+    """powerSGD_hook, counting what it sends: the whole bucket while it warms up, then the
+    elements its own statistics add up as it compresses (each compressed matrix's P and Q,
+    the other tensors whole), before any of them is sent."""
+    state = counter.state
+    compressing = state.iter >= state.start_powerSGD_iter
+    before = state.total_numel_after_compression
+    future = powerSGD_hook.powerSGD_hook(state, bucket)
+    elements = (state.total_numel_after_compression - before if compressing
+                else bucket.buffer().numel())
+    counter.bytes_sent += elements * bucket.buffer().element_size()
+    return future
+
+
+def one_bucket_mb(model_bytes: int) -> int:
+    """A bucket_cap_mb above the model's gradient: DDP then fills one bucket (and its first
+    bucket is no smaller when a cap is given)."""
+    return math.ceil(model_bytes / 2**20) + 1
 
 
 @contextmanager
@@ -61,9 +103,23 @@ def gloo_group(rank: int, world: int, address: str, port: int, interface: str):
 
 
 def wrap(model: torch.nn.Module, world: int,
-         fp16: bool = False) -> tuple[DistributedDataParallel, CountingAllreduce]:
-    """`model` under DDP, its gradients averaged by a counting allreduce."""
+         hook: CommHook = CommHook()) -> tuple[DistributedDataParallel, CountingHook]:
+    """`model` under DDP, its gradients averaged by `hook`, counted.
+
+    powerSGD_hook runs with one bucket: with DDP's 25 MB buckets it aborted at its first
+    compressed step (torch 2.14.1, gloo: "Received data size doesn't match expected size";
+    each bucket chains three allreduces, and the ranks ran the chains in different orders).
+    """
+    if hook.name == "powersgd":
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        ddp = DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb(model_bytes),
+                                      **NO_BUFFER_SYNC)
+        counter = CountingHook(powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=hook.rank,
+            start_powerSGD_iter=POWERSGD_START_ITER))
+        ddp.register_comm_hook(counter, counting_powersgd_hook)
+        return ddp, counter
     ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)
-    state = CountingAllreduce(None, world, fp16=fp16)
-    ddp.register_comm_hook(state, counting_allreduce_hook)
-    return ddp, state
+    counter = CountingHook(None, fp16=hook.name == "fp16")
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    return ddp, counter

@@ -13,7 +13,7 @@ REPORT = "comparison.md"
 # (key of a display row, header, format): the CLI's rich table and the Markdown share it.
 COLUMNS = [
     ("name", "contender", "{}"), ("scheme", "scheme", "{}"), ("local_strategy", "local strategy", "{}"),
-    ("ranks", "ranks", "{:d}"),
+    ("compression", "on the wire", "{}"), ("ranks", "ranks", "{:d}"),
     ("seconds_per_step", "s/step", "{:.3f}"),
     ("seconds_per_step_vs_hybrid", "s/step vs hybrid", "{:.2f}×"),
     ("nic_mb_per_step", "MB per host NIC /step", "{}"),
@@ -53,7 +53,10 @@ def notes(comparison: dict) -> list[str]:
              + "; ranks of one host use shared memory; NIC bytes are those sent by each host "
              "(h0 / h1 ...) over the timed steps",
              "theory per host NIC: ring over P ranks placed host-contiguously 2(P-1)/P S; "
-             "one rank per host or hierarchical 2(H-1)/H S (S = gradient bytes)"]
+             "one rank per host or hierarchical 2(H-1)/H S (S = what each rank hands to the "
+             "allreduce: the gradient, half of it as float16, or PowerSGD's factors and small "
+             "tensors)"]
+    lines += [f"{c['name']}: {c['note']}" for c in comparison["contenders"] if c.get("note")]
     lines += machine.get("emulation_notes", [])
     if machine["oversubscribed"]:
         lines.append(f"oversubscribed: {machine['workers']} workers on "

@@ -10,7 +10,26 @@ from hybriddl.strategies import IntraOp, StrategyOptions
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
-CONTENDERS = ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")
+DDP_FP16, DDP_POWERSGD, FLAT_FP16 = "ddp-fp16", "ddp-powersgd", "flat-fp16"
+
+
+@dataclass(frozen=True)
+class ContenderKind:
+    """What one contender runs: a scheme (how its hosts average, compare.plan's launches) and
+    what its gradients look like on the wire (none, fp16, powersgd at CompareConfig's rank)."""
+
+    scheme: str
+    compression: str = "none"
+
+
+# Every contender compare knows, by name; a compressed one is its scheme with a compression.
+KNOWN = {name: ContenderKind(name) for name in ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")}
+KNOWN |= {DDP_FP16: ContenderKind("ddp", "fp16"),  # torch's fp16_compress_hook
+          DDP_POWERSGD: ContenderKind("ddp", "powersgd"),  # torch's powerSGD_hook
+          FLAT_FP16: ContenderKind(FLAT_MPI, "fp16")}  # Horovod's Compression.fp16
+# What runs when --contenders is left out: the exact contenders. The compressed peers
+# are asked for by name (each is one more run).
+CONTENDERS = tuple(name for name, c in KNOWN.items() if c.compression == "none")
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,9 @@ class CompareConfig:
     output: str | None = None
     bandwidth: str | None = None  # every host's link rate, tc's units (1gbit)
     latency: str | None = None  # every link's one-way delay (needs netem)
+    # The rank of every powersgd contender; 2 matched full SGD on ResNet-18 / CIFAR-10
+    # (Vogels et al., NeurIPS 2019).
+    powersgd_rank: int = 2
 
     @property
     def workers(self) -> int:

@@ -27,3 +27,23 @@ def host_nic_theory(algorithm: str, payload_bytes: float, hosts: int, ranks: int
     if algorithm == "hierarchical":
         return ring_bytes_per_rank(payload_bytes, hosts)
     raise ValueError(f"no theory for allreduce {algorithm!r}")
+
+
+def powersgd_elements(shapes: list[tuple[int, ...]], rank: int,
+                      min_compression_rate: float = 2) -> int:
+    """Elements one step of PyTorch's powerSGD_hook allreduces, once compressing: each
+    tensor is viewed as a matrix of shape[0] rows; one it compresses sends its factors
+    P (n x r) and Q (m x r), r = min(n, m, rank), which it does when (n + m) r times
+    `min_compression_rate` is below n m (PowerSGDState's default rate, 2); every other
+    tensor (biases, small matrices) is sent whole."""
+    sent = 0
+    for shape in shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        n = shape[0] if shape else 1
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        factors = (n + m) * r
+        sent += factors if factors * min_compression_rate < numel else numel
+    return sent
