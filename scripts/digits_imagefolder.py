@@ -40,15 +40,15 @@ def main(argv=None) -> int:
     parser.add_argument("out", type=Path, help="folder to write (must not hold images yet)")
     parser.add_argument("--size", type=int, default=32, help="side in pixels (default 32)")
     args = parser.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"digits_imagefolder: {args.out} is not empty; name a new folder",
+              file=sys.stderr)
+        return 2
     try:
         import sklearn  # noqa: F401
     except ImportError:
         print("digits_imagefolder: scikit-learn is not installed; run `pip install "
               "scikit-learn` first", file=sys.stderr)
-        return 2
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"digits_imagefolder: {args.out} is not empty; name a new folder",
-              file=sys.stderr)
         return 2
     count = write_digits(args.out, args.size)
     print(f"{count} images in {args.out}")

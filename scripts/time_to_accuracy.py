@@ -14,6 +14,18 @@ evaluations included) from the emulation's report.
 
     python scripts/time_to_accuracy.py --hosts 1 2 4 --epochs 3 \\
         --output results/time_to_accuracy-ComplexSmall-1gbit.json
+
+Exact against compressed (`--compression none powersgd:2 ...`: each scheme is a run of its
+own at every host count, on the same data, seed and steps), on a real image set and at an
+emulated host speed (`--host-step 10ms`: each host stands for one whose step takes 10 ms,
+`hybriddl emulate --host-step`), so that the accuracy each scheme reaches at equal epochs
+stands beside the emulated time it took:
+
+    python scripts/digits_imagefolder.py /tmp/digits
+    python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/digits \\
+        --image-size 64 --lr 0.01 --hosts 2 --cores-per-host 1 --host-parallel hybrid \\
+        --compression none powersgd:2 --host-step 10ms --epochs 5 \\
+        --output results/time_to_accuracy-SimpleBig-digits-1gbit.json
 """
 
 from __future__ import annotations
@@ -47,19 +59,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--host-parallel", default="auto", choices=["auto", "hybrid", "data"])
+    parser.add_argument("--compression", nargs="+", default=["none"],
+                        help="schemes to train with, each a run of its own (train's "
+                             "--compression values; default: none, exact)")
+    parser.add_argument("--data", default="synthetic",
+                        help="train's --data (default: the embedded set)")
+    parser.add_argument("--image-size", type=int, help="train's --image-size")
+    parser.add_argument("--lr", type=float, help="train's --lr")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--speedup", type=float, help="emulate's --speedup S")
+    speed.add_argument("--host-step", help="emulate's --host-step (e.g. 10ms): S from a "
+                                           "step measured here for --usecase")
     parser.add_argument("--output", required=True)
     return parser.parse_args(argv)
 
 
-def run_hosts(args, hosts: int, scratch: Path) -> dict:
-    run_dir = scratch / f"h{hosts}"
-    report = scratch / f"h{hosts}.report.json"
+def run_hosts(args, hosts: int, scratch: Path, compression: str = "none") -> dict:
+    name = f"h{hosts}-{compression.replace(':', '')}"
+    run_dir = scratch / name
+    report = scratch / f"{name}.report.json"
+    sizes = ["--image-size", str(args.image_size)] if args.image_size else []
+    local = [*LOCAL[:2], "--workers", str(args.cores_per_host), *LOCAL[4:]]
     train = ["train", "--usecase", args.usecase, "--epochs", str(args.epochs),
-             "--monitor-interval", "0", "--run-dir", str(run_dir), *LOCAL, "--overlap",
-             "--host-parallel", args.host_parallel]
+             "--data", args.data, *sizes, *(["--lr", str(args.lr)] if args.lr else []),
+             "--monitor-interval", "0", "--run-dir", str(run_dir), *local, "--overlap",
+             "--host-parallel", args.host_parallel, "--compression", compression]
+    speed = (["--speedup", str(args.speedup)] if args.speedup else
+             ["--host-step", args.host_step, "--usecase", args.usecase, *sizes,
+              "--channels-last"] if args.host_step else [])
     command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
                "--cores-per-host", str(args.cores_per_host), "--bandwidth", args.bandwidth,
-               "--report", str(report), "--", "hybriddl", *train]
+               *speed, "--report", str(report), "--", "hybriddl", *train]
     started = time.time()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -68,7 +98,9 @@ def run_hosts(args, hosts: int, scratch: Path) -> dict:
         return {"hosts": hosts, "failed": done.returncode, "output_tail": lines[-8:]}
     metrics = json.loads((run_dir / "metrics.json").read_text())
     emulation = json.loads(report.read_text())
-    scale = emulation.get("time_scale", 1.0)
+    # Emulated seconds are wall seconds over the dilation: the time scale D of hosts that
+    # take turns times the speedup S of hosts standing for faster ones.
+    scale = emulation.get("dilation", emulation.get("time_scale", 1.0))
     epochs, elapsed = [], 0.0
     for epoch in metrics["epochs"]:
         # The epoch's span (its steps), in emulated seconds.
@@ -78,7 +110,10 @@ def run_hosts(args, hosts: int, scratch: Path) -> dict:
                        "train_loss": epoch["train_loss"],
                        "emulated_seconds": round(span / scale, 2),
                        "emulated_seconds_total": round(elapsed, 2)})
-    return {"hosts": hosts, "time_scale": scale,
+    return {"hosts": hosts, "time_scale": emulation.get("time_scale", 1.0),
+            "speedup": emulation.get("speedup", 1.0), "dilation": scale,
+            "host_step_seconds": (emulation.get("host_step") or {}).get("asked_seconds"),
+            "compression": compression,
             "host_parallel": metrics["config"]["host_parallel"]["scheme"],
             "global_batch": metrics["config"]["global_batch"],
             "strategy": metrics["config"]["strategy"], "epochs": epochs,
@@ -92,30 +127,45 @@ def main(argv=None) -> int:
     result = {
         "what": " ".join(__doc__.split("\n\n")[0].split()), "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
+        "data": args.data, "compression": args.compression,
         **results_header("time_to_accuracy.py", argv),
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
         for hosts in args.hosts:
-            run = run_hosts(args, hosts, Path(scratch))
-            result["runs"].append(run)
-            print(json.dumps({k: run.get(k) for k in ("hosts", "host_parallel", "failed",
-                                                      "wall_seconds")}), flush=True)
+            for compression in args.compression:
+                run = run_hosts(args, hosts, Path(scratch), compression)
+                result["runs"].append(run)
+                print(json.dumps({k: run.get(k) for k in (
+                    "hosts", "compression", "host_parallel", "failed", "wall_seconds")}),
+                    flush=True)
             result["summary"] = summarise(result["runs"])
             atomic_write_json(Path(args.output), result)
     return 0
 
 
 def summarise(runs: list[dict]) -> list[dict]:
-    """Per host count: each epoch's accuracy and emulated time, and the speed-up of the
-    whole training against one host."""
+    """Per host count and scheme: each epoch's accuracy and emulated time, the speed-up of
+    the whole training against one host (same scheme), and the accuracy against the exact
+    run at the same host count (points: 100 x the difference, per epoch)."""
     done = [r for r in runs if "failed" not in r]
-    one = next((r for r in done if r["hosts"] == 1), None)
     rows = []
     for run in done:
+        scheme = run.get("compression", "none")
+        one = next((r for r in done if r["hosts"] == 1
+                    and r.get("compression", "none") == scheme), None)
+        exact = next((r for r in done if r["hosts"] == run["hosts"]
+                      and r.get("compression", "none") == "none"), None)
         total = run["epochs"][-1]["emulated_seconds_total"]
+        accuracy = [e["val_accuracy"] for e in run["epochs"]]
         rows.append({
             "hosts": run["hosts"], "host_parallel": run["host_parallel"],
+            "compression": scheme,
+            "points_vs_exact": ([round(100 * (a - e["val_accuracy"]), 2)
+                                 for a, e in zip(accuracy, exact["epochs"])]
+                                if exact else None),
+            "speedup_vs_exact": (exact["epochs"][-1]["emulated_seconds_total"] / total)
+            if exact else None,
             "val_accuracy": [e["val_accuracy"] for e in run["epochs"]],
             "emulated_seconds_total": total,
             "speedup": (one["epochs"][-1]["emulated_seconds_total"] / total) if one else None,

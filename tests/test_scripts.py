@@ -122,3 +122,31 @@ def test_scaling_drops_a_skipped_cell_that_a_later_run_measured():
     kept = scaling_e2e.drop_superseded(cells)
     assert [c.get("skipped") for c in kept] == ["memory", None]
     assert kept[0]["hosts"] == 8
+
+
+def test_time_to_accuracy_puts_each_scheme_beside_the_exact_run_at_its_host_count():
+    import time_to_accuracy
+
+    def run(hosts, scheme, accuracy, seconds):
+        epochs = [{"epoch": i + 1, "val_accuracy": a, "emulated_seconds_total": s}
+                  for i, (a, s) in enumerate(zip(accuracy, seconds))]
+        return {"hosts": hosts, "compression": scheme, "host_parallel": "hybrid",
+                "epochs": epochs}
+
+    rows = time_to_accuracy.summarise([
+        run(2, "none", [0.5, 0.8], [10.0, 20.0]),
+        run(2, "powersgd:2", [0.45, 0.79], [2.0, 4.0]),
+        {"hosts": 2, "compression": "fp16", "failed": 1}])
+    compressed = next(r for r in rows if r["compression"] == "powersgd:2")
+    assert compressed["points_vs_exact"] == [-5.0, -1.0]
+    assert compressed["speedup_vs_exact"] == 5.0
+    assert [r["compression"] for r in rows] == ["none", "powersgd:2"]  # the failed run left out
+
+
+def test_digits_imagefolder_refuses_a_folder_that_holds_files(tmp_path):
+    (tmp_path / "kept.txt").write_text("mine")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "digits_imagefolder.py"),
+                           str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                          env=hybriddl_env())
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
