@@ -14,7 +14,7 @@ in interleaved rounds (on/off, off/on, ...):
   and off, and their ratio per round.
 
 Theory: each rank sends (H - 1) messages of 8 bytes every 2 s, 4 B/s of payload at H = 2;
-each message costs its headers (Open MPI's TCP fragment header, TCP/IP) and an ACK.
+each beat costs its TCP/IP headers and an ACK (the beats have TCP connections of their own).
 """
 
 from __future__ import annotations
@@ -85,9 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     def switched(on: bool, measure):
         heartbeat = None
         if on:
-            comm = hosts.comm.Dup()
-            comm.Set_errhandler(hosts.MPI.ERRORS_RETURN)
-            heartbeat = hosts.heartbeat = Heartbeat(hosts.MPI, comm)
+            heartbeat = hosts.heartbeat = Heartbeat(hosts.allgather, hosts.rank, hosts.size)
         hosts.barrier()
         started = time.monotonic()
         figure = measure()

@@ -139,10 +139,11 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
                        help="size of the gradient fusion buffers in MiB "
                             f"(default: {DEFAULT_BUCKET_BYTES / 2**20:g})")
     group.add_argument("--host-timeout", type=float,
-                       help="stop when another host has not come to a step's exchange for this "
-                            f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a host that "
-                            f"died, hung or lost its link is named after {SILENCE_SECONDS:.0f} s of silence "
-                            "regardless")
+                       help="stop when another host, alive, has not come to an exchange for this "
+                            f"many seconds (default: {DEFAULT_TIMEOUT_SECONDS:.0f}); a transfer "
+                            "in progress is never cut short, however slow the link: a host that "
+                            f"died, hung or lost its link is named after {SILENCE_SECONDS:.0f} s "
+                            "of heartbeat silence")
 
 
 def add_seed_flag(parser: argparse.ArgumentParser, settings: type) -> None:

@@ -120,8 +120,10 @@ class Hosts:
                 [p.shape for p in self._compressed], [names[id(p)] for p in self._compressed],
                 self._compressed[0].device))
 
-    def broadcast_parameters(self, model: nn.Module) -> None:
-        """Rank 0's initial parameters everywhere; alone, they already are."""
+    def broadcast_parameters(self, model: nn.Module, built_from_seed: bool = False) -> None:
+        """Rank 0's initial parameters everywhere; alone, they already are. With
+        `built_from_seed` (every host built the model from the run's seed), hosts compare a
+        digest and send the parameters only where they differ."""
 
     # ------------------------------------------------------------------ one step
     def share(self, batch: GlobalBatch) -> HostShare:

@@ -6,15 +6,17 @@ under mpirun), never at import: `hybriddl info` and the worker processes that
 strategies spawn must not start an MPI runtime.
 
 Every wait on another host goes through `MPIHosts._wait`, which polls non-blocking
-requests while a heartbeat (hybriddl.hosts.heartbeat) listens to every other host, so a
-host that dies, hangs or loses its link turns into an error naming it within seconds
-instead of a hang; a host that answers the heartbeat but not the step meets the
-deadline (--host-timeout).
+requests while a heartbeat (hybriddl.hosts.heartbeat, on connections of its own) listens
+to every other host, so a host that dies, hangs or loses its link turns into an error
+naming it within seconds instead of a hang, however long a transfer takes; a host whose
+heartbeat is heard but which does not come to an exchange meets the deadline
+(--host-timeout).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
 import os
 import pickle
@@ -185,6 +187,11 @@ class MPIHosts(Hosts):
         self.machine.Set_errhandler(MPI.ERRORS_RETURN)
         self.names = ["(not yet known)"] * self.size  # until they are exchanged
         self.names[self.rank] = host_name()
+        self.heartbeat: Heartbeat | None = None
+        self._deadline_armed = False
+        # Exchanges entered since attach(): the heartbeat tells the others (see _wait).
+        self._exchanges = 0
+        self.initial_parameters: str | None = None  # how broadcast_parameters made them equal
         self.heartbeat = self._start_heartbeat()
         # Before training, hosts may spend minutes on a data cache or on tuning: while the
         # heartbeat hears them, set-up waits need no deadline (attach() arms it).
@@ -211,17 +218,15 @@ class MPIHosts(Hosts):
     def _start_heartbeat(self) -> Heartbeat | None:
         if self.size == 1:
             return None
-        if self.thread_level < self.MPI.THREAD_MULTIPLE:
-            self.notes.append("MPI runs without MPI_THREAD_MULTIPLE, so there is no heartbeat: "
-                              f"a hung host is noticed only after --host-timeout "
-                              f"({self.timeout:.0f} s)")
-            return None
-        comm = self.comm.Dup()
-        comm.Set_errhandler(self.MPI.ERRORS_RETURN)
         # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
         interval = INTERVAL_SECONDS * self.time_scale
         silence = min(SILENCE_SECONDS * self.time_scale, max(self.timeout, 3 * interval))
-        return Heartbeat(self.MPI, comm, interval=interval, silence=silence)
+        try:
+            return Heartbeat(self.allgather, self.rank, self.size, interval=interval,
+                             silence=silence)
+        except OSError as exc:
+            raise HostFailure(f"rank {self.rank} cannot listen for the other hosts' heartbeat "
+                              f"({exc.strerror or exc})") from None
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
@@ -244,6 +249,7 @@ class MPIHosts(Hosts):
             "fusion_bucket_bytes": self.bucket_bytes,
             "gradient_bytes_per_step": self._gradient_bytes() if self.buckets else None,
             "thread_level": self.thread_level,
+            "initial_parameters": self.initial_parameters,
             "heartbeat": {"interval_seconds": self.heartbeat.interval,
                           "silence_seconds": self.heartbeat.silence,
                           "payload_bytes_per_second": self.heartbeat.bytes_per_second}
@@ -254,18 +260,32 @@ class MPIHosts(Hosts):
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, requests: list, what: str) -> None:
-        """Complete `requests`, or raise HostFailure naming who failed, or the deadline."""
+        """Complete `requests`, or raise HostFailure naming who failed, or the deadline.
+
+        Liveness comes from the heartbeat, not from how long a transfer takes: at 50 Mbit/s
+        AlexNet's gradient (228 MB) takes 36 s, VGG16's 86 s, and nothing bounds that. The
+        deadline (--host-timeout, from the first step on) names a host whose heartbeat is
+        heard but that has not come to this exchange: its beats say it entered fewer
+        exchanges and waits in none. Without a heartbeat the deadline bounds every wait.
+        """
         Request = self.MPI.Request
-        deadline = time.monotonic() + self.timeout if self._deadline_armed else float("inf")
+        heartbeat = self.heartbeat if self.heartbeat and self.heartbeat.running else None
+        started = time.monotonic()
+        self._exchanges += 1
+        if heartbeat:
+            heartbeat.report(self._exchanges, inside=True)
         listen = 0.0  # when to ask the heartbeat next: not at every poll, which drives MPI
         try:
             while not Request.Testall(requests):
                 now = time.monotonic()
-                if self.heartbeat and now >= listen:
-                    if lost := self.heartbeat.lost():
+                late = self._deadline_armed and now - started > self.timeout
+                if heartbeat and now >= listen:
+                    if lost := heartbeat.lost():
                         raise self._lost(lost, what)
+                    if late and (behind := heartbeat.behind(self._exchanges)):
+                        raise self._not_coming(behind, what)
                     listen = now + 0.1
-                if now > deadline:
+                if late and not heartbeat:
                     raise HostFailure(
                         f"no answer from the other hosts for {self.timeout:.0f} s while {what}; "
                         "a host hung or the network is down (see --host-timeout)")
@@ -273,8 +293,22 @@ class MPIHosts(Hosts):
                 time.sleep(0)
         except self.MPI.Exception as exc:
             raise self._failure(exc, what) from None
+        finally:
+            if heartbeat:
+                heartbeat.report(self._exchanges, inside=False)
+
+    def _not_coming(self, behind: list[int], what: str) -> HostFailure:
+        who = ", ".join(f"rank {r} on host {self.names[r]}" for r in behind)
+        return HostFailure(f"no answer from the other hosts for {self.timeout:.0f} s while "
+                           f"{what}: {who} runs (its heartbeat is heard) but has not come to "
+                           "this exchange (see --host-timeout)")
 
     def _lost(self, lost: dict[int, str], what: str) -> HostFailure:
+        if set(lost) <= self.heartbeat.ended:  # their processes ended: say so as MPI would
+            who = ", ".join(f"rank {r} on host {self.names[r]}" for r in sorted(lost))
+            why = "; ".join(sorted(set(lost.values())))
+            return HostFailure(f"{who} failed while {what} ({why}); the run stops on every "
+                               "host", {r: self.names[r] for r in lost})
         who = ", ".join(f"rank {r} on host {self.names[r]} ({why})"
                         for r, why in sorted(lost.items()))
         return HostFailure(f"lost {who} while {what}: it died, hung or lost its network "
@@ -343,9 +377,23 @@ class MPIHosts(Hosts):
         return float(sums[0] / max(sums[1], 1))
 
     # ------------------------------------------------------------------ parameters
-    def broadcast_parameters(self, model: nn.Module) -> None:
+    def broadcast_parameters(self, model: nn.Module, built_from_seed: bool = False) -> None:
         # Every host has prepared (and checked its run directory) before rank 0 writes.
         self.barrier()
+        if built_from_seed:
+            # Every host built the model from the run's seed: a digest of 64 bytes crosses
+            # the wire instead of the model (AlexNet: 244 MB, 31 s at 62.5 Mbit/s, issue 38).
+            # sha256 of AlexNet's 228 MB takes 0.35 s on one AMD EPYC core.
+            digests = self.allgather(parameters_digest(model))
+            others = [r for r, digest in enumerate(digests) if digest != digests[0]]
+            if not others:
+                self.initial_parameters = "built from the seed on every host (digests equal)"
+                return
+            self.notes.append(
+                f"{', '.join(f'rank {r} on host {self.names[r]}' for r in others)} built other "
+                "initial parameters than rank 0 from the same seed (another torch or "
+                "torchvision?): rank 0's were sent to every host")
+        self.initial_parameters = "rank 0's, sent to every host"
         staged = []
         for tensor in [*model.parameters(), *model.buffers()]:
             data = tensor.detach()
@@ -499,6 +547,7 @@ class MPIHosts(Hosts):
         compression of the whole gradient (PowerSGD) reads the buckets once backward is
         done and sends its factors in one allreduce."""
         self._deadline_armed = True  # training starts: every wait now has --host-timeout
+        self._exchanges = 0  # every host counts its exchanges from here (the deadline's)
         whole = self.compression.whole_gradient
         # The buckets hold the gradients themselves where the compression is of the whole.
         self.buckets = GradientBuckets(model, Compression.none if whole else self.compression,
@@ -749,6 +798,17 @@ def time_scale() -> float:
         return max(1.0, float(os.environ.get("HYBRIDDL_TIME_SCALE", "1")))
     except ValueError:
         return 1.0
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """sha256 of a model's parameters and buffers (their dtypes, shapes and bytes), the
+    same on every host that holds the same values, on whatever device."""
+    digest = hashlib.sha256()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{data.dtype}{tuple(tensor.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _row_elements(tensor: torch.Tensor) -> int:

@@ -53,9 +53,12 @@ class DataParallel:
     def __init__(self, reason: str = ""):
         self.reason = reason
 
-    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts) -> None:
+    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts,
+              built_from_seed: bool = False) -> None:
+        """`built_from_seed`: every host built the model from the run's seed (see
+        Hosts.broadcast_parameters)."""
         strategy.setup(model)
-        hosts.broadcast_parameters(model)
+        hosts.broadcast_parameters(model, built_from_seed)
         hosts.attach(model, gradient_hooks=strategy.writes_gradients_once)
 
     def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
@@ -101,8 +104,9 @@ class HybridParallel(DataParallel):
                              f"convolutions apart from the classifier; use one of {able}, or "
                              "--host-parallel data")
 
-    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts) -> None:
-        hosts.broadcast_parameters(model)  # the whole model, before it is cut
+    def setup(self, model: nn.Module, strategy: LocalStrategy, hosts,
+              built_from_seed: bool = False) -> None:
+        hosts.broadcast_parameters(model, built_from_seed)  # the whole model, before it is cut
         self.hosts = hosts
         self.split = split_classifier(model, hosts)
         self.features_width = next(s.in_features for s in self.split.splits)

@@ -171,7 +171,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                         config.compression, config.feature_dtype,
                         config.strategy_options.accumulate)
         hosts.use_compression(parse_compression(scheme.compression))
-        scheme.setup(model, strategy, hosts)
+        # Weights from a file (--weights, --resume) travel from rank 0, as before.
+        scheme.setup(model, strategy, hosts, built_from_seed=prepared.resume is None
+                     and prepared.start_weights is None)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
