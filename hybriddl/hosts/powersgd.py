@@ -94,6 +94,7 @@ class PowerSGD:
         self._shapes: list[tuple[int, ...]] | None = None
         self._groups: list[_Group] = []
         self._dense: list[int] = []
+        self._dense_device = torch.device("cpu")
 
     def mpi_sum(self, MPI):
         """(datatype, op) MPI sums the wire with: factors and dense tensors are float32,
@@ -137,6 +138,7 @@ class PowerSGD:
                 if matrix_shape(shape) is not None:
                     dense_matrices.append(f"{names[i]} {'x'.join(map(str, matrix_shape(shape)))}")
         generator = torch.Generator().manual_seed(self.seed)
+        self._dense_device = torch.device(device)
         self._groups = []
         for (rows, cols), indices in by_shape.items():
             k = len(indices)
@@ -166,20 +168,22 @@ class PowerSGD:
             raise ValueError(f"{self.name} was set up for gradients of shapes {self._shapes}, "
                              f"given {shapes}")
         sends_q = self.step % 2 == 0
+        # The state lives on one device (the first gradient's); a pipeline's gradients on
+        # another device come to it, and the caller copies the approximations back.
+        device = self._device()
         local = []
         for group in self._groups:
             # M = this step's gradient + what earlier approximations left out (error feedback).
             for j, i in enumerate(group.indices):
-                group.error[j].add_(gradients[i].reshape(group.shape))
+                group.error[j].add_(gradients[i].reshape(group.shape).to(device))
             if sends_q:
                 group.p.copy_(orthogonal(group.p))
                 local.append(torch.bmm(group.error.transpose(1, 2), group.p))  # Q_h = M^T P
             else:
                 group.q.copy_(orthogonal(group.q))
                 local.append(torch.bmm(group.error, group.q))  # P_h = M Q
-        dense = [gradients[i].reshape(-1) for i in self._dense]
+        dense = [gradients[i].reshape(-1).to(device) for i in self._dense]
         parts = [f.reshape(-1) for f in local] + dense
-        device = gradients[0].device if gradients else torch.device("cpu")
         wire = torch.cat(parts) if parts else torch.zeros(0, device=device)
         total = allreduce(wire)
         outputs: list[torch.Tensor | None] = [None] * len(gradients)
@@ -203,6 +207,11 @@ class PowerSGD:
             offset += n
         self.step += 1
         return outputs
+
+    def _device(self) -> torch.device:
+        if self._groups:
+            return self._groups[0].error.device
+        return self._dense_device
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, allreduce: Callable[[torch.Tensor], torch.Tensor]) -> dict:
