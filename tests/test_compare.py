@@ -281,7 +281,7 @@ def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch,
 
     monkeypatch.setattr(compare, "mpi_launcher", lambda: "mpirun")
     config = CompareConfig(MeasureSettings(warmup=1), hosts=H, workers_per_host=K,
-                           powersgd_rank=3)
+                           local_strategy="threads", powersgd_rank=3)
 
     def planned(name):
         return compare.plan(config, PlannedHosts(), tmp_path, name)
@@ -302,6 +302,12 @@ def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch,
     (argv,) = flat.commands()
     assert argv[argv.index("--ranks-per-host") + 1] == str(K)
     assert argv[argv.index("--strategy") + 1] == "flat" and "--fp16-allreduce" in argv
+    # hybriddl's own PowerSGD at the same rank, on the hybrid's and data's hosts.
+    for name, scheme in (("hybrid-powersgd", "data"), ("data-powersgd", "data")):
+        (argv,) = planned(name).commands()
+        assert argv[argv.index("--compression") + 1] == "powersgd:3", name
+        assert argv[argv.index("--host-parallel") + 1] == scheme  # threads cannot split
+        assert argv[argv.index("--result-dir") + 1] == str(tmp_path / name)
 
 
 def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
@@ -351,3 +357,31 @@ def test_compare_refuses_a_powersgd_rank_below_1_and_fp16_twice(cli_here, tmp_pa
         assert done.returncode == 2 and says in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1
     assert not output.exists()
+
+
+def test_a_compressed_rows_theory_is_what_its_compression_sends():
+    """hybriddl's PowerSGD rows take the planner's bytes for the scheme that ran; DDP's the
+    bytes its hook hands to gloo in theory; each compressed row says what ran."""
+    from hybriddl.compare.compare import Contender, summarize
+    from hybriddl.compare.settings import CompareConfig, MeasureSettings
+
+    config = CompareConfig(MeasureSettings(batch_size=8), hosts=H, workers_per_host=1)
+
+    def records(**extra):
+        return [{"timed_steps": 1, "step_seconds": [0.5], "gradient_bytes": 1000,
+                 "host": host, "nic_bytes_sent": 100, "comm_bytes": 50, "peak_rss_bytes": 1,
+                 "strategy": {"name": "sequential"}, **extra} for host in ("h0", "h1")]
+
+    plan = {"chosen": {"scheme": "data + powersgd:2"},
+            "rows": [{"scheme": "data", "nic_bytes_per_step": 1000},
+                     {"scheme": "data + powersgd:2", "nic_bytes_per_step": 40}]}
+    data = summarize(Contender("data-powersgd", H, ["x"], "ring"),
+                     records(host_parallel={"scheme": "data"}, plan=plan), config, ["h0", "h1"])
+    assert data["host_nic_bytes_theory"] == [40, 40]
+    assert data["compression"] == "powersgd r=2" and "hybriddl's PowerSGD" in data["note"]
+    hook = {"hook": "powerSGD_hook", "matrix_approximation_rank": 2, "start_powerSGD_iter": 2,
+            "bucket_cap_mb": 1}
+    ddp = summarize(Contender("ddp-powersgd", H, [["x"], ["y"]], "ring"),
+                    records(payload_bytes=30, comm_hook=hook, warmup=3), config, ["h0", "h1"])
+    assert ddp["host_nic_bytes_theory"] == [30, 30]  # a ring of 2 ranks: 2 (P-1)/P = 1
+    assert ddp["scheme"] == "ddp" and "in one bucket (bucket_cap_mb 1" in ddp["note"]

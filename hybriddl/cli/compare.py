@@ -40,9 +40,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(KNOWN)}: the exact ones by default "
                              f"({','.join(CONTENDERS)}); ddp-fp16 and ddp-powersgd are DDP with "
                              "torch's fp16_compress_hook and powerSGD_hook, flat-fp16 Horovod's "
-                             "model with fp16 compression")
+                             "model with fp16 compression, hybrid-powersgd and data-powersgd "
+                             "hybriddl's own PowerSGD (--compression powersgd:R)")
     parser.add_argument("--powersgd-rank", type=int, metavar="R",
-                        help="the rank of every PowerSGD contender's approximation "
+                        help="the rank R of every PowerSGD contender, DDP's and hybriddl's "
                              f"(default: {default_of(CompareConfig, 'powersgd_rank')})")
     add_link_flags(parser)
     parser.add_argument("--output", help="output folder (default: a new folder under runs/)")

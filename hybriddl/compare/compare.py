@@ -14,7 +14,8 @@ namespaces joined by a switch, see hybriddl.emulation), K workers per host:
 - and, asked for by name, the peers of compression (settings.KNOWN: a scheme above with
   what its gradients look like on the wire): ddp-fp16 (torch's fp16_compress_hook),
   ddp-powersgd (torch's powerSGD_hook at --powersgd-rank, in one bucket: see
-  ddp_peer.wrap) and flat-fp16 (Horovod's model with Compression.fp16).
+  ddp_peer.wrap), flat-fp16 (Horovod's model with Compression.fp16), and hybriddl's own
+  PowerSGD at the same rank: hybrid-powersgd, data-powersgd.
 
 Ranks of one host talk through shared memory, as on a real machine, so each host's
 NIC counter holds only what crossed the network. Beside each measurement stands the
@@ -185,14 +186,13 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
 def wire_flags(kind: ContenderKind, powersgd_rank: int) -> list[str]:
     """What a contender's ranks are told of its compression: the MPI ranks' and the DDP
     processes' flags for fp16 are the same (Compression.fp16; torch's fp16_compress_hook);
-    PowerSGD is DDP's powerSGD_hook."""
+    PowerSGD is DDP's powerSGD_hook, or hybriddl's own (--compression powersgd:R)."""
     if kind.compression == "fp16":
         return ["--fp16-allreduce"]
-    if kind.compression == "powersgd" and kind.scheme == "ddp":
-        return ["--powersgd-rank", str(powersgd_rank)]
-    if kind.compression == "none":
-        return []
-    raise ValueError(f"no {kind.compression} for the {kind.scheme} contender")
+    if kind.compression == "powersgd":
+        return (["--powersgd-rank", str(powersgd_rank)] if kind.scheme == "ddp"
+                else ["--compression", f"powersgd:{powersgd_rank}"])
+    return []
 
 
 def hybrid_scheme(local_strategy: str) -> str:
@@ -294,7 +294,12 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     # Every rank of a host reads the same NIC over (nearly) the same window: take one.
     nic = [mine[0]["nic_bytes_sent"] / steps for mine in on_host.values()]
     scheme = (records[0].get("host_parallel") or {}).get("scheme", "data")
-    if contender.algorithm == "split" and scheme == "hybrid":
+    planned = planned_nic_bytes(records[0]) if kind.scheme in ("hybrid", "data") \
+        and compression != "none" else None
+    if planned is not None:
+        # A compressed hybrid or data run: the planner's own bytes for the scheme it ran.
+        theory, payload = planned, None
+    elif contender.algorithm == "split" and scheme == "hybrid":
         # The hybrid's own theory (hybriddl.hybrid.parallel.traffic_bytes), as it recorded it.
         theory = records[0]["host_parallel"]["theory_bytes_per_host_per_step"]["hybrid"]
     else:  # a model the hybrid cannot split runs as data
@@ -322,6 +327,15 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     }
 
 
+def planned_nic_bytes(record: dict) -> float | None:
+    """Bytes per host NIC per step that the run's planner (hybrid/planner.py) predicted for
+    the scheme it settled; None where it recorded no plan for it."""
+    plan = record.get("plan") or {}
+    chosen = (plan.get("chosen") or {}).get("scheme")
+    return next((row["nic_bytes_per_step"] for row in plan.get("rows", [])
+                 if row["scheme"] == chosen), None)
+
+
 def contender_note(compression: str, record: dict) -> str | None:
     """What stands beside a compressed contender's figures: which hook or compression ran,
     and for powerSGD_hook the settings it needed (as its ranks recorded them)."""
@@ -337,6 +351,9 @@ def contender_note(compression: str, record: dict) -> str | None:
         return "torch's fp16_compress_hook: gradients sent as float16"
     if compression == "fp16":
         return "hybriddl's Compression.fp16 (Horovod's): gradients sent as float16"
+    if compression == "powersgd":
+        return ("hybriddl's PowerSGD (--compression powersgd:R): one allreduce per step; "
+                "theory: the planner's bytes for the scheme that ran")
     return None
 
 

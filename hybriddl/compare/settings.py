@@ -11,6 +11,7 @@ from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
 DDP_FP16, DDP_POWERSGD, FLAT_FP16 = "ddp-fp16", "ddp-powersgd", "flat-fp16"
+HYBRID_POWERSGD, DATA_POWERSGD = "hybrid-powersgd", "data-powersgd"
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,11 @@ class ContenderKind:
 KNOWN = {name: ContenderKind(name) for name in ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")}
 KNOWN |= {DDP_FP16: ContenderKind("ddp", "fp16"),  # torch's fp16_compress_hook
           DDP_POWERSGD: ContenderKind("ddp", "powersgd"),  # torch's powerSGD_hook
-          FLAT_FP16: ContenderKind(FLAT_MPI, "fp16")}  # Horovod's Compression.fp16
+          FLAT_FP16: ContenderKind(FLAT_MPI, "fp16"),  # Horovod's Compression.fp16
+          # hybriddl's own PowerSGD (--compression powersgd:R): the hybrid's on its
+          # convolutions' gradients, data's on the whole gradient.
+          HYBRID_POWERSGD: ContenderKind("hybrid", "powersgd"),
+          DATA_POWERSGD: ContenderKind("data", "powersgd")}
 # What runs when --contenders is left out: the exact contenders. The compressed peers
 # are asked for by name (each is one more run).
 CONTENDERS = tuple(name for name, c in KNOWN.items() if c.compression == "none")

@@ -41,4 +41,5 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     return {**meter.result(), "strategy": metrics["config"]["strategy"],
             "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model),
             "host_parallel": metrics["config"]["host_parallel"],
+            "plan": metrics["config"].get("plan"),
             "monitor": metrics.get("monitor")}
