@@ -57,7 +57,9 @@ CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
 # The compressed contenders, each (scheme, compression): the scheme's own run with its
 # gradients sent as float16 or PowerSGD's factors. Asked for by name.
 WIRE = {"ddp-fp16": ("ddp", "fp16"), "ddp-powersgd": ("ddp", "powersgd"),
-        "flat-fp16": ("flat", "fp16")}
+        "flat-fp16": ("flat", "fp16"),
+        # hybriddl's own PowerSGD (--compression powersgd:R) at the same rank.
+        "hybrid-powersgd": ("hybrid", "powersgd"), "data-powersgd": ("data", "powersgd")}
 
 
 def scheme_of(contender: str) -> str:
@@ -65,12 +67,14 @@ def scheme_of(contender: str) -> str:
 
 
 def wire_flags(contender: str, powersgd_rank: int) -> list[str]:
-    """A contender's compression, as its command line says it."""
-    compression = WIRE.get(contender, (None, None))[1]
+    """A contender's compression, as its command line says it (DDP's hooks are
+    hybriddl.cli.compare_ddp's flags, hybriddl's compressions `train --compression`)."""
+    scheme, compression = WIRE.get(contender, (contender, None))
     if compression == "fp16":
         return ["--fp16-allreduce"]
     if compression == "powersgd":
-        return ["--powersgd-rank", str(powersgd_rank)]
+        return (["--powersgd-rank", str(powersgd_rank)] if scheme == "ddp"
+                else ["--compression", f"powersgd:{powersgd_rank}"])
     return []
 
 
@@ -177,7 +181,8 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
     # --overlap for every contender: where the local strategy allows it, gradients leave
     # during backward (the hybrid's: the convolutions').
     return [*common, *LOCAL[args.usecase], "--workers", str(args.cores_per_host), "--overlap",
-            "--host-parallel", contender], 1
+            "--host-parallel", scheme_of(contender),
+            *wire_flags(contender, args.powersgd_rank)], 1
 
 
 def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str = "ddp") -> dict:
@@ -299,7 +304,9 @@ def theory(usecase: str, hosts: int, cores: int, powersgd_rank: int = 2) -> dict
     import torch
 
     from hybriddl.compare.theory import powersgd_elements
+    from hybriddl.hosts.compression import parse_compression
     from hybriddl.hybrid.parallel import traffic_bytes
+    from hybriddl.hybrid.planner import ModelShapes
     from hybriddl.usecases import build_model
 
     case = get_usecase(usecase)
@@ -316,9 +323,16 @@ def theory(usecase: str, hosts: int, cores: int, powersgd_rank: int = 2) -> dict
     # The compressed peers: the same ring over half the bytes, or over powerSGD_hook's
     # factors and uncompressed tensors.
     powersgd = powersgd_elements([tuple(p.shape) for p in model.parameters()], powersgd_rank) * 4
+    # hybriddl's PowerSGD: one ring over one rank per host of what it sends (the whole
+    # gradient's for data, the convolutions' for hybrid, beside the split's exchange).
+    ours, shapes = parse_compression(f"powersgd:{powersgd_rank}"), ModelShapes.of(model)
+    ring = 2 * (hosts - 1) / hosts
     return {"hybrid": bytes_.get("hybrid", 0.0), "data": bytes_["data"], "flat": flat,
             "ddp": flat, "hierarchical": bytes_["data"], "flat-fp16": flat / 2,
-            "ddp-fp16": flat / 2, "ddp-powersgd": flat * powersgd / whole}
+            "ddp-fp16": flat / 2, "ddp-powersgd": flat * powersgd / whole,
+            "data-powersgd": ring * ours.wire_bytes(shapes.parameters),
+            "hybrid-powersgd": ring * ours.wire_bytes(shapes.averaged_in_hybrid)
+            + bytes_.get("hybrid_activations", 0.0) if "hybrid" in bytes_ else None}
 
 
 def _classifier_held(cell: dict) -> int | None:
@@ -349,8 +363,10 @@ def contender_note(cell: dict) -> str | None:
                 f"{cell['warmup']} steps, so every timed step was compressed")
     if hook.get("hook") == "fp16_compress_hook":
         return "torch's fp16_compress_hook"
-    if cell["contender"] in WIRE:
+    if WIRE.get(cell["contender"], (None, None))[1] == "fp16":
         return "fp16 compression (hybriddl's Compression.fp16, Horovod's)"
+    if cell["contender"] in WIRE:
+        return "hybriddl's PowerSGD (--compression powersgd:R), one allreduce per step"
     return None
 
 
