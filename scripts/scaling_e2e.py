@@ -17,7 +17,8 @@ the hosts' NICs, each host's NIC counted over the timed steps); and, asked for b
 peers of compression: `ddp-fp16` (DDP with torch's fp16_compress_hook), `ddp-powersgd`
 (DDP with torch's powerSGD_hook at --powersgd-rank, in one bucket: with DDP's 25 MB buckets
 it aborts on gloo; compressing from step 2, so its warm-up is at least 3 steps) and
-`flat-fp16` (Horovod's model with fp16 compression). A contender is a scheme and what its
+`flat-fp16` (Horovod's model with fp16 compression), beside hybriddl's own PowerSGD at the
+same rank (`hybrid-powersgd`, `data-powersgd`). A contender is a scheme and what its
 gradients look like on the wire (WIRE).
 Cells run in interleaved rounds (every contender of a cell, then the next round), and the
 report gives medians and spread of the timed steps.
