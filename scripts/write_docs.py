@@ -108,6 +108,12 @@ CONTENDER_WORDS = {
     "flat": "flat (Horovod's model: one rank per core)",
     "auto": "auto (`--host-parallel auto`)",
     "ddp": "PyTorch DDP (gloo, one process per core)",
+    "hybrid-powersgd": "hybrid + hybriddl's PowerSGD (`--compression powersgd:R`)",
+    "data-powersgd": "data + hybriddl's PowerSGD (`--compression powersgd:R`)",
+    "ddp-powersgd": "DDP + torch's powerSGD_hook (one bucket: DDP's 25 MB buckets abort on "
+                    "gloo; compressing from step 2)",
+    "ddp-fp16": "DDP + torch's fp16_compress_hook",
+    "flat-fp16": "flat + fp16 (Horovod's model with fp16 compression)",
 }
 
 
