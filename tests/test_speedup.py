@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import hybriddl_env
-from hybriddl.emulation.hosts import (Dilation, EmulatedHosts, EmulatedRun,
+from hybriddl.emulation.hosts import (PREFIX, Dilation, EmulatedHosts, EmulatedRun,
                                       cpu_hierarchy, duration_seconds, quota_of,
                                       speedup_for_step)
 from hybriddl.errors import UsageError
@@ -179,3 +179,28 @@ def test_a_host_step_slower_than_this_hosts_is_one_line_and_exit_2(cli_here):
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert "give a step of at most" in done.stderr
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0 or cpu_hierarchy() is None,
+                    reason="a CPU quota needs root and cgroup v1's cpu hierarchy or v2's cpu")
+def test_a_quota_holds_a_busy_host_to_its_share_of_a_core(tmp_path):
+    from hybriddl.emulation.hosts import HostCgroup
+
+    group = HostCgroup.create(cpu_hierarchy(), f"{PREFIX}{os.getpid()}-test-quota",
+                              kind="cpu")
+    try:
+        assert group.limit_cpu(0.25) == (2500, 10000)
+        # A busy loop in the group, alone on a core of its own: a quarter of it at most.
+        busy = ("import time; t, w = time.process_time(), time.time()\n"
+                "while time.time() - w < 1: pass\n"
+                "print((time.process_time() - t) / (time.time() - w))")
+        done = subprocess.run(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group.procs),
+                               "taskset", "-c", str(min(os.sched_getaffinity(0))),
+                               sys.executable, "-c", busy],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert 0 < float(done.stdout) <= 0.3
+    finally:
+        group.remove(grace=1)
+    assert not group.path.exists()
