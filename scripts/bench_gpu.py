@@ -12,19 +12,23 @@ training):
   training runs) in fp32, channels_last and bf16 autocast + channels_last, with the
   models' keyed dropout on (the default) and at dropout 0;
 - pytorch: the textbook loop on a torchvision model (nn.Dropout), fp32, channels_last,
-  bf16 autocast + channels_last, and torch.compile of the fastest of those with
-  `--compile-peer`;
+  bf16 autocast + channels_last, its SGD hybriddl's (`step.make_optimizer`: fused), and
+  with `--compile-peer` torch.compile of the fastest of those (picked from one untimed
+  visit of each, compiled before the rounds, then timed in the same rounds as every row);
 - pipeline: both stages on one GPU, M micro-batches, with each stage's busy time and the
   time both stages were busy at once (from CUDA events around each stage's work).
 A row's seconds/step is the median over rounds; its spread the lowest and highest round;
 vs_fastest_peer = the fastest pytorch row's seconds / the row's, within each round, median
-over rounds. Then `--train-steps` steps of `hybriddl train --strategy gpu` (the fastest
-hybriddl numerics) give the data wait at the GPU's rate: the share of the epoch's time
-the step waited for the prefetch thread (crop, flip and normalisation on the CPU).
+over rounds. Then `--train-steps` steps (default 200, over as many epochs as they take:
+the embedded set's epoch is 75 steps for SimpleBig, 30 for ComplexSmall) of `hybriddl
+train --strategy gpu` (the fastest hybriddl numerics) give the data wait at the GPU's
+rate: the share of the training time the step waited for the next batch; the record
+names the steps and epochs it ran.
 
 Writes results/bench_gpu-<usecase>.json (gpu_name, torch, commit, command, date,
-cpu_model, rows). Without a CUDA device it writes nothing and exits 2: no GPU figure is
-written where it was not measured.
+cpu_model, rows) once the rows are measured, before the training run, and again with the
+training's record (or its failure: exit 1). Without a CUDA device it writes nothing and
+exits 2: no GPU figure is written where it was not measured.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-peer", action="store_true",
                         help="add torch.compile of the fastest plain PyTorch numerics")
     parser.add_argument("--train-steps", type=int, default=200,
-                        help="steps of `hybriddl train` for the data wait (0: none)")
+                        help="steps of `hybriddl train` for the data wait, over as many "
+                        "epochs as they take (0: none)")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--output", help="default: results/bench_gpu-<usecase>.json")
     return parser.parse_args(argv)
@@ -139,7 +144,7 @@ def pytorch_row(model_name, classes, x, y, device, variant, args, compile=False)
             model = torchvision.models.get_model(model_name, num_classes=classes).to(device)
             prepare_model(model, numerics)
             state.update(model=torch.compile(model) if compile else model,
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9),
+                         optimizer=make_optimizer(model.parameters(), 0.001, 0.9),
                          x=x.to(device), y=y.to(device))
 
         def step():
@@ -149,7 +154,9 @@ def pytorch_row(model_name, classes, x, y, device, variant, args, compile=False)
 
         return timed(device, step, args.warmup, args.steps)
 
-    return Row("pytorch", variant + ("-compile" if compile else ""), 0.5, visit)
+    row = Row("pytorch", variant + ("-compile" if compile else ""), 0.5, visit)
+    row.state = state
+    return row
 
 
 def pipeline_row(model_name, classes, x, y, device, args) -> Row:
@@ -171,6 +178,17 @@ def pipeline_row(model_name, classes, x, y, device, args) -> Row:
 
     row.visit = visit
     return row
+
+
+def compiled_peer(rows: list[Row], model_name, classes, x, y, device, args) -> Row:
+    """torch.compile of the fastest plain PyTorch numerics, picked from one untimed visit
+    of each peer and compiled before the rounds: it is then timed in the same rounds as
+    every other row."""
+    peers = [r for r in rows if r.strategy == "pytorch"]
+    best = min(peers, key=lambda r: r.visit()).variant
+    compiled = pytorch_row(model_name, classes, x, y, device, best, args, compile=True)
+    compiled.visit()  # compiles
+    return compiled
 
 
 def stage_busy(timeline: list[dict]) -> dict:
@@ -212,24 +230,28 @@ def summarise(rows: list[Row]) -> list[dict]:
 
 def train_data_wait(usecase: str, image_size: int, batch_size: int, variant: str,
                     steps: int, device: str) -> dict:
-    """`hybriddl train --strategy gpu` for `steps` steps: images/s and the data wait."""
+    """`hybriddl train --strategy gpu` for `steps` steps (as many epochs as they take):
+    images/s and the data wait over all of them."""
     options = NUMERICS[variant]
     with tempfile.TemporaryDirectory() as scratch:
         run_dir = Path(scratch) / "run"
         command = [sys.executable, "-m", "hybriddl", "train", "--usecase", usecase,
                    "--strategy", "gpu", "--devices", device, "--image-size", str(image_size),
-                   "--batch-size", str(batch_size), "--max-steps", str(steps), "--epochs", "1",
+                   "--batch-size", str(batch_size), "--max-steps", str(steps),
+                   "--epochs", str(steps),
                    "--precision", options.precision, "--run-dir", str(run_dir)]
         if options.channels_last:
             command.append("--channels-last")
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
         if done.returncode != 0:
-            raise RuntimeError(f"train failed: {done.stderr.strip().splitlines()[-1:]}")
-        epoch = json.loads((run_dir / "metrics.json").read_text())["epochs"][0]
-    return {"command": " ".join(command[1:]), "steps": epoch["steps"],
-            "images_per_second": epoch["images_per_second"],
-            "seconds": epoch["seconds"], "data_wait_seconds": epoch["data_wait_seconds"],
-            "data_wait_share": epoch["data_wait_seconds"] / epoch["seconds"]}
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"hybriddl train exited {done.returncode}: {last}")
+        epochs = json.loads((run_dir / "metrics.json").read_text())["epochs"]
+    seconds = sum(e["seconds"] for e in epochs)
+    wait = sum(e["data_wait_seconds"] for e in epochs)
+    return {"command": " ".join(command[1:]), "steps": sum(e["steps"] for e in epochs),
+            "epochs": len(epochs), "images_per_second": sum(e["samples"] for e in epochs) / seconds,
+            "seconds": seconds, "data_wait_seconds": wait, "data_wait_share": wait / seconds}
 
 
 def main(argv=None) -> int:
@@ -246,6 +268,14 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"bench_gpu: {exc}", file=sys.stderr)
         return 2
+    return measure_and_write(args, device, torch.cuda.get_device_name(device), case,
+                             model_name, image_size, batch_size, argv)
+
+
+def measure_and_write(args, device: torch.device, gpu_name: str, case, model_name: str,
+                      image_size: int, batch_size: int, argv=None) -> int:
+    """The rows measured and written, then the training run's data wait added (main's
+    work once it has a device: tests run it on the CPU)."""
     classes = 3
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, 3, image_size, image_size, generator=generator)
@@ -254,38 +284,41 @@ def main(argv=None) -> int:
     rows += [hybriddl_row(model_name, classes, x, y, device, v, 0.0, args) for v in NUMERICS]
     rows += [pytorch_row(model_name, classes, x, y, device, v, args) for v in NUMERICS]
     rows.append(pipeline_row(model_name, classes, x, y, device, args))
+    if args.compile_peer:
+        rows.append(compiled_peer(rows, model_name, classes, x, y, device, args))
     measure(rows, args.rounds, lambda n, row, s: print(
         f"round {n + 1}: {row.strategy} {row.variant} dropout {row.dropout}: {s * 1e3:.2f} ms",
         file=sys.stderr))
-    if args.compile_peer:
-        peers = [r for r in rows if r.strategy == "pytorch"]
-        best = min(peers, key=lambda r: statistics.median(r.rounds)).variant
-        compiled = pytorch_row(model_name, classes, x, y, device, best, args, compile=True)
-        compiled.visit()  # compiles
-        rest = [r for r in rows if r.strategy == "pytorch"] + [compiled] + [
-            r for r in rows if r.strategy == "gpu" and r.dropout != 0.0]
-        for r in rest:
-            r.rounds = []
-        measure(rest, args.rounds)
-        rows.append(compiled)
     for row in rows:
         row.close()
     summary = summarise(rows)
     hybriddl_rows = [r for r in summary if r["strategy"] == "gpu" and r["dropout"] != 0.0]
     fastest = min(hybriddl_rows, key=lambda r: r["seconds_per_step"])
-    result = {**results_header("bench_gpu.py", argv), "gpu_name": torch.cuda.get_device_name(device),
+    result = {**results_header("bench_gpu.py", argv), "gpu_name": gpu_name,
               "usecase": case.name, "model": model_name, "image_size": image_size,
               "batch_size": batch_size, "rounds": args.rounds, "warmup_steps": args.warmup,
               "timed_steps": args.steps, "rows": summary,
               "fastest_hybriddl": {"variant": fastest["variant"],
                                    "vs_fastest_peer": fastest["vs_fastest_peer"]}}
-    if args.train_steps:
+    output = Path(args.output or REPO / "results" / f"bench_gpu-{case.name}.json")
+    # The rows first: a training run that fails must not take them with it.
+    atomic_write_json(output, result)
+    print(f"bench_gpu: {output} written; fastest hybriddl row {fastest['variant']}: "
+          f"{fastest['vs_fastest_peer']:.2f}x the fastest PyTorch peer")
+    if not args.train_steps:
+        return 0
+    try:
         result["train"] = train_data_wait(case.name, image_size, batch_size, fastest["variant"],
                                           args.train_steps, args.device)
-    output = Path(args.output or REPO / "results" / f"bench_gpu-{case.name}.json")
+    except RuntimeError as exc:
+        result["train"] = {"failed": str(exc)}
     atomic_write_json(output, result)
-    print(f"written: {output}; fastest hybriddl row {fastest['variant']}: "
-          f"{fastest['vs_fastest_peer']:.2f}x the fastest PyTorch peer")
+    if "failed" in result["train"]:
+        print(f"bench_gpu: the data-wait run failed ({result['train']['failed']}); the rows "
+              f"are kept in {output}", file=sys.stderr)
+        return 1
+    print(f"bench_gpu: {output} written again with the data wait of "
+          f"{result['train']['steps']} training steps")
     return 0
 
 

@@ -2,6 +2,8 @@
 without a CUDA device it writes no figure."""
 
 import importlib.util
+import json
+import subprocess
 import threading
 from pathlib import Path
 
@@ -63,3 +65,71 @@ def test_gpu_tests_records_nothing_without_cuda(capsys):
     assert module.main([]) == 2
     assert (REPO / "results" / "gpu_tests.json").exists() == before
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_peer_updates_with_hybriddls_fused_sgd(bench_gpu):
+    args = bench_gpu.parse_args(["--warmup", "0", "--steps", "1"])
+    row = bench_gpu.pytorch_row("alexnet", 3, torch.randn(2, 3, 64, 64), torch.randint(3, (2,)),
+                                torch.device("cpu"), "fp32", args)
+    row.visit()
+    assert row.state["optimizer"].defaults["fused"] is True
+
+
+def small_run(bench_gpu, tmp_path, monkeypatch, *flags):
+    """measure_and_write on the CPU (standing in for the GPU) at AlexNet 64 px, batch 2, in
+    float32 only (the other numerics are the same rows in another StrategyOptions)."""
+    from hybriddl.usecases import get_usecase
+
+    monkeypatch.setattr(bench_gpu, "NUMERICS", {"fp32": bench_gpu.NUMERICS["fp32"]})
+
+    output = tmp_path / "bench.json"
+    args = bench_gpu.parse_args(["--rounds", "2", "--warmup", "0", "--steps", "1",
+                                 "--micro-batches", "2", "--image-size", "64",
+                                 "--output", str(output), *flags])
+    code = bench_gpu.measure_and_write(args, torch.device("cpu"), "a CPU standing in",
+                                       get_usecase("SimpleBig"), "alexnet", 64, 2)
+    return code, output
+
+
+@pytest.mark.slow
+def test_rows_are_written_before_the_training_run_and_kept_when_it_fails(
+        bench_gpu, tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def failing_training(*args):
+        seen["rows"] = json.loads((tmp_path / "bench.json").read_text())["rows"]
+        raise RuntimeError("hybriddl train exited 1: CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(bench_gpu, "train_data_wait", failing_training)
+    monkeypatch.setattr(torch, "compile", lambda model: model)  # the row, not the compiler
+    code, output = small_run(bench_gpu, tmp_path, monkeypatch, "--train-steps", "5",
+                             "--compile-peer")
+    assert code == 1
+    written = json.loads(output.read_text())
+    # keyed and dropout-0 hybriddl, the peer, the pipeline, the compiled peer
+    assert len(seen["rows"]) == len(written["rows"]) == 5
+    assert written["train"] == {"failed": "hybriddl train exited 1: CUDA error: an illegal "
+                                          "memory access"}
+    assert "the rows are kept in" in capsys.readouterr().err
+    # The compiled peer is timed in the same rounds as every other row.
+    compiled = [r for r in written["rows"] if r["variant"].endswith("-compile")]
+    assert len(compiled) == 1 and all(len(r["round_seconds"]) == 2 for r in written["rows"])
+    assert written["gpu_name"] == "a CPU standing in" and written["commit"]
+
+
+def test_the_training_run_counts_every_step_it_ran(bench_gpu, monkeypatch):
+    """The data wait of --train-steps steps over several epochs, not of the first epoch."""
+    epochs = [{"steps": 75, "samples": 2400, "seconds": 3.0, "data_wait_seconds": 0.3},
+              {"steps": 25, "samples": 800, "seconds": 1.0, "data_wait_seconds": 0.5}]
+
+    def fake_train(command, **kwargs):
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.json").write_text(json.dumps({"epochs": epochs}))
+        assert command[command.index("--max-steps") + 1] == "100"
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(bench_gpu.subprocess, "run", fake_train)
+    record = bench_gpu.train_data_wait("SimpleBig", 224, 32, "fp32", 100, "cuda:0")
+    assert (record["steps"], record["epochs"], record["seconds"]) == (100, 2, 4.0)
+    assert record["images_per_second"] == 800.0 and record["data_wait_share"] == 0.2

@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from hybriddl.data import BatchTransform, ImageSet
+from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.errors import UsageError
 from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.strategies import StrategyOptions, make_strategy
@@ -89,10 +90,11 @@ def sample_batch(images: ImageSet, batch_size: int, image_size: int, seed: int =
     return BatchTransform(image_size)(images.images[index]), images.labels[index]
 
 
-def timing_model(name: str, num_classes: int) -> torch.nn.Module:
-    """The model with dropout 0 where it has the option (resnets have none)."""
+def timing_model(name: str, num_classes: int, dropout: float | None = 0.0) -> torch.nn.Module:
+    """The model at `dropout` (None: the model's own, as training runs it) where it has the
+    option (resnets have none)."""
     try:
-        return build_model(name, num_classes, dropout=0.0)
+        return build_model(name, num_classes, dropout=dropout)
     except UsageError:
         return build_model(name, num_classes)
 
@@ -100,17 +102,21 @@ def timing_model(name: str, num_classes: int) -> torch.nn.Module:
 def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_classes: int,
                      x: torch.Tensor, y: torch.Tensor, *, warmup: int = 1, steps: int = 5,
                      lr: float = SGD_LR, momentum: float = SGD_MOMENTUM, seed: int = 0,
-                     keep_going: Callable[[int, float], bool] | None = None) -> StepTiming:
+                     keep_going: Callable[[int, float], bool] | None = None,
+                     dropout: float | None = 0.0) -> StepTiming:
     """Time full optimizer steps (gradients + SGD update) of one strategy on one batch.
 
     `keep_going(step, seconds)` is asked after every step, warm-up included, whether to
-    take the next one: the tuner's budget stops a slow candidate there.
+    take the next one: the tuner's budget stops a slow candidate there. `dropout` None
+    times the model's own dropout with keyed masks, each step's samples keyed as training
+    keys them, so that drawing the masks counts (the tuner); 0 leaves it out (the peers of
+    bench_local, which have none).
     """
     # This candidate's memory from here on, not what earlier ones in this process held.
     give_back_freed_memory()
     reset_high_water_mark()
     torch.manual_seed(seed)
-    model = timing_model(model_name, num_classes)
+    model = timing_model(model_name, num_classes, dropout)
     # Strategies pin threads; leave the caller as it was.
     with torch_threads(), make_strategy(name, options) as strategy:
         strategy.setup(model)
@@ -119,8 +125,10 @@ def measure_strategy(name: str, options: StrategyOptions, model_name: str, num_c
         x = strategy.stage_batch(x)  # on the device already, as training's prefetch leaves it
         strategy.synchronize()
         for step in range(warmup + steps):
+            keys = sample_keys(seed, 0, torch.arange(step * len(y), (step + 1) * len(y)))
             started = time.perf_counter()
-            optimizer_step(strategy, optimizer, x, y)
+            with dropout_keys(keys):
+                optimizer_step(strategy, optimizer, x, y)
             strategy.synchronize()  # a GPU step returns when it is queued
             elapsed = time.perf_counter() - started
             peak = tuple(map(max, peak, tree_memory()))

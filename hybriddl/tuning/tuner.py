@@ -57,8 +57,8 @@ from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
-from hybriddl.strategies import (STRATEGIES, Gpu, HostResources, Sequential, StrategyOptions,
-                                 StrategySpec)
+from hybriddl.strategies import (STRATEGIES, Gpu, HostResources, Pipeline, Sequential,
+                                 StrategyOptions, StrategySpec)
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.usecases import check_image_size, get_usecase, use_case_workload
 
@@ -110,8 +110,11 @@ def enumerate_candidates(host: HostResources, batch_size: int, strategies: dict 
     """Every candidate this host can run, the baseline first: each strategy names its own,
     each tried in every numerics `precision` allows (where the strategy honours them)."""
     candidates = []
+    gpus = distinct_gpus(host)
     for cls in strategies.values():
         for plain in cls.tuning_candidates(host, batch_size):
+            if duplicate_step(plain, gpus):
+                continue
             variants = ([plain] if plain == BASELINE or not getattr(cls, "honours_numerics", True)
                         else [replace(plain, precision=p, channels_last=c)
                               for p, c in NUMERICS[precision]])
@@ -122,6 +125,31 @@ def enumerate_candidates(host: HostResources, batch_size: int, strategies: dict 
                     continue
                 candidates.append(spec)
     return candidates
+
+
+def distinct_gpus(host: HostResources) -> list[str]:
+    """The host's GPUs, the first of each model: two of one model run the same step, so
+    `gpu` is measured once for them. Where CUDA cannot name them (a host described in a
+    test), they count as one model."""
+    names = _gpu_names(host.cuda_devices)
+    return [gpu for gpu, name in zip(host.gpus, names) if names.index(name) == host.gpus.index(gpu)]
+
+
+def _gpu_names(count: int) -> list[str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= count:
+        return [torch.cuda.get_device_name(i) for i in range(count)]
+    return ["a GPU"] * count
+
+
+def duplicate_step(spec: StrategySpec, gpus: list[str]) -> bool:
+    """A candidate whose step another candidate measures already: `gpu` on a GPU of the
+    same model as one measured, and `pipeline` with one micro-batch and both stages on one
+    GPU, which runs the `gpu` step's kernels one after the other without its data path."""
+    if spec.name == Gpu.name:
+        return bool(spec.devices) and spec.devices[0] not in gpus
+    if spec.name == Pipeline.name:
+        return spec.micro_batches == 1 and len(set(spec.devices or ())) == 1
+    return False
 
 
 class TuneObserver:
@@ -197,9 +225,32 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
         return (f"a {best} step measured {mine / fastest[best]:.1f}x faster than any "
                 f"{kinds[index]} step")
 
+    def baseline_outrun(index: int) -> str | None:
+        """Why the baseline's first round is enough: a device kind DEVICE_DOMINANCE times
+        faster than every CPU step, the baseline's own included."""
+        why = outrun(index)
+        if why is not None or any(k == kinds[index] and states[i].figures and i != index
+                                  for i, k in enumerate(kinds)):
+            return why
+        mine = statistics.median(states[index].figures)
+        devices = [statistics.median(state.figures) for state, kind in zip(states, kinds)
+                   if kind != kinds[index] and state.figures]
+        if devices and mine >= DEVICE_DOMINANCE * min(devices):
+            return f"a device step measured {mine / min(devices):.1f}x faster"
+        return None
+
     def run_round(number: int, indices: list[int], second: bool) -> bool:
         """Visit the candidates of `indices` still in the race; False: it would not fit."""
         racing = [i for i in order if i in indices and states[i].in_race]
+        if number > 1:
+            # The baseline is the speedups' reference, not a contender: where a device kind
+            # outruns the CPU it is measured once (a VGG16 step on one core took 10-20 s on
+            # an H100 host: re-measured, it took the rounds the GPU's candidates needed).
+            for i in racing:
+                if is_the_baseline(states[i].choice) and states[i].figures and \
+                        states[i].once is None and (why := baseline_outrun(i)):
+                    states[i].once = why
+            racing = [i for i in racing if states[i].once is None]
         if not racing:
             return True
         if number > 1:
@@ -245,8 +296,12 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
                 break
     else:
         for state in states:
-            if state.in_race:
+            if state.in_race and state.once is None:
                 state.notes.append(f"{fitted} of {rounds} rounds fit the budget")
+    for state in states:
+        if state.once is not None:
+            state.notes.append(f"measured in the first round only ({state.once}): the "
+                               "speedups' reference, not a contender")
     results = [state.result(steps, rounds) for state in states]
     for index, result in enumerate(results):
         observer.on_candidate_end(index, result)
@@ -282,6 +337,7 @@ class _Candidate:
     stopped: str | None = None  # why it left the race
     failed: bool = False
     visit_seconds: float = 0.0  # the last visit, set-up included
+    once: str | None = None  # why the baseline is not visited again
 
     @property
     def in_race(self) -> bool:
@@ -422,9 +478,12 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
 
     def measure(choice: StrategySpec, keep_going: KeepGoing) -> StepTiming:
+        # The model's own dropout, each step's samples keyed as training keys them: the
+        # masks cost a GPU step more than a CPU one (dropout.py), so they count here.
         return measure_strategy(choice.name, choice.options(), settings.model, num_classes, x, y,
                                 warmup=warmup, steps=steps, lr=settings.case.lr,
-                                momentum=settings.case.momentum, keep_going=keep_going)
+                                momentum=settings.case.momentum, keep_going=keep_going,
+                                dropout=None)
 
     observer.on_tune_start(candidates, reason)
     started = clock()
@@ -467,16 +526,37 @@ class AutoDecision:
                 "speedup_over_gpu": pick.speedup_over_gpu}
 
     def message(self) -> str:
-        """One line: which strategy runs and why."""
+        """One line: which strategy runs and why (and what bf16 autocast gained, where it
+        was measured)."""
         pick = self.profile.pick_result
         why = (f"{pick.speedup:.2f}x sequential on one core" if pick.speedup is not None
                else f"{pick.seconds_per_step:.3f} s/step")
         if pick.speedup_over_gpu is not None:
             why += f", {pick.speedup_over_gpu:.2f}x one GPU"
         where = "measured just now" if self.tuned_because else f"profile of {self.profile.created}"
+        gain = bf16_gain(self.profile)
         return (f"strategy auto: {pick.choice.label}, the fastest of "
                 f"{sum(c.measured for c in self.profile.candidates)} measured candidates "
-                f"({why}; {where}, {self.path})")
+                f"({why}; {where}, {self.path})" + (f"; {gain}" if gain else ""))
+
+
+def bf16_gain(profile: Profile) -> str | None:
+    """What bf16 autocast was measured to gain on the pick's kind (gpu, cpu, ...): its
+    fastest bf16 candidate against its fastest float32 one; None where either was not
+    measured (float32 only unless --precision auto)."""
+    kind = candidate_kind(profile.pick)
+    fastest = {}
+    for r in profile.candidates:
+        if r.measured and candidate_kind(r.choice) == kind and not is_the_baseline(r.choice):
+            best = fastest.get(r.choice.precision)
+            if best is None or r.seconds_per_step < best.seconds_per_step:
+                fastest[r.choice.precision] = r
+    if "bf16" not in fastest or "fp32" not in fastest:
+        return None
+    bf16, fp32 = fastest["bf16"], fastest["fp32"]
+    return (f"bf16 autocast measured {fp32.seconds_per_step / bf16.seconds_per_step:.2f}x "
+            f"float32's speed on {kind} ({bf16.choice.label} {bf16.seconds_per_step:.4g} s/step, "
+            f"{fp32.choice.label} {fp32.seconds_per_step:.4g})")
 
 
 def tune_settings(usecase: str, model: str | None = None, image_size: int | None = None,
