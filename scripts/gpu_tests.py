@@ -3,17 +3,21 @@
     python scripts/gpu_tests.py            # pytest -m gpu tests, then the JSON
 
 The JSON names the GPU (gpu_name), the counts (passed, failed, skipped) with each test's
-outcome, and the command, beside the usual provenance (cpu_model, torch, commit, date).
-Without a CUDA device it writes nothing and exits 2: the GPU tests skip there, and a
-record of skips would say nothing about a GPU.
+outcome, pytest's exit code and the command, beside the usual provenance (cpu_model,
+torch, commit, date). When pytest ends without its report (a crash, a CUDA fault that
+kills the interpreter, `--timeout` reached), the JSON records that instead: its exit code
+and the last lines it printed. Without a CUDA device it writes nothing and exits 2: the
+GPU tests skip there, and a record of skips would say nothing about a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from bench_common import REPO, results_header
 from hybriddl.files import atomic_write_json
 
 COMMAND = ["-m", "pytest", "-q", "-m", "gpu", "tests", "-rs"]
+LAST_LINES = 30
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -36,23 +41,57 @@ def outcomes(junit: Path) -> dict[str, str]:
     return found
 
 
+def run_and_record(command: list[str], output: Path, gpu_name: str, gpu_count: int,
+                   argv=None, timeout: float | None = None) -> int:
+    """Run pytest `command` (its arguments after the interpreter), echo its output, and
+    write its outcome to `output`, a failure before its report included; its exit code."""
+    tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+    with tempfile.TemporaryDirectory() as scratch:
+        junit = Path(scratch) / "junit.xml"
+        process = subprocess.Popen([sys.executable, *command, f"--junitxml={junit}"], cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timed_out, timer = threading.Event(), None
+        if timeout is not None:
+            timer = threading.Timer(timeout, lambda: (timed_out.set(), process.kill()))
+            timer.daemon = True
+            timer.start()
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            tail.append(line.rstrip("\n"))
+        code = process.wait()
+        if timer is not None:
+            timer.cancel()
+        try:
+            tests, problem = outcomes(junit), None
+        except (OSError, ElementTree.ParseError) as exc:
+            tests = {}
+            problem = (f"pytest ended (exit code {code}) without its report"
+                       + (f", stopped at its limit of {timeout:g} s" if timed_out.is_set() else "")
+                       + f": {type(exc).__name__}")
+    counts = {kind: sum(v == kind for v in tests.values()) for kind in ("passed", "failed", "skipped")}
+    result = {**results_header("gpu_tests.py", argv), "gpu_name": gpu_name,
+              "gpu_count": gpu_count, "pytest": "python " + " ".join(command),
+              "exit_code": code, "rows": [{"test": k, "outcome": v} for k, v in sorted(tests.items())],
+              **counts}
+    if problem:
+        result.update(failure=problem, last_lines=list(tail))
+    atomic_write_json(output, result)
+    print(f"{output}: {problem or counts} on {gpu_name}")
+    return code if code else (1 if problem else 0)
+
+
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, help="seconds before pytest is stopped "
+                        "(recorded as a failure); default: none")
+    parser.add_argument("--output", type=Path, default=REPO / "results" / "gpu_tests.json")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_tests: no CUDA device here: run it on a GPU host (nothing written)",
               file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as scratch:
-        junit = Path(scratch) / "junit.xml"
-        done = subprocess.run([sys.executable, *COMMAND, f"--junitxml={junit}"], cwd=REPO)
-        tests = outcomes(junit)
-    counts = {kind: sum(v == kind for v in tests.values()) for kind in ("passed", "failed", "skipped")}
-    result = {**results_header("gpu_tests.py", argv), "gpu_name": torch.cuda.get_device_name(0),
-              "gpu_count": torch.cuda.device_count(), "pytest": "python " + " ".join(COMMAND),
-              "rows": [{"test": k, "outcome": v} for k, v in sorted(tests.items())], **counts}
-    atomic_write_json(REPO / "results" / "gpu_tests.json", result)
-    print(f"results/gpu_tests.json: {counts} on {result['gpu_name']}")
-    return done.returncode
+    return run_and_record(COMMAND, args.output, torch.cuda.get_device_name(0),
+                          torch.cuda.device_count(), argv, args.timeout)
 
 
 if __name__ == "__main__":

@@ -133,3 +133,44 @@ def test_the_training_run_counts_every_step_it_ran(bench_gpu, monkeypatch):
     record = bench_gpu.train_data_wait("SimpleBig", 224, 32, "fp32", 100, "cuda:0")
     assert (record["steps"], record["epochs"], record["seconds"]) == (100, 2, 4.0)
     assert record["images_per_second"] == 800.0 and record["data_wait_share"] == 0.2
+
+
+@pytest.fixture(scope="module")
+def gpu_tests():
+    spec = importlib.util.spec_from_file_location("gpu_tests", REPO / "scripts" / "gpu_tests.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_tests_records_a_pytest_that_dies_before_its_report(gpu_tests, tmp_path, capsys):
+    output = tmp_path / "gpu_tests.json"
+    dies = ["-c", "import os; print('collected 9 items'); print('Fatal Python error: "
+                  "Segmentation fault', flush=True); os._exit(139)"]
+    assert gpu_tests.run_and_record(dies, output, "a GPU", 1, []) == 139
+    record = json.loads(output.read_text())
+    assert record["exit_code"] == 139 and record["rows"] == [] and record["passed"] == 0
+    assert record["failure"].startswith("pytest ended (exit code 139) without its report")
+    assert record["last_lines"][-1] == "Fatal Python error: Segmentation fault"
+    assert "Segmentation fault" in capsys.readouterr().out  # echoed as it ran
+
+
+def test_gpu_tests_stops_pytest_at_its_limit_and_records_it(gpu_tests, tmp_path):
+    output = tmp_path / "gpu_tests.json"
+    hangs = ["-c", "import time; print('running', flush=True); time.sleep(60)"]
+    assert gpu_tests.run_and_record(hangs, output, "a GPU", 1, [], timeout=1) != 0
+    record = json.loads(output.read_text())
+    assert "stopped at its limit of 1 s" in record["failure"]
+    assert record["last_lines"] == ["running"]
+
+
+def test_gpu_tests_records_each_outcome_from_the_report(gpu_tests, tmp_path):
+    output = tmp_path / "gpu_tests.json"
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
+                         "@pytest.mark.skip(reason='no GPU')\ndef test_skipped():\n    pass\n")
+    assert gpu_tests.run_and_record(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                     str(test_file)], output, "a GPU", 1, []) == 0
+    record = json.loads(output.read_text())
+    assert (record["passed"], record["skipped"], record["failed"]) == (1, 1, 0)
+    assert "failure" not in record and record["exit_code"] == 0
