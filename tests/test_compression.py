@@ -234,6 +234,31 @@ def test_two_hosts_resumed_from_their_summed_errors_continue_as_uninterrupted():
             assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_a_checkpoint_names_the_scheme_that_ran_whatever_settled_it():
+    """`--compression auto` settles per run: the checkpoint keeps the scheme that ran."""
+    from types import SimpleNamespace
+
+    from hybriddl.hosts.cluster import SingleHost
+
+    model = nn.Linear(8, 6)
+    ran = SingleHost(compression=PowerSGD(2))
+    ran.attach(model)
+    model.weight.grad, model.bias.grad = torch.randn(6, 8), torch.randn(6)
+    with ran.averaging(SimpleNamespace(samples=4, global_samples=4)) as average:
+        average(4)
+    saved = ran.compression_state()
+    resumed = SingleHost(compression=PowerSGD(2))
+    resumed.attach(model)
+    assert resumed.restore_compression("auto", saved) is None
+    assert resumed.compression.step == 1  # Q was sent: P comes next
+    exact = SingleHost()
+    exact.attach(model)
+    assert exact.compression_state() == {"name": "none"}
+    assert exact.restore_compression("auto", saved) == (
+        "--compression none resumes a checkpoint of a --compression powersgd:2 run: the steps "
+        "from here on are exact")
+
+
 # --------------------------------------------------------------------------- the command line
 
 @pytest.mark.parametrize("scheme, says", [
@@ -260,6 +285,20 @@ def test_fp16_allreduce_is_compression_fp16_and_refuses_another(cli_here, tmp_pa
     done = cli_here("train", "--fp16-allreduce", "--compression", "powersgd:2",
                     "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and "give one of them" in done.stderr
+
+
+def test_on_one_host_fp16_is_said_to_do_nothing_and_powersgd_applies():
+    from hybriddl.cli import build_parser
+    from hybriddl.cli.settings import ignored_flags, training_config
+
+    lines = {}
+    for scheme in ("fp16", "powersgd:2"):
+        args = build_parser().parse_args(["train", "--compression", scheme])
+        config, _ = training_config(args)
+        lines[scheme] = ignored_flags(args, config, hosts_count=1)
+    assert lines == {"fp16": ["--compression fp16 does nothing on a single host: it acts when "
+                              "mpirun starts one rank on each of several hosts"],
+                     "powersgd:2": []}
 
 
 # --------------------------------------------------------------------------- training
@@ -349,9 +388,13 @@ def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, mo
     flags = ["--host-parallel", scheme, "--model", model, "--epochs", "1"]
     if model == "alexnet":
         flags += ["--image-size", "64"]
-    for run_dir, extra in ((straight, []), (cut, ["--max-steps", "2"])):
+    # --overlap: PowerSGD needs the whole gradient, so nothing leaves during backward.
+    for run_dir, extra in ((straight, ["--overlap"]), (cut, ["--max-steps", "2"])):
         done = mpirun(2, [*common, *train_args(images, run_dir, *flags, *extra)])
         assert done.returncode == 0, done.stdout + done.stderr
+    notes = json.loads((straight / METRICS).read_text())["config"]["hosts"]["notes"]
+    assert "--overlap: --compression powersgd:2 sends the step's factors in one allreduce once " \
+           "backward is done, so nothing leaves during backward" in notes
     done = mpirun(2, [*common, "train", "--resume", str(cut), "--max-steps", "3"])
     assert done.returncode == 0, done.stdout + done.stderr
     assert max_difference(straight, cut) < 1e-6

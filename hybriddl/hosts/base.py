@@ -184,11 +184,11 @@ class Hosts:
 
     # ------------------------------------------------------------------ compression state
     def compression_state(self) -> dict | None:
-        """The compression's state as a checkpoint keeps it, on rank 0 (None elsewhere, and
-        for a compression without state). Collective: every host calls it at the same step."""
-        if not self._compressed:
-            return None
-        state = self.compression.state_dict(self.allreduce_sum)
+        """The compression's name and state as a checkpoint keeps them, on rank 0 (None
+        elsewhere): the scheme that ran, whatever settled it (`--compression auto`).
+        Collective: every host calls it at the same step."""
+        state = self.compression.state_dict(self.allreduce_sum) if self._compressed \
+            else {"name": self.compression.name}
         return state if self.rank == 0 else None
 
     def restore_compression(self, saved_name: str, saved: dict | None) -> str | None:
@@ -197,6 +197,8 @@ class Hosts:
         when that scheme is not this run's, or its state does not fit (the compression then
         starts afresh); None when the run simply goes on."""
         now = self.compression.name
+        if saved:  # the scheme that ran (the config may say auto)
+            saved_name = saved.get("name", saved_name)
         if saved_name != now:
             steps = "exact" if self.compression.exact else f"{now}'s"
             return (f"--compression {now} resumes a checkpoint of a --compression {saved_name} "

@@ -236,6 +236,8 @@ class PowerSGD:
         when the record is of another scheme or of other gradients."""
         if state.get("name") != self.name:
             raise ValueError(f"it is {state.get('name')}'s, not {self.name}'s")
+        if not {"shapes", "step", "p", "q", "error"} <= state.keys():
+            raise ValueError("it holds no factors")
         shapes = [tuple(s) for s in state["shapes"]]
         if self._shapes is None:
             self.setup(shapes)

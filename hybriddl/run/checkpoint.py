@@ -98,9 +98,9 @@ class Checkpoint:
     metrics: dict
     strategy: dict
     profile: dict | None = None
-    # The gradient compression's state (hosts.compression_state: PowerSGD's factors and its
-    # errors summed over hosts), so a compressed run resumes as if uninterrupted; None for
-    # exact runs and checkpoints written before it was kept.
+    # The gradient compression that ran and its state (hosts.compression_state: PowerSGD's
+    # factors and its errors summed over hosts), so a compressed run resumes as if
+    # uninterrupted; None in checkpoints written before it was kept.
     compression: dict | None = None
     format: int = FORMAT
 
