@@ -12,9 +12,10 @@ of the same (whole, or sliced) parameters. Checkpoints and model.pt stay the who
 torchvision state_dict in both (`model_state`, `optimizer_state`), so a run resumes on
 another host count and in the other scheme.
 
-`choose` settles "auto" from the predicted step time: the profile's compute (or, without
-a profile, a forward and backward timed once on a copy of the model) plus the bytes each
-scheme sends over the link rate the hosts measured at start.
+`choose` settles "auto" (--host-parallel, --compression, --feature-dtype) from each scheme's
+predicted step (hybrid/planner.py): the profile's compute (or, without a profile, a forward
+and backward timed once on a copy of the model), the bytes each scheme sends over the link
+rate, and the latency rounds, that the hosts measured at start.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.hybrid.classifier import (GatherRows, NotSplittable, SplitClassifier, plan,
                                         slice_counts, split_classifier)
+from hybriddl.machine.cpu_threads import torch_threads
 from hybriddl.hybrid.planner import (EXACT_FEATURES, FEATURE_DTYPES, HostCosts, Link,
                                      ModelShapes, make_plan, measure_powersgd, one_host_plan)
 from hybriddl.strategies import LocalStrategy, StepStats
@@ -309,8 +311,11 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     source = "the profile" if compute_seconds is not None else "timed once on a copy of the model"
     if compute_seconds is None:  # no profile: time this host's share once
         share = -(-global_batch // hosts.size)
-        compute_seconds = probe_compute(model, share, image_size) / getattr(
-            hosts, "time_scale", 1.0)
+        # On this rank's cores only, as its strategy will compute: before the strategy is
+        # set up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
+        with torch_threads(len(getattr(hosts, "cores", None) or []) or None):
+            compute_seconds = probe_compute(model, share, image_size) / getattr(
+                hosts, "time_scale", 1.0)
     compute = max(hosts.allgather(compute_seconds))
     record = None
     if hosts.rank == 0:
