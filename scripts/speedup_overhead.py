@@ -13,6 +13,10 @@ emulated step understates such a host's step by at most overhead x (1 - 1/S). Th
 that came to the averaging last waited least for its partner: its overhead (from each
 rank's totals over the epoch) is the tighter bound, the headline.
 
+`--bandwidth none` leaves the link unlimited: the averaging's time is then the CPU-side work
+itself (copies, MPI's reduction and progress, the kernel's TCP on both ends, at this
+machine's speed), with no wire time to subtract.
+
     flock /tmp/hybriddl-heavy.lock python scripts/speedup_overhead.py --speedup 20 \\
         --bandwidth 1gbit --output results/speedup_overhead-SimpleBig.json
 """
@@ -43,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--usecase", default="SimpleBig")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--speedup", type=float, default=20.0)
-    parser.add_argument("--bandwidth", default="1gbit")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="the emulated link's rate, or 'none' (unlimited)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--output", required=True)
@@ -53,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     case = get_usecase(args.usecase)
-    wall_rate = bits_per_second(args.bandwidth) / args.speedup
+    unlimited = args.bandwidth == "none"
+    wall_rate = float("inf") if unlimited else bits_per_second(args.bandwidth) / args.speedup
     with tempfile.TemporaryDirectory(prefix="hybriddl-overhead-") as scratch:
         run_dir, report = Path(scratch) / "run", Path(scratch) / "report.json"
         train = ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
@@ -62,8 +68,9 @@ def main(argv=None) -> int:
                  "--monitor-interval", "0", "--strategy", "intraop", "--workers", "1",
                  "--channels-last", "--host-parallel", "data", "--run-dir", str(run_dir)]
         command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(HOSTS),
-                   "--cores-per-host", "1", "--speedup", repr(args.speedup), "--bandwidth",
-                   args.bandwidth, "--report", str(report), "--", *train]
+                   "--cores-per-host", "1", "--speedup", repr(args.speedup),
+                   *([] if unlimited else ["--bandwidth", args.bandwidth]),
+                   "--report", str(report), "--", *train]
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         if done.returncode != 0:
@@ -100,7 +107,8 @@ def main(argv=None) -> int:
         "usecase": args.usecase, "image_size": args.image_size, "hosts": HOSTS,
         "cores_per_host": 1, "host_parallel": "data", "bandwidth": args.bandwidth,
         "speedup": emulation["speedup"], "time_scale": emulation["time_scale"],
-        "dilation": dilation, "wall_link_bits_per_second": wall_rate,
+        "dilation": dilation,
+        "wall_link_bits_per_second": None if unlimited else wall_rate,
         "warmup": args.warmup, "timed_steps": args.steps,
         **results_header("speedup_overhead.py", argv),
         "run_command": shlex.join(["hybriddl", *command[3:]]),
