@@ -222,6 +222,65 @@ def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_pat
     assert epoch["images_per_second"] <= 16 / queued
 
 
+@pytest.mark.parametrize("name, devices", [("gpu", ("cpu",)), ("pipeline", ("cpu", "cpu")),
+                                           ("gpu-threads", ("cpu", "cpu"))])
+def test_no_gpu_strategy_reads_its_loss_back_inside_the_step(name, devices, monkeypatch):
+    """Issue 39: gpu-threads read each part's loss with .item() (the host waited for the
+    device twice a step). Every GPU strategy leaves the loss on its device, and makes its
+    batch from uint8 rows as the CPU transform does."""
+    from hybriddl.data import BatchTransform
+
+    rows = torch.randint(0, 256, (6, 3, 64, 64), dtype=torch.uint8)
+    flips = torch.tensor([True, False] * 3)
+    y = torch.randint(3, (6,))
+    with make_strategy(name, StrategyOptions(micro_batches=2, devices=devices)) as strategy:
+        strategy.setup(slim_model("alexnet"))
+        x = strategy.prepare_batch(strategy.batch_rows(rows, torch.arange(6)), flips,
+                                   BatchTransform(64))
+        assert torch.equal(x, BatchTransform(64)(rows, flips))
+
+        def read_back(tensor):
+            raise AssertionError("a loss was read back inside the step")
+
+        monkeypatch.setattr(torch.Tensor, "item", read_back)
+        with dropout_keys(sample_keys(0, 0, torch.arange(6))):
+            stats = strategy.compute_gradients(x, y)
+        monkeypatch.undo()
+    assert isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.device == strategy.device
+    assert stats.loss > 0
+
+
+def test_the_prefetcher_gathers_images_and_labels_through_the_strategys_rows():
+    """So that a GPU strategy gathers them straight into pinned memory (issue 39: the rows
+    were indexed, then copied again to pin them)."""
+    from hybriddl import data
+
+    images = data.ImageSet(torch.randint(0, 256, (10, 3, 4, 4), dtype=torch.uint8),
+                           torch.arange(10) % 3, ["a", "b", "c"])
+    gathered = []
+
+    def rows(source, indices):
+        gathered.append(source.dtype)
+        return source[indices]
+
+    batches = data.epoch_batches(10, 5, seed=0, epoch=0)
+    with data.BatchPrefetcher(images, batches, data.BatchTransform(4), rows=rows) as prefetch:
+        got = list(prefetch)
+    assert gathered == [torch.uint8, torch.int64] * 2
+    assert all(torch.equal(y, images.labels[share.part.indices]) for share, _, y in got)
+
+
+def test_the_normalisation_is_copied_to_a_device_once():
+    """Issue 39: mean and std were copied to the device, blocking, for every batch."""
+    from hybriddl.data import BatchTransform
+
+    transform = BatchTransform(8)
+    mean, std = transform.normalisation(torch.device("meta"))
+    assert mean.device.type == "meta" and std.shape == (1, 3, 1, 1)
+    again = transform.normalisation(torch.device("meta"))
+    assert again[0] is mean and again[1] is std
+
+
 def test_the_pipelines_timeline_has_each_stage_of_each_micro_batch():
     x, y = torch.randn(8, 3, 64, 64), torch.randint(3, (8,))
     with make_strategy("pipeline", StrategyOptions(micro_batches=4, devices=("cpu", "cpu"))) as pipe:
@@ -320,6 +379,31 @@ def test_augmentation_on_the_gpu_makes_the_cpus_batch():
             torch.cuda.synchronize()
             assert on_gpu.is_cuda
             assert torch.allclose(on_gpu.cpu(), transform(rows, flips), atol=1e-5 if size == 80 else 2e-2)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, devices", [("gpu", ("cuda:0",)), ("pipeline", ("cuda:0", "cuda:0")),
+                                           ("gpu-threads", ("cuda:0", "cuda:0"))])
+def test_a_gpu_strategy_gathers_rows_into_pinned_memory_and_augments_them_on_the_device(name,
+                                                                                       devices):
+    from hybriddl.data import BatchTransform
+
+    images = torch.randint(0, 256, (12, 3, 64, 64), dtype=torch.uint8)
+    labels, indices = torch.arange(12) % 3, torch.tensor([5, 1, 7, 3])
+    flips = torch.tensor([True, False, False, True])
+    with make_strategy(name, StrategyOptions(micro_batches=2, devices=devices)) as strategy:
+        strategy.setup(slim_model("alexnet"))
+        rows, y = strategy.batch_rows(images, indices), strategy.batch_rows(labels, indices)
+        assert rows.is_pinned() and y.is_pinned()
+        assert torch.equal(rows, images[indices]) and torch.equal(y, labels[indices])
+        x = strategy.prepare_batch(rows, flips, BatchTransform(64))
+        assert x.is_cuda
+        with dropout_keys(sample_keys(0, 0, indices)):
+            stats = strategy.compute_gradients(x, y)
+        strategy.synchronize()
+    assert torch.allclose(x.cpu(), BatchTransform(64)(images[indices], flips), atol=1e-5)
+    assert stats.loss_sum.is_cuda and torch.isfinite(stats.loss_sum)
 
 
 @needs_cuda

@@ -138,6 +138,14 @@ class BatchTransform:
         self.image_size = image_size
         self.mean = torch.tensor(RGB_MEAN).view(1, 3, 1, 1)
         self.std = torch.tensor(RGB_STD).view(1, 3, 1, 1)
+        # (mean, std) per device, copied there once: a copy per batch made the host wait.
+        self._normalisation = {self.mean.device: (self.mean, self.std)}
+
+    def normalisation(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) on `device`."""
+        if device not in self._normalisation:
+            self._normalisation[device] = (self.mean.to(device), self.std.to(device))
+        return self._normalisation[device]
 
     def __call__(self, images: torch.Tensor, flips: torch.Tensor | None = None) -> torch.Tensor:
         """The batch on `images`' device (uint8 rows copied to a GPU are augmented there)."""
@@ -147,7 +155,7 @@ class BatchTransform:
         if flips is not None and bool(flips.any()):
             flips = flips.to(images.device, non_blocking=True)
             images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
-        mean, std = self.mean.to(images.device), self.std.to(images.device)
+        mean, std = self.normalisation(images.device)
         return (images.float().div_(255.0) - mean) / std
 
 
@@ -213,18 +221,22 @@ class BatchPrefetcher:
     """Assembles the next batches in a background thread so the step never waits on data.
 
     Iterating yields (HostShare, x, y): `share(batch)` says which part of each global
-    batch is this host's, and x, y are that part's samples, made from its uint8 rows by
-    `prepare(rows, flips, transform)` (by default the transform on the CPU; a GPU strategy
-    copies the rows to its device and augments them there while the step before computes). `wait_seconds` adds up the
-    time the training loop spent blocked here (the metric `data_wait_seconds`).
+    batch is this host's, and x, y are that part's samples: its uint8 rows and labels
+    gathered by `rows(source, indices)` (a GPU strategy gathers them into pinned memory),
+    x made from the rows by `prepare(rows, flips, transform)` (by default the transform on
+    the CPU; a GPU strategy copies the rows to its device and augments them there while the
+    step before computes). `wait_seconds` adds up the time the training loop spent blocked
+    here (the metric `data_wait_seconds`).
     """
 
     def __init__(self, images: ImageSet, batches: list[GlobalBatch], transform: BatchTransform,
                  share: Callable[[GlobalBatch], HostShare] = HostShare.whole, depth: int = 2,
                  prepare: Callable[[torch.Tensor, torch.Tensor, BatchTransform], torch.Tensor]
-                 = lambda images, flips, transform: transform(images, flips)):
+                 = lambda images, flips, transform: transform(images, flips),
+                 rows: Callable[[object, torch.Tensor], torch.Tensor]
+                 = lambda source, indices: source[indices]):
         self._images, self._batches, self._transform = images, batches, transform
-        self._share, self._prepare = share, prepare
+        self._share, self._prepare, self._rows = share, prepare, rows
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self.wait_seconds = 0.0
@@ -237,8 +249,9 @@ class BatchPrefetcher:
             for batch in self._batches:
                 share = self._share(batch)
                 mine = share.part
-                x = self._prepare(self._images.images[mine.indices], mine.flips, self._transform)
-                if not self._offer((share, x, self._images.labels[mine.indices])):
+                x = self._prepare(self._rows(self._images.images, mine.indices), mine.flips,
+                                  self._transform)
+                if not self._offer((share, x, self._rows(self._images.labels, mine.indices))):
                     return
             self._offer(None)
         except BaseException as exc:  # re-raised in the consumer, never lost in a thread

@@ -233,7 +233,8 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     step_seconds = []
     loss = LossReader(progress)
     with datamod.BatchPrefetcher(split.train, batches, transform, share=hosts.share,
-                                 prepare=strategy.prepare_batch) as prefetch:
+                                 prepare=strategy.prepare_batch,
+                                 rows=strategy.batch_rows) as prefetch:
         for share, x, y in prefetch:
             step = share.batch.step
             step_started = time.perf_counter()

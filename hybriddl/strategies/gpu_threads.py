@@ -4,7 +4,10 @@ The master parameters are the replica on the first device; the master thread com
 its sub-batch there, one pool thread per other device computes on that device's
 replica. The other replicas' gradients (weighted by n_i / n, as in `threads`) are
 added to the master's, and after the optimizer step the replicas copy the master
-parameters back. `--devices cpu,cpu` runs the same logic on the CPU (how CI tests it).
+parameters back. The batch arrives as the gpu strategy's does (base.StagedBatches): made on
+the first device by the prefetch thread, each other device's part copied from there. No
+copy in the step makes the host wait, and each part's loss stays on the devices until
+the trainer reads it. `--devices cpu,cpu` runs the same logic on the CPU (how CI tests it).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import torch
 
 from hybriddl.dropout import current_keys
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import (LocalStrategy, StepStats, add_gradients, master_backward,
-                                      sub_batches, worker_gradients)
+from hybriddl.strategies.base import (LocalStrategy, StagedBatches, StepStats, add_gradients,
+                                      sub_batches, to_device, weighted_loss)
 from hybriddl.strategies.resources import parse_devices
 from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 
@@ -50,6 +53,7 @@ class GpuThreads(LocalStrategy):
         self.devices = parse_devices(options, _default_devices())
         self.replicas: list[torch.nn.Module] = []
         self.pool: ThreadPoolExecutor | None = None
+        self._batches = StagedBatches(torch.device("cpu"))  # the first device's, from setup on
 
     def describe(self) -> dict:
         return {"name": self.name, "devices": [str(d) for d in self.devices]}
@@ -61,28 +65,46 @@ class GpuThreads(LocalStrategy):
     def setup(self, model) -> None:
         super().setup(model.to(self.devices[0]))
         self.replicas = [copy.deepcopy(model).to(d) for d in self.devices[1:]]
+        self._batches = StagedBatches(self.devices[0])
         if self.replicas:
             self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="hybriddl-gpu")
+
+    def batch_rows(self, source, indices: torch.Tensor) -> torch.Tensor:
+        return self._batches.rows(source, indices)
+
+    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return self._batches.stage(x)
+
+    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
+        return self._batches.prepare(rows, flips, transform)
+
+    def synchronize(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         n = len(y)
         parts = sub_batches(n, len(self.devices))
-        futures = [self.pool.submit(_replica_gradients, replica, device, x[a:b], y[a:b], n,
+        # Before any part is copied: the first device's stream waits for the staged batch
+        # (a replica's copy from it is queued on that stream too).
+        self._batches.arrived(x)
+        futures = [self.pool.submit(_part_gradients, replica, device, x[a:b], y[a:b], n,
                                     current_keys(a, b))
                    for replica, device, (a, b) in zip(self.replicas, self.devices[1:], parts[1:])]
         try:
             a, b = parts[0]
-            device = self.devices[0]
-            loss_sum = master_backward(self.model, x[a:b].to(device), y[a:b].to(device), n,
-                                       start=a)
+            loss_sum, _ = _part_gradients(self.model, self.devices[0], x[a:b], y[a:b], n,
+                                          current_keys(a, b), into_grad=True)
         finally:
             wait(futures)
         with torch.no_grad():
             for future in futures:
                 replica_loss_sum, grads = future.result()
-                loss_sum += replica_loss_sum
+                loss_sum = loss_sum + to_device(replica_loss_sum, self.devices[0])
                 add_gradients(self.model.parameters(), grads)
+        # The loss stays on the device: reading it would make the host wait for the step.
         return StepStats(n, loss_sum, time.perf_counter() - started, {"parts": len(parts)})
 
     def after_step(self) -> None:
@@ -99,6 +121,14 @@ class GpuThreads(LocalStrategy):
             self.pool = None
 
 
-def _replica_gradients(replica, device, x, y, n, keys):
-    return worker_gradients(replica, list(replica.parameters()), x.to(device), y.to(device), n,
-                            keys=keys)
+def _part_gradients(model, device, x, y, n, keys, into_grad: bool = False):
+    """One device's part of the batch: its sum of losses, left on the device, and its
+    weighted gradients (added into `model`'s .grad where `into_grad`, the master's part)."""
+    x, y, keys = to_device(x, device), to_device(y, device), to_device(keys, device)
+    loss, weighted = weighted_loss(model, x, y, n, keys=keys)
+    if into_grad:
+        weighted.backward()
+        grads = None
+    else:
+        grads = torch.autograd.grad(weighted, list(model.parameters()), allow_unused=True)
+    return loss.detach() * len(y), grads

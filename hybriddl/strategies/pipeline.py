@@ -25,7 +25,7 @@ from torch import nn
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.data.sharding import split_bounds
-from hybriddl.strategies.base import LocalStrategy, StepStats, criterion
+from hybriddl.strategies.base import LocalStrategy, StagedBatches, StepStats, criterion, to_device
 from hybriddl.strategies.resources import parse_devices
 from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 from hybriddl.usecases import PIPELINE_SPLITS
@@ -57,6 +57,10 @@ def _follow(stream, event) -> None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
     else:
         stream.wait_event(event)
+
+
+def _rows(keys: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+    return None if keys is None else keys[a:b]
 
 
 def pipeline_model_name(model: nn.Module) -> str:
@@ -117,6 +121,7 @@ class Pipeline(LocalStrategy):
         self.streams: tuple = (None, None)
         self._marks = []
         self._origins: dict | None = None  # the timeline's reference marks, one per clock
+        self._batches = StagedBatches(torch.device("cpu"))  # the first stage's, from setup on
 
     def describe(self) -> dict:
         return {"name": self.name, "micro_batches": self.micro_batches,
@@ -136,18 +141,39 @@ class Pipeline(LocalStrategy):
         # stages on one GPU (one stream would run them one after the other).
         self.streams = tuple(torch.cuda.Stream(d) if d.type == "cuda" else None
                              for d in self.devices)
+        self._batches = StagedBatches(self.devices[0])
         super().setup(model)
         self.second_stage = threading.Thread(target=self._second_stage_loop,
                                              name="hybriddl-pipeline-stage-2", daemon=True)
         self.second_stage.start()
+
+    # The batch as the gpu strategy has it (base.StagedBatches), on the first stage's device:
+    # uint8 rows gathered into pinned memory, copied and augmented on a side stream.
+    def batch_rows(self, source, indices: torch.Tensor) -> torch.Tensor:
+        return self._batches.rows(source, indices)
+
+    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return self._batches.stage(x)
+
+    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
+        return self._batches.prepare(rows, flips, transform)
+
+    def synchronize(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
         first, _ = self.stages
         n = len(y)
         parts = [(a, b) for a, b in split_bounds(n, [1.0] * self.micro_batches) if b > a]
-        x = x.to(self.devices[0], non_blocking=True)
-        y = y.to(self.devices[1], non_blocking=True)
+        self._batches.arrived(x, *[s for s in self.streams[:1] if s is not None])
+        x = to_device(x, self.devices[0])
+        y = to_device(y, self.devices[1])
+        keys = current_keys()  # each stage's on its device (the stage-2 thread sees no keys)
+        keys = (to_device(keys, self.devices[0]), to_device(keys, self.devices[1])) \
+            if keys is not None else (None, None)
         for stream in self.streams:  # after the optimizer's update and these copies
             _follow(stream, None)
         if self.record_timeline and self._origins is None:
@@ -155,12 +181,11 @@ class Pipeline(LocalStrategy):
         activations = []
         with _on(self.streams[0]):
             for m, (a, b) in enumerate(parts):  # fill
-                keys = current_keys(a, b)  # the stage-2 thread sees no keys of its own
-                with dropout_keys(keys), self._busy(0, m):
+                with dropout_keys(_rows(keys[0], a, b)), self._busy(0, m):
                     activation = first(x[a:b])
                 activations.append(activation)
                 self.inbox.put((activation.detach().to(self.devices[1]), y[a:b], (b - a) / n,
-                                keys, m, _ready(self.streams[0])))
+                                _rows(keys[1], a, b), m, _ready(self.streams[0])))
         loss_sum, failure = 0.0, None
         with _on(self.streams[0]):
             for m, activation in enumerate(activations):  # drain, in micro-batch order
