@@ -449,6 +449,26 @@ def test_pipeline_on_two_gpus_matches_gpu(exact_cuda):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason=f"{GPUS} CUDA device(s): the two-GPU pipeline needs two")
+def test_the_two_gpu_pipelines_loss_is_the_gpu_steps(exact_cuda):
+    """Issue 39: the micro-batches' losses were summed on cuda:1's default stream, which
+    never waited for stage 2's stream: the step's loss could be read before it was made."""
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(3, (16,))
+    losses = []
+    for name, options in (("gpu", StrategyOptions(devices=("cuda:0",))),
+                          ("pipeline", StrategyOptions(micro_batches=4,
+                                                       devices=("cuda:0", "cuda:1")))):
+        with make_strategy(name, options) as strategy:
+            strategy.setup(slim_model("alexnet"))
+            with dropout_keys(sample_keys(0, 0, torch.arange(16))):
+                for _ in range(3):  # later steps queue behind the earlier ones' kernels
+                    stats = strategy.compute_gradients(strategy.stage_batch(x), y)
+            losses.append(float(stats.loss_sum))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_gpu_threads_on_one_gpu_matches_gpu(exact_cuda):
     options = StrategyOptions(devices=("cuda:0", "cuda:0"))
     assert_same_parameters(train("gpu-threads", options, "alexnet"), gpu_parameters("alexnet"))

@@ -232,7 +232,10 @@ class StagedBatches:
         if self.stream is None:
             return transform(rows, flips)
         with torch.cuda.stream(self.stream):
-            flips = None if flips is None else to_device(flips, self.device)
+            # The flips stay on the host (the transform asks whether any is set: on the
+            # device that would wait for it), pinned so that their copy there is a DMA.
+            if flips is not None and not flips.is_pinned():
+                flips = flips.pin_memory()
             return self._arriving(transform(to_device(rows, self.device), flips))
 
     def _arriving(self, x: torch.Tensor) -> torch.Tensor:
