@@ -98,6 +98,23 @@ def test_a_step_is_compute_plus_wire_plus_latency_rounds_plus_compression(alexne
                                               + fp16.compression_seconds)
 
 
+def test_hybrid_is_credited_the_exchanges_it_overlaps_up_to_a_share_of_compute(alexnet):
+    """The convolutions' gradients (exact only) and the features' gradient run beside
+    compute: credited up to OVERLAP_SHARE of it; data and the gather are credited nothing."""
+    from hybriddl.hybrid.planner import OVERLAP_SHARE
+    link = Link(GIGABIT)
+    overlapped = (4 * ALEXNET_CONVOLUTIONS + 32 * 9216 * 4 / 2) / GIGABIT  # 0.084 s
+    slow = predict(Scheme("hybrid"), alexnet, 2, 32, 1.0, link)
+    assert slow.overlap_seconds == pytest.approx(overlapped)
+    assert slow.step_seconds == pytest.approx(1.0 + slow.wire_seconds + slow.latency_seconds
+                                              - overlapped)
+    fast = predict(Scheme("hybrid"), alexnet, 2, 32, 0.1, link)
+    assert fast.overlap_seconds == pytest.approx(OVERLAP_SHARE * 0.1)
+    powersgd = predict(Scheme("hybrid", "powersgd:2", "bfloat16"), alexnet, 2, 32, 1.0, link)
+    assert powersgd.overlap_seconds == pytest.approx(32 * 9216 * 2 / 2 / GIGABIT)
+    assert predict(Scheme("data"), alexnet, 2, 32, 1.0, link).overlap_seconds == 0.0
+
+
 def test_a_fast_link_and_slow_compute_keep_the_exact_exchange(alexnet):
     plan = make_plan(alexnet, 2, 32, 1.0, Link(10 * GIGABIT, 1e-4), COSTS, compression="auto")
     assert plan.chosen.exact and plan.chosen.compression == "none"

@@ -370,6 +370,7 @@ def probe_compute(model: nn.Module, batch: int, image_size: int) -> float:
     x = torch.zeros(batch, 3, image_size, image_size)
     seconds = 0.0
     for _ in range(2):
+        probe.zero_grad(set_to_none=True)  # a step writes its gradients, adds to none
         started = time.perf_counter()
         probe(x).float().sum().backward()
         seconds = time.perf_counter() - started
