@@ -186,6 +186,10 @@ def mpirun(launcher, hosts: int, args: list[str]) -> subprocess.CompletedProcess
 
 @needs_mpi
 @pytest.mark.parametrize("hosts, strategy", [(2, ["--strategy", "layerwise", "--workers", "1"]),
+                                             # hybrid's default: the convolutions' buckets
+                                             # leave during their backward, the features'
+                                             # gradient beside the first layer's weight's
+                                             (2, ["--strategy", "sequential"]),
                                              (3, ["--strategy", "sequential", "--accumulate", "2",
                                                   "--overlap"])])
 @pytest.mark.mpi
@@ -202,6 +206,11 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
     metrics = metrics_of(run_dir)
     record = metrics["config"]["host_parallel"]
     assert record["scheme"] == "hybrid"
+    # Without --overlap, where one backward writes each gradient once: the convolutions'
+    # buckets left during it (layerwise and --accumulate 2 write gradients more than once).
+    overlapped = strategy == ["--strategy", "sequential"]
+    assert metrics["config"]["hosts"]["overlap"] == [overlapped] * hosts
+    assert (metrics["epochs"][0]["buckets_sent_in_backward"] > 0) == overlapped
     if launcher.emulated:
         # Bytes on the network: what host 0's own interface sent in the epoch's steps
         # (18 images: batches of 8, 8 and 2), against the scheme's theory;

@@ -50,6 +50,16 @@ def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[
     return [fill if t is None else float(t) for t in throughputs], "throughput", note
 
 
+class Exchange:
+    """An exchange between hosts that was started and is waited for by `result()` (once)."""
+
+    def __init__(self, value: torch.Tensor):
+        self._value = value
+
+    def result(self) -> torch.Tensor:
+        return self._value
+
+
 class Hosts:
     """What the trainer asks of the hosts; the single-host case does no communication.
 
@@ -106,8 +116,12 @@ class Hosts:
         """Send gradients as `compression` (hosts/compression.py); before `attach`."""
         self.compression = compression
 
-    def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
+    def attach(self, model: nn.Module, gradient_hooks: bool = False,
+               overlap: bool | None = None, bucket_bytes: int | None = None) -> None:
         """Prepare gradient averaging for `model` (after the strategy set it up).
+        `overlap` (None: --overlap's setting) sends buckets during backward where
+        `gradient_hooks` allow; `bucket_bytes` caps the fusion buckets' size below
+        --fusion-mib's (hybrid's convolutions: see hybrid/parallel.py).
 
         Alone, there is nothing to sum, but a compression of the whole gradient still
         applies (PowerSGD's approximation and error feedback), so that one host trains
@@ -265,6 +279,15 @@ class Hosts:
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over hosts of `tensor`, the same bits on every host."""
         return tensor
+
+    # The same exchanges left running while this host computes: `result()` waits for it.
+    # Every host starts them in the same order, and waits for each.
+    def start_reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> Exchange:
+        """reduce_scatter_rows (or, for a 2-byte float tensor, reduce_scatter_half_rows),
+        started now."""
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            return Exchange(self.reduce_scatter_half_rows(tensor, counts))
+        return Exchange(self.reduce_scatter_rows(tensor, counts))
 
     def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Every host's rows concatenated on rank 0 (None elsewhere)."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
+from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Exchange, Hosts
 from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
@@ -38,8 +38,7 @@ from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbea
 from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
-from hybriddl.hosts.wire import as_bits, half_sum
-from hybriddl.hosts.wire import as_bits, half_sum
+from hybriddl.hosts.wire import HALF_DTYPES, as_bits, half_sum
 
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 # Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
@@ -116,6 +115,7 @@ class ProgressThread:
         self.MPI = MPI
         self.lock = threading.Lock()
         self._requests: list | None = None
+        self._driven: list[list] = []  # exchanges left running (MPIHosts.start_*)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hybriddl-mpi-progress",
@@ -135,7 +135,20 @@ class ProgressThread:
         """The caller takes over the requests (it will wait for them itself)."""
         with self.lock:
             self._requests = None
-            self._wake.clear()
+            if not self._driven:
+                self._wake.clear()
+
+    def drive(self, requests: list) -> None:
+        """Also drive `requests`, an exchange left running while this host computes,
+        until `drop(requests)`."""
+        with self.lock:
+            self._driven.append(requests)
+            self._wake.set()
+
+    def drop(self, requests: list) -> None:
+        """The caller waits for `requests` itself from now on."""
+        with self.lock:
+            self._driven = [driven for driven in self._driven if driven is not requests]
 
     def _run(self) -> None:
         while True:
@@ -143,8 +156,9 @@ class ProgressThread:
             with self.lock:
                 if self._stopping:
                     return
+                pending = [*(self._requests or ()), *(r for d in self._driven for r in d)]
                 try:
-                    idle = self._requests is None or self.MPI.Request.Testall(self._requests)
+                    idle = not pending or self.MPI.Request.Testall(pending)
                 except self.MPI.Exception:
                     idle = True  # the waiting thread meets the same error and reports it
                 if idle:
@@ -156,6 +170,22 @@ class ProgressThread:
             self._stopping = True
             self._wake.set()
         self._thread.join(timeout=5)
+
+
+class RunningExchange(Exchange):
+    """Requests started by MPIHosts.start_*, driven by its progress thread until
+    `result()` takes them back, waits for them as every exchange is waited for (heartbeat,
+    deadline) and returns `finish()`. `keep` holds what MPI reads until then."""
+
+    def __init__(self, hosts: MPIHosts, requests: list, what: str, finish, *keep):
+        self._hosts, self._requests, self._what, self._finish = hosts, requests, what, finish
+        self._keep = keep
+        hosts._driver().drive(requests)
+
+    def result(self) -> torch.Tensor:
+        self._hosts._driver().drop(self._requests)
+        self._hosts._wait(self._requests, self._what)
+        return self._finish()
 
 
 class MPIHosts(Hosts):
@@ -522,6 +552,31 @@ class MPIHosts(Hosts):
         self.traffic.sent(tensor.nbytes)
         return _back_to(out, given)
 
+    def start_reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> Exchange:
+        """reduce_scatter_rows (2-byte floats summed in their own dtype, hosts/wire.py)
+        started now; the progress thread moves it while this host computes."""
+        given, tensor = tensor, _to_host(tensor.detach())
+        row = _row_elements(tensor)
+        out = _host_empty((counts[self.rank], *tensor.shape[1:]), tensor.dtype, given.device)
+        if tensor.dtype in HALF_DTYPES:
+            datatype, op = half_sum(self.MPI, tensor.dtype)
+            send, receive = [as_bits(tensor), datatype], [as_bits(out), datatype]
+        else:
+            send, receive, op = _as_mpi(tensor), _as_mpi(out), self.MPI.SUM
+        what = "returning classifier input gradients"
+        try:
+            requests = [self.comm.Ireduce_scatter(send, receive, [c * row for c in counts], op)]
+        except self.MPI.Exception as exc:
+            raise self._failure(exc, what) from None
+        self.traffic.sent(tensor.nbytes)
+        return RunningExchange(self, requests, what, lambda: _back_to(out, given), tensor)
+
+    def _driver(self) -> ProgressThread:
+        """The thread that calls MPI while exchanges run beside compute."""
+        if self._progress is None:
+            self._progress = ProgressThread(self.MPI)
+        return self._progress
+
     def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         given, tensor = tensor, _to_host(tensor.detach())
         row = _row_elements(tensor)
@@ -541,8 +596,10 @@ class MPIHosts(Hosts):
         super().use_compression(compression)
         self._wire_type, self._sum = compression.mpi_sum(self.MPI)
 
-    def attach(self, model: nn.Module, gradient_hooks: bool = False) -> None:
-        """Lay out the fusion buckets; with --overlap and a strategy whose backward writes
+    def attach(self, model: nn.Module, gradient_hooks: bool = False,
+               overlap: bool | None = None, bucket_bytes: int | None = None) -> None:
+        """Lay out the fusion buckets (at most `bucket_bytes` each where it is below
+        --fusion-mib); with --overlap (or `overlap`) and a strategy whose backward writes
         each gradient once, send each bucket as soon as backward has filled it. A
         compression of the whole gradient (PowerSGD) reads the buckets once backward is
         done and sends its factors in one allreduce."""
@@ -551,7 +608,7 @@ class MPIHosts(Hosts):
         whole = self.compression.whole_gradient
         # The buckets hold the gradients themselves where the compression is of the whole.
         self.buckets = GradientBuckets(model, Compression.none if whole else self.compression,
-                                       self.bucket_bytes)
+                                       min(self.bucket_bytes, bucket_bytes or self.bucket_bytes))
         signatures = self.allgather((self.compression.name, self.buckets.signature()))
         if any(s != signatures[0] for s in signatures):
             raise UsageError("hosts lay out gradients differently (different models, library "
@@ -561,7 +618,8 @@ class MPIHosts(Hosts):
         self._received = {}
         if whole:
             self._setup_whole_gradient(model)
-        self.overlapping = self.overlap and gradient_hooks and not whole
+        asked = self.overlap if overlap is None else overlap
+        self.overlapping = asked and gradient_hooks and not whole
         if self.overlap and whole:
             self.notes.append(f"--overlap: --compression {self.compression.name} sends the "
                               "step's factors in one allreduce once backward is done, so "

@@ -108,8 +108,8 @@ class GatherRows(torch.autograd.Function):
     that 2-byte dtype, half the bytes, and come back in the rows' own; None: bit for bit."""
 
     @staticmethod
-    def forward(ctx, rows, hosts, counts, tags, wire_dtype=None):
-        ctx.hosts, ctx.counts, ctx.wire_dtype = hosts, counts, wire_dtype
+    def forward(ctx, rows, hosts, counts, tags, wire_dtype=None, returned=None):
+        ctx.hosts, ctx.counts, ctx.wire_dtype, ctx.returned = hosts, counts, wire_dtype, returned
         wire = rows.detach() if wire_dtype is None else rows.detach().to(wire_dtype)
         width = wire.shape[1] * wire.element_size()
         # One message of bytes per row: the float rows, then the tags, bit for bit.
@@ -122,10 +122,34 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
+        if ctx.returned is not None:  # started here, waited for by whoever holds `returned`
+            wire = grad if ctx.wire_dtype is None else grad.to(ctx.wire_dtype)
+            ctx.returned.start(ctx.hosts.start_reduce_scatter_rows(wire, ctx.counts), grad)
+            return None, None, None, None, None, None
         if ctx.wire_dtype is None:
-            return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None, None, None
+            return ctx.hosts.reduce_scatter_rows(grad, ctx.counts), None, None, None, None, None
         part = ctx.hosts.reduce_scatter_half_rows(grad.to(ctx.wire_dtype), ctx.counts)
-        return part.to(grad.device, grad.dtype), None, None, None, None
+        return part.to(grad.device, grad.dtype), None, None, None, None, None
+
+
+class ReturnedGradient:
+    """The gathered rows' gradient on its way back: given to `GatherRows`, whose backward
+    starts the reduce-scatter and returns without waiting for it, so that the first
+    linear layer's weight gradient (`ColumnLinear.weight_gradients`) is computed while
+    it crosses the wire. `result()`: this host's rows, summed over hosts, in the rows' dtype
+    and on their device."""
+
+    def __init__(self):
+        self._exchange, self._like = None, None
+
+    def start(self, exchange, like: torch.Tensor) -> None:
+        self._exchange, self._like = exchange, like
+
+    def result(self) -> torch.Tensor:
+        if self._exchange is None:
+            raise RuntimeError("the gathered rows' backward has not run: nothing was returned")
+        part, self._exchange = self._exchange.result(), None
+        return part.to(self._like.device, self._like.dtype)
 
 
 class SumOverHosts(torch.autograd.Function):
@@ -153,11 +177,65 @@ class ColumnLinear(nn.Module):
         self.bias = None if linear.bias is None else \
             nn.Parameter(linear.bias.detach()[start:stop].clone())
 
+        # A list from `defer_weight_gradients` to `weight_gradients`: backward leaves what
+        # the weight's and bias's gradients need here, and returns only the input's.
+        self.deferred: list | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.deferred is None or not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return _InputGradientFirst.apply(x, self.weight, self.bias, self)
+
+    def defer_weight_gradients(self) -> None:
+        """Until `weight_gradients`, backward returns the input's gradient only."""
+        self.deferred = []
+
+    def weight_gradients(self) -> None:
+        """The weight's and bias's gradients of the backward passes since
+        `defer_weight_gradients`, added into their .grad as autograd would; backward
+        computes them itself again from now on."""
+        deferred, self.deferred = self.deferred or [], None
+        for grad, x, (enabled, dtype) in deferred:
+            with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+                weight = grad.t().matmul(x)
+            _accumulate(self.weight, weight)
+            if self.bias is not None:
+                _accumulate(self.bias, grad.sum(0))
 
     def extra_repr(self) -> str:
         return f"outputs [{self.start}, {self.stop}) of {self.full_out}, in={self.in_features}"
+
+
+class _InputGradientFirst(torch.autograd.Function):
+    """F.linear whose backward computes its input's gradient only, and leaves what its
+    weight's needs with the layer (ColumnLinear.weight_gradients): the input's gradient is
+    what the other hosts wait for."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        ctx.save_for_backward(x, weight)
+        ctx.layer = layer
+        # bf16 autocast (run_forward): backward runs after it ended, in the same numerics.
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type),
+                        torch.get_autocast_dtype(x.device.type))
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
+        with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+            grad_x = grad.matmul(weight)
+        ctx.layer.deferred.append((grad, x, ctx.autocast))
+        return grad_x.to(x.dtype), None, None, None
+
+
+def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(parameter.dtype)
+    if parameter.grad is None:
+        parameter.grad = grad.contiguous()
+    else:
+        parameter.grad.add_(grad)
 
 
 class RowLinear(nn.Module):

@@ -30,8 +30,9 @@ from torch.nn import functional as F
 from hybriddl.data.sharding import split_bounds, split_counts
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
-from hybriddl.hybrid.classifier import (GatherRows, NotSplittable, SplitClassifier, plan,
-                                        slice_counts, split_classifier)
+from hybriddl.hybrid.classifier import (ColumnLinear, GatherRows, NotSplittable,
+                                        ReturnedGradient, SplitClassifier, plan, slice_counts,
+                                        split_classifier)
 from hybriddl.machine.cpu_threads import torch_threads
 from hybriddl.hybrid.planner import (EXACT_FEATURES, FEATURE_DTYPES, HostCosts, Link,
                                      ModelShapes, make_plan, measure_powersgd, one_host_plan)
@@ -40,6 +41,11 @@ from hybriddl.strategies.base import cut_computes_model, host_gradients, run_for
     split_at_classifier
 
 HOST_PARALLEL = ("auto", "data", "hybrid")
+# Hybrid's convolution buckets: about one layer each (AlexNet's are 0.1-3.5 MB, VGG16's up
+# to 9.4 MB), so a layer's gradient leaves as soon as its backward has written it and only
+# the first layers' (AlexNet: 1.3 MB) remain when backward ends; the small first layers
+# share one bucket.
+CONVOLUTION_BUCKET_BYTES = 2**20
 
 
 class DataParallel:
@@ -114,8 +120,17 @@ class HybridParallel(DataParallel):
         self.features_width = next(s.in_features for s in self.split.splits)
         strategy.setup(model)
         convolutions = split_at_classifier(model)[0]
-        hosts.attach(convolutions, gradient_hooks=strategy.writes_gradients_once)
+        # The convolutions' gradients leave while their backward still runs, by default
+        # where that changes no bit (an exact compression): in buckets small enough that the
+        # last layers' leave while the first layers' backward computes. One 9.9 MB bucket
+        # (AlexNet's convolutions) left only once backward was done, its 80 ms at 1 Gbit/s
+        # all exposed.
+        exact = getattr(getattr(hosts, "compression", None), "exact", True)
+        hosts.attach(convolutions, gradient_hooks=strategy.writes_gradients_once,
+                     overlap=True if exact else None, bucket_bytes=CONVOLUTION_BUCKET_BYTES)
         self.classifier = model.classifier
+        self.first_column = next(layer for layer in self.classifier
+                                 if isinstance(layer, ColumnLinear))
 
     def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
         """The step's gradients: the convolutions' host mean (averaged after, as in data)
@@ -145,18 +160,25 @@ class HybridParallel(DataParallel):
             # Every sample's label and dropout key travel with its features.
             chunk_keys = keys[a:b] if keys is not None else torch.full((b - a,), -1)
             tags = torch.stack([y[a:b].to(torch.int64), chunk_keys.to(torch.int64)], 1)
-            whole, everyone = GatherRows.apply(local, hosts, counts, tags, self.wire_dtype)
+            returned = ReturnedGradient()
+            whole, everyone = GatherRows.apply(local, hosts, counts, tags, self.wire_dtype,
+                                               returned)
             global_keys = everyone[:, 1] if keys is not None else None
+            self.first_column.defer_weight_gradients()
             with dropout_keys(global_keys):
                 logits = run_forward(self.classifier, whole.to(strategy.device), strategy.options)
             losses = F.cross_entropy(logits, everyone[:, 0].to(logits.device), reduction="none")
+            # Backward stops at the features' gradient, whose return it starts; the first
+            # layer's weight gradient is computed while that crosses the wire.
             (losses.sum() / total).backward()
+            self.first_column.weight_gradients()
+            features_grad = returned.result()
             first = sum(counts[:hosts.rank])
             loss_sum += float(losses.detach()[first:first + b - a].sum())
             if b > a:
                 # The features' gradient is of the global mean loss; scaled to this host's
                 # mean, so the averaging weighs it by mine / total as in data parallelism.
-                strategy.convolutions_backward(local.grad * (total / mine))
+                strategy.convolutions_backward(features_grad * (total / mine))
         return StepStats(mine, loss_sum, time.perf_counter() - started,
                          {"host_parallel": self.name})
 
