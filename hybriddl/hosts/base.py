@@ -184,8 +184,13 @@ class Hosts:
     def _average(self, share: HostShare) -> None:
         """Alone, the host's mean gradient already is the global one (compressed as the
         hosts would, where the compression is of the whole gradient)."""
-        if not self._compressed:
-            return
+        if self._compressed:
+            self._average_compressed(share, self.allreduce_sum)
+
+    def _average_compressed(self, share: HostShare, allreduce) -> None:
+        """The whole gradient through the compression (PowerSGD), `allreduce` its transport:
+        each host hands it n_h/N of its mean gradient, on the gradients' own device, and
+        the approximation of the global mean comes back into `.grad`."""
         scale = share.samples / share.global_samples if share.global_samples else 0.0
         gradients = []
         for p in self._compressed:
@@ -193,7 +198,7 @@ class Hosts:
                 p.grad = torch.zeros_like(p)
             gradients.append(p.grad.mul_(scale) if scale != 1.0 else p.grad)
         for gradient, approximation in zip(
-                gradients, self.compression.aggregate(gradients, self.allreduce_sum)):
+                gradients, self.compression.aggregate(gradients, allreduce)):
             gradient.copy_(approximation)
 
     # ------------------------------------------------------------------ compression state

@@ -704,37 +704,30 @@ class MPIHosts(Hosts):
 
     # ------------------------------------------------------------------ whole-gradient compression
     def _setup_whole_gradient(self, model: nn.Module) -> None:
-        """The compression's gradients: bucket slots, in the model's parameter order (the
-        order SingleHost gives it, so that the state is the same whatever the host count)."""
-        where = {id(p): (bucket, i) for bucket in self.buckets.buckets
-                 for i, p in enumerate(bucket.params)}
+        """The compression works on the gradients where they are (`.grad`, a bucket's view
+        on the CPU, the device's own on a GPU: only the factors cross to host memory), in
+        the model's parameter order, as SingleHost gives them: the same state whatever the
+        host count."""
         self._compressed = [p for p in model.parameters() if p.requires_grad]
-        self._slots = [where[id(p)] for p in self._compressed]
         names = {id(p): name for name, p in model.named_parameters()}
-        self.notes.extend(self.compression.setup([p.shape for p in self._compressed],
-                                                 [names[id(p)] for p in self._compressed]))
+        self.notes.extend(self.compression.setup(
+            [p.shape for p in self._compressed], [names[id(p)] for p in self._compressed],
+            self._compressed[0].device if self._compressed else "cpu"))
 
-    def _average_whole_gradient(self) -> None:
+    def _average_whole_gradient(self, share) -> None:
         try:
-            for bucket in self.buckets.buckets:
-                self.buckets.gather(bucket)
-                if self._scale != 1.0:
-                    bucket.flat.mul_(self._scale)
-            gradients = [bucket.slot(i) for bucket, i in self._slots]
-            approximations = self.compression.aggregate(gradients, self._sum_gradients)
+            self._average_compressed(share, self._sum_gradients)
         finally:
             self._armed = False
-        for gradient, approximation in zip(gradients, approximations):
-            gradient.copy_(approximation)
-        for bucket in self.buckets.buckets:
-            self.buckets.scatter(bucket)
 
     def _sum_gradients(self, wire: torch.Tensor) -> torch.Tensor:
-        """The allreduce a whole-gradient compression is given: `wire` summed over hosts."""
-        received = torch.empty_like(wire)
-        self._wait(self._iallreduce(wire.contiguous(), received), "averaging gradients")
+        """The allreduce a whole-gradient compression is given: `wire` summed over hosts,
+        on its own device."""
+        given, wire = wire, _to_host(wire.detach())
+        received = _host_empty(wire.shape, wire.dtype, given.device)
+        self._wait(self._iallreduce(wire, received), "averaging gradients")
         self.traffic.sent(wire.nbytes)
-        return received
+        return _back_to(received, given)
 
     def _gradient_bytes(self) -> int:
         """Bytes one gradient exchange hands to MPI."""
@@ -747,7 +740,7 @@ class MPIHosts(Hosts):
 
     def _average(self, share) -> None:
         if self.compression.whole_gradient:
-            return self._average_whole_gradient()
+            return self._average_whole_gradient(share)
         if self._progress:
             self._progress.release()
         for bucket in self.buckets.buckets[self._next_to_post:]:
