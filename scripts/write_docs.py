@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -363,6 +363,40 @@ def gpu_tests_setting(data: dict) -> str:
     return f"`{data['pytest']}` on {data['gpu_name']} (one of {data['gpu_count']} GPUs)"
 
 
+def tune_gpu_table(data: dict) -> str:
+    lines = ["| candidate | status | s/step (median) | spread | img/s | × one core | × one GPU | note |",
+             "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        measured = r["status"] == "measured"
+        low, high = r.get("spread_seconds") or (None, None)
+        cells = ([f"{r['seconds_per_step']:.4f}", f"{low:.4f}–{high:.4f}" if low else "—",
+                  f"{r['images_per_second']:.1f}",
+                  *("—" if r.get(k) is None else f"{r[k]:.2f}×" for k in ("speedup",
+                                                                        "speedup_over_gpu"))]
+                 if measured else ["—"] * 5)
+        note = (r.get("note") or "").replace("|", "/")
+        lines.append(f"| {r['label']} | {r['status']} | {' | '.join(cells)} | {note} |")
+    lines += ["", f"Pick: **{data['pick']}**."]
+    if data.get("bf16_gain"):
+        lines[-1] += f" The line `train --strategy auto` logs with it: {data['bf16_gain']}."
+    return "\n".join(lines)
+
+
+def tune_gpu_setting(data: dict) -> str:
+    s, m = data["settings"], data["measurement"]
+    return (f"`hybriddl tune` of {s['usecase']} ({s['model']} at {s['image_size']} px, batch "
+            f"{s['batch_size']}, precision {s['precision']}): budget {m['budget_seconds']:g} s, "
+            f"{m['rounds']} interleaved rounds of {m['warmup_steps']} warm-up and "
+            f"{m['timed_steps']} timed steps per visit, {m['second_look_rounds']} second-look "
+            f"rounds; {m['seconds_spent']:.0f} s spent")
+
+
+TUNE_GPU_NOTES = """How to read it: the profile `hybriddl tune` wrote on a GPU host, as
+`scripts/gpu_check.py` recorded it. *× one core* is the speedup over sequential on one CPU
+core, *× one GPU* over the `gpu` strategy in float32; a dropped candidate's note says why
+(a kind outrun, the budget)."""
+
+
 def fidelity_table(data: dict) -> str:
     lines = ["| check | time scale D | expected | measured (median) | spread | error "
              "| within |", "|---|---:|---:|---:|---|---:|---|"]
@@ -525,6 +559,9 @@ TABLES = [
           BENCH_GPU_NOTES),
     Table("gpu_tests", "The GPU tests on a GPU", "results/gpu_tests.json", gpu_tests_table,
           gpu_tests_setting, ""),
+    # One page per file the glob finds (none until a GPU host has run scripts/gpu_check.py).
+    Table("tune_gpu-*", "Tuning a GPU host", "results/tune_gpu-*.json", tune_gpu_table,
+          tune_gpu_setting, TUNE_GPU_NOTES),
     Table("main_job", "The main job: VGG16, 64 px, 5 epochs on one host",
           "results/main_job.json", main_job_table, main_job_setting, MAIN_JOB_NOTES),
     Table("time_to_accuracy-ComplexSmall-1gbit",
@@ -576,6 +613,25 @@ def benchmark_page(table: Table, data: dict) -> str:
     return "\n".join(lines)
 
 
+def expanded(tables: list[Table], skipped: list[str]) -> list[Table]:
+    """Each table, a table whose JSON is a glob once per file it finds (its name and title
+    from the file's name); a glob that finds none is listed in `skipped`, with no page."""
+    out = []
+    for table in tables:
+        if "*" not in table.json:
+            out.append(table)
+            continue
+        found = sorted(REPO.glob(table.json))
+        if not found:
+            skipped.append(f"{table.json}: none measured yet (they need a GPU host: "
+                           "scripts/gpu_check.py)")
+        for path in found:
+            suffix = path.stem[len(table.name.rstrip("*")):]
+            out.append(replace(table, name=path.stem, title=f"{table.title}: {suffix}",
+                               json=str(path.relative_to(REPO))))
+    return out
+
+
 def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
     pages, skipped = {}, []
     index = ["# Benchmarks", "", GENERATED.format(source="results/"), "",
@@ -583,7 +639,7 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
              "its JSON records; results that do not record them are in `results/archive/` "
              "and are not quoted.", "",
              "| table | JSON |", "|---|---|"]
-    for table in TABLES:
+    for table in expanded(TABLES, skipped):
         data, why = load_quotable(REPO / table.json)
         if data is None:
             skipped.append(f"{table.json}: {why}")

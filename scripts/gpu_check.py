@@ -1,0 +1,266 @@
+"""One command that checks a GPU host: its tests, benchmarks, tuning, two ranks sharing the
+GPU and a short training run per use case, every outcome recorded in results/.
+
+    python scripts/gpu_check.py            # at most 20 minutes on one GPU
+    python scripts/gpu_check.py --plan     # the steps, their commands and time limits; runs nothing
+
+Each step runs as a process of its own under a time limit (and never past the check's 20
+minutes); a step that fails or reaches its limit is recorded with its exit code and last
+lines, and the next step runs:
+
+- gpu-tests: `scripts/gpu_tests.py` (pytest -m gpu) -> results/gpu_tests.json
+- bench-SimpleBig, bench-ComplexSmall: `scripts/bench_gpu.py` (hybriddl's GPU step against
+  plain PyTorch, then the data wait of a training run) -> results/bench_gpu-<usecase>.json
+- tune-SimpleBig: `hybriddl tune --precision auto` with a budget that fits ->
+  results/tune_gpu-SimpleBig.json (the profile, with where and how it was measured)
+- two-ranks: `mpirun -np 2` ranks sharing the GPU, `--host-parallel auto` ->
+  results/gpu_check-two_ranks.json
+- train-SimpleBig, train-ComplexSmall: `hybriddl train --strategy gpu` for a few epochs'
+  steps -> results/gpu_check-train-<usecase>.json
+
+Then results/gpu_check.json lists every step: command, limit, seconds, exit code, outcome.
+Every results file names the GPU (gpu_name), torch, commit and command. Without a CUDA
+device it writes nothing and exits 2: no GPU figure is written where none was measured.
+Exit code: 0 when every step passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench_common import REPO, results_header
+from hybriddl.files import atomic_write_json
+
+TOTAL_SECONDS = 20 * 60
+TUNE_BUDGET_SECONDS = 150  # SimpleBig's candidates at 224 px; the tune's own start on top
+LAST_LINES = 30
+MIN_STEP_SECONDS = 10  # a step given less than this is not started
+RESULTS = REPO / "results"
+
+
+@dataclass
+class Step:
+    """One part of the check: a command, its time limit, what it leaves in results/."""
+
+    name: str
+    command: list[str]  # after the interpreter: `python COMMAND...` (mpirun: the whole line)
+    limit: float  # seconds
+    results: list[str]  # the results files it leaves, relative to the repository
+    # Turns the step's scratch output into its results file (tune, train, two ranks).
+    record: Callable[[Path, dict], None] | None = None
+    interpreter: bool = True  # False: `command` is a whole command line (mpirun)
+    needs: str | None = None  # why it cannot start here, decided before the check runs
+
+    def argv(self) -> list[str]:
+        return [sys.executable, *self.command] if self.interpreter else list(self.command)
+
+    def shown(self) -> str:
+        return shlex.join(["python", *self.command] if self.interpreter else self.command)
+
+
+def plan(scratch: Path, mpirun: str | None = None) -> list[Step]:
+    """The check's steps, in order, their limits summing to TOTAL_SECONDS at most."""
+    hybriddl = ["-m", "hybriddl"]
+    steps = [Step("gpu-tests", ["scripts/gpu_tests.py", "--timeout", "230"], 240,
+                  ["results/gpu_tests.json"])]
+    for usecase, limit in (("SimpleBig", 150), ("ComplexSmall", 210)):
+        steps.append(Step(f"bench-{usecase}", ["scripts/bench_gpu.py", "--usecase", usecase,
+                                               "--rounds", "3", "--train-steps", "150"],
+                          limit, [f"results/bench_gpu-{usecase}.json"]))
+    profile = scratch / "tune-SimpleBig.json"
+    steps.append(Step("tune-SimpleBig", [*hybriddl, "tune", "--usecase", "SimpleBig",
+                                         "--image-size", "224", "--precision", "auto",
+                                         "--budget", str(TUNE_BUDGET_SECONDS),
+                                         "--output", str(profile)],
+                      TUNE_BUDGET_SECONDS + 90, ["results/tune_gpu-SimpleBig.json"],
+                      record=lambda gpu, header: record_tune(profile, gpu, header)))
+    two_ranks = scratch / "two_ranks"
+    mpirun = mpirun if mpirun is not None else find_mpirun()
+    steps.append(Step("two-ranks", [mpirun or "mpirun", "--oversubscribe", "--mca", "btl",
+                                    "tcp,self", "--mca", "btl_tcp_if_include", "lo", "-np", "2",
+                                    sys.executable, *hybriddl, "train", "--usecase",
+                                    "SimpleBig", "--strategy", "gpu", "--devices", "cuda:0",
+                                    "--host-parallel", "auto", "--max-steps", "40",
+                                    "--run-dir", str(two_ranks)],
+                      120, ["results/gpu_check-two_ranks.json"], interpreter=False,
+                      needs=None if mpirun else "no mpirun beside this Python or on PATH",
+                      record=lambda gpu, header: record_training(two_ranks, "two_ranks", gpu,
+                                                                 header)))
+    for usecase, steps_, limit in (("SimpleBig", 150, 90), ("ComplexSmall", 90, 120)):
+        run_dir = scratch / f"train-{usecase}"
+        steps.append(Step(f"train-{usecase}", [*hybriddl, "train", "--usecase", usecase,
+                                               "--strategy", "gpu", "--max-steps", str(steps_),
+                                               "--run-dir", str(run_dir)],
+                          limit, [f"results/gpu_check-train-{usecase}.json"],
+                          record=lambda gpu, header, run_dir=run_dir, usecase=usecase:
+                          record_training(run_dir, f"train-{usecase}", gpu, header)))
+    return steps
+
+
+def find_mpirun() -> str | None:
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+# ------------------------------------------------------------------ results of the steps
+
+def record_tune(profile: Path, gpu: str, header: dict) -> None:
+    """The tune's profile as a results file: its candidates as rows, its pick, the line
+    `train --strategy auto` would log about bf16, and where and how it was measured."""
+    from hybriddl.tuning.profiles import load_profile
+    from hybriddl.tuning.tuner import bf16_gain
+
+    record = json.loads(profile.read_text())
+    settings = record["settings"]
+    atomic_write_json(RESULTS / f"tune_gpu-{settings['usecase']}.json", {
+        **header, "gpu_name": gpu, "settings": settings, "measurement": record["measurement"],
+        "fingerprint": record["fingerprint"], "rows": record["candidates"],
+        "pick": next(c["label"] for c in record["candidates"]
+                     if c["strategy"] == record["pick"] and c["status"] == "measured"),
+        "bf16_gain": bf16_gain(load_profile(profile))})
+
+
+def record_training(run_dir: Path, name: str, gpu: str, header: dict) -> None:
+    """A training run's metrics.json, summed up: its settings and every epoch's figures."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    keep = ("epoch", "steps", "samples", "seconds", "images_per_second", "train_loss",
+            "val_accuracy", "data_wait_seconds", "mpi_bytes_sent", "comm_seconds",
+            "compute_seconds")
+    config = metrics["config"]
+    atomic_write_json(RESULTS / f"gpu_check-{name}.json", {
+        **header, "gpu_name": gpu,
+        "config": {k: config.get(k) for k in ("usecase", "model", "strategy", "hosts",
+                                               "batch_size", "image_size", "max_steps",
+                                               "host_parallel", "dropout_masks")},
+        "rows": [{k: epoch.get(k) for k in keep} for epoch in metrics["epochs"]]})
+
+
+# ------------------------------------------------------------------ running a step
+
+def run_step(step: Step, limit: float, gpu: str, argv: list[str] | None) -> dict:
+    """Run one step under `limit` seconds; its outcome, whatever happened."""
+    outcome = {"step": step.name, "command": step.shown(), "limit_seconds": round(limit),
+               "results": step.results}
+    if step.needs:
+        return {**outcome, "outcome": "not started", "why": step.needs}
+    if limit < MIN_STEP_SECONDS:
+        return {**outcome, "outcome": "not started",
+                "why": f"the check's {TOTAL_SECONDS // 60} minutes were spent"}
+    print(f"gpu_check: {step.name} (at most {limit:.0f} s): {step.shown()}", flush=True)
+    started = time.monotonic()
+    code, tail, timed_out = run_limited(step.argv(), limit)
+    outcome.update(seconds=round(time.monotonic() - started, 1), exit_code=code)
+    if timed_out:
+        outcome.update(outcome="timed out", last_lines=tail)
+    elif code != 0:
+        outcome.update(outcome="failed", last_lines=tail)
+    else:
+        outcome["outcome"] = "passed"
+        if step.record is not None:
+            header = results_header("gpu_check.py", argv)
+            header.update(check_command=header["command"], command=step.shown())
+            try:
+                step.record(gpu, header)
+            except Exception as exc:  # noqa: BLE001 - recorded; the next step still runs
+                outcome.update(outcome="failed", why=f"its results could not be recorded: "
+                                                     f"{type(exc).__name__}: {exc}")
+    print(f"gpu_check: {step.name}: {outcome['outcome']}", flush=True)
+    return outcome
+
+
+def run_limited(argv: list[str], limit: float) -> tuple[int, list[str], bool]:
+    """Run `argv`, echoing its output; stop its whole process group at `limit` seconds.
+    (exit code, its last lines, whether the limit stopped it)."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timed_out = threading.Event()
+
+    def stop() -> None:
+        timed_out.set()
+        # mpirun's ranks and pytest's children are in the step's process group.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(limit, stop)
+    timer.daemon = True
+    timer.start()
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        tail.append(line.rstrip("\n"))
+    code = process.wait()
+    timer.cancel()
+    return code, list(tail), timed_out.is_set()
+
+
+# ------------------------------------------------------------------ the check
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", action="store_true",
+                        help="print the steps, their commands and time limits; run nothing")
+    parser.add_argument("--only", nargs="+", metavar="STEP",
+                        help="run these steps only (names as --plan shows them)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
+        steps = plan(Path(scratch))
+        known = [s.name for s in steps]
+        unknown = [name for name in args.only or [] if name not in known]
+        if unknown:
+            print(f"gpu_check: no step {', '.join(unknown)}: choose from {', '.join(known)}",
+                  file=sys.stderr)
+            return 2
+        if args.only:
+            steps = [s for s in steps if s.name in args.only]
+        if args.plan:
+            for step in steps:
+                print(f"{step.name:20} {step.limit:5.0f} s  {step.shown()}"
+                      + (f"  (not here: {step.needs})" if step.needs else ""))
+            print(f"{'total':20} {sum(s.limit for s in steps):5.0f} s  "
+                  f"(at most {TOTAL_SECONDS} s)")
+            return 0
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device here: run it on a GPU host (nothing written: no "
+                  "GPU figure without a GPU)", file=sys.stderr)
+            return 2
+        return check(steps, torch.cuda.get_device_name(0), argv)
+
+
+def check(steps: list[Step], gpu: str, argv=None) -> int:
+    """Run the steps in order within TOTAL_SECONDS; results/gpu_check.json lists them."""
+    deadline = time.monotonic() + TOTAL_SECONDS
+    outcomes = []
+    for step in steps:
+        limit = min(step.limit, deadline - time.monotonic())
+        outcomes.append(run_step(step, limit, gpu, argv))
+        # Written after every step: a check cut short still says how far it got.
+        atomic_write_json(RESULTS / "gpu_check.json", {
+            **results_header("gpu_check.py", argv), "gpu_name": gpu,
+            "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "rows": outcomes})
+    passed = sum(o["outcome"] == "passed" for o in outcomes)
+    print(f"gpu_check: {passed} of {len(outcomes)} steps passed; results/gpu_check.json")
+    return 0 if passed == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
