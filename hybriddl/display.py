@@ -10,7 +10,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 from rich.table import Table
 
 from hybriddl.strategies import StrategySpec
-from hybriddl.tuning.tuner import TuneObserver
+from hybriddl.tuning.tuner import TuneObserver, bf16_gain
 
 console = Console(stderr=True)
 out = Console()
@@ -296,6 +296,9 @@ def show_pick(profile, output) -> None:
     pick = profile.pick_result
     speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
     out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
+    gain = bf16_gain(profile)
+    if gain:
+        out.print(gain, markup=False, highlight=False, soft_wrap=True)
 
 
 def show_host_failure(where: str, exc: BaseException) -> None:

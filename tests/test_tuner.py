@@ -768,6 +768,14 @@ def test_the_log_says_what_bf16_autocast_gained_where_it_was_measured(tmp_path):
         gpu_profile({("fp32", True): 0.024}), tmp_path / "p.json").message()
 
 
+def test_tune_shows_what_bf16_autocast_gained_under_its_pick(capsys):
+    from hybriddl import display
+
+    profile = gpu_profile({("fp32", True): 0.024, ("bf16", True): 0.016})
+    display.show_pick(profile, "p.json")
+    assert tuner.bf16_gain(profile) in capsys.readouterr().out.splitlines()  # one line
+
+
 def test_every_kind_is_measured_before_a_tight_budget_is_spent():
     clock = FakeClock()
     results = measure_candidates(gpu_host_candidates(),
