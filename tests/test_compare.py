@@ -1,6 +1,7 @@
 """`hybriddl compare` on emulated hosts, the flat (Horovod) strategy, the DDP peer and the
 step meter. The comparison runs once per module (squeezenet1_1 at 32 px: seconds per
-contender) and every assertion about it reads that one run. The hybrid's local strategy is
+contender), the peers of compression beside the exact runs they compress, and every
+assertion about it reads that one run. The hybrid's local strategy is
 threads there: the bytes on the NIC do not depend on it, and worker processes would add
 interpreter starts to every run."""
 
@@ -317,13 +318,16 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     from hybriddl.compare.ddp_peer import CommHook, gloo_group, one_bucket_mb, wrap
     from hybriddl.compare.local_peers import _free_loopback_port
     from hybriddl.compare.stepmeter import gradient_bytes
+    from hybriddl.machine.cpu_threads import torch_threads
 
     hook = CommHook("powersgd", rank=2)
     assert hook.untimed_steps == 3 and CommHook("fp16").untimed_steps == 0
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 64),
                           nn.ReLU(), nn.Linear(64, 3))
-    with gloo_group(0, 1, "127.0.0.1", _free_loopback_port(), "lo"):
+    # gloo_group sets one torch thread, as a DDP process has: the test's process gets its
+    # own count back after.
+    with torch_threads(), gloo_group(0, 1, "127.0.0.1", _free_loopback_port(), "lo"):
         ddp, counter = wrap(model, 1, hook)
         assert ddp.bucket_bytes_cap >= gradient_bytes(model)  # one bucket, first included
         assert ddp.bucket_bytes_cap // 2**20 == one_bucket_mb(gradient_bytes(model))
