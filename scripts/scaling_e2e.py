@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=[*CONTENDERS, *WIRE],
                         help=f"default: the exact ones, {' '.join(CONTENDERS)}")
     parser.add_argument("--powersgd-rank", type=int, default=2,
-                        help="rank of ddp-powersgd's approximation (default: 2)")
+                        help="rank of every PowerSGD contender: ddp-powersgd's powerSGD_hook, "
+                             "hybriddl's --compression powersgd:R (default: 2)")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
