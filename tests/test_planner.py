@@ -286,3 +286,8 @@ def test_a_resume_under_auto_continues_the_compression_its_hosts_settled():
     again = {**first, "resumes": [{"hosts": {"compression": "none"}}]}
     assert saved_compression(SimpleNamespace(metrics=again, config={"compression": "auto"})) == "none"
     assert saved_compression(SimpleNamespace(metrics={}, config={"compression": "fp16"})) == "fp16"
+
+
+def test_costs_scale_to_emulated_time():
+    costs = HostCosts(1e-9, 2e-9, 1e-10, 1e-10, {"data:2": 0.4}).scaled(1 / 20)
+    assert costs.cast == pytest.approx(5e-11) and costs.powersgd == {"data:2": pytest.approx(0.02)}

@@ -347,11 +347,16 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
             if cannot_split is None else set()
         in_hybrid = [g for g in gradients if id(g) in averaged] if averaged else gradients
 
+        # Compression's own compute in the time the compute and the link are in (on emulated
+        # hosts slowed down or sped up by D, wall seconds / D).
+        scale = getattr(hosts, "time_scale", 1.0)
+
         def measure(scope: str, rank: int) -> float:
-            return measure_powersgd(gradients if scope == "data" else in_hybrid, rank)
+            return measure_powersgd(gradients if scope == "data" else in_hybrid, rank) / scale
 
         record = make_plan(shapes, hosts.size, global_batch, compute, Link(rate, latency),
-                           HostCosts.measure(), host_parallel=asked, compression=compression,
+                           HostCosts.measure().scaled(1 / scale), host_parallel=asked,
+                           compression=compression,
                            feature_dtype=feature_dtype, chunks=accumulate,
                            compute_source=f"this host's share, {source}; the slowest host's",
                            measure=measure).record()

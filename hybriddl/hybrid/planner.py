@@ -261,6 +261,12 @@ class HostCosts:
                    elementwise=_best(lambda: torch.add(x, x, out=y)) / elements,
                    matmul=_best(lambda: matrix @ factor) / (elements * 4))
 
+    def scaled(self, factor: float) -> HostCosts:
+        """These costs `factor` times as long (on emulated hosts, 1/D: emulated time)."""
+        return HostCosts(self.cast * factor, self.half_add * factor, self.elementwise * factor,
+                         self.matmul * factor,
+                         {key: seconds * factor for key, seconds in self.powersgd.items()})
+
     def powersgd_seconds(self, scope: str, shapes, rank: int) -> tuple[float, bool]:
         """(seconds per step, estimated?) of PowerSGD's own compute on `shapes`."""
         measured = self.powersgd.get(f"{scope}:{rank}")
