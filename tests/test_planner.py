@@ -291,3 +291,10 @@ def test_a_resume_under_auto_continues_the_compression_its_hosts_settled():
 def test_costs_scale_to_emulated_time():
     costs = HostCosts(1e-9, 2e-9, 1e-10, 1e-10, {"data:2": 0.4}).scaled(1 / 20)
     assert costs.cast == pytest.approx(5e-11) and costs.powersgd == {"data:2": pytest.approx(0.02)}
+
+
+def test_auto_with_a_feature_dtype_given_weighs_every_compression_at_it(alexnet):
+    plan = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT), COSTS, compression="auto",
+                     feature_dtype="float32")
+    assert plan.chosen.feature_dtype == "float32" or plan.chosen.host_parallel == "data"
+    assert Scheme("hybrid", "powersgd:2") in {row.scheme for row in plan.rows}

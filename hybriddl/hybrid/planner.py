@@ -454,9 +454,12 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
 
 
 def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list[Scheme]:
-    """The scheme a run asked for by name, where it is none of the candidates."""
+    """The schemes a run asked for by name, where they are none of the candidates (a rank
+    outside COMPRESSIONS; under auto, the compressions with the feature dtype given)."""
     if compression == "auto":
-        return []
+        if feature_dtype is None or not splittable or host_parallel == "data":
+            return []
+        return [Scheme("hybrid", c, feature_dtype) for c in COMPRESSIONS]
     parallels = ["data", "hybrid"] if host_parallel == "auto" else [host_parallel]
     if not splittable:
         parallels = [p for p in parallels if p == "data"]
