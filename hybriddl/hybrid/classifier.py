@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybriddl.data.sharding import split_bounds
-from hybriddl.dropout import KeyedDropout, current_keys, keep_mask
+from hybriddl.dropout import KeyedDropout, current_keys, keyed_dropout
 
 # Layers that act on each value alone: a slice of their input gives the slice of their output.
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.Hardswish, nn.GELU, nn.SiLU, nn.Tanh, nn.Identity,
@@ -272,8 +272,7 @@ class SlicedDropout(KeyedDropout):
         if not self.training or self.p == 0.0 or keys is None:
             return super().forward(x)
         # The mask is a function of each element's index: draw only this host's columns.
-        keep = keep_mask(keys, self.layer, self.start, self.stop, self.p, x.device)
-        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+        return keyed_dropout(x, keys, self.layer, self.p, self.start)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, columns [{self.start}, {self.stop}) of {self.width}"
