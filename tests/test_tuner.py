@@ -4,6 +4,7 @@ import statistics
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hybriddl.tuning import profiles, tuner
 from hybriddl.tuning.tuner import (BASELINE, enumerate_candidates, measure_candidates, select_pick,
@@ -14,7 +15,7 @@ from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                       load_profile, profile_path, save_profile)
 from hybriddl.rundir import METRICS
-from hybriddl.strategies import STRATEGIES, StrategySpec, cpu_strategies
+from hybriddl.strategies import STRATEGIES, StrategyOptions, StrategySpec, cpu_strategies
 from hybriddl.strategies.resources import HostResources, worker_counts
 
 THREADS2 = StrategySpec("threads", workers=2)
@@ -465,6 +466,35 @@ def test_tune_host_measures_real_steps_into_a_profile():
         measured[i].choice for i in tuner.second_look_group(dict(enumerate(first_two.values())))}
     assert profile.pick_result.seconds_per_step == min(c.seconds_per_step for c in measured)
     assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_a_timed_step_draws_the_keyed_masks_training_draws(monkeypatch):
+    """The tuner times the model's own dropout with each step's samples keyed, so that the
+    masks' cost counts; bench_local's rows (dropout 0, like its peers) draw none."""
+    from hybriddl import dropout
+    from hybriddl.tuning import benchmark
+
+    drawn = []
+    real = dropout.keep_mask
+    monkeypatch.setattr(dropout, "keep_mask", lambda keys, *a: drawn.append(keys) or real(keys, *a))
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([0, 1])
+    for rate in (None, 0.0):
+        benchmark.measure_strategy("sequential", StrategyOptions(), "alexnet", 3, x, y,
+                                   warmup=1, steps=1, dropout=rate)
+    assert len(drawn) == 4  # two layers, two steps: none at dropout 0
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+
+
+def test_tune_host_times_every_candidate_with_the_models_dropout(monkeypatch, one_core_host):
+    asked = []
+
+    def fake(name, options, *args, **kwargs):
+        asked.append(kwargs["dropout"])
+        return StepTiming({"name": name}, 2, 0.1, [0.1], 1)
+
+    monkeypatch.setattr(tuner, "measure_strategy", fake)
+    tuner.tune_host(TINY, tiny_images(), budget=10, steps=1, rounds=1, second_look=0)
+    assert asked and all(rate is None for rate in asked)
 
 
 def test_tune_host_rejects_an_image_size_the_model_cannot_take():
