@@ -23,14 +23,15 @@ stands beside the emulated time it took:
 
     python scripts/digits_imagefolder.py /tmp/digits
     python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/digits \\
-        --image-size 64 --lr 0.01 --hosts 2 --cores-per-host 1 --host-parallel hybrid \\
-        --compression none powersgd:2 --host-step 10ms --epochs 5 \\
+        --image-size 64 --lr 0.01 --hosts 2 --cores-per-host 1 --runs hybrid/none \\
+        hybrid/powersgd:2 data/powersgd:2 --host-step 10ms --epochs 5 \\
         --output results/time_to_accuracy-SimpleBig-digits-1gbit.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -58,10 +59,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cores-per-host", type=int, default=2)
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--host-parallel", default="auto", choices=["auto", "hybrid", "data"])
+    parser.add_argument("--host-parallel", nargs="+", default=["auto"],
+                        choices=["auto", "hybrid", "data"],
+                        help="schemes across hosts; each with each --compression is a run "
+                             "(default: auto)")
     parser.add_argument("--compression", nargs="+", default=["none"],
                         help="schemes to train with, each a run of its own (train's "
                              "--compression values; default: none, exact)")
+    parser.add_argument("--runs", nargs="+", metavar="SCHEME/COMPRESSION",
+                        help="the runs themselves, e.g. hybrid/none data/powersgd:2, in "
+                             "place of every --host-parallel with every --compression (an "
+                             "exact data run on a slow link can take hours at a speedup)")
     parser.add_argument("--data", default="synthetic",
                         help="train's --data (default: the embedded set)")
     parser.add_argument("--image-size", type=int, help="train's --image-size")
@@ -74,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_hosts(args, hosts: int, scratch: Path, compression: str = "none") -> dict:
-    name = f"h{hosts}-{compression.replace(':', '')}"
+def run_hosts(args, hosts: int, scratch: Path, compression: str = "none",
+              host_parallel: str = "auto") -> dict:
+    name = f"h{hosts}-{host_parallel}-{compression.replace(':', '')}"
     run_dir = scratch / name
     report = scratch / f"{name}.report.json"
     sizes = ["--image-size", str(args.image_size)] if args.image_size else []
@@ -83,7 +92,7 @@ def run_hosts(args, hosts: int, scratch: Path, compression: str = "none") -> dic
     train = ["train", "--usecase", args.usecase, "--epochs", str(args.epochs),
              "--data", args.data, *sizes, *(["--lr", str(args.lr)] if args.lr else []),
              "--monitor-interval", "0", "--run-dir", str(run_dir), *local, "--overlap",
-             "--host-parallel", args.host_parallel, "--compression", compression]
+             "--host-parallel", host_parallel, "--compression", compression]
     speed = (["--speedup", str(args.speedup)] if args.speedup else
              ["--host-step", args.host_step, "--usecase", args.usecase, *sizes,
               "--channels-last"] if args.host_step else [])
@@ -122,19 +131,33 @@ def run_hosts(args, hosts: int, scratch: Path, compression: str = "none") -> dic
             "command": shlex.join(["hybriddl", *command[3:]])}
 
 
+def planned_runs(args) -> list[tuple[str, str]]:
+    """(--host-parallel, --compression) of each run, in the order they run."""
+    if not args.runs:
+        return list(itertools.product(args.host_parallel, args.compression))
+    runs = [tuple(run.split("/", 1)) for run in args.runs]
+    bad = [run for run, pair in zip(args.runs, runs) if len(pair) != 2
+           or pair[0] not in ("auto", "hybrid", "data")]
+    if bad:
+        raise SystemExit(f"time_to_accuracy: --runs {bad[0]}: give SCHEME/COMPRESSION, "
+                         "e.g. hybrid/none or data/powersgd:2")
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {
         "what": " ".join(__doc__.split("\n\n")[0].split()), "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
         "data": args.data, "compression": args.compression,
+        "runs_planned": ["/".join(run) for run in planned_runs(args)],
         **results_header("time_to_accuracy.py", argv),
         "runs": [],
     }
     with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
         for hosts in args.hosts:
-            for compression in args.compression:
-                run = run_hosts(args, hosts, Path(scratch), compression)
+            for host_parallel, compression in planned_runs(args):
+                run = run_hosts(args, hosts, Path(scratch), compression, host_parallel)
                 result["runs"].append(run)
                 print(json.dumps({k: run.get(k) for k in (
                     "hosts", "compression", "host_parallel", "failed", "wall_seconds")}),
@@ -147,13 +170,14 @@ def main(argv=None) -> int:
 def summarise(runs: list[dict]) -> list[dict]:
     """Per host count and scheme: each epoch's accuracy and emulated time, the speed-up of
     the whole training against one host (same scheme), and the accuracy against the exact
-    run at the same host count (points: 100 x the difference, per epoch)."""
+    run at the same host count (points: 100 x the difference, per epoch; hybrid and data
+    are both exact, so either is the reference)."""
     done = [r for r in runs if "failed" not in r]
     rows = []
     for run in done:
         scheme = run.get("compression", "none")
-        one = next((r for r in done if r["hosts"] == 1
-                    and r.get("compression", "none") == scheme), None)
+        one = next((r for r in done if r["hosts"] == 1 and r["host_parallel"] ==
+                    run["host_parallel"] and r.get("compression", "none") == scheme), None)
         exact = next((r for r in done if r["hosts"] == run["hosts"]
                       and r.get("compression", "none") == "none"), None)
         total = run["epochs"][-1]["emulated_seconds_total"]
