@@ -115,6 +115,38 @@ def test_a_strategy_that_cannot_run_the_convolutions_alone_is_refused_for_hybrid
     assert choose("auto", model, strategy, SingleHost(), 8, 64, None).name == "data"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_layer_s_weight_gradient_computed_after_its_input_s_is_autograd_s(precision):
+    """Hybrid's step returns the features' gradient before the first linear layer's weight
+    gradient is computed (that crosses the wire meanwhile): the same bits as one backward."""
+    from hybriddl.hybrid.classifier import ColumnLinear, GatherRows, ReturnedGradient
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 10)
+    once, deferred = ColumnLinear(linear, 2, 8), ColumnLinear(linear, 2, 8)
+    rows, tags, upstream = torch.randn(5, 24), torch.zeros(5, 2, dtype=torch.int64), \
+        torch.randn(5, 6)
+    bf16 = precision == "bf16"
+    grads = []
+    for layer, returned in ((once, None), (deferred, ReturnedGradient())):
+        local = rows.clone().requires_grad_()
+        whole, _ = GatherRows.apply(local, SingleHost(), [5], tags, None, returned)
+        if returned is not None:
+            layer.defer_weight_gradients()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = layer(whole)
+        (out.float() * upstream).sum().backward()
+        if returned is None:
+            grads.append(local.grad)
+            continue
+        assert layer.weight.grad is None and local.grad is None  # nothing yet: deferred
+        layer.weight_gradients()
+        grads.append(returned.result())
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(once.weight.grad, deferred.weight.grad)
+    assert torch.equal(once.bias.grad, deferred.bias.grad)
+    assert deferred.deferred is None  # the next backward computes them itself again
+
+
 def test_traffic_theory_is_design_md_s():
     with torch.device("meta"):
         alexnet, vgg16 = build_model("alexnet", 3), build_model("vgg16", 3)
