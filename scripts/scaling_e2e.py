@@ -31,7 +31,15 @@ at the cells' settings, and takes S = that step / 10 ms) runs every cell with `h
 emulate --speedup S`: each host stands for one S times faster, links at R/S, emulated time
 = wall time / (S x D). Every cell and summary row records `speedup`, and each row
 `host_step_seconds`, the emulated one-host step (the 1-host `data` cell's, else the
-measured step / S).
+measured step / S). At a large S a link runs at a small fraction of its rate, so an exact
+data-parallel step can take minutes of wall time: `--max-step-wall SECONDS` leaves out every
+cell whose predicted wall time per step exceeds it, recorded as `skipped` with
+`predicted_step_wall_seconds` (never as a measured figure).
+
+    python scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 --cores-per-host 1 \\
+        --host-step 10ms --max-step-wall 60 --contenders hybrid hybrid-powersgd \\
+        data-powersgd ddp-powersgd ddp-fp16 flat-fp16 data --append \\
+        --output results/scaling_fast-SimpleBig-1gbit.json
 """
 
 from __future__ import annotations
@@ -115,6 +123,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "would exceed this fraction of the machine's memory (RSS counts "
                              "the libraries the ranks share once per rank, so it "
                              "overestimates; default: 0.85)")
+    parser.add_argument("--max-step-wall", type=float, metavar="SECONDS",
+                        help="skip a cell whose predicted wall time per step (S x D x (the "
+                             "emulated one-host step + its theory bytes over the link)) "
+                             "exceeds SECONDS; it is recorded as skipped with its prediction "
+                             "(default: no limit)")
     parser.add_argument("--append", action="store_true",
                         help="keep the cells already in --output (the same use case and "
                              "hosts' cores) and add this run's; the file records every "
@@ -133,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             check_speedup(args.speedup)
     except UsageError as exc:
         parser.error(str(exc))
+    if args.max_step_wall is not None and not args.max_step_wall > 0:
+        parser.error(f"--max-step-wall {args.max_step_wall:g}: give a positive number of "
+                     "seconds")
     return args
 
 
@@ -337,6 +353,42 @@ def theory(usecase: str, hosts: int, cores: int, powersgd_rank: int = 2) -> dict
             + bytes_.get("hybrid_activations", 0.0) if "hybrid" in bytes_ else None}
 
 
+def predicted_step_wall(nic_bytes: float, bandwidth: str, hosts: int, cores: int,
+                        speedup: float, host_step_seconds: float | None) -> float:
+    """Wall seconds one step of a cell would take: S x D x (the emulated one-host step +
+    the bytes its host NIC sends per step, in theory, at the emulated link rate). The sum,
+    not the larger: no overlap is counted, so it errs towards skipping. Without a known
+    host step (no --host-step) only the wire's part is counted."""
+    from hybriddl.emulation.hosts import bits_per_second, least_time_scale
+
+    wire = 0.0 if bandwidth == "none" else nic_bytes * 8 / bits_per_second(bandwidth)
+    dilation = speedup * least_time_scale(hosts, cores, len(os.sched_getaffinity(0)))
+    return dilation * ((host_step_seconds or 0.0) + wire)
+
+
+def wall_refusal(args, contender: str, hosts: int, bandwidth: str, speedup: float,
+                 theory_bytes: dict) -> tuple[str, float] | None:
+    """(why, predicted wall seconds per step) for a cell --max-step-wall leaves out; None
+    when it fits or no limit was given."""
+    if args.max_step_wall is None:
+        return None
+    per_host = theory_bytes[str(hosts)]
+    nic = (min(b for b in (per_host.get("hybrid"), per_host["data"]) if b)
+           if contender == "auto" else per_host.get(contender)) or 0.0
+    what = "per step"
+    if scheme_of(contender) == "ddp" and per_host["ddp"] > nic:
+        # DDP's start sends the dense model's bytes whatever the hook: its constructor
+        # broadcasts the model, and powerSGD_hook's warm-up steps are plain allreduces.
+        nic, what = per_host["ddp"], "in DDP's start (its broadcast, powerSGD_hook's dense warm-up)"
+    wall = predicted_step_wall(nic, bandwidth, hosts, args.cores_per_host, speedup,
+                               args.host_step_seconds)
+    if wall <= args.max_step_wall:
+        return None
+    return (f"not run (predicted {wall:.3g} s/step of wall time: {nic / 1e6:.3g} MB per host "
+            f"{what} at {bandwidth} / (S x D) beside the host's step, over "
+            f"--max-step-wall {args.max_step_wall:g} s)", wall)
+
+
 def _classifier_held(cell: dict) -> int | None:
     """Host 0's classifier parameters plus their momentum, measured at the run's end."""
     memory = cell.get("memory")
@@ -463,9 +515,16 @@ def main(argv=None) -> int:
                             continue  # one host: data is the reference; nothing crosses a link
                         too_big = memory_refusal(result["cells"], contender, hosts,
                                                  args.cores_per_host, args.memory_fraction)
-                        cell = {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-                                "skipped": too_big} if too_big else \
-                            run_cell(args, contender, hosts, bandwidth, Path(scratch))
+                        too_slow = wall_refusal(args, contender, hosts, bandwidth, speedup,
+                                                result["theory_nic_bytes_per_step"])
+                        if too_big or too_slow:
+                            cell = {"contender": contender, "hosts": hosts,
+                                    "bandwidth": bandwidth, "skipped": too_big or too_slow[0]}
+                            if too_slow:
+                                cell["predicted_step_wall_seconds"] = too_slow[1]
+                                cell["host_step_seconds"] = args.host_step_seconds
+                        else:
+                            cell = run_cell(args, contender, hosts, bandwidth, Path(scratch))
                         cell["round"] = round_
                         cell.setdefault("speedup", speedup)
                         result["cells"].append(cell)
