@@ -237,6 +237,9 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
         "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
         "ranks_per_host": args.cores_per_host, "time_scale": emulation.get("time_scale", 1.0),
         "speedup": emulation.get("speedup", 1.0), "dilation": scale,
+        # Whether the hosts took turns on the cores (no --speedup) or ran at once under a
+        # CPU quota: docs/benchmarks words D > 1 after it.
+        "turns": emulation.get("turns"),
         # Which hook ran, and (powerSGD_hook) its rank, start step, one bucket and warm-up.
         "comm_hook": rank0.get("comm_hook"), "warmup": rank0.get("warmup"),
         "global_batch": global_batch, "emulated_step_seconds": emulated,
@@ -280,6 +283,9 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
         "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
         "ranks_per_host": ranks, "time_scale": emulation.get("time_scale", 1.0),
         "speedup": emulation.get("speedup", 1.0), "dilation": scale,
+        # Whether the hosts took turns on the cores (no --speedup) or ran at once under a
+        # CPU quota: docs/benchmarks words D > 1 after it.
+        "turns": emulation.get("turns"),
         "global_batch": metrics["config"]["global_batch"],
         "emulated_step_seconds": emulated,
         "median_emulated_step_seconds": statistics.median(emulated),
