@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -137,9 +138,9 @@ def scaling_e2e_table(data: dict) -> str:
                      f"({low:.2f}–{high:.2f}) | {_eff(r['efficiency'])} | "
                      f"{_mb(r['nic_bytes_per_step'])} | {_mb(expected)} | "
                      f"{_mb(r.get('classifier_bytes_held'))} |")
-    turns = turns_line(data)
-    if turns:
-        lines += ["", turns]
+    for line in (turns_line(data), quota_line(data)):
+        if line:
+            lines += ["", line]
     for cell in data["cells"]:
         if "skipped" in cell or "failed" in cell:
             why = cell.get("skipped") or ("failed (exit %s): %s" % (
@@ -158,9 +159,38 @@ def time_scales(data: dict) -> dict[int, float]:
     return scales
 
 
+def took_turns(cell: dict) -> bool:
+    """Whether a cell's hosts took turns on the cores (D > 1 without --speedup): under
+    --speedup they all run at once, each held to C/D cores by a CPU quota
+    (docs/methodology.md). Cells from before the report said so: turns unless S > 1."""
+    if cell.get("time_scale", 1.0) <= 1:
+        return False
+    if cell.get("turns") is not None:
+        return bool(cell["turns"])
+    return cell.get("speedup", 1.0) <= 1
+
+
+def quota_line(data: dict) -> str | None:
+    """What hosts held to C/D cores by a CPU quota (D > 1 under --speedup) do to the figures."""
+    quota = sorted({(c["hosts"], c["time_scale"]) for c in data["cells"]
+                    if c.get("time_scale", 1.0) > 1 and not took_turns(c)})
+    if not quota:
+        return None
+    which = ", ".join(f"{h} hosts at D = {d:g}" for h, d in quota)
+    return (f"Hosts under a CPU quota: {which} run at once, each held to C/D cores of CPU time "
+            f"over a 10 ms period ([methodology](../methodology.md#faster-hosts---speedup-s)); "
+            f"a host held back by its quota waits up to one period before it answers, so every "
+            f"exchange is slower than between hosts side by side (D = 1), and these rows "
+            f"understate real hosts.")
+
+
 def turns_line(data: dict) -> str | None:
     """What hosts that take turns (D > 1) do to the figures, and the measurement saying so."""
-    turns = {h: d for h, d in sorted(time_scales(data).items()) if d > 1}
+    turns = {}
+    for cell in data["cells"]:
+        if took_turns(cell):
+            turns[cell["hosts"]] = max(turns.get(cell["hosts"], 0), cell["time_scale"])
+    turns = dict(sorted(turns.items()))
     if not turns:
         return None
     which = ", ".join(f"{h} hosts at D = {d:g}" for h, d in turns.items())
@@ -193,6 +223,284 @@ the classifier's parameters and their momentum, counted from the tensors (runs o
 this column show –). Emulated hosts that do not fit this machine side by side run
 slowed down by D = H·C / cores (see [methodology](../methodology.md)): the figures are
 emulated time, compute assumed to scale with cores."""
+
+
+# ---------------------------------------------------------------- faster hosts
+
+FAST_COLORS = {"hybrid": "#4C72B0", "data": "#55A868", "flat": "#8172B2", "auto": "#64B5CD",
+               "ddp": "#8C8C8C", "hybrid-powersgd": "#1F3A93", "data-powersgd": "#2E7D32",
+               "ddp-powersgd": "#C44E52", "ddp-fp16": "#DD8452", "flat-fp16": "#937860"}
+
+
+def fast_compression(contender: str, data: dict) -> str | None:
+    """What a contender's gradients look like on the wire, None for exact ones: fp16, or
+    PowerSGD at the rank its cells' commands name."""
+    if contender.endswith("-fp16"):
+        return "fp16"
+    if contender.endswith("-powersgd"):
+        ranks = {m for c in data["cells"] if c["contender"] == contender
+                 for m in re.findall(r"(?:powersgd:|--powersgd-rank )(\d+)", c.get("command", ""))}
+        return "PowerSGD" + (f" rank {'/'.join(sorted(ranks))}" if ranks else "")
+    return None
+
+
+def _exactness(contender: str, data: dict) -> str:
+    compression = fast_compression(contender, data)
+    return "exact" if compression is None else f"**not exact**: {compression}"
+
+
+def fast_speeds(data: dict) -> list[tuple[float, float | None]]:
+    """(S, the emulated one-host step it stands for), slowest host first."""
+    steps = {}
+    for row in data["summary"]:
+        if row.get("host_step_seconds") is not None:
+            steps.setdefault(row["speedup"], row["host_step_seconds"])
+        else:
+            steps.setdefault(row["speedup"], None)
+    for cell in data["cells"]:
+        steps.setdefault(cell.get("speedup", 1.0), cell.get("host_step_seconds"))
+    return sorted(steps.items())
+
+
+def _speed_label(speedup: float, step: float | None) -> str:
+    step_text = "?" if step is None else f"{step * 1e3:.3g} ms"
+    return f"{step_text} (S = {speedup:.3g})"
+
+
+def fast_not_run(data: dict) -> list[dict]:
+    """The cells --max-step-wall left out (or that failed) and no later run measured, once
+    each: (link, S, contender, hosts)."""
+    measured = {(r["bandwidth"], r["speedup"], r["contender"], r["hosts"]) for r in data["summary"]}
+    out = {}
+    for cell in data["cells"]:
+        key = (cell["bandwidth"], cell.get("speedup", 1.0), cell["contender"], cell["hosts"])
+        if ("skipped" in cell or "failed" in cell) and key not in measured:
+            out[key] = cell
+    return [out[k] for k in sorted(out)]
+
+
+def fast_winners(data: dict) -> list[dict]:
+    """Per (link, S, hosts > 1): the row of highest images/s, the best exact one, and
+    ddp-powersgd's (the peer at the same rank)."""
+    groups = {}
+    for row in data["summary"]:
+        if row["hosts"] > 1:
+            groups.setdefault((row["bandwidth"], row["speedup"], row["hosts"]), []).append(row)
+    out = []
+    for key, rows in sorted(groups.items()):
+        ours = [r for r in rows if not r["contender"].startswith(("ddp", "flat"))]
+        exact = [r for r in rows if fast_compression(r["contender"], data) is None]
+        by = {r["contender"]: r for r in rows}
+        out.append({"bandwidth": key[0], "speedup": key[1], "hosts": key[2],
+                    "winner": max(rows, key=lambda r: r["images_per_second"]),
+                    "ours": max(ours, key=lambda r: r["images_per_second"]) if ours else None,
+                    "exact": max(exact, key=lambda r: r["images_per_second"]) if exact else None,
+                    "ddp_powersgd": by.get("ddp-powersgd")})
+    return out
+
+
+def _row_words(row: dict | None, data: dict) -> str:
+    if row is None:
+        return "–"
+    return (f"{row['contender']} ({_exactness(row['contender'], data)}): "
+            f"{_eff(row['efficiency'])}, {row['images_per_second']:.0f} img/s")
+
+
+def scaling_fast_table(data: dict) -> str:
+    steps = dict(fast_speeds(data))
+    lines = ["Which scheme wins, per host speed and host count (the highest images/s; "
+             "efficiency against one host of `data` at the same S):", "",
+             "| link | host step (S) | hosts | winner | hybriddl's best | best exact scheme | "
+             "hybriddl's best ÷ ddp-powersgd (images/s) |",
+             "|---|---|---:|---|---|---|---:|"]
+    for w in fast_winners(data):
+        peer, ours = w["ddp_powersgd"], w["ours"]
+        ratio = (f"{ours['images_per_second'] / peer['images_per_second']:.2f}"
+                 if peer and ours else "– (ddp-powersgd not measured)")
+        lines.append(f"| {w['bandwidth']} | {_speed_label(w['speedup'], steps.get(w['speedup']))} "
+                     f"| {w['hosts']} | {_row_words(w['winner'], data)} | "
+                     f"{_row_words(ours, data)} | {_row_words(w['exact'], data)} | {ratio} |")
+    theory = data.get("theory_nic_bytes_per_step", {})
+    lines += ["", "Every row (emulated time: wall time / (S·D)):", "",
+              "| link | host step (S) | D | hosts | contender | wire | images/s | "
+              "step ms (median, spread) | efficiency | MB per host NIC per step | MB in theory |",
+              "|---|---|---:|---:|---|---|---:|---|---:|---:|---:|"]
+    scales = {}
+    for cell in data["cells"]:
+        if cell.get("time_scale") is not None:
+            scales[cell["hosts"]] = max(scales.get(cell["hosts"], 0), cell["time_scale"])
+    rows = [(r["bandwidth"], r["speedup"], r["hosts"], r["contender"], r) for r in data["summary"]]
+    rows += [(c["bandwidth"], c.get("speedup", 1.0), c["hosts"], c["contender"], c)
+             for c in fast_not_run(data)]
+    order = list(FAST_COLORS)
+    for bandwidth, speedup, hosts, contender, r in sorted(
+            rows, key=lambda t: (t[0], t[1], t[2], order.index(t[3]) if t[3] in order else 99)):
+        label = _speed_label(speedup, steps.get(speedup))
+        expected = _mb(theory.get(str(hosts), {}).get(contender))
+        wire = _exactness(contender, data)
+        scale = f"{scales[hosts]:g}" if hosts in scales else "–"
+        if "skipped" in r or "failed" in r:
+            why = (f"not run (predicted {r['predicted_step_wall_seconds']:.0f} s/step of wall time)"
+                   if r.get("predicted_step_wall_seconds") else
+                   r.get("skipped") or f"failed (exit {r['failed']})")
+            lines.append(f"| {bandwidth} | {label} | {scale} | {hosts} | {contender} | {wire} | "
+                         f"{why} | – | – | – | {expected} |")
+            continue
+        low, high = r["step_seconds_spread"]
+        lines.append(f"| {bandwidth} | {label} | {scale} | {hosts} | {contender} | {wire} | "
+                     f"{r['images_per_second']:.0f} | {r['step_seconds_median'] * 1e3:.1f} "
+                     f"({low * 1e3:.1f}–{high * 1e3:.1f}) | {_eff(r['efficiency'])} | "
+                     f"{_mb(r['nic_bytes_per_step'])} | {expected} |")
+    for line in (turns_line(data), quota_line(data)):
+        if line:
+            lines += ["", line]
+    return "\n".join(lines)
+
+
+def scaling_fast_setting(data: dict) -> str:
+    speeds = ", ".join(_speed_label(s, t) for s, t in fast_speeds(data))
+    return (scaling_e2e_setting(data) + f"; each host stands for one S× faster "
+            f"(`--speedup`/`--host-step`): {speeds}")
+
+
+def accuracy_links() -> str:
+    """The time-to-accuracy pages that exist, where compressed schemes are judged."""
+    pages = sorted(p.stem for p in RESULTS.glob("time_to_accuracy-*.json"))
+    if not pages:
+        return "no time-to-accuracy table is measured yet"
+    return ", ".join(f"[{name}]({name}.md)" for name in pages)
+
+
+def scaling_fast_notes(data: dict) -> str:
+    return f"""\
+How to read it: each host computes as one S× faster than its core here (`hybriddl emulate
+--speedup S`; S derived from `--host-step`, one host's step measured here / the step asked):
+links run at rate / (S·D) and every time is emulated, wall time / (S·D), so the host step
+column is what one emulated host takes for one step of the use case's per-host batch. Rows
+marked **not exact** send compressed gradients (fp16, or PowerSGD's rank-r factors with
+error feedback): they are not the same training as the exact ones, so their images/s count
+only at the accuracy they reach at equal epochs ({accuracy_links()}). `ddp-powersgd`,
+`ddp-fp16` and `flat-fp16` are the peers (torch's DDP hooks, Horovod's model with fp16).
+*Not run (predicted X s/step)*: `--max-step-wall` left the cell out because one step would
+take X s of wall time here (S·D × (the host step + its bytes at the emulated link)); it
+was not measured. The chart shows each row's efficiency; the winner of each group is
+outlined. The CPU-side work of every exchange is treated as S× faster too, which flatters
+fast hosts ([methodology](../methodology.md#faster-hosts---speedup-s))."""
+
+
+def scaling_fast_digest(data: dict) -> str:
+    """What the chart is drawn from, hashed: the PNG records it, --check compares it."""
+    import hashlib
+
+    drawn = {"summary": data["summary"], "not_run": fast_not_run(data),
+             "steps": fast_speeds(data)}
+    return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def scaling_fast_chart(data: dict, path: Path) -> Path:
+    """Efficiency of every contender, grouped by (host step, hosts); each group's winner
+    (highest images/s) outlined, compressed schemes hatched, cells not run marked."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    steps = dict(fast_speeds(data))
+    groups = sorted({(r["speedup"], r["hosts"]) for r in data["summary"] if r["hosts"] > 1}
+                    | {(c.get("speedup", 1.0), c["hosts"]) for c in fast_not_run(data)})
+    contenders = [c for c in FAST_COLORS
+                  if any(r["contender"] == c for r in data["summary"] if r["hosts"] > 1)
+                  or any(c2["contender"] == c for c2 in fast_not_run(data))]
+    by = {(r["speedup"], r["hosts"], r["contender"]): r for r in data["summary"]}
+    missing = {(c.get("speedup", 1.0), c["hosts"], c["contender"]) for c in fast_not_run(data)}
+    winners = {(w["speedup"], w["hosts"]): w["winner"]["contender"] for w in fast_winners(data)}
+    width = 0.8 / max(1, len(contenders))
+    figure = Figure(figsize=(max(8.0, 1.6 * len(groups) + 5), 4.8), layout="constrained")
+    axes = figure.subplots()
+    for i, contender in enumerate(contenders):
+        compressed = fast_compression(contender, data) is not None
+        for g, (speedup, hosts) in enumerate(groups):
+            x = g - 0.4 + width * (i + 0.5)
+            row = by.get((speedup, hosts, contender))
+            if row is not None and row["efficiency"] is not None:
+                won = winners.get((speedup, hosts)) == contender
+                axes.bar(x, row["efficiency"], width * 0.92, color=FAST_COLORS[contender],
+                         hatch="//" if compressed else None, zorder=2,
+                         edgecolor="black" if won else "white", linewidth=2 if won else 0.5)
+                if won:
+                    axes.annotate("best", (x, row["efficiency"]), ha="center", va="bottom",
+                                  xytext=(0, 2), textcoords="offset points", fontsize="small")
+            elif (speedup, hosts, contender) in missing:
+                axes.plot(x, 0.02, marker="x", color=FAST_COLORS[contender], zorder=3)
+    axes.set_xticks(range(len(groups)),
+                    [f"{_speed_label(s, steps.get(s))}\n{h} hosts" for s, h in groups])
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=1, zorder=1)
+    axes.set_ylim(0, 1.25)
+    axes.set_ylabel("weak-scaling efficiency (higher is better)")
+    axes.set_xlabel("emulated host step (speedup S), hosts")
+    rates = ", ".join(sorted({r["bandwidth"] for r in data["summary"]}))
+    axes.set_title(f"{data['usecase']}, {rates} links: which scheme wins at each host speed")
+    axes.grid(axis="y", alpha=0.3, zorder=0)
+    handles = [Patch(facecolor=FAST_COLORS[c], hatch="//" if fast_compression(c, data) else None,
+                     label=c + (" (not exact)" if fast_compression(c, data) else ""))
+               for c in contenders]
+    handles.append(axes.plot([], [], "kx", linestyle="none", label="not run (too slow to emulate)")[0])
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        # No software version or date in the PNG; the digest of what it draws instead.
+        figure.savefig(tmp, format="png", dpi=100,
+                       metadata={"Software": None, "Description": scaling_fast_digest(data)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def fast_headline(table: "Table", data: dict) -> str | None:
+    """Every scheme at the fastest host speed measured and the widest host count side by
+    side (D = 1), which are exact, and what was not run."""
+    side_by_side = {h for h, d in time_scales(data).items() if d == 1}
+    rows = [r for r in data["summary"] if r["hosts"] in side_by_side and r["hosts"] > 1
+            and r["efficiency"] is not None]
+    if not rows:
+        return None
+    speedup = max(r["speedup"] for r in rows)
+    hosts = max(r["hosts"] for r in rows if r["speedup"] == speedup)
+    rows = sorted((r for r in rows if r["speedup"] == speedup and r["hosts"] == hosts),
+                  key=lambda r: -r["images_per_second"])
+    not_run = [c for c in fast_not_run(data) if c.get("speedup", 1.0) == speedup
+               and c["hosts"] == hosts]
+    step = dict(fast_speeds(data)).get(speedup)
+    model = {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(data["usecase"], data["usecase"])
+    parts = [f"{r['contender']} {_eff(r['efficiency'])} ({r['images_per_second']:.0f} img/s)"
+             for r in rows]
+    parts += [f"{c['contender']} not run (predicted {c['predicted_step_wall_seconds']:.0f} s of "
+              f"wall time per step)" if c.get("predicted_step_wall_seconds")
+              else f"{c['contender']} not run" for c in not_run]
+    names = [r["contender"] for r in rows] + [c["contender"] for c in not_run]
+    exact = [n for n in names if fast_compression(n, data) is None]
+    compressed = {}
+    for n in names:
+        if fast_compression(n, data):
+            compressed.setdefault(fast_compression(n, data), []).append(n)
+    inexact = "; ".join(f"{how}: {', '.join(ns)}" for how, ns in compressed.items())
+    p = provenance(data)
+    return (f"- **{model}, {data['image_size']} px, {hosts} emulated hosts as fast as a "
+            f"{_speed_label(speedup, step)} step, side by side (D = 1), "
+            f"{rows[0]['bandwidth']} links** — efficiency (images/s), best first: "
+            + "; ".join(parts) + ". Exact: " + (", ".join(exact) or "none")
+            + (f"; not exact (judged by accuracy at equal epochs) — {inexact}" if inexact else "")
+            + f" ({p['cpu_model']}; [table](docs/benchmarks/{table.name}.md)).")
+
+
+def chart_digest(path: Path) -> str | None:
+    """The digest a chart recorded when drawn (None: no chart, or none recorded)."""
+    if not path.exists():
+        return None
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.text.get("Description")
 
 
 def time_to_accuracy_table(data: dict) -> str:
@@ -520,9 +828,13 @@ class Table:
     json: str                      # relative to the repository
     render: Callable[[dict], str]
     setting: Callable[[dict], str]
-    notes: str = ""
+    notes: str | Callable[[dict], str] = ""
     # The README's headline line for this table (None: not quoted there).
     headline: Callable[["Table", dict], str | None] | None = None
+    # A chart beside the page, docs/benchmarks/<name>.png, drawn by this (None: no chart).
+    chart: Callable[[dict, Path], Path] | None = None
+    # Why a glob finds no file yet.
+    none_yet: str = "they need a GPU host: scripts/gpu_check.py"
 
 
 TABLES = [
@@ -562,6 +874,12 @@ TABLES = [
     # One page per file the glob finds (none until a GPU host has run scripts/gpu_check.py).
     Table("tune_gpu-*", "Tuning a GPU host", "results/tune_gpu-*.json", tune_gpu_table,
           tune_gpu_setting, TUNE_GPU_NOTES),
+    # One page and chart per use case and link (scripts/scaling_e2e.py --speedup/--host-step).
+    Table("scaling_fast-*", "Faster hosts: which scheme wins", "results/scaling_fast-*.json",
+          scaling_fast_table, scaling_fast_setting, scaling_fast_notes, headline=fast_headline,
+          chart=scaling_fast_chart,
+          none_yet="scripts/scaling_e2e.py --host-step 10ms --output "
+                   "results/scaling_fast-<usecase>-<rate>.json writes them"),
     Table("main_job", "The main job: VGG16, 64 px, 5 epochs on one host",
           "results/main_job.json", main_job_table, main_job_setting, MAIN_JOB_NOTES),
     Table("time_to_accuracy-ComplexSmall-1gbit",
@@ -605,11 +923,14 @@ def benchmark_page(table: Table, data: dict) -> str:
     lines.append("")
     if data.get("what"):
         lines += [data["what"], ""]
+    if table.chart is not None:
+        lines += [f"![{table.title}]({table.name}.png)", ""]
     lines += [table.render(data), ""]
     if data.get("note"):
         lines += [f"Note recorded with the measurement: {data['note']}", ""]
-    if table.notes:
-        lines += [table.notes, ""]
+    notes = table.notes(data) if callable(table.notes) else table.notes
+    if notes:
+        lines += [notes, ""]
     return "\n".join(lines)
 
 
@@ -623,8 +944,7 @@ def expanded(tables: list[Table], skipped: list[str]) -> list[Table]:
             continue
         found = sorted(REPO.glob(table.json))
         if not found:
-            skipped.append(f"{table.json}: none measured yet (they need a GPU host: "
-                           "scripts/gpu_check.py)")
+            skipped.append(f"{table.json}: none measured yet ({table.none_yet})")
         for path in found:
             suffix = path.stem[len(table.name.rstrip("*")):]
             out.append(replace(table, name=path.stem, title=f"{table.title}: {suffix}",
@@ -654,7 +974,7 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
 
 def headline_block() -> str:
     lines = [HEADLINE_BEGIN]
-    for table in TABLES:
+    for table in expanded(TABLES, []):
         data, _ = load_quotable(REPO / table.json)
         if data is None or table.headline is None:
             continue
@@ -697,6 +1017,22 @@ def expected_files() -> tuple[dict[Path, str], list[str]]:
     return files, skipped
 
 
+def expected_charts() -> dict[Path, tuple[Table, dict]]:
+    """docs/benchmarks/<name>.png for every quoted table with a chart."""
+    charts = {}
+    for table in expanded(TABLES, []):
+        data, _ = load_quotable(REPO / table.json)
+        if table.chart is not None and data is not None:
+            charts[BENCHMARKS / f"{table.name}.png"] = (table, data)
+    return charts
+
+
+def stale_charts() -> list[tuple[Path, Table, dict]]:
+    """Charts missing, or drawn from other figures than their JSON's now."""
+    return [(path, table, data) for path, (table, data) in expected_charts().items()
+            if chart_digest(path) != scaling_fast_digest(data)]
+
+
 def stale_pages(expected: dict[Path, str]) -> list[Path]:
     """Generated benchmark pages whose table is no longer quoted."""
     marker = "<!-- generated by scripts/write_docs.py"
@@ -709,6 +1045,7 @@ def differences() -> list[str]:
     out = [str(p.relative_to(REPO)) for p, text in expected.items()
            if not p.exists() or p.read_text() != text]
     out += [f"{p.relative_to(REPO)} (no longer generated)" for p in stale_pages(expected)]
+    out += [str(p.relative_to(REPO)) for p, _, _ in stale_charts()]
     return out
 
 
@@ -728,6 +1065,9 @@ def main(argv=None) -> int:
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
+    for path, table, data in stale_charts():
+        table.chart(data, path)
+        print(f"wrote {path.relative_to(REPO)}")
     for path in stale_pages(expected):
         path.unlink()
         print(f"removed {path.relative_to(REPO)}")

@@ -105,3 +105,51 @@ def test_the_scaling_headline_comes_only_from_hosts_side_by_side():
     assert docs.turns_line(scaling_results(1.0)) is None
     assert docs.scaling_headline(table, scaling_results(2.0)) is None
     assert "2 hosts at D = 2" in docs.turns_line(scaling_results(2.0))
+
+
+def fast_results() -> dict:
+    """A scaling_fast file in little: one host speed, 2 hosts side by side and 4 under a
+    CPU quota (D = 2), one cell left out by --max-step-wall."""
+    def row(contender, hosts, efficiency, images):
+        return {"bandwidth": "1gbit", "contender": contender, "hosts": hosts,
+                "speedup": 130.0, "host_step_seconds": 0.01, "images_per_second": images,
+                "step_seconds_median": 32 * hosts / images, "step_seconds_spread": [0.02, 0.03],
+                "efficiency": efficiency, "nic_bytes_per_step": 1e6}
+
+    def cell(contender, hosts, **more):
+        return {"contender": contender, "hosts": hosts, "bandwidth": "1gbit", "speedup": 130.0,
+                "time_scale": 1.0 if hosts < 4 else 2.0, "turns": False, **more}
+
+    return {"usecase": "SimpleBig", "image_size": 224, "cores_per_host": 1, "warmup": 2,
+            "steps": 3, "rounds": 1, "theory_nic_bytes_per_step": {"2": {"data": 228e6}},
+            "summary": [row("data", 1, 1.0, 3200), row("hybrid", 2, 0.09, 580),
+                        row("data-powersgd", 2, 0.8, 5100), row("ddp-powersgd", 2, 0.5, 3200),
+                        row("data-powersgd", 4, 0.6, 7700)],
+            "cells": [cell("data", 1), cell("hybrid", 2),
+                      cell("data-powersgd", 2, command="train --compression powersgd:2"),
+                      cell("ddp-powersgd", 2, command="compare_ddp --powersgd-rank 2"),
+                      cell("data-powersgd", 4, command="train --compression powersgd:2"),
+                      {"contender": "data", "hosts": 2, "bandwidth": "1gbit", "speedup": 130.0,
+                       "skipped": "not run (predicted 238 s/step ...)",
+                       "predicted_step_wall_seconds": 238.4}],
+            "cpu_model": "a CPU"}
+
+
+def test_the_fast_host_page_names_the_winner_what_is_exact_and_what_was_not_run(tmp_path):
+    docs = write_docs()
+    data = fast_results()
+    page = docs.scaling_fast_table(data)
+    assert "| 1gbit | 10 ms (S = 130) | 2 | data-powersgd (**not exact**: PowerSGD rank 2): 0.80" \
+        in page
+    assert "| hybrid | exact | 580 |" in page
+    assert "| data | exact | not run (predicted 238 s/step of wall time) |" in page
+    assert "| 1.59 |" in page  # hybriddl's best over ddp-powersgd's images/s at 2 hosts
+    # Under --speedup the 4 hosts ran at once under a quota: no turns.
+    assert docs.turns_line(data) is None and "4 hosts at D = 2" in docs.quota_line(data)
+    headline = docs.fast_headline(docs.TABLES[0], data)
+    assert "2 emulated hosts as fast as a 10 ms (S = 130) step" in headline
+    assert "Exact: hybrid, data;" in headline and "data not run (predicted 238 s" in headline
+    chart = docs.scaling_fast_chart(data, tmp_path / "fast.png")
+    assert docs.chart_digest(chart) == docs.scaling_fast_digest(data)
+    data["summary"][1]["efficiency"] = 0.1
+    assert docs.chart_digest(chart) != docs.scaling_fast_digest(data)  # a stale chart shows

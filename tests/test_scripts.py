@@ -98,6 +98,30 @@ def test_scaling_skips_a_cell_that_would_not_fit_memory_at_the_fraction_asked():
     assert scaling_e2e.memory_refusal(cells, "hybrid", 4, 2) is None  # nothing measured
 
 
+def test_scaling_leaves_out_a_cell_whose_predicted_wall_time_per_step_is_over_the_limit(
+        monkeypatch):
+    import scaling_e2e
+
+    monkeypatch.setattr(scaling_e2e.os, "sched_getaffinity", lambda pid: {0, 1})
+    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1", "--host-step",
+                                   "10ms", "--max-step-wall", "60", "--output", "x.json"])
+    theory = {"2": {"data": 228e6, "hybrid": 13.3e6, "ddp": 228e6, "ddp-powersgd": 0.34e6,
+                    "data-powersgd": 0.18e6}}
+    # S = 100: 228 MB at 10 Mbit/s is 182 s of wall time per step, beside 1 s of compute.
+    why, wall = scaling_e2e.wall_refusal(args, "data", 2, "1gbit", 100.0, theory)
+    assert wall == pytest.approx(100 * (0.01 + 228e6 * 8 / 1e9))
+    assert why.startswith(f"not run (predicted {wall:.3g} s/step") and "--max-step-wall 60" in why
+    assert scaling_e2e.wall_refusal(args, "hybrid", 2, "1gbit", 100.0, theory) is None  # 12 s
+    assert scaling_e2e.wall_refusal(args, "data-powersgd", 2, "1gbit", 100.0, theory) is None
+    # DDP's start sends the dense model whatever its hook: judged by those bytes.
+    assert scaling_e2e.wall_refusal(args, "ddp-powersgd", 2, "1gbit", 100.0, theory)
+    assert scaling_e2e.wall_refusal(args, "data", 2, "10gbit", 100.0, theory) is None  # 19 s
+    args.max_step_wall = None
+    assert scaling_e2e.wall_refusal(args, "data", 2, "1gbit", 100.0, theory) is None
+    with pytest.raises(SystemExit):
+        scaling_e2e.parse_args(["--max-step-wall", "0", "--output", "x.json"])
+
+
 def test_scaling_append_refuses_a_file_of_another_use_case(tmp_path):
     import json
 
