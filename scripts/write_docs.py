@@ -252,18 +252,16 @@ def _exactness(contender: str, data: dict) -> str:
 def fast_speeds(data: dict) -> list[tuple[float, float | None]]:
     """(S, the emulated one-host step it stands for), slowest host first."""
     steps = {}
-    for row in data["summary"]:
-        if row.get("host_step_seconds") is not None:
-            steps.setdefault(row["speedup"], row["host_step_seconds"])
-        else:
-            steps.setdefault(row["speedup"], None)
-    for cell in data["cells"]:
-        steps.setdefault(cell.get("speedup", 1.0), cell.get("host_step_seconds"))
+    for speedup, step in [(r["speedup"], r.get("host_step_seconds")) for r in data["summary"]] \
+            + [(c.get("speedup", 1.0), c.get("host_step_seconds")) for c in data["cells"]]:
+        if steps.get(speedup) is None:
+            steps[speedup] = step
     return sorted(steps.items())
 
 
 def _speed_label(speedup: float, step: float | None) -> str:
-    step_text = "?" if step is None else f"{step * 1e3:.3g} ms"
+    step_text = ("?" if step is None else f"{step:.2f} s" if step >= 1
+                 else f"{step * 1e3:.3g} ms")
     return f"{step_text} (S = {speedup:.3g})"
 
 
