@@ -180,9 +180,9 @@ class _KeyedDropoutFunction(torch.autograd.Function):
 # compiled functions against the pure-Python reference on the CPU; tests/test_gpu.py CUDA
 # against the CPU). Only on CUDA devices: on the CPU, compiling took 27 s on 2 cores and
 # the compiled kernels ran slower than the eager ops (forward and backward of AlexNet's two
-# dropout layers, batch 64, one thread: 12-21 ms against 2.5-7 ms a step; the fused kernel
-# hashes each pair once per element, twice, where the eager ops hash it once: cheap on a
-# GPU's arithmetic, not on a CPU's; scripts/bench_dropout.py --compiled).
+# dropout layers, batch 64, one thread: 12.5-13 ms against 4.0-4.2 ms a step,
+# scripts/bench_dropout.py --compiled; probably as the fused kernel hashes each pair for
+# both its elements where the eager ops hash it once: spare arithmetic on a GPU, not here).
 # HYBRIDDL_COMPILE_DROPOUT=0 keeps the eager ops on CUDA too.
 COMPILED_DEVICES = frozenset({"cuda"})
 
