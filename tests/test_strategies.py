@@ -238,10 +238,13 @@ def command_line(process: psutil.Process) -> str:
 
 
 def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """A `train --strategy processes` child, once its two local workers are running."""
+    """A `train --strategy processes` child, once its two local workers are running. The
+    model is small: what is tested is the workers' end, and a stop's checkpoint of VGG16
+    (1 GB with its momentum) only made the master take longer to get there."""
     command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
                "--workers", "3", "--oversubscribe", "--usecase", "ComplexSmall",
-               "--image-size", "32", "--batch-size", "6", "--run-dir", str(tmp_path / "run")]
+               "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "6",
+               "--run-dir", str(tmp_path / "run")]
     master = subprocess.Popen(command, env=hybriddl_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(master.pid)
