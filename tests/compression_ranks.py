@@ -56,7 +56,7 @@ def main(out: str) -> None:
     calls, sent = [], []
     aggregate = hosts.compression.aggregate
 
-    def counting(gradients, allreduce):
+    def counting(gradients, allreduce, **options):
         made = []
 
         def counted(tensor):
@@ -64,7 +64,7 @@ def main(out: str) -> None:
             return allreduce(tensor)
 
         before = hosts.traffic.bytes_sent
-        result = aggregate(gradients, counted)
+        result = aggregate(gradients, counted, **options)
         calls.append(len(made))
         sent.append(hosts.traffic.bytes_sent - before)
         return result

@@ -133,6 +133,18 @@ def test_a_rank_at_or_above_a_layers_size_sends_it_dense_said_once():
     assert PowerSGD(2).setup([(64, 64), (64,)]) == []
 
 
+def test_approximations_written_into_the_gradients_are_those_returned():
+    """What the hosts do (out=gradients: no buffer the size of the model) changes no bit."""
+    returned, written = PowerSGD(2), PowerSGD(2)
+    for step in range(3):
+        gradients = small_gradients(seed=step)
+        want = returned.aggregate(gradients, alone)
+        inplace = [g.clone() for g in gradients]
+        got = written.aggregate(inplace, alone, out=inplace)
+        assert all(a is b for a, b in zip(got, inplace))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 # --------------------------------------------------------------------------- hosts
 
 class Ring:

@@ -197,9 +197,11 @@ class Hosts:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             gradients.append(p.grad.mul_(scale) if scale != 1.0 else p.grad)
+        # The approximations are written into the gradients where they can be.
         for gradient, approximation in zip(
-                gradients, self.compression.aggregate(gradients, allreduce)):
-            gradient.copy_(approximation)
+                gradients, self.compression.aggregate(gradients, allreduce, out=gradients)):
+            if approximation is not gradient:
+                gradient.copy_(approximation)
 
     # ------------------------------------------------------------------ compression state
     def compression_state(self) -> dict | None:
