@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", default="synthetic",
                         help="train's --data (default: the embedded set)")
     parser.add_argument("--image-size", type=int, help="train's --image-size")
+    parser.add_argument("--model", help="train's --model (default: the use case's)")
     parser.add_argument("--lr", type=float, help="train's --lr")
     speed = parser.add_mutually_exclusive_group()
     speed.add_argument("--speedup", type=float, help="emulate's --speedup S")
@@ -88,6 +89,7 @@ def run_hosts(args, hosts: int, scratch: Path, compression: str = "none",
     run_dir = scratch / name
     report = scratch / f"{name}.report.json"
     sizes = ["--image-size", str(args.image_size)] if args.image_size else []
+    sizes += ["--model", args.model] if args.model else []
     local = [*LOCAL[:2], "--workers", str(args.cores_per_host), *LOCAL[4:]]
     train = ["train", "--usecase", args.usecase, "--epochs", str(args.epochs),
              "--data", args.data, *sizes, *(["--lr", str(args.lr)] if args.lr else []),
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     result = {
         "what": " ".join(__doc__.split("\n\n")[0].split()), "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
-        "data": args.data, "compression": args.compression,
+        "model": args.model, "data": args.data, "compression": args.compression,
         "runs_planned": ["/".join(run) for run in planned_runs(args)],
         **results_header("time_to_accuracy.py", argv),
         "runs": [],
