@@ -40,7 +40,7 @@ def compare(cli, output, *args):
     report = (output / REPORT).read_text()
     for c in comparison["contenders"]:  # each row names its scheme and local strategy
         assert f"| {c['name']} | {c['scheme']} | {c['local_strategy']} |" in report
-    return {**comparison, "report": report}
+    return {**comparison, "report": report, "output": output}
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,12 @@ def test_comparison_json_contract(comparison):
         assert c["seconds_per_step"] > 0
         assert len(c["host_nic_bytes_per_step"]) == len(c["host_nic_bytes_theory"]) == H
         assert len(c["host_peak_rss_bytes"]) == H
+    # An MPI contender's ranks measure steps only: no checkpoint, validation or weights.
+    for name in ("hybrid", "flat-mpi"):
+        run = comparison["output"] / "contenders" / name / "run"
+        assert sorted(p.name for p in run.iterdir() if p.suffix == ".pt") == [], name
+        epochs = json.loads((run / "metrics.json").read_text())["epochs"]
+        assert epochs and all(e["val_accuracy"] is None for e in epochs), name
 
 
 @pytest.mark.root

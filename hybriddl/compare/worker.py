@@ -18,7 +18,6 @@ from hybriddl.compare.settings import MeasureSettings
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes
 from hybriddl.hybrid.parallel import DataParallel
 from hybriddl.run import trainer
-from hybriddl.rundir import CHECKPOINT, MODEL
 from hybriddl.strategies import StrategyOptions
 
 
@@ -32,12 +31,9 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
                      compression=hosts.compression.name)  # as connect was told
     prepared = trainer.prepare(config, hosts_count=hosts.size)
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.traffic.bytes_sent)
-    metrics = trainer.run(prepared, meter, hosts)
-    if hosts.rank == 0:
-        # The comparison's output is its figures; the trained weights and checkpoint
-        # (0.5 and 1 GB for VGG16) would only fill the disk.
-        for name in (MODEL, CHECKPOINT):
-            (run_dir / name).unlink(missing_ok=True)
+    # The comparison's output is its figures: no checkpoint (1 GB for VGG16), validation
+    # or trained weights, which took a rank's time and its disk between contenders.
+    metrics = trainer.run(prepared, meter, hosts, figures_only=True)
     return {**meter.result(), "strategy": metrics["config"]["strategy"],
             "hosts": metrics["config"]["hosts"], "gradient_bytes": gradient_bytes(prepared.model),
             "host_parallel": metrics["config"]["host_parallel"],

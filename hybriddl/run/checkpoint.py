@@ -365,12 +365,15 @@ class Checkpointer:
     Every host calls it at the same steps: saving and the stop decision are collective.
     Writes run in the background (see the module's doc); use it as a context manager so
     that leaving the run, normally or not, waits for the write under way.
+    With `writes` False (hybriddl compare's ranks, whose output is their step figures) it
+    writes nothing and stages nothing: a stop still ends every host at the same step.
     """
 
     def __init__(self, run_dir: Path, hosts, stop: StopRequest, model: nn.Module,
                  optimizer: torch.optim.Optimizer, metrics: dict, about: dict,
-                 every: int | None = None, layout=None):
+                 every: int | None = None, layout=None, writes: bool = True):
         self.run_dir, self.hosts, self.stop = Path(run_dir), hosts, stop
+        self.writes = writes
         # How the whole model's state is had from this host's (hybrid/parallel.py): the
         # hosts' scheme, or the model and optimizer as they are.
         self.layout = layout
@@ -435,8 +438,8 @@ class Checkpointer:
     def step_done(self, progress: EpochProgress) -> None:
         self.position.step += 1
         self.position.steps_done += 1
-        if self._staging is None and self._preparing is None and self.hosts.rank == 0 \
-                and getattr(self.layout, "name", "data") == "data":
+        if self.writes and self._staging is None and self._preparing is None \
+                and self.hosts.rank == 0 and getattr(self.layout, "name", "data") == "data":
             self._prepare_staging()
         due = self.every is not None and self.position.steps_done % self.every == 0
         if self._pending is not None and self._pending.done():
@@ -483,6 +486,8 @@ class Checkpointer:
         return self._writer
 
     def save(self, progress: EpochProgress, metrics: dict | None = None) -> None:
+        if not self.writes:  # the same on every host: no collective is left half-entered
+            return
         # Collective: every host contributes its loss sum, so rank 0 can store the total.
         mean_loss = self.hosts.mean_over_hosts(progress.settle(), progress.samples)
         self.wait_for_write()  # its staging buffers are about to be overwritten
