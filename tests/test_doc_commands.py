@@ -8,7 +8,8 @@ The block's own words are kept; only these are changed:
 - size-shrinking flags are added after each hybriddl command's own (argparse keeps the
   last): `--epochs 1 --max-steps 2`, a small `--image-size` (`SMALLEST_IMAGE`), and
   `--tune-budget`/`--budget` of `TUNE_SECONDS` where the command would tune for 120 s or
-  more, plus compare's `--steps 1` and tune's single round: sizes, not meanings;
+  more, plus compare's `--steps 1 --warmup 0` (one step per contender) and tune's single
+  round: sizes, not meanings;
 - `.venv/bin/` is the venv running these tests (sys.executable's folder); `sudo` is dropped
   (such a block is marked `root` and skipped without it);
 - an install step (`python3 -m venv .venv`, `.venv/bin/pip install ...`) and the test
@@ -48,7 +49,7 @@ TUNE_SECONDS = "6"
 SHRINK = {
     "train": ["--epochs", "1", "--max-steps", "2", "--tune-budget", TUNE_SECONDS],
     "tune": ["--budget", TUNE_SECONDS, "--rounds", "1", "--second-look", "0", "--steps", "1"],
-    "compare": ["--steps", "1"],
+    "compare": ["--steps", "1", "--warmup", "0"],
 }
 WITH_IMAGE_SIZE = {"train", "tune", "compare"}
 
