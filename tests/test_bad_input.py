@@ -127,6 +127,8 @@ CASES = {
                                    "--precision", "bf16"), "float32"),
     "layerwise_on_a_model_without_the_cut": (flags("--model", "resnet18", "--strategy",
                                                    "layerwise"), "features -> avgpool"),
+    # ":two:" is an emoji code to rich: the line must show what the user typed.
+    "compression_rank_not_a_number": (flags("--compression", "powersgd:two"), "powersgd:two"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
     "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
     "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),
