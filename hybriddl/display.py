@@ -12,8 +12,8 @@ from rich.table import Table
 from hybriddl.strategies import StrategySpec
 from hybriddl.tuning.tuner import TuneObserver, bf16_gain
 
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, emoji=False)  # user input like "powersgd:two" is not an emoji code
+out = Console(emoji=False)
 
 
 class TuneDisplay(TuneObserver):
