@@ -25,7 +25,7 @@ stands beside the emulated time it took:
     python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/digits \\
         --image-size 64 --lr 0.01 --hosts 2 --cores-per-host 1 --runs hybrid/none \\
         hybrid/powersgd:2 data/powersgd:2 --host-step 10ms --epochs 5 \\
-        --output results/time_to_accuracy-SimpleBig-digits-1gbit.json
+        --output results/time_to_accuracy-digits-SimpleBig-1gbit.json
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def planned_runs(args) -> list[tuple[str, str]]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = {
-        "what": " ".join(__doc__.split("\n\n")[0].split()), "usecase": args.usecase,
+        "what": " ".join(__doc__.split("\n\n")[0 if planned_runs(args) == [("auto", "none")]
+                                              else 3].split()), "usecase": args.usecase,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
         "model": args.model, "data": args.data, "compression": args.compression,
         "runs_planned": ["/".join(run) for run in planned_runs(args)],

@@ -522,6 +522,44 @@ def time_to_accuracy_setting(data: dict) -> str:
             f"{data['cores_per_host']} cores each, {data['bandwidth']} links")
 
 
+def compressed_accuracy_table(data: dict) -> str:
+    """Exact against compressed at equal epochs: one row per run (scheme across hosts and
+    what crossed the wire), its accuracy per epoch and the points it differs from the exact
+    run at the same host count, and the emulated time it took."""
+    lines = ["| hosts | across hosts | on the wire | exact? | validation accuracy per epoch "
+             "| points vs exact, per epoch | emulated s, all epochs | faster than exact |",
+             "|---:|---|---|---|---|---|---:|---:|"]
+    for row in data["summary"]:
+        accuracy = ", ".join(f"{a:.3f}" for a in row["val_accuracy"])
+        points = ("–" if row["points_vs_exact"] is None else
+                  ", ".join(f"{p:+.1f}" for p in row["points_vs_exact"]))
+        exact = "yes" if row["compression"] == "none" else "**no**"
+        lines.append(f"| {row['hosts']} | {row['host_parallel']} | {row['compression']} | "
+                     f"{exact} | {accuracy} | {points} | {row['emulated_seconds_total']:.1f} | "
+                     f"{_eff(row['speedup_vs_exact'])}× |")
+    failed = [r for r in data["runs"] if "failed" in r]
+    lines += [f"\nNot finished: {r['host_parallel']}/{r['compression']} at {r['hosts']} hosts "
+              f"(exit {r['failed']})." for r in failed]
+    return "\n".join(lines)
+
+
+def compressed_accuracy_setting(data: dict) -> str:
+    run = next((r for r in data["runs"] if "failed" not in r), {})
+    step = run.get("host_step_seconds")
+    speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (speedup S = "
+             f"{run.get('speedup', 1):.3g}, measured here)" if step else "hosts at their speed here")
+    return (f"{data['usecase']} ({data.get('model') or 'its model'}) on `{data['data']}`, "
+            f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}")
+
+
+COMPRESSED_ACCURACY_NOTES = """\
+How to read it: every run trains the same steps from the same seed; only what crosses the
+wire differs. `none` is exact (hybrid and data give the same model to float rounding), so
+the exact row is the reference and a compressed row's points are its accuracy minus the
+exact run's, epoch by epoch. Times are the epochs' spans in emulated seconds (wall / S).
+A table whose exact run did not learn (accuracy near 1 / classes) judges speed only."""
+
+
 TIME_TO_ACCURACY_NOTES = """\
 How to read it: the same training (same global batch, same steps, same dropout masks) on
 1, 2 and 4 emulated hosts: in exact arithmetic the same model, so only the time should
@@ -884,6 +922,10 @@ TABLES = [
           "Time to accuracy, the main job (VGG16), 1, 2 and 4 hosts, 1 Gbit/s links",
           "results/time_to_accuracy-ComplexSmall-1gbit.json", time_to_accuracy_table,
           time_to_accuracy_setting, TIME_TO_ACCURACY_NOTES),
+    Table("time_to_accuracy-digits-*", "Accuracy at equal epochs, exact against compressed",
+          "results/time_to_accuracy-digits-*.json", compressed_accuracy_table,
+          compressed_accuracy_setting, COMPRESSED_ACCURACY_NOTES,
+          none_yet="scripts/time_to_accuracy.py --data DIGITS --runs ... writes them"),
 ]
 
 
