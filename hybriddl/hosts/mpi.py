@@ -49,9 +49,6 @@ LINK_PROBE_TAG = 7301
 # The latency measurement at start: small round trips, few enough to take milliseconds.
 LATENCY_PROBE_ROUNDS = 10
 LATENCY_PROBE_TAG = 7302
-# The latency measurement at start: small round trips, few enough to take milliseconds.
-LATENCY_PROBE_ROUNDS = 10
-LATENCY_PROBE_TAG = 7302
 # How long an aborting rank waits for mpirun to read what it last wrote (see
 # `let_mpirun_read_output`).
 OUTPUT_READ_SECONDS = 2.0
@@ -475,26 +472,6 @@ class MPIHosts(Hosts):
         mine = sorted(seconds[1:])[rounds // 2] / self.time_scale
         return max(self.allgather(mine))
 
-    def link_latency(self, rounds: int = LATENCY_PROBE_ROUNDS) -> float:
-        """Seconds one small message takes to the next host, the slowest host's: `rounds`
-        ring exchanges of 8 bytes (each host sends to the next and receives from the
-        previous, through `_wait` as every exchange of a step), the median after one
-        unmeasured round. What the planner charges each round of a ring collective
-        (hybrid/planner.py). On emulated hosts slowed down by D, in emulated time."""
-        send, receive = np.ones(1, dtype=np.int64), np.empty(1, dtype=np.int64)
-        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self.barrier()
-        seconds = []
-        for _ in range(rounds + 1):
-            started = time.perf_counter()
-            self._wait([self.comm.Isend(send, dest=right, tag=LATENCY_PROBE_TAG),
-                        self.comm.Irecv(receive, source=left, tag=LATENCY_PROBE_TAG)],
-                       "measuring the latency to the next host")
-            seconds.append(time.perf_counter() - started)
-        self.traffic.sent(send.nbytes * (rounds + 1))
-        mine = sorted(seconds[1:])[rounds // 2] / self.time_scale
-        return max(self.allgather(mine))
-
     # ------------------------------------------------------------------ tensors
     def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         given, tensor = tensor, _to_host(tensor.detach())
@@ -515,19 +492,6 @@ class MPIHosts(Hosts):
                    "returning classifier input gradients")
         self.traffic.sent(tensor.nbytes)
         return _back_to(out, given)
-
-    def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in its own dtype
-        (hosts/wire.py): the split's features' gradients with --feature-dtype."""
-        datatype, op = half_sum(self.MPI, tensor.dtype)
-        tensor = tensor.detach().cpu().contiguous()
-        row = _row_elements(tensor)
-        out = torch.empty((counts[self.rank], *tensor.shape[1:]), dtype=tensor.dtype)
-        self._wait([self.comm.Ireduce_scatter([as_bits(tensor), datatype], [as_bits(out), datatype],
-                                              [c * row for c in counts], op)],
-                   "returning classifier input gradients")
-        self.traffic.sent(tensor.nbytes)
-        return out
 
     def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in its own dtype
