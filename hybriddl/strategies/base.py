@@ -198,6 +198,27 @@ class CoreWorkersStrategy(LocalStrategy):
         return {"name": self.name, "workers": self.workers, **self.numerics()}
 
 
+class StagedOnDevices:
+    """The batch path of a strategy over several devices (`gpu-threads`, `pipeline`): the
+    batch as the gpu strategy has it (`StagedBatches` in `self._batches`, on the first
+    device: uint8 rows gathered into pinned memory, copied and augmented on a side stream),
+    and a clock read only once every device in `self.devices` finished its queued work."""
+
+    def batch_rows(self, source, indices: torch.Tensor) -> torch.Tensor:
+        return self._batches.rows(source, indices)
+
+    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
+        return self._batches.stage(x)
+
+    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
+        return self._batches.prepare(rows, flips, transform)
+
+    def synchronize(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+
 class StagedBatches:
     """The batches a strategy computes on one device, made ready by the prefetch thread
     while the step before computes: on a CUDA device their rows are gathered into pinned

@@ -20,8 +20,8 @@ import torch
 
 from hybriddl.dropout import current_keys
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import (LocalStrategy, StagedBatches, StepStats, add_gradients,
-                                      sub_batches, to_device, weighted_loss)
+from hybriddl.strategies.base import (LocalStrategy, StagedBatches, StagedOnDevices, StepStats,
+                                      add_gradients, sub_batches, to_device, weighted_loss)
 from hybriddl.strategies.resources import parse_devices
 from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 
@@ -30,7 +30,7 @@ def _default_devices() -> tuple[str, ...]:
     return tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
 
 
-class GpuThreads(LocalStrategy):
+class GpuThreads(StagedOnDevices, LocalStrategy):
     name = "gpu-threads"
     summary = "one model replica and one thread per GPU"
     needs_gpu = True
@@ -68,20 +68,6 @@ class GpuThreads(LocalStrategy):
         self._batches = StagedBatches(self.devices[0])
         if self.replicas:
             self.pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="hybriddl-gpu")
-
-    def batch_rows(self, source, indices: torch.Tensor) -> torch.Tensor:
-        return self._batches.rows(source, indices)
-
-    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return self._batches.stage(x)
-
-    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
-        return self._batches.prepare(rows, flips, transform)
-
-    def synchronize(self) -> None:
-        for device in set(self.devices):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()

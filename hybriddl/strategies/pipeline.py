@@ -25,7 +25,8 @@ from torch import nn
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.data.sharding import split_bounds
-from hybriddl.strategies.base import LocalStrategy, StagedBatches, StepStats, criterion, to_device
+from hybriddl.strategies.base import (LocalStrategy, StagedBatches, StagedOnDevices, StepStats,
+                                      criterion, to_device)
 from hybriddl.strategies.resources import parse_devices
 from hybriddl.strategies.spec import StrategyOptions, StrategySpec
 from hybriddl.usecases import PIPELINE_SPLITS
@@ -82,7 +83,7 @@ def split_stages(model: nn.Module) -> tuple[nn.Sequential, nn.Sequential]:
     return first, second
 
 
-class Pipeline(LocalStrategy):
+class Pipeline(StagedOnDevices, LocalStrategy):
     name = "pipeline"
     summary = "the model in two stages on two devices, M micro-batches in flight"
     needs_gpu = True
@@ -146,22 +147,6 @@ class Pipeline(LocalStrategy):
         self.second_stage = threading.Thread(target=self._second_stage_loop,
                                              name="hybriddl-pipeline-stage-2", daemon=True)
         self.second_stage.start()
-
-    # The batch as the gpu strategy has it (base.StagedBatches), on the first stage's device:
-    # uint8 rows gathered into pinned memory, copied and augmented on a side stream.
-    def batch_rows(self, source, indices: torch.Tensor) -> torch.Tensor:
-        return self._batches.rows(source, indices)
-
-    def stage_batch(self, x: torch.Tensor) -> torch.Tensor:
-        return self._batches.stage(x)
-
-    def prepare_batch(self, rows: torch.Tensor, flips: torch.Tensor, transform) -> torch.Tensor:
-        return self._batches.prepare(rows, flips, transform)
-
-    def synchronize(self) -> None:
-        for device in set(self.devices):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
 
     def compute_gradients(self, x, y) -> StepStats:
         started = time.perf_counter()
