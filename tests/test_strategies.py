@@ -244,13 +244,16 @@ def start_cli_training(tmp_path) -> tuple[subprocess.Popen, list[psutil.Process]
     command = [sys.executable, "-m", "hybriddl", "train", "--strategy", "processes",
                "--workers", "3", "--oversubscribe", "--usecase", "ComplexSmall",
                "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "6",
-               "--run-dir", str(tmp_path / "run")]
+               # Epochs enough that the signal finds it training: the small model's
+               # default 3 epochs can end before the workers are even counted.
+               "--epochs", "1000", "--run-dir", str(tmp_path / "run")]
     master = subprocess.Popen(command, env=hybriddl_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
     parent = psutil.Process(master.pid)
     for _ in range(600):  # waits for a condition, at most a minute; no timing is asserted
         workers = [p for p in parent.children(recursive=True)
-                   if "multiprocessing" in command_line(p)]
+                   if "multiprocessing" in command_line(p)
+                   and "resource_tracker" not in command_line(p)]  # workers only
         if len(workers) == 2 or master.poll() is not None:
             break
         psutil.wait_procs([parent], timeout=0.1)
