@@ -18,6 +18,7 @@ from torch import nn
 from conftest import REPO, hybriddl_env
 from sample_data import write_tinted_classes
 from hybriddl.cli import main
+from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import AUTO, Compression, parse_compression
 from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.rundir import METRICS, MODEL
@@ -218,6 +219,41 @@ def test_a_restored_state_continues_as_if_never_stopped():
         PowerSGD(4).load_state_dict(state)
 
 
+def test_steps_before_start_are_the_exact_sum_then_powersgd_takes_over():
+    """powersgd:2:start=3 (DDP's start_powerSGD_iter): three steps averaged dense, in one
+    allreduce each, then the same compression as powersgd:2 from its first step."""
+    late = parse_compression("powersgd:2:start=3")
+    assert (late.name, late.start, late.rank) == ("powersgd:2:start=3", 3, 2)
+    assert parse_compression("powersgd:2:start=0").name == "powersgd:2"
+    contributions = [[small_gradients(seed=10 * s + h) for h in range(2)] for s in range(6)]
+    ring = Ring(2)
+    two = run_hosts([parse_compression("powersgd:2:start=3") for _ in range(2)],
+                    contributions, 6, ring)
+    assert ring.calls == 6
+    for step in range(3):
+        for got, a, b in zip(two[0][step], *contributions[step]):
+            assert torch.equal(got, a + b)
+    compressed = PowerSGD(2)  # no warm-up, given the same steps from step 3 on
+    for step in range(3, 6):
+        summed = [a + b for a, b in zip(*contributions[step])]
+        want = compressed.aggregate(summed, alone)
+        assert all(torch.allclose(got, w, atol=1e-5) for got, w in zip(two[0][step], want))
+        assert not all(torch.equal(got, s) for got, s in zip(two[0][step], summed))
+    # Resumed across the start: the step count carries it, the scheme's name must match.
+    straight = parse_compression("powersgd:2:start=3")
+    gradients = [[g * (step + 1) for g in small_gradients(seed=step)] for step in range(6)]
+    expected = [straight.aggregate(g, alone) for g in gradients]
+    first = parse_compression("powersgd:2:start=3")
+    for g in gradients[:2]:
+        first.aggregate(g, alone)
+    resumed = parse_compression("powersgd:2:start=3")
+    resumed.load_state_dict(first.state_dict(alone))
+    for g, want in zip(gradients[2:], expected[2:]):
+        assert all(torch.equal(got, w) for got, w in zip(resumed.aggregate(g, alone), want))
+    with pytest.raises(ValueError, match="powersgd:2:start=3's, not powersgd:2's"):
+        PowerSGD(2).load_state_dict(first.state_dict(alone))
+
+
 def test_two_hosts_resumed_from_their_summed_errors_continue_as_uninterrupted():
     """A checkpoint keeps the hosts' errors summed (any host count may resume it): on
     resume host 0 holds the sum, the others none, and the updates go on the same."""
@@ -272,6 +308,22 @@ def test_a_checkpoint_names_the_scheme_that_ran_whatever_settled_it():
 
 
 # --------------------------------------------------------------------------- the command line
+
+@pytest.mark.parametrize("scheme, says", [
+    ("powersgd:2:start=-1", "--compression powersgd:2:start=-1: give the first compressed step "
+                            "as a whole number of at least 0"),
+    ("powersgd:2:from=5", "--compression powersgd:2:from=5: after the rank, give only the first "
+                          "compressed step, e.g. powersgd:2:start=100"),
+    ("powersgd:2:start=", "--compression powersgd:2:start=: after the rank, give only the first "
+                          "compressed step"),
+])
+def test_a_bad_start_is_refused_as_the_command_line_refuses_a_bad_scheme(scheme, says):
+    """The same UsageError (one line, exit 2) as the schemes of the test below, without a
+    process each."""
+    with pytest.raises(UsageError) as refused:
+        parse_compression(scheme)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
 
 @pytest.mark.parametrize("scheme, says", [
     ("zip", "--compression zip: choose one of none, fp16, powersgd:R, auto"),

@@ -298,3 +298,14 @@ def test_auto_with_a_feature_dtype_given_weighs_every_compression_at_it(alexnet)
                      feature_dtype="float32")
     assert plan.chosen.feature_dtype == "float32" or plan.chosen.host_parallel == "data"
     assert Scheme("hybrid", "powersgd:2") in {row.scheme for row in plan.rows}
+
+
+def test_a_powersgd_start_is_planned_as_the_steps_after_it(alexnet):
+    """powersgd:2:start=100 sends what powersgd:2 sends once compression starts: the planner
+    predicts those steps, under the name the run was given."""
+    late = predict(Scheme("data", "powersgd:2:start=100"), alexnet, 2, 32, 1.0, Link(GIGABIT), COSTS)
+    plain = predict(Scheme("data", "powersgd:2"), alexnet, 2, 32, 1.0, Link(GIGABIT), COSTS)
+    assert late.step_seconds == plain.step_seconds
+    assert late.nic_bytes == plain.nic_bytes < 0.01 * 4 * ALEXNET_PARAMETERS
+    exchange = gradient_exchange("powersgd:2:start=100", alexnet.parameters)
+    assert exchange.name == "powersgd:2:start=100" and not exchange.exact

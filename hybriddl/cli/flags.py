@@ -108,8 +108,8 @@ def add_compression_flag(parser) -> None:
                         help=f"what gradients look like on the wire, one of {', '.join(SCHEMES)}: "
                              "none is exact (default); fp16 halves the bytes; powersgd:R sends "
                              "rank-R factors of each gradient matrix with error feedback, also "
-                             "on one host (inexact, opt-in); auto takes the fastest the planner "
-                             "predicts")
+                             "on one host (inexact, opt-in), powersgd:R:start=N after N steps "
+                             "averaged exactly; auto takes the fastest the planner predicts")
 
 
 def add_hosts_flags(parser: argparse.ArgumentParser) -> None:

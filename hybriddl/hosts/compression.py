@@ -108,11 +108,20 @@ def parse_compression(text: str):
         return getattr(Compression, text)
     if text == AUTO:
         return AUTO
-    scheme, _, rank = text.partition(":")
+    scheme, _, rest = text.partition(":")
     if scheme == "powersgd":
+        rank, _, option = rest.partition(":")
         if not rank.strip().lstrip("-").isdigit():
             raise UsageError(f"--compression {text}: give PowerSGD's rank as a whole number, "
                              "e.g. powersgd:2")
-        return PowerSGD(int(rank))
+        start = 0
+        if option:
+            key, equals, value = option.partition("=")
+            if key.strip() != "start" or not equals or not value.strip().lstrip("-").isdigit():
+                raise UsageError(f"--compression {text}: after the rank, give only the first "
+                                 f"compressed step, e.g. powersgd:{rank.strip()}:start=100")
+            start = int(value)
+        return PowerSGD(int(rank), start=start)
     raise UsageError(f"--compression {text}: choose one of {', '.join(SCHEMES)} "
-                     "(R: PowerSGD's rank, e.g. powersgd:2)")
+                     "(R: PowerSGD's rank, e.g. powersgd:2; powersgd:2:start=100 averages "
+                     "the first 100 steps exactly)")

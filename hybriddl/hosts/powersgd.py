@@ -83,14 +83,21 @@ class PowerSGD:
     allreduces_per_step = 1
     whole_gradient = True  # the step's whole gradient at once, not bucket by bucket
 
-    def __init__(self, rank: int, seed: int = FACTOR_SEED):
+    def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise UsageError(f"--compression powersgd:{rank}: give a rank of at least 1, "
                              "e.g. powersgd:2")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise UsageError(f"--compression powersgd:{rank}:start={start}: give the first "
+                             "compressed step as a whole number of at least 0, e.g. "
+                             f"powersgd:{rank}:start=100")
         self.rank = rank
         self.seed = seed
-        self.name = f"powersgd:{rank}"
-        self.step = 0  # even: Q is computed and sent this step; odd: P
+        # Steps before `start` are averaged exactly (DDP's start_powerSGD_iter): the first
+        # steps' gradients change fast, which a warm-started rank-R factor tracks worst.
+        self.start = start
+        self.name = f"powersgd:{rank}" + (f":start={start}" if start else "")
+        self.step = 0  # from `start`: even steps compute and send Q, odd ones P
         self._shapes: list[tuple[int, ...]] | None = None
         self._groups: list[_Group] = []
         self._dense: list[int] = []
@@ -171,7 +178,9 @@ class PowerSGD:
         elif shapes != self._shapes:
             raise ValueError(f"{self.name} was set up for gradients of shapes {self._shapes}, "
                              f"given {shapes}")
-        sends_q = self.step % 2 == 0
+        if self.step < self.start:
+            return self._exact(gradients, allreduce, out)
+        sends_q = (self.step - self.start) % 2 == 0
         # The state lives on one device (the first gradient's); a pipeline's gradients on
         # another device come to it, and the caller copies the approximations back.
         device = self._device()
@@ -218,6 +227,27 @@ class PowerSGD:
             else:
                 outputs[i] = summed
             offset += n
+        self.step += 1
+        return outputs
+
+    def _exact(self, gradients: Sequence[torch.Tensor],
+               allreduce: Callable[[torch.Tensor], torch.Tensor],
+               out: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """A step before `start`: every gradient summed dense, in the same one allreduce."""
+        device = self._device()
+        total = allreduce(torch.cat([g.reshape(-1).to(device) for g in gradients]) if gradients
+                          else torch.zeros(0, device=device))
+        outputs: list[torch.Tensor] = []
+        offset = 0
+        for i, gradient in enumerate(gradients):
+            summed = total[offset:offset + gradient.numel()].view(gradient.shape)
+            offset += gradient.numel()
+            target = out[i] if out is not None else None
+            if target is not None:
+                target.copy_(summed)
+                outputs.append(target)
+            else:
+                outputs.append(summed)
         self.step += 1
         return outputs
 

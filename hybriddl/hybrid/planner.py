@@ -212,7 +212,10 @@ def gradient_exchange(name: str, shapes) -> GradientExchange:
 
 
 def powersgd_rank(name: str) -> int:
-    scheme, _, rank = name.partition(":")
+    """R of `powersgd:R` (and of `powersgd:R:start=N`: the planner predicts the steps after
+    the start)."""
+    scheme, _, rest = name.partition(":")
+    rank = rest.partition(":")[0]
     if scheme != "powersgd" or not rank.isdigit() or int(rank) < 1:
         raise UsageError(f"--compression {name}: choose none, fp16, powersgd:R (R >= 1) or auto")
     return int(rank)
