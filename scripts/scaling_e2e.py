@@ -34,12 +34,15 @@ emulate --speedup S`: each host stands for one S times faster, links at R/S, emu
 measured step / S). At a large S a link runs at a small fraction of its rate, so an exact
 data-parallel step can take minutes of wall time: `--max-step-wall SECONDS` leaves out every
 cell whose predicted wall time per step exceeds it, recorded as `skipped` with
-`predicted_step_wall_seconds` (never as a measured figure).
+`predicted_step_wall_seconds` (never as a measured figure). DDP starts with three dense
+exchanges whatever its hook (its broadcast of the model, powerSGD_hook's two warm-up
+steps): `--max-start-wall SECONDS` judges that start apart, so ddp-powersgd runs where a
+dense step would not.
 
     python scripts/scaling_e2e.py --usecase SimpleBig --hosts 1 2 --cores-per-host 1 \\
-        --host-step 10ms --max-step-wall 60 --contenders hybrid hybrid-powersgd \\
-        data-powersgd ddp-powersgd ddp-fp16 flat-fp16 data --append \\
-        --output results/scaling_fast-SimpleBig-1gbit.json
+        --bandwidth 1gbit --host-step 10ms --max-step-wall 60 --max-start-wall 400 \\
+        --contenders hybrid hybrid-powersgd data-powersgd ddp-powersgd ddp-fp16 flat-fp16 \\
+        data --rounds 2 --output results/scaling_fast-SimpleBig-1gbit.json
 """
 
 from __future__ import annotations
@@ -128,6 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "emulated one-host step + its theory bytes over the link)) "
                              "exceeds SECONDS; it is recorded as skipped with its prediction "
                              "(default: no limit)")
+    parser.add_argument("--max-start-wall", type=float, metavar="SECONDS",
+                        help="with --max-step-wall: the limit for DDP's start instead (its "
+                             "broadcast of the model and powerSGD_hook's two dense warm-up "
+                             "steps, three dense exchanges before the first timed step), so "
+                             "that ddp-powersgd runs on a slow link where dense steps would "
+                             "not (default: --max-step-wall's)")
     parser.add_argument("--append", action="store_true",
                         help="keep the cells already in --output (the same use case and "
                              "hosts' cores) and add this run's; the file records every "
@@ -146,9 +155,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             check_speedup(args.speedup)
     except UsageError as exc:
         parser.error(str(exc))
-    if args.max_step_wall is not None and not args.max_step_wall > 0:
-        parser.error(f"--max-step-wall {args.max_step_wall:g}: give a positive number of "
-                     "seconds")
+    for flag, value in (("--max-step-wall", args.max_step_wall),
+                        ("--max-start-wall", args.max_start_wall)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value:g}: give a positive number of seconds")
+    if args.max_start_wall is not None and args.max_step_wall is None:
+        parser.error("--max-start-wall limits DDP's start beside --max-step-wall: give both")
     return args
 
 
@@ -381,18 +393,27 @@ def wall_refusal(args, contender: str, hosts: int, bandwidth: str, speedup: floa
     per_host = theory_bytes[str(hosts)]
     nic = (min(b for b in (per_host.get("hybrid"), per_host["data"]) if b)
            if contender == "auto" else per_host.get(contender)) or 0.0
-    what = "per step"
-    if scheme_of(contender) == "ddp" and per_host["ddp"] > nic:
-        # DDP's start sends the dense model's bytes whatever the hook: its constructor
-        # broadcasts the model, and powerSGD_hook's warm-up steps are plain allreduces.
-        nic, what = per_host["ddp"], "in DDP's start (its broadcast, powerSGD_hook's dense warm-up)"
     wall = predicted_step_wall(nic, bandwidth, hosts, args.cores_per_host, speedup,
                                args.host_step_seconds)
-    if wall <= args.max_step_wall:
-        return None
-    return (f"not run (predicted {wall:.3g} s/step of wall time: {nic / 1e6:.3g} MB per host "
-            f"{what} at {bandwidth} / (S x D) beside the host's step, over "
-            f"--max-step-wall {args.max_step_wall:g} s)", wall)
+    if wall > args.max_step_wall:
+        return (f"not run (predicted {wall:.3g} s/step of wall time: {nic / 1e6:.3g} MB per "
+                f"host per step at {bandwidth} / (S x D) beside the host's step, over "
+                f"--max-step-wall {args.max_step_wall:g} s)", wall)
+    if scheme_of(contender) == "ddp" and per_host["ddp"] > nic:
+        # DDP's start sends the dense model's bytes whatever the hook: its constructor
+        # broadcasts the model, and powerSGD_hook's two warm-up steps are plain allreduces.
+        limit = args.max_start_wall or args.max_step_wall
+        dense = predicted_step_wall(per_host["ddp"], bandwidth, hosts, args.cores_per_host,
+                                    speedup, args.host_step_seconds)
+        start = 3 * dense if args.max_start_wall else dense
+        if start > limit:
+            return (f"not run (predicted {start:.3g} s of wall time "
+                    f"{'for DDP' + chr(39) + 's start' if args.max_start_wall else 'per step'}: "
+                    f"{per_host['ddp'] / 1e6:.3g} MB per host in each of DDP's broadcast and "
+                    f"powerSGD_hook's dense warm-up steps at {bandwidth} / (S x D), over "
+                    f"--max-{'start' if args.max_start_wall else 'step'}-wall {limit:g} s)",
+                    start)
+    return None
 
 
 def _classifier_held(cell: dict) -> int | None:

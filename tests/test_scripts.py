@@ -116,10 +116,21 @@ def test_scaling_leaves_out_a_cell_whose_predicted_wall_time_per_step_is_over_th
     # DDP's start sends the dense model whatever its hook: judged by those bytes.
     assert scaling_e2e.wall_refusal(args, "ddp-powersgd", 2, "1gbit", 100.0, theory)
     assert scaling_e2e.wall_refusal(args, "data", 2, "10gbit", 100.0, theory) is None  # 19 s
-    args.max_step_wall = None
+    # --max-start-wall: DDP's start (broadcast + 2 dense warm-up steps, 3 x 182 s) is judged
+    # apart from its compressed steps; the dense contender still by its step.
+    args.max_start_wall = 600
+    assert scaling_e2e.wall_refusal(args, "ddp-powersgd", 2, "1gbit", 100.0, theory) is None
+    assert scaling_e2e.wall_refusal(args, "data", 2, "1gbit", 100.0, theory)
+    args.max_start_wall = 500
+    why, start = scaling_e2e.wall_refusal(args, "ddp-powersgd", 2, "1gbit", 100.0, theory)
+    assert start == pytest.approx(3 * wall) and "for DDP's start" in why
+    assert "--max-start-wall 500" in why
+    args.max_step_wall = args.max_start_wall = None
     assert scaling_e2e.wall_refusal(args, "data", 2, "1gbit", 100.0, theory) is None
     with pytest.raises(SystemExit):
         scaling_e2e.parse_args(["--max-step-wall", "0", "--output", "x.json"])
+    with pytest.raises(SystemExit):
+        scaling_e2e.parse_args(["--max-start-wall", "600", "--output", "x.json"])
 
 
 def test_scaling_append_refuses_a_file_of_another_use_case(tmp_path):
