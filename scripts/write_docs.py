@@ -490,7 +490,33 @@ def fast_headline(table: "Table", data: dict) -> str | None:
             f"{rows[0]['bandwidth']} links** — efficiency (images/s), best first: "
             + "; ".join(parts) + ". Exact: " + (", ".join(exact) or "none")
             + (f"; not exact (judged by accuracy at equal epochs) — {inexact}" if inexact else "")
+            + (f"; {accuracy}" if inexact and (accuracy := accuracy_at_equal_epochs()) else "")
             + f" ({p['cpu_model']}; [table](docs/benchmarks/{table.name}.md)).")
+
+
+def accuracy_at_equal_epochs() -> str | None:
+    """What the compressed schemes cost in accuracy, for the headlines beside their speed:
+    the final validation accuracy of each run of the results/time_to_accuracy-digits-*.json
+    whose exact run learned most (at least half right on the ten digits), points against
+    exact; None where no such file is."""
+    learned = []
+    for path in RESULTS.glob("time_to_accuracy-digits-*.json"):
+        data = json.loads(path.read_text())
+        exact = [r["val_accuracy"][-1] for r in data["summary"]
+                 if r["compression"] == "none" and r["val_accuracy"]]
+        if exact and max(exact) >= 0.5:
+            learned.append((max(exact), path.stem, data))
+    if not learned:
+        return None
+    _, stem, data = max(learned, key=lambda item: item[0])
+    rows = [r for r in data["summary"] if r["val_accuracy"]]
+    parts = [f"{r['host_parallel']}/{r['compression']} {r['val_accuracy'][-1]:.3f}" + (
+        f" ({r['points_vs_exact'][-1]:+.1f} points)" if r["compression"] != "none"
+        and r.get("points_vs_exact") else "") for r in rows]
+    return (f"accuracy after {len(rows[0]['val_accuracy'])} epochs "
+            f"({data.get('model') or data['usecase']} on the handwritten digits, "
+            f"{rows[0]['hosts']} hosts): " + ", ".join(parts)
+            + f" ([table](docs/benchmarks/{stem}.md))")
 
 
 def chart_digest(path: Path) -> str | None:
