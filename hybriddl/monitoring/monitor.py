@@ -207,7 +207,7 @@ class Monitor:
         memory = psutil.virtual_memory()
         cpu_total_pct = 100 * (user + system) / dt
         (_, pidstat), (_, sar) = self._pidstat, self._sar
-        pidstat.writerow((f"{stamp:.3f}", f"{elapsed:.3f}", f"{dt:.3f}", self._root.pid, len(tree),
+        pidstat.writerow((f"{stamp:.3f}", f"{elapsed:.3f}", f"{dt:.6f}", self._root.pid, len(tree),
                           f"{100 * user / dt:.1f}", f"{100 * system / dt:.1f}",
                           f"{cpu_total_pct:.1f}", f"{rss / MIB:.2f}",
                           f"{100 * rss / memory.total:.2f}", threads))
@@ -226,7 +226,7 @@ class Monitor:
             totals = peaks.network.setdefault(name, [0, 0, 0, 0])
             for i, value in enumerate(delta):
                 totals[i] += value
-            sar.writerow((f"{stamp:.3f}", f"{elapsed:.3f}", f"{dt:.3f}", f"{user_pct:.1f}",
+            sar.writerow((f"{stamp:.3f}", f"{elapsed:.3f}", f"{dt:.6f}", f"{user_pct:.1f}",
                           f"{system_pct:.1f}", f"{iowait_pct:.1f}", f"{idle_pct:.1f}",
                           f"{memory.percent:.1f}", name, *(f"{v / dt:.1f}" for v in delta)))
         self._sar[0].flush()
