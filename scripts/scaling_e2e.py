@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -221,6 +222,7 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
     DDP's own allreduce or the contender's comm hook."""
     case = get_usecase(args.usecase)
     result_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
+    shutil.rmtree(result_dir, ignore_errors=True)  # an earlier round's
     report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
     processes = hosts * args.cores_per_host
     ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
@@ -271,6 +273,10 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
         return run_ddp_cell(args, hosts, bandwidth, scratch, contender)
     run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
     report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
+    # The same cell's run of an earlier round: train refuses a run directory that exists
+    # (every hybriddl cell of round 2 exited 2 on it).
+    shutil.rmtree(run_dir, ignore_errors=True)
+    report.unlink(missing_ok=True)
     train, ranks = train_args(args, contender, hosts, run_dir)
     command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
                "--cores-per-host", str(args.cores_per_host), "--ranks-per-host", str(ranks),

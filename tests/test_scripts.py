@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,25 @@ def test_digits_imagefolder_refuses_a_folder_that_holds_files(tmp_path):
                           env=hybriddl_env())
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+
+
+def test_scaling_runs_a_cell_of_a_later_round_in_a_fresh_run_directory(monkeypatch, tmp_path):
+    """train refuses a run directory that exists: round 2 must not find round 1's."""
+    import scaling_e2e
+
+    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1", "--rounds", "2",
+                                   "--output", "x.json"])
+    args.image_size = 64
+    found = []
+
+    def run(command, **kwargs):
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        found.append(run_dir.exists())
+        run_dir.mkdir()  # what a train run leaves behind
+        return subprocess.CompletedProcess(command, 2, "", "hybriddl: stop")
+
+    monkeypatch.setattr(scaling_e2e.subprocess, "run", run)
+    for _ in range(2):
+        cell = scaling_e2e.run_cell(args, "hybrid", 2, "1gbit", tmp_path)
+        assert cell["failed"] == 2
+    assert found == [False, False]
