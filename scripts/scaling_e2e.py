@@ -466,7 +466,10 @@ def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list
     for cell in cells:
         if "failed" in cell or "skipped" in cell:
             continue
-        key = (cell["bandwidth"], cell.get("speedup", 1.0), cell["contender"], cell["hosts"])
+        # One host speed per S to 3 significant digits: a later run given --speedup 74.16
+        # continues the run that derived S = 74.158 from --host-step.
+        speedup = float(f"{cell.get('speedup', 1.0):.3g}")
+        key = (cell["bandwidth"], speedup, cell["contender"], cell["hosts"])
         rows.setdefault(key, []).append(cell)
     one_host, one_host_step = {}, {}
     for (bandwidth, speedup, contender, hosts), group in rows.items():
@@ -483,8 +486,9 @@ def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list
         out.append({
             "bandwidth": bandwidth, "contender": contender, "hosts": hosts,
             "speedup": speedup,
-            "host_step_seconds": one_host_step.get((bandwidth, speedup),
-                                                   (measured_host_step or {}).get(speedup)),
+            "host_step_seconds": one_host_step.get((bandwidth, speedup), next(
+                (step for s, step in (measured_host_step or {}).items()
+                 if float(f"{float(s):.3g}") == speedup), None)),
             "images_per_second": speed,
             "step_seconds_median": statistics.median(steps),
             "step_seconds_spread": [min(steps), max(steps)],

@@ -160,6 +160,13 @@ def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_hos
     assert rows[20.0, 2]["host_step_seconds"] == pytest.approx(0.31)
     assert rows[20.0, 2]["efficiency"] == pytest.approx(0.75)
     assert rows[1.0, 2]["host_step_seconds"] == 3.5 and rows[1.0, 2]["efficiency"] is None
+    # A run given --speedup 20.01 continues one that derived S = 20.0 (3 digits): one row.
+    cells.append({**cell, "hosts": 2, "speedup": 20.01, "images_per_second": 170.0,
+                  "emulated_step_seconds": [0.36], "median_nic_bytes_per_step": 5})
+    rows = {(r["speedup"], r["hosts"]): r for r in scaling_e2e.summarise(cells, {1.0: 3.5})}
+    assert sorted(rows) == [(1.0, 2), (20.0, 1), (20.0, 2)]
+    assert rows[20.0, 2]["images_per_second"] == 160.0
+    assert rows[20.0, 2]["efficiency"] == pytest.approx(0.8)
     with pytest.raises(SystemExit):
         scaling_e2e.parse_args(["--output", "x.json", "--speedup", "2", "--host-step", "1s"])
 
