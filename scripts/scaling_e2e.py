@@ -408,17 +408,17 @@ def wall_refusal(args, contender: str, hosts: int, bandwidth: str, speedup: floa
     if scheme_of(contender) == "ddp" and per_host["ddp"] > nic:
         # DDP's start sends the dense model's bytes whatever the hook: its constructor
         # broadcasts the model, and powerSGD_hook's two warm-up steps are plain allreduces.
-        limit = args.max_start_wall or args.max_step_wall
         dense = predicted_step_wall(per_host["ddp"], bandwidth, hosts, args.cores_per_host,
                                     speedup, args.host_step_seconds)
-        start = 3 * dense if args.max_start_wall else dense
+        if args.max_start_wall:
+            start, limit, what, flag = 3 * dense, args.max_start_wall, "for DDP's start", "start"
+        else:
+            start, limit, what, flag = dense, args.max_step_wall, "per step", "step"
         if start > limit:
-            return (f"not run (predicted {start:.3g} s of wall time "
-                    f"{'for DDP' + chr(39) + 's start' if args.max_start_wall else 'per step'}: "
+            return (f"not run (predicted {start:.3g} s of wall time {what}: "
                     f"{per_host['ddp'] / 1e6:.3g} MB per host in each of DDP's broadcast and "
                     f"powerSGD_hook's dense warm-up steps at {bandwidth} / (S x D), over "
-                    f"--max-{'start' if args.max_start_wall else 'step'}-wall {limit:g} s)",
-                    start)
+                    f"--max-{flag}-wall {limit:g} s)", start)
     return None
 
 
