@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -249,7 +250,7 @@ def train_data_wait(usecase: str, image_size: int, batch_size: int, variant: str
         epochs = json.loads((run_dir / "metrics.json").read_text())["epochs"]
     seconds = sum(e["seconds"] for e in epochs)
     wait = sum(e["data_wait_seconds"] for e in epochs)
-    return {"command": " ".join(command[1:]), "steps": sum(e["steps"] for e in epochs),
+    return {"command": shlex.join(["hybriddl", *command[3:]]), "steps": sum(e["steps"] for e in epochs),
             "epochs": len(epochs), "images_per_second": sum(e["samples"] for e in epochs) / seconds,
             "seconds": seconds, "data_wait_seconds": wait, "data_wait_share": wait / seconds}
 

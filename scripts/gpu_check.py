@@ -242,21 +242,43 @@ def main(argv=None) -> int:
             print("gpu_check: no CUDA device here: run it on a GPU host (nothing written: no "
                   "GPU figure without a GPU)", file=sys.stderr)
             return 2
-        return check(steps, torch.cuda.get_device_name(0), argv)
+        return check(steps, torch.cuda.get_device_name(0), argv, known)
 
 
-def check(steps: list[Step], gpu: str, argv=None) -> int:
-    """Run the steps in order within TOTAL_SECONDS; results/gpu_check.json lists them."""
+def earlier_rows(gpu: str, order: list[str], rerun: list[str]) -> list[dict]:
+    """The rows of results/gpu_check.json from an earlier check on the same GPU model for
+    the steps not run again now (`--only` runs a check in parts: each part keeps the
+    others' outcomes, each row with its own commit and date)."""
+    try:
+        earlier = json.loads((RESULTS / "gpu_check.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if earlier.get("gpu_name") != gpu:
+        return []
+    return [{"commit": earlier.get("commit"), "date": earlier.get("date"), **row}
+            for row in earlier.get("rows", [])
+            if row.get("step") in order and row.get("step") not in rerun]
+
+
+def check(steps: list[Step], gpu: str, argv=None, order: list[str] | None = None) -> int:
+    """Run the steps in order within TOTAL_SECONDS; results/gpu_check.json lists them. A part
+    of the check (`order`: all the check's steps, in order) keeps an earlier check's rows on
+    the same GPU model for the steps it does not run."""
+    order = order or [s.name for s in steps]
     deadline = time.monotonic() + TOTAL_SECONDS
+    header = results_header("gpu_check.py", argv)
+    kept = earlier_rows(gpu, order, [s.name for s in steps])
     outcomes = []
     for step in steps:
         limit = min(step.limit, deadline - time.monotonic())
-        outcomes.append(run_step(step, limit, gpu, argv))
+        outcomes.append({"commit": header["commit"], "date": header["date"],
+                         **run_step(step, limit, gpu, argv)})
+        rows = sorted(kept + outcomes, key=lambda row: order.index(row["step"]))
         # Written after every step: a check cut short still says how far it got.
         atomic_write_json(RESULTS / "gpu_check.json", {
-            **results_header("gpu_check.py", argv), "gpu_name": gpu,
+            **header, "gpu_name": gpu,
             "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "rows": outcomes})
+            "rows": rows})
     passed = sum(o["outcome"] == "passed" for o in outcomes)
     print(f"gpu_check: {passed} of {len(outcomes)} steps passed; results/gpu_check.json")
     return 0 if passed == len(outcomes) else 1

@@ -709,7 +709,9 @@ def bench_gpu_table(data: dict) -> str:
                           "The two-GPU pipeline's speedup is not measured (one GPU)."]
     if data.get("train"):
         t = data["train"]
-        lines += ["", f"`hybriddl {t['command']}`: {t['images_per_second']:.0f} img/s over "
+        # Files of 2026-11-26 recorded `-m hybriddl train ...`; later ones `hybriddl train ...`.
+        command = "hybriddl " + t["command"].removeprefix("-m ").removeprefix("hybriddl ")
+        lines += ["", f"`{command}`: {t['images_per_second']:.0f} img/s over "
                       f"{t['steps']} steps, data wait {t['data_wait_share']:.1%} of the time."]
     return "\n".join(lines)
 

@@ -186,7 +186,7 @@ def test_keyed_dropout_forward_and_backward_are_the_same_on_cpu_and_cuda():
     x = torch.randn(64, 4096)
     grads = []
     for device in ("cpu", "cuda"):
-        inputs = x.to(device).requires_grad_()
+        inputs = x.to(device, copy=True).requires_grad_()  # a leaf of its own on each device
         with dropout_keys(keys):
             layer(inputs).backward(torch.ones(64, 4096, device=device))
         grads.append(inputs.grad.cpu())

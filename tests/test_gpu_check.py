@@ -79,6 +79,29 @@ def test_a_failing_or_hanging_step_is_recorded_and_the_next_still_runs(gpu_check
     assert written["check_command"].startswith("python scripts/gpu_check.py")
 
 
+def test_a_check_run_in_parts_keeps_the_other_parts_rows_on_the_same_gpu(gpu_check, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_SECONDS", 0)
+    Step = gpu_check.Step
+    order = ["first", "second", "third"]
+    first = Step("first", ["-c", "raise SystemExit(1)"], 60, [])
+    rest = [Step("second", ["-c", "pass"], 60, []), Step("third", ["-c", "pass"], 60, [])]
+    assert gpu_check.check([first], "a GPU", [], order) == 1
+    assert gpu_check.check(rest, "a GPU", [], order) == 0
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [(r["step"], r["outcome"]) for r in rows] == [
+        ("first", "failed"), ("second", "passed"), ("third", "passed")]
+    assert all(r["commit"] and r["date"] for r in rows)
+    # Run again, the failed part replaces its row; on another GPU model nothing is kept.
+    assert gpu_check.check([Step("first", ["-c", "pass"], 60, [])], "a GPU", [], order) == 0
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [r["outcome"] for r in rows] == ["passed"] * 3
+    assert gpu_check.check([first], "another GPU", [], order) == 1
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == ["first"]
+
+
 def test_a_step_the_twenty_minutes_cannot_hold_is_not_started(gpu_check, tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
     monkeypatch.setattr(gpu_check, "TOTAL_SECONDS", 0)
