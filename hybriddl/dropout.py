@@ -126,7 +126,7 @@ def keyed_dropout(x: torch.Tensor, keys: torch.Tensor, layer: int, p: float,
                   start: int = 0) -> torch.Tensor:
     """Dropout at rate `p` of x's rows (one per key; each row elements [start, start +
     row size) of the layer's whole row): x times the keep mask, scaled by 1 / (1 - p);
-    on a CUDA device one compiled kernel each way (see COMPILED_DEVICES)."""
+    on a CUDA device one kernel each way (see COMPILED_DEVICES)."""
     keys = keys.to(x.device, non_blocking=True)
     return _KeyedDropoutFunction.apply(x, keys, layer, p, start)
 
@@ -183,7 +183,11 @@ class _KeyedDropoutFunction(torch.autograd.Function):
 # dropout layers, batch 64, one thread: 12.5-13 ms against 4.0-4.2 ms a step,
 # scripts/bench_dropout.py --compiled; probably as the fused kernel hashes each pair for
 # both its elements where the eager ops hash it once: spare arithmetic on a GPU, not here).
-# HYBRIDDL_COMPILE_DROPOUT=0 keeps the eager ops on CUDA too.
+# On CUDA the same two kernels are written by hand in Triton (hybriddl/dropout_triton.py)
+# and run first: torch.compile's cost about 0.9 ms of host time per AlexNet step on an H200
+# in Dynamo's guards and Inductor's wrappers, and a GPU step of AlexNet is bound by its
+# host's launches. torch.compile's are the fallback where the Triton kernels fail their
+# check against the eager ops; HYBRIDDL_COMPILE_DROPOUT=0 keeps the eager ops on CUDA too.
 COMPILED_DEVICES = frozenset({"cuda"})
 
 
@@ -235,9 +239,55 @@ def compiled_kernels() -> _Kernels:
     return _compiled
 
 
+_triton: _Kernels | None = None
+
+
+def triton_kernels() -> _Kernels:
+    """The hand-written Triton kernels (hybriddl.dropout_triton), made once: checked against
+    the eager ops on the current CUDA device before their first use. Where Triton is
+    missing or a bit differs, `compiled` is False and `fallback` says why."""
+    global _triton
+    with _COMPILE_LOCK:
+        if _triton is None:
+            try:
+                from hybriddl import dropout_triton
+                kernels = _Kernels(dropout_triton.forward, dropout_triton.backward,
+                                   compiled=True)
+                _check_against_eager(kernels, torch.device("cuda", torch.cuda.current_device()))
+                _triton = kernels
+            except Exception as exc:  # noqa: BLE001 - recorded; torch.compile's then
+                _triton = _Kernels(_forward, _backward, compiled=False)
+                _triton.fallback = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return _triton
+
+
+def _check_against_eager(kernels: _Kernels, device: torch.device) -> None:
+    """Raise unless `kernels` draw the eager ops' bits, forward and backward, for keys
+    past 2**31, an odd start and row size, p = 0.3 and 0.5, float32 and bfloat16."""
+    keys = sample_keys(7, 2, torch.tensor([0, 1, 123456, 2 ** 31])).to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for dtype, start, p in ((torch.float32, 0, 0.5), (torch.float32, 13, 0.3),
+                            (torch.bfloat16, 5, 0.3)):
+        x = torch.randn(4, 3, 37, generator=generator, device=device).to(dtype)
+        y, keep = kernels._forward(x, keys, 3, p, start)
+        want_y, want_keep = _forward(x, keys, 3, p, start)
+        grad = torch.randn(4, 3, 37, generator=generator, device=device).to(dtype)
+        if not (torch.equal(keep, want_keep) and torch.equal(y, want_y)
+                and torch.equal(kernels._backward(grad, keep, p), _backward(grad, keep, p))):
+            raise RuntimeError(f"its bits differ from the eager ops' ({dtype}, start {start}, "
+                               f"p {p})")
+
+
 def _kernels(device: torch.device) -> _Kernels:
+    """What keyed dropout runs on `device`: on CUDA the Triton kernels, else torch.compile's
+    (each where it works), else the eager ops; HYBRIDDL_COMPILE_DROPOUT=0 keeps the eager
+    ops everywhere."""
     if device.type not in COMPILED_DEVICES or os.environ.get("HYBRIDDL_COMPILE_DROPOUT") == "0":
         return _EAGER
+    if device.type == "cuda":
+        kernels = triton_kernels()
+        if kernels.compiled:
+            return kernels
     kernels = compiled_kernels()
     return kernels if kernels.compiled else _EAGER
 

@@ -1,5 +1,7 @@
 """Keyed dropout: a sample's masks depend on (seed, epoch, sample index, layer) only."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -130,6 +132,65 @@ def test_cpu_steps_run_the_eager_ops_and_cuda_the_compiled_unless_switched_off(m
     assert dropout._kernels(torch.device("cuda", 0)) is dropout._EAGER
 
 
+TRITON_BITS = """
+import torch
+from hybriddl import dropout, dropout_triton
+from tests.test_dropout import _reference_mask
+keys = dropout.sample_keys(7, 2, torch.tensor([0, 1, 123456, 2 ** 31]))
+generator = torch.Generator().manual_seed(0)
+for dtype, start, p in ((torch.float32, 0, 0.5), (torch.float32, 13, 0.3),
+                        (torch.bfloat16, 5, 0.3)):
+    x = torch.randn(4, 3, 37, generator=generator).to(dtype)
+    y, keep = dropout_triton.forward(x, keys, 3, p, start)
+    assert torch.equal(keep, _reference_mask(keys, 3, 3 * 37, start, p).view(4, 3, 37)), dtype
+    if dtype == torch.float32:  # the interpreter rounds bfloat16 toward zero, a GPU to nearest
+        grad = torch.randn(4, 3, 37, generator=generator)
+        assert torch.equal(y, dropout._forward(x, keys, 3, p, start)[0])
+        assert torch.equal(dropout_triton.backward(grad, keep, p),
+                           dropout._backward(grad, keep, p))
+print("same bits")
+"""
+
+
+def test_the_triton_kernels_draw_the_reference_bits_in_tritons_interpreter():
+    """What a CUDA device runs, hybriddl/dropout_triton.py, run by Triton's interpreter on
+    the CPU: the masks against the pure-Python reference, float32 values against the eager
+    ops (a GPU checks bfloat16 too, before the kernels' first use: tests/test_gpu.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="Triton comes with torch's CUDA builds; this torch "
+                        "has none, so CUDA devices would run torch.compile's kernels")
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", TRITON_BITS], cwd=repo, capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1",
+                                          "PYTHONPATH": str(repo)}, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "same bits", done.stderr[-2000:]
+
+
+def test_cuda_falls_back_to_torch_compile_where_the_triton_kernels_fail_their_check(
+        monkeypatch):
+    from hybriddl import dropout
+
+    from hybriddl import dropout_triton
+
+    def differs(kernels, device):
+        raise RuntimeError("its bits differ from the eager ops'")
+
+    monkeypatch.setattr(dropout, "_triton", None)
+    monkeypatch.setattr(dropout, "_check_against_eager", differs)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernels = dropout._kernels(torch.device("cuda", 0))
+    assert kernels is dropout.compiled_kernels() and kernels.compiled
+    assert dropout._triton.fallback == "RuntimeError: its bits differ from the eager ops'"
+    # Checked and found equal, the Triton kernels run.
+    monkeypatch.setattr(dropout, "_triton", None)
+    monkeypatch.setattr(dropout, "_check_against_eager", lambda kernels, device: None)
+    kernels = dropout._kernels(torch.device("cuda", 0))
+    assert kernels._forward is dropout_triton.forward and kernels.fallback is None
+
+
 def test_a_compiler_that_fails_leaves_the_eager_ops_with_the_same_bits(monkeypatch):
     from hybriddl import dropout
 
@@ -178,17 +239,26 @@ def test_the_compiled_kernels_draw_the_reference_bits_on_the_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host: the "
                     "compiled kernels' bits on a GPU need one")
-def test_keyed_dropout_forward_and_backward_are_the_same_on_cpu_and_cuda():
-    from hybriddl.dropout import compiled_kernels
+def test_keyed_dropout_forward_and_backward_are_the_same_on_cpu_and_cuda(monkeypatch):
+    from hybriddl import dropout, dropout_triton
 
     keys = sample_keys(3, 2, torch.arange(64))
     layer = KeyedDropout(0.5, layer=1).train()
     x = torch.randn(64, 4096)
-    grads = []
-    for device in ("cpu", "cuda"):
+
+    def gradient(device):
         inputs = x.to(device, copy=True).requires_grad_()  # a leaf of its own on each device
         with dropout_keys(keys):
             layer(inputs).backward(torch.ones(64, 4096, device=device))
-        grads.append(inputs.grad.cpu())
-    assert torch.equal(grads[0], grads[1])
-    assert compiled_kernels().compiled, compiled_kernels().fallback
+        return inputs.grad.cpu()
+
+    on_cpu = gradient("cpu")
+    # The Triton kernels, checked against the eager ops (bfloat16 too) before first use.
+    assert dropout._kernels(torch.device("cuda"))._forward is dropout_triton.forward, \
+        dropout.triton_kernels().fallback
+    assert torch.equal(gradient("cuda"), on_cpu)
+    # torch.compile's kernels, what a CUDA device runs where Triton's fail their check.
+    monkeypatch.setattr(dropout, "_triton", dropout._Kernels(None, None, compiled=False))
+    assert dropout._kernels(torch.device("cuda")) is dropout.compiled_kernels()
+    assert torch.equal(gradient("cuda"), on_cpu)
+    assert dropout.compiled_kernels().compiled, dropout.compiled_kernels().fallback
