@@ -30,9 +30,15 @@ def results_header(script: str, argv: list[str] | None = None) -> dict:
 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
+    # The code measured differs from the commit named (edits not committed yet, or a copy
+    # of the checkout whose .git is older than its files): the header says which files.
+    changed = subprocess.run(["git", "diff", "--name-only", "HEAD", "--", "hybriddl",
+                              "scripts"], capture_output=True, text=True,
+                             cwd=REPO).stdout.split()
     given = sys.argv[1:] if argv is None else argv
     return {"cpu_model": cpu_model(), "cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "commit": commit,
+            **({"code_changed_since_commit": changed} if changed else {}),
             "command": shlex.join(["python", f"scripts/{script}", *given]),
             "date": datetime.date.today().isoformat()}
 

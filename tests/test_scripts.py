@@ -208,3 +208,24 @@ def test_scaling_runs_a_cell_of_a_later_round_in_a_fresh_run_directory(monkeypat
         cell = scaling_e2e.run_cell(args, "hybrid", 2, "1gbit", tmp_path)
         assert cell["failed"] == 2
     assert found == [False, False]
+
+
+def test_a_results_header_names_the_code_that_differs_from_its_commit(tmp_path, monkeypatch):
+    """A benchmark run on edits not committed yet (or on a copy whose .git is older than its
+    files) says so in its results file, beside the commit it names."""
+    import subprocess
+
+    import bench_common
+
+    repo = tmp_path / "repo"
+    (repo / "hybriddl").mkdir(parents=True)
+    (repo / "hybriddl" / "a.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    monkeypatch.setattr(bench_common, "REPO", repo)
+    assert "code_changed_since_commit" not in bench_common.results_header("x.py", [])
+    (repo / "hybriddl" / "a.py").write_text("x = 2\n")
+    header = bench_common.results_header("x.py", [])
+    assert header["code_changed_since_commit"] == ["hybriddl/a.py"] and header["commit"]
