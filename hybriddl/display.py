@@ -208,7 +208,7 @@ class TrainDisplay:
             self.progress.stop()
             console.print(f"  epoch {record['epoch']}: {record['seconds']:.1f} s, "
                           f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
-                          f"val accuracy {record['val_accuracy']:.3f}")
+                          f"val accuracy {accuracy(record['val_accuracy'])}")
 
     def stop(self) -> None:
         self.progress.stop()
@@ -252,13 +252,18 @@ def show_plan(plan: dict | None) -> None:
         console.print(f"[yellow]hint:[/] {plan['advice']}", highlight=False, soft_wrap=True)
 
 
+def accuracy(value: float | None) -> str:
+    """A validation accuracy, or "-" where none was measured (`train --measure-only`)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def epoch_table(records: list[dict]) -> Table:
     table = Table(title="Epochs")
     for column in ("epoch", "seconds", "images/s", "train loss", "val accuracy", "data wait %"):
         table.add_column(column, justify="right")
     for r in records:
         table.add_row(str(r["epoch"]), f"{r['seconds']:.1f}", f"{r['images_per_second']:.1f}",
-                      f"{r['train_loss']:.4f}", f"{r['val_accuracy']:.3f}",
+                      f"{r['train_loss']:.4f}", accuracy(r["val_accuracy"]),
                       f"{100 * r['data_wait_seconds'] / r['seconds']:.1f}")
     return table
 

@@ -114,6 +114,25 @@ def test_max_steps_stops_across_epochs(cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_measure_only_times_the_steps_and_leaves_out_checkpoint_validation_and_model(
+        cli, cli_here, tmp_path):
+    run_dir = tmp_path / "run"
+    done = cli("train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
+               "--max-steps", "2", "--epochs", "3", "--strategy", "sequential",
+               "--checkpoint-every", "1", "--measure-only", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert metrics["config"]["measure_only"] == "no checkpoint, validation pass or model.pt"
+    assert [(e["steps"], e["val_accuracy"]) for e in metrics["epochs"]] == [(2, None)]
+    assert metrics["epochs"][0]["seconds"] > 0
+    assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".pt") == []
+    refused = cli_here("train", "--measure-only", "--resume-if-exists", str(tmp_path / "r"))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "--measure-only writes no checkpoint" in \
+        refused.stderr
+
+
+@pytest.mark.slow
 def test_train_records_the_numerics_it_ran_in(cli, tmp_path):
     run_dir = tmp_path / "run"
     # Batch 8: two chunks of 4 over 2 workers leave BatchNorm 2 samples per worker.

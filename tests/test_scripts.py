@@ -229,3 +229,16 @@ def test_a_results_header_names_the_code_that_differs_from_its_commit(tmp_path, 
     (repo / "hybriddl" / "a.py").write_text("x = 2\n")
     header = bench_common.results_header("x.py", [])
     assert header["code_changed_since_commit"] == ["hybriddl/a.py"] and header["commit"]
+
+
+def test_scaling_e2e_cells_train_for_the_figures_only():
+    """Its hybriddl cells time steps: no checkpoint, validation or model.pt after them
+    (PowerSGD's error buffers and the split classifier crossed a slow link for minutes)."""
+    from pathlib import Path
+
+    import scaling_e2e
+
+    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1"])
+    for contender in ("hybrid", "data-powersgd", "flat"):
+        train, _ = scaling_e2e.train_args(args, contender, 2, Path("run"))
+        assert train[0] == "train" and "--measure-only" in train, contender

@@ -9,7 +9,7 @@ from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_f
                                 add_strategy_flags, add_workload_flags, default_of)
 from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
 from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
-from hybriddl.errors import TrainingInterrupted
+from hybriddl.errors import TrainingInterrupted, UsageError
 from hybriddl.run.settings import TrainConfig
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, get_usecase
@@ -61,6 +61,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                              "else a new run in RUN_DIR")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="also write a checkpoint every N steps (always: every epoch)")
+    parser.add_argument("--measure-only", action="store_true",
+                        help="time the steps only: no checkpoint, validation pass or model.pt "
+                             "(what benchmarks run: scripts/scaling_e2e.py); metrics.json "
+                             "says so, and the run cannot be resumed")
     add_strategy_flags(parser)
     add_profile_dir_flag(parser, "where auto finds and keeps profiles")
     parser.add_argument("--tune-budget", type=float,
@@ -82,6 +86,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
+    if args.measure_only and args.resume_if_exists:
+        raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
+                         "nothing to resume: leave one of them out")
     if not resume_if_exists(args):
         console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
                       markup=False, highlight=False, soft_wrap=True)
@@ -102,7 +109,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
             for line in data_notes(prepared.split):
                 display.warn(line)
-            metrics = trainer.run(prepared, steps, hosts, stop=stop)
+            metrics = trainer.run(prepared, steps, hosts, stop=stop,
+                                  figures_only=args.measure_only)
             for line in data_repairs(prepared.split):
                 display.warn(line)
     except TrainingInterrupted:

@@ -153,8 +153,8 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
 
     Between steps, a `stop` requested on any host (a signal, see hybriddl.run.shutdown)
     writes a checkpoint and raises TrainingInterrupted. With `figures_only` (hybriddl
-    compare's ranks: their output is what the steps measured) no checkpoint, validation
-    pass or model.pt is made: AlexNet's took 2.9 of a contender rank's 3.8 s in trainer.run,
+    compare's ranks, `train --measure-only`: their output is what the steps measured) no
+    checkpoint, validation pass or model.pt is made: AlexNet's took 2.9 of a contender rank's 3.8 s in trainer.run,
     and the checkpoint's staging buffers were filled beside its timed steps.
     """
     observer = observer or TrainingObserver()
@@ -181,6 +181,8 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
             "config": config_record(prepared, hosts, scheme), "epochs": []}
+        if figures_only:  # `train --measure-only`: the record says what was left out
+            metrics["config"]["measure_only"] = "no checkpoint, validation pass or model.pt"
         optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         keeper = monitoring.enter_context(ckpt.Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
