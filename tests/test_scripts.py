@@ -238,7 +238,7 @@ def test_scaling_e2e_cells_train_for_the_figures_only():
 
     import scaling_e2e
 
-    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1"])
+    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1", "--output", "x.json"])
     for contender in ("hybrid", "data-powersgd", "flat"):
         train, _ = scaling_e2e.train_args(args, contender, 2, Path("run"))
         assert train[0] == "train" and "--measure-only" in train, contender
