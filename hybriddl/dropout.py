@@ -285,7 +285,8 @@ def _kernels(device: torch.device) -> _Kernels:
     if device.type not in COMPILED_DEVICES or os.environ.get("HYBRIDDL_COMPILE_DROPOUT") == "0":
         return _EAGER
     if device.type == "cuda":
-        kernels = triton_kernels()
+        # Made and checked once; each step's dropout calls take no lock to find them.
+        kernels = _triton or triton_kernels()
         if kernels.compiled:
             return kernels
     kernels = compiled_kernels()
