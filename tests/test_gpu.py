@@ -519,4 +519,6 @@ def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert two.returncode == 0, two.stdout + two.stderr
     got, want = torch.load(tmp_path / "two" / MODEL), torch.load(tmp_path / "one" / MODEL)
+    # model.pt holds CPU tensors whichever device trained it and however many hosts did.
+    assert {str(t.device) for t in [*got.values(), *want.values()]} == {"cpu"}
     assert_close([got[k] for k in want], list(want.values()), GPU_VS_CPU)

@@ -220,7 +220,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         if hosts.rank == 0:
             atomic_write_json(run_dir / METRICS, metrics)
             if whole is not None:
-                atomic_torch_save(run_dir / MODEL, whole)
+                # On the CPU whatever device trained it: a plain torch.load works anywhere.
+                atomic_torch_save(run_dir / MODEL, {name: tensor.cpu()
+                                                    for name, tensor in whole.items()})
     return metrics
 
 
