@@ -146,6 +146,31 @@ def test_approximations_written_into_the_gradients_are_those_returned():
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("sends_q", [True, False])
+def test_a_cpus_row_chunks_compute_the_whole_matrix_products(monkeypatch, sends_q):
+    """On a CPU each matrix is worked through in row chunks (hosts/powersgd.py local_factor):
+    the factor and the error left are the whole-matrix formulas' to float rounding, however
+    the rows fall into chunks (here 7 chunks of 3 rows and one of 1)."""
+    import hybriddl.hosts.powersgd as powersgd
+
+    monkeypatch.setattr(powersgd, "CHUNK_ELEMENTS", 3 * 40)
+    generator = torch.Generator().manual_seed(3)
+    error, gradient = torch.randn(22, 40, generator=generator), torch.randn(22, 40, generator=generator)
+    factor = powersgd.orthogonal(torch.randn(1, 40 if not sends_q else 22, 2,
+                                             generator=generator))[0]
+    m = error + gradient
+    left = error.clone()
+    mine = powersgd.local_factor(left, gradient, factor, sends_q)
+    want = m.T @ factor if sends_q else m @ factor
+    assert torch.allclose(mine, want, atol=1e-5)
+    expected_left = m - (factor @ want.T if sends_q else want @ factor.T)
+    assert torch.allclose(left, expected_left, atol=1e-5)
+    out = torch.empty(22, 40)
+    p, q = (factor, want) if sends_q else (want, factor)
+    powersgd.outer_products(p, q, out)
+    assert torch.equal(out, p[:, :1] * q[:, 0] + p[:, 1:] * q[:, 1])  # elementwise, same bits
+
+
 # --------------------------------------------------------------------------- hosts
 
 class Ring:
