@@ -1,13 +1,14 @@
 """Two ranks averaging with PowerSGD, as tests/test_compression.py starts them:
 
-    mpirun -np 2 python tests/compression_ranks.py OUT.json
+    mpirun -np 2 python tests/compression_ranks.py OUT.json [--overlap]
 
 Each rank computes the gradient of its uneven part (5 and 3 of 8 samples) of a small
 convolution + linear model, averages it through `hosts.averaging` with powersgd:2, and takes
 an SGD step; rank 0 also trains the same steps alone on the whole batches (SingleHost). Rank 0
 writes the digests of both ranks' parameters, the allreduces each step made, the bytes each
 step handed to MPI with what the compression says it sends, and the largest difference from
-the one-host run.
+the one-host run. With --overlap the classifier's factors leave during backward, in an
+allreduce of their own.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def model_and_data():
     return model, batches
 
 
-def train(hosts, model, batches, rows) -> None:
-    hosts.attach(model)
+def train(hosts, model, batches, rows, hooks: bool = False) -> None:
+    hosts.attach(model, gradient_hooks=hooks)
     for x, y in batches:
         model.zero_grad(set_to_none=False)
         part = slice(*rows)
@@ -49,29 +50,34 @@ def train(hosts, model, batches, rows) -> None:
                 p -= LR * p.grad
 
 
-def main(out: str) -> None:
+def main(out: str, overlap: bool = False) -> None:
     model, batches = model_and_data()
     alone = copy.deepcopy(model)
-    hosts = connect(compression=PowerSGD(2))
-    calls, sent = [], []
-    aggregate = hosts.compression.aggregate
+    hosts = connect(compression=PowerSGD(2), overlap=overlap)
+    calls, sent, made = [], [], []
+    iallreduce, average = hosts._iallreduce, hosts._average
+    sent_before = [hosts.traffic.bytes_sent]
 
-    def counting(gradients, allreduce, **options):
-        made = []
+    def counted(wire, received):
+        made.append(wire.nbytes)
+        return iallreduce(wire, received)
 
-        def counted(tensor):
-            made.append(tensor.nbytes)
-            return allreduce(tensor)
-
-        before = hosts.traffic.bytes_sent
-        result = aggregate(gradients, counted, **options)
+    def counting(share):
+        # From the end of the last step: a first phase sent during backward counts too.
+        average(share)
         calls.append(len(made))
-        sent.append(hosts.traffic.bytes_sent - before)
-        return result
+        sent.append(hosts.traffic.bytes_sent - sent_before[0])
+        sent_before[0] = hosts.traffic.bytes_sent
+        made.clear()
 
-    hosts.compression.aggregate = counting
+    def attach(*args, **options):
+        attached(*args, **options)
+        sent_before[0] = hosts.traffic.bytes_sent  # the set-up's own exchanges not counted
+
+    attached = hosts.attach
+    hosts._iallreduce, hosts._average, hosts.attach = counted, counting, attach
     start = sum(SHARES[:hosts.rank])
-    train(hosts, model, batches, (start, start + SHARES[hosts.rank]))
+    train(hosts, model, batches, (start, start + SHARES[hosts.rank]), hooks=overlap)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
                                      for p in model.parameters())).hexdigest()
     digests = hosts.allgather(digest)
@@ -82,6 +88,7 @@ def main(out: str) -> None:
         # Q (in x 2) one step, P (out x 2) the next, with the biases dense.
         q_step, p_step = 2 * (27 + 288) + 8 + 5, 2 * (8 + 5) + 8 + 5
         result = {"steps": STEPS, "digests": digests, "allreduces_per_step": calls,
+                  "sent_in_backward": hosts.traffic.buckets_sent_in_backward,
                   "bytes_per_step": sent,
                   "wire_bytes_by_step": [4 * (q_step if s % 2 == 0 else p_step)
                                          for s in range(STEPS)],
@@ -92,4 +99,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], overlap="--overlap" in sys.argv[2:])

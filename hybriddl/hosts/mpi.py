@@ -239,6 +239,13 @@ class MPIHosts(Hosts):
         self._next_to_post = 0
         self._pending: list[set[int]] = []
         self._scale = 1.0
+        # A whole-gradient compression in phases (PowerSGD with --overlap): the positions
+        # of each phase in self._compressed, the first phase's parameters not yet written
+        # in this backward, and each phase's exchange once sent (wire, host copy, sum, requests).
+        self._phase_positions: list[list[int]] = []
+        self._early_pending: set[int] = set()
+        self._phases_sent: list[tuple] = []
+        self._step_begun = False
         self._armed = False
         self._closed = False
 
@@ -580,22 +587,31 @@ class MPIHosts(Hosts):
         self.buckets.install_views()
         self._pending = [set() for _ in self.buckets.buckets]
         self._received = {}
-        if whole:
-            self._setup_whole_gradient(model)
         asked = self.overlap if overlap is None else overlap
-        self.overlapping = asked and gradient_hooks and not whole
-        if self.overlap and whole:
+        if whole:
+            self._setup_whole_gradient(model, phases=asked)
+        early = self._phase_positions[0] if len(self._phase_positions) > 1 else []
+        self.overlapping = asked and gradient_hooks and (bool(early) or not whole)
+        if asked and whole and not early:
             self.notes.append(f"--overlap: --compression {self.compression.name} sends the "
                               "step's factors in one allreduce once backward is done, so "
                               "nothing leaves during backward")
         elif self.overlap and not gradient_hooks:
             self.notes.append(f"--overlap: rank {self.rank}'s strategy computes gradients "
                               "outside one backward pass, so it sends them after the step")
-        everyone = self.allgather((self.overlapping, self.notes))
-        self.overlap_by_rank = [overlapping for overlapping, _ in everyone]
-        self.notes = _unique(note for _, notes in everyone for note in notes)
+        everyone = self.allgather((self.overlapping, self.notes, self._phase_positions))
+        if any(phases != self._phase_positions for _, _, phases in everyone):
+            raise UsageError("hosts split the compressed exchange differently (--overlap on "
+                             "some hosts only?): give every host the same options")
+        self.overlap_by_rank = [overlapping for overlapping, _, _ in everyone]
+        self.notes = _unique(note for _, notes, _ in everyone for note in notes)
         if self.overlapping:
             self._progress = ProgressThread(self.MPI)
+            if whole:
+                for i in early:
+                    self._hooks.append(self._compressed[i].register_post_accumulate_grad_hook(
+                        self._early_gradient_ready))
+                return
             for bucket in self.buckets.buckets:
                 for p in bucket.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
@@ -611,6 +627,10 @@ class MPIHosts(Hosts):
             if self.buckets else []
         if self._progress:
             self._progress.track(self._requests)
+        if len(self._phase_positions) > 1:
+            self._early_pending = {id(self._compressed[i]) for i in self._phase_positions[0]}
+        self._phases_sent = []
+        self._step_begun = False
         self._armed = True
 
     def _gradient_ready(self, param: nn.Parameter) -> None:
@@ -667,31 +687,77 @@ class MPIHosts(Hosts):
             raise self._failure(exc, "averaging gradients") from None
 
     # ------------------------------------------------------------------ whole-gradient compression
-    def _setup_whole_gradient(self, model: nn.Module) -> None:
+    def _setup_whole_gradient(self, model: nn.Module, phases: bool = False) -> None:
         """The compression works on the gradients where they are (`.grad`, a bucket's view
         on the CPU, the device's own on a GPU: only the factors cross to host memory), in
         the model's parameter order, as SingleHost gives them: the same state whatever the
-        host count."""
+        host count. With `phases` (--overlap) and a compression that splits its step
+        (PowerSGD), the gradients backward writes first (the classifier's) leave in an
+        allreduce of their own while backward goes on; the rest after it."""
         self._compressed = [p for p in model.parameters() if p.requires_grad]
         names = {id(p): name for name, p in model.named_parameters()}
         self.notes.extend(self.compression.setup(
             [p.shape for p in self._compressed], [names[id(p)] for p in self._compressed],
             self._compressed[0].device if self._compressed else "cpu"))
+        everything = list(range(len(self._compressed)))
+        early = (self.compression.split_phases(self.compression.early_positions())
+                 if phases and hasattr(self.compression, "split_phases") else [])
+        self._phase_positions = ([early, [i for i in everything if i not in set(early)]]
+                                 if early else [everything])
+
+    def _early_gradient_ready(self, param: nn.Parameter) -> None:
+        """A gradient of the first phase is written; the last one sends the phase."""
+        if not self._armed or id(param) not in self._early_pending:
+            return
+        self._early_pending.discard(id(param))
+        if not self._early_pending and not self._phases_sent:
+            self._send_phase(0)
+            self.traffic.buckets_sent_in_backward += 1
+
+    def _send_phase(self, phase: int) -> None:
+        """This host's part of one phase: its gradients scaled by n_h/N, the compression's
+        wire for them, and that wire's allreduce started (driven by the progress thread
+        while backward runs)."""
+        if not self._step_begun:
+            self.compression.begin_step([p.shape for p in self._compressed])
+            self._step_begun = True
+        for i in self._phase_positions[phase]:
+            p = self._compressed[i]
+            if p.grad is None:  # a host with no samples this step: a zero gradient
+                p.grad = torch.zeros_like(p)
+            if self._scale != 1.0:
+                p.grad.mul_(self._scale)
+        wire = self.compression.local_wire([p.grad for p in self._compressed], phase)
+        host_wire = _to_host(wire.detach())
+        received = _host_empty(host_wire.shape, host_wire.dtype, wire.device)
+        if self._progress:
+            with self._progress.lock:
+                requests = self._iallreduce(host_wire, received)
+                self._requests.extend(requests)
+                self._progress.wake()
+        else:
+            requests = self._iallreduce(host_wire, received)
+            self._requests.extend(requests)
+        self._phases_sent.append((wire, host_wire, received))
+        self.traffic.sent(host_wire.nbytes)
 
     def _average_whole_gradient(self, share) -> None:
         try:
-            self._average_compressed(share, self._sum_gradients)
+            if self._progress:
+                self._progress.release()
+            for phase in range(len(self._phases_sent), len(self._phase_positions)):
+                self._send_phase(phase)
+            self._wait(self._requests, "averaging gradients")
+            totals = [_back_to(received, wire) for wire, _, received in self._phases_sent]
+            gradients = [p.grad for p in self._compressed]
+            # The approximations are written into the gradients where they can be.
+            for gradient, approximation in zip(
+                    gradients, self.compression.finish_step(totals, out=gradients)):
+                if approximation is not gradient:
+                    gradient.copy_(approximation)
         finally:
             self._armed = False
-
-    def _sum_gradients(self, wire: torch.Tensor) -> torch.Tensor:
-        """The allreduce a whole-gradient compression is given: `wire` summed over hosts,
-        on its own device."""
-        given, wire = wire, _to_host(wire.detach())
-        received = _host_empty(wire.shape, wire.dtype, given.device)
-        self._wait(self._iallreduce(wire, received), "averaging gradients")
-        self.traffic.sent(wire.nbytes)
-        return _back_to(received, given)
+            self._phases_sent = []
 
     def _gradient_bytes(self) -> int:
         """Bytes one gradient exchange hands to MPI."""

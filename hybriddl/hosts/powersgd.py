@@ -102,6 +102,9 @@ class PowerSGD:
         self._groups: list[_Group] = []
         self._dense: list[int] = []
         self._dense_device = torch.device("cpu")
+        self._phase_of: dict = {}  # group id / dense position -> 0 or 1 (split_phases)
+        self._group_key: dict[int, int] = {}
+        self._local: dict[int, torch.Tensor] = {}
 
     def mpi_sum(self, MPI):
         """(datatype, op) MPI sums the wire with: factors and dense tensors are float32,
@@ -154,6 +157,8 @@ class PowerSGD:
             q = torch.randn((k, cols, self.rank), generator=generator)
             self._groups.append(_Group((rows, cols), indices, p.to(device), q.to(device),
                                        torch.zeros((k, rows, cols), device=device)))
+        self._group_key = {i: id(group) for group in self._groups for i in group.indices}
+        self._phase_of = {}
         self.step = 0
         if not dense_matrices:
             return []
@@ -171,101 +176,180 @@ class PowerSGD:
         approximations go, each where it can: contiguous float32 on the state's device) may
         be `gradients` themselves, which saves a buffer and a copy the size of the model;
         without it the gradients are only read. Every host must call it at the same step
-        with gradients of the same shapes."""
-        shapes = [tuple(g.shape) for g in gradients]
+        with gradients of the same shapes.
+
+        A step in parts, as hosts that send early gradients during backward run it:
+        `begin_step`, then `local_wire` per phase (each summed over hosts by the caller),
+        then `finish_step`; `aggregate` is the same in one allreduce."""
         if self._shapes is None:
-            self.setup(shapes, device=gradients[0].device if gradients else "cpu")
-        elif shapes != self._shapes:
+            self.setup([g.shape for g in gradients],
+                       device=gradients[0].device if gradients else "cpu")
+        self.begin_step([g.shape for g in gradients])
+        wires = [self.local_wire(gradients, phase) for phase in range(self.phases)]
+        device = self._device()
+        total = allreduce(torch.cat(wires) if wires else torch.zeros(0, device=device))
+        totals, offset = [], 0
+        for wire in wires:
+            totals.append(total[offset:offset + wire.numel()])
+            offset += wire.numel()
+        return self.finish_step(totals, out)
+
+    # ------------------------------------------------------------------ a step in phases
+    def split_phases(self, early: Iterable[int]) -> list[int]:
+        """Send the gradients at positions `early` (those backward writes first) in a
+        first allreduce of their own, the others in a second: a matrix travels in the
+        first where every matrix of its shape is early. Returns the positions the first
+        phase waits for (all of them ready before it can be computed); [] where nothing
+        can go first, and then the step stays one allreduce. The state and the
+        mathematics are the same either way."""
+        if self._shapes is None:
+            raise RuntimeError("setup before split_phases")
+        early = set(early)
+        first = [group for group in self._groups if set(group.indices) <= early]
+        first_dense = [i for i in self._dense if i in early]
+        if not first and not first_dense or len(first) == len(self._groups) \
+                and len(first_dense) == len(self._dense):
+            self._phase_of = {}
+            return []
+        self._phase_of = {id(group): 0 if group in first else 1 for group in self._groups}
+        self._phase_of.update({i: 0 if i in first_dense else 1 for i in self._dense})
+        return sorted({i for group in first for i in group.indices} | set(first_dense))
+
+    def early_positions(self) -> list[int]:
+        """The trailing gradients (backward writes them first) whose factors are at least
+        half of what a step sends: the first phase where hosts overlap."""
+        if self._shapes is None:
+            raise RuntimeError("setup before early_positions")
+        sizes = [self.rank * sum(matrix_shape(self._shapes[i]))
+                 if self.compresses(self._shapes[i]) else math.prod(self._shapes[i])
+                 for i in range(len(self._shapes))]
+        half, taken, early = sum(sizes) / 2, 0, []
+        for i in reversed(range(len(sizes))):
+            if taken >= half:
+                break
+            early.append(i)
+            taken += sizes[i]
+        return sorted(early)
+
+    @property
+    def phases(self) -> int:
+        return 2 if self._phase_of else 1
+
+    def _in_phase(self, key, phase: int) -> bool:
+        return self._phase_of.get(key, 0) == phase
+
+    def begin_step(self, shapes: Sequence[Sequence[int]]) -> None:
+        """Start a step with gradients of these shapes (those `setup` was given): the
+        factor it uses orthogonalised."""
+        shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        if shapes != self._shapes:
             raise ValueError(f"{self.name} was set up for gradients of shapes {self._shapes}, "
                              f"given {shapes}")
-        if self.step < self.start:
-            return self._exact(gradients, allreduce, out)
-        sends_q = (self.step - self.start) % 2 == 0
-        # The state lives on one device (the first gradient's); a pipeline's gradients on
-        # another device come to it, and the caller copies the approximations back.
+        self._exact_step = self.step < self.start
+        self._sends_q = (self.step - self.start) % 2 == 0
+        self._local: dict[int, torch.Tensor] = {}
+        if self._exact_step:
+            return
+        for group in self._groups:
+            if self._sends_q:
+                group.p.copy_(orthogonal(group.p))
+            else:
+                group.q.copy_(orthogonal(group.q))
+
+    def local_wire(self, gradients: Sequence[torch.Tensor], phase: int = 0) -> torch.Tensor:
+        """This host's part of the phase's allreduce: the factors of its matrices (this
+        host's error buffers updated) and its dense gradients, as one flat tensor on the
+        state's device; every gradient of the phase is read here and not after."""
         device = self._device()
+        if self._exact_step:
+            parts = [g.reshape(-1).to(device) for i, g in enumerate(gradients)
+                     if self._in_phase(self._key(i), phase)]
+            return torch.cat(parts) if parts else torch.zeros(0, device=device)
         # On a CPU each matrix is worked through in row chunks that stay in cache: M,
         # this host's factor and its error in one pass over the matrix (sending P) or two
         # (sending Q), with matrix-vector products, where whole-matrix products with R
         # columns take 2-3x as long (AlexNet's 4096 x 9216: 19-23 ms against 40-60). A
         # GPU's batched products are the fast way there.
         in_chunks = device.type == "cpu"
-        local = []
+        parts = []
         for group in self._groups:
-            if sends_q:
-                group.p.copy_(orthogonal(group.p))
-            else:
-                group.q.copy_(orthogonal(group.q))
-            if in_chunks:
-                local.append(torch.stack([
-                    local_factor(group.error[j], gradients[i].reshape(group.shape).to(device),
-                                 group.p[j] if sends_q else group.q[j], sends_q)
-                    for j, i in enumerate(group.indices)]))
+            if not self._in_phase(id(group), phase):
                 continue
-            # M = this step's gradient + what earlier approximations left out (error feedback).
-            for j, i in enumerate(group.indices):
-                group.error[j].add_(gradients[i].reshape(group.shape).to(device))
-            if sends_q:
-                # Q_h = M^T P, as (P^T M)^T: bmm reads M in its own layout (8x faster on
-                # a 4096 x 9216 matrix than through M's transpose).
-                local.append(torch.bmm(group.p.transpose(1, 2), group.error).transpose(1, 2))
+            if in_chunks:
+                mine = torch.stack([
+                    local_factor(group.error[j], gradients[i].reshape(group.shape).to(device),
+                                 group.p[j] if self._sends_q else group.q[j], self._sends_q)
+                    for j, i in enumerate(group.indices)])
             else:
-                local.append(torch.bmm(group.error, group.q))  # P_h = M Q
-        dense = [gradients[i].reshape(-1).to(device) for i in self._dense]
-        parts = [f.reshape(-1) for f in local] + dense
-        wire = torch.cat(parts) if parts else torch.zeros(0, device=device)
-        total = allreduce(wire)
-        outputs: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(gradients)
-        offset = 0
-        for group, mine in zip(self._groups, local):
-            summed = total[offset:offset + mine.numel()].view(mine.shape)
-            offset += mine.numel()
-            if sends_q:
-                group.q.copy_(summed)
-                if not in_chunks:
-                    # This host's error: the part of its M outside span(P), P orthonormal.
+                # M = this step's gradient + what earlier approximations left out.
+                for j, i in enumerate(group.indices):
+                    group.error[j].add_(gradients[i].reshape(group.shape).to(device))
+                if self._sends_q:
+                    # Q_h = M^T P, as (P^T M)^T: bmm reads M in its own layout (8x faster
+                    # on a 4096 x 9216 matrix than through M's transpose); this host's
+                    # error is the part of its M outside span(P), P orthonormal.
+                    mine = torch.bmm(group.p.transpose(1, 2), group.error).transpose(1, 2)
                     group.error.baddbmm_(group.p, mine.transpose(1, 2), alpha=-1)
-            else:
-                group.p.copy_(summed)
-                if not in_chunks:
+                else:
+                    mine = torch.bmm(group.error, group.q)  # P_h = M Q
                     group.error.baddbmm_(mine, group.q.transpose(1, 2), alpha=-1)
-            for j, i in enumerate(group.indices):
-                target = outputs[i]
-                if not _writable(target, device):
-                    target = torch.empty(shapes[i], device=device)
-                outer_products(group.p[j], group.q[j], target.view(group.shape))
-                outputs[i] = target
-        for i in self._dense:
-            n = math.prod(shapes[i])
-            summed = total[offset:offset + n].view(shapes[i])
-            if outputs[i] is not None:
-                outputs[i].copy_(summed)
-            else:
-                outputs[i] = summed
-            offset += n
+            self._local[id(group)] = mine
+            parts.append(mine.reshape(-1))
+        parts += [gradients[i].reshape(-1).to(device) for i in self._dense
+                  if self._in_phase(i, phase)]
+        return torch.cat(parts) if parts else torch.zeros(0, device=device)
+
+    def finish_step(self, totals: Sequence[torch.Tensor],
+                    out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The approximations from each phase's wire summed over hosts (`totals`, in phase
+        order), written into `out` where they can be (see `aggregate`)."""
+        device = self._device()
+        shapes = self._shapes
+        outputs: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(shapes)
+        offsets = [0] * len(totals)
+
+        def take(phase: int, n: int) -> torch.Tensor:
+            piece = totals[phase][offsets[phase]:offsets[phase] + n]
+            offsets[phase] += n
+            return piece
+
+        if self._exact_step:
+            for i in range(len(shapes)):
+                summed = take(self._phase_of.get(self._key(i), 0), math.prod(shapes[i]))
+                outputs[i] = self._place(outputs[i], summed.view(shapes[i]))
+            self.step += 1
+            return outputs
+        for phase in range(len(totals)):
+            for group in self._groups:
+                if not self._in_phase(id(group), phase):
+                    continue
+                mine = self._local[id(group)]
+                summed = take(phase, mine.numel()).view(mine.shape)
+                (group.q if self._sends_q else group.p).copy_(summed)
+                for j, i in enumerate(group.indices):
+                    target = outputs[i]
+                    if not _writable(target, device):
+                        target = torch.empty(shapes[i], device=device)
+                    outer_products(group.p[j], group.q[j], target.view(group.shape))
+                    outputs[i] = target
+            for i in self._dense:
+                if self._in_phase(i, phase):
+                    summed = take(phase, math.prod(shapes[i])).view(shapes[i])
+                    outputs[i] = self._place(outputs[i], summed)
+        self._local = {}
         self.step += 1
         return outputs
 
-    def _exact(self, gradients: Sequence[torch.Tensor],
-               allreduce: Callable[[torch.Tensor], torch.Tensor],
-               out: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """A step before `start`: every gradient summed dense, in the same one allreduce."""
-        device = self._device()
-        total = allreduce(torch.cat([g.reshape(-1).to(device) for g in gradients]) if gradients
-                          else torch.zeros(0, device=device))
-        outputs: list[torch.Tensor] = []
-        offset = 0
-        for i, gradient in enumerate(gradients):
-            summed = total[offset:offset + gradient.numel()].view(gradient.shape)
-            offset += gradient.numel()
-            target = out[i] if out is not None else None
-            if target is not None:
-                target.copy_(summed)
-                outputs.append(target)
-            else:
-                outputs.append(summed)
-        self.step += 1
-        return outputs
+    def _key(self, i: int):
+        """Where position i's phase is kept: its group's (a compressed matrix) or its own."""
+        return self._group_key.get(i, i)
+
+    @staticmethod
+    def _place(target: torch.Tensor | None, summed: torch.Tensor) -> torch.Tensor:
+        if target is None:
+            return summed
+        target.copy_(summed)
+        return target
 
     def _device(self) -> torch.device:
         if self._groups:
