@@ -454,7 +454,9 @@ def contender_note(cell: dict) -> str | None:
     if WIRE.get(cell["contender"], (None, None))[1] == "fp16":
         return "fp16 compression (hybriddl's Compression.fp16, Horovod's)"
     if cell["contender"] in WIRE:
-        return "hybriddl's PowerSGD (--compression powersgd:R), one allreduce per step"
+        return ("hybriddl's PowerSGD (--compression powersgd:R), one allreduce per step (two "
+                "with --overlap, which every cell runs: the classifier's factors during "
+                "backward)")
     return None
 
 

@@ -206,6 +206,19 @@ def test_what_leaves_first_is_alexnets_classifier_about_half_the_factors():
     assert PowerSGD(2).setup([(64, 64)]) == [] and not PowerSGD(2).phases > 1
 
 
+def test_a_gpus_batched_products_apply_what_a_cpus_row_chunks_do():
+    """The two ways hosts/powersgd.py computes a step (a CPU's row chunks, a GPU's batched
+    products, run here on the CPU) train the same steps to float rounding."""
+    chunks, batched = PowerSGD(2), PowerSGD(2)
+    batched.cpu_chunks = False
+    for step in range(6):
+        gradients = small_gradients(seed=step) + [decaying_matrix(64, 96, seed=step)]
+        for a, b in zip(chunks.aggregate(gradients, alone), batched.aggregate(gradients, alone)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), step
+    for a, b in zip(chunks.state_dict(alone)["error"], batched.state_dict(alone)["error"]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- hosts
 
 class Ring:

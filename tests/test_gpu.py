@@ -522,3 +522,22 @@ def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path):
     # model.pt holds CPU tensors whichever device trained it and however many hosts did.
     assert {str(t.device) for t in [*got.values(), *want.values()]} == {"cpu"}
     assert_close([got[k] for k in want], list(want.values()), GPU_VS_CPU)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_powersgd_on_cuda_applies_what_it_applies_on_the_cpu(exact_cuda):
+    """PowerSGD's state on the GPU (batched products there, row chunks on the CPU): the
+    same approximations to float rounding, step after step, error feedback included."""
+    from hybriddl.hosts.powersgd import PowerSGD
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(64, 3, 11, 11), (64,), (512, 1024), (3, 512), (3,)]
+    cpu, cuda = PowerSGD(2), PowerSGD(2)
+    for step in range(6):
+        gradients = [torch.randn(shape, generator=generator) for shape in shapes]
+        on_cpu = cpu.aggregate(gradients, lambda wire: wire)
+        on_cuda = cuda.aggregate([g.to("cuda:0") for g in gradients], lambda wire: wire)
+        assert all(g.device.type == "cuda" for g in on_cuda)
+        for a, b in zip(on_cpu, on_cuda):
+            assert torch.allclose(a, b.cpu(), rtol=1e-4, atol=1e-5), step

@@ -115,6 +115,29 @@ def test_hybrid_is_credited_the_exchanges_it_overlaps_up_to_a_share_of_compute(a
     assert predict(Scheme("data"), alexnet, 2, 32, 1.0, link).overlap_seconds == 0.0
 
 
+def test_with_overlap_powersgds_first_phase_is_credited_as_it_leaves_during_backward(alexnet):
+    """--overlap sends the classifier's factors (PowerSGD's first phase, hosts/mpi.py) while
+    the convolutions' backward runs: credited as the hybrid's exchanges are; without
+    --overlap, and for exact data parallelism, nothing is."""
+    from hybriddl.hosts.powersgd import PowerSGD
+    from hybriddl.hybrid.planner import OVERLAP_SHARE
+    link = Link(GIGABIT / 20)
+    compression = PowerSGD(2)
+    first = compression.first_phase(compression.early_positions(alexnet.parameters),
+                                    alexnet.parameters)
+    early = compression.wire_bytes(alexnet.parameters, first)
+    assert 0.5 * compression.wire_bytes(alexnet.parameters) <= early \
+        < compression.wire_bytes(alexnet.parameters)
+    plain = predict(Scheme("data", "powersgd:2"), alexnet, 2, 32, 1.0, link)
+    overlapped = predict(Scheme("data", "powersgd:2"), alexnet, 2, 32, 1.0, link, overlap=True)
+    assert plain.overlap_seconds == 0.0
+    assert overlapped.overlap_seconds == pytest.approx(early / link.bytes_per_second)
+    assert overlapped.step_seconds == pytest.approx(plain.step_seconds - early / link.bytes_per_second)
+    fast = predict(Scheme("data", "powersgd:2"), alexnet, 2, 32, 0.001, link, overlap=True)
+    assert fast.overlap_seconds == pytest.approx(OVERLAP_SHARE * 0.001)
+    assert predict(Scheme("data"), alexnet, 2, 32, 1.0, link, overlap=True).overlap_seconds == 0
+
+
 def test_a_fast_link_and_slow_compute_keep_the_exact_exchange(alexnet):
     plan = make_plan(alexnet, 2, 32, 1.0, Link(10 * GIGABIT, 1e-4), COSTS, compression="auto")
     assert plan.chosen.exact and plan.chosen.compression == "none"

@@ -352,7 +352,8 @@ def contender_note(compression: str, record: dict) -> str | None:
     if compression == "fp16":
         return "hybriddl's Compression.fp16 (Horovod's): gradients sent as float16"
     if compression == "powersgd":
-        return ("hybriddl's PowerSGD (--compression powersgd:R): one allreduce per step; "
+        return ("hybriddl's PowerSGD (--compression powersgd:R): one allreduce per step, two "
+                "with --overlap (the first during backward); "
                 "theory: the planner's bytes for the scheme that ran")
     return None
 

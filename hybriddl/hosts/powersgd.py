@@ -82,6 +82,7 @@ class PowerSGD:
     exact = False
     allreduces_per_step = 1
     whole_gradient = True  # the step's whole gradient at once, not bucket by bucket
+    cpu_chunks = True  # on a CPU, local_factor's row chunks (False: a GPU's batched products)
 
     def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -120,11 +121,15 @@ class PowerSGD:
         rows, cols = matrix
         return self.rank < min(rows, cols) and self.rank * (rows + cols) < rows * cols
 
-    def wire_bytes(self, model_or_shapes) -> int:
+    def wire_bytes(self, model_or_shapes, positions: Iterable[int] | None = None) -> int:
         """Bytes one host hands to the allreduce per step: the dense tensors plus, for each
-        compressed matrix, P (out*R) one step and Q (in*R) the next, counted as their mean."""
+        compressed matrix, P (out*R) one step and Q (in*R) the next, counted as their mean;
+        of the gradients at `positions` only, where given."""
         floats = 0.0
-        for shape in gradient_shapes(model_or_shapes):
+        shapes = gradient_shapes(model_or_shapes)
+        if positions is not None:
+            shapes = [shapes[i] for i in positions]
+        for shape in shapes:
             if self.compresses(shape):
                 rows, cols = matrix_shape(shape)
                 floats += self.rank * (rows + cols) / 2
@@ -197,32 +202,43 @@ class PowerSGD:
     # ------------------------------------------------------------------ a step in phases
     def split_phases(self, early: Iterable[int]) -> list[int]:
         """Send the gradients at positions `early` (those backward writes first) in a
-        first allreduce of their own, the others in a second: a matrix travels in the
-        first where every matrix of its shape is early. Returns the positions the first
-        phase waits for (all of them ready before it can be computed); [] where nothing
-        can go first, and then the step stays one allreduce. The state and the
-        mathematics are the same either way."""
+        first allreduce of their own, the others in a second (see `first_phase`). Returns
+        the positions the first phase waits for (all of them ready before it can be
+        computed); [] where nothing can go first, and then the step stays one allreduce.
+        The state and the mathematics are the same either way."""
         if self._shapes is None:
             raise RuntimeError("setup before split_phases")
-        early = set(early)
-        first = [group for group in self._groups if set(group.indices) <= early]
-        first_dense = [i for i in self._dense if i in early]
-        if not first and not first_dense or len(first) == len(self._groups) \
-                and len(first_dense) == len(self._dense):
-            self._phase_of = {}
-            return []
-        self._phase_of = {id(group): 0 if group in first else 1 for group in self._groups}
-        self._phase_of.update({i: 0 if i in first_dense else 1 for i in self._dense})
-        return sorted({i for group in first for i in group.indices} | set(first_dense))
+        first = set(self.first_phase(early))
+        self._phase_of = {}
+        if first:
+            self._phase_of = {id(g): 0 if set(g.indices) <= first else 1 for g in self._groups}
+            self._phase_of.update({i: 0 if i in first else 1 for i in self._dense})
+        return sorted(first)
 
-    def early_positions(self) -> list[int]:
-        """The trailing gradients (backward writes them first) whose factors are at least
-        half of what a step sends: the first phase where hosts overlap."""
-        if self._shapes is None:
-            raise RuntimeError("setup before early_positions")
-        sizes = [self.rank * sum(matrix_shape(self._shapes[i]))
-                 if self.compresses(self._shapes[i]) else math.prod(self._shapes[i])
-                 for i in range(len(self._shapes))]
+    def first_phase(self, early: Iterable[int], shapes=None) -> list[int]:
+        """Of the positions `early`, those a first phase can send: the dense ones, and the
+        compressed matrices whose every matrix of the same shape is early (matrices of one
+        shape are worked on together); [] where that is nothing or everything. `shapes`:
+        the gradients' (those of `setup` if not given)."""
+        shapes = self._shapes if shapes is None else [tuple(s) for s in gradient_shapes(shapes)]
+        early = set(early)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        first = []
+        for i, shape in enumerate(shapes):
+            if self.compresses(shape):
+                by_shape.setdefault(matrix_shape(shape), []).append(i)
+            elif i in early:
+                first.append(i)
+        first += [i for indices in by_shape.values() if set(indices) <= early for i in indices]
+        return sorted(first) if 0 < len(first) < len(shapes) else []
+
+    def early_positions(self, shapes=None) -> list[int]:
+        """The trailing gradients (backward writes them first) whose share of what a step
+        sends is at least half: the first phase where hosts overlap. `shapes`: the
+        gradients' (those of `setup` if not given)."""
+        shapes = self._shapes if shapes is None else [tuple(s) for s in gradient_shapes(shapes)]
+        sizes = [self.rank * sum(matrix_shape(shape)) if self.compresses(shape)
+                 else math.prod(shape) for shape in shapes]
         half, taken, early = sum(sizes) / 2, 0, []
         for i in reversed(range(len(sizes))):
             if taken >= half:
@@ -270,7 +286,7 @@ class PowerSGD:
         # (sending Q), with matrix-vector products, where whole-matrix products with R
         # columns take 2-3x as long (AlexNet's 4096 x 9216: 19-23 ms against 40-60). A
         # GPU's batched products are the fast way there.
-        in_chunks = device.type == "cpu"
+        in_chunks = device.type == "cpu" and self.cpu_chunks
         parts = []
         for group in self._groups:
             if not self._in_phase(id(group), phase):

@@ -359,7 +359,8 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
                            compression=compression,
                            feature_dtype=feature_dtype, chunks=accumulate,
                            compute_source=f"this host's share, {source}; the slowest host's",
-                           measure=measure).record()
+                           measure=measure, overlap=bool(getattr(hosts, "overlap", False))
+                           ).record()
     record = hosts.broadcast_object(record)
     chosen = record["chosen"]
     if chosen["host_parallel"] == "hybrid":

@@ -12,7 +12,8 @@ scheme's step:
                                                     (a ring allreduce 2(H-1) rounds,
                                                      an allgather or reduce-scatter H-1)
          + compression's own compute (casts, 2-byte sums, PowerSGD's products), this host's
-         - overlap: hybrid's only, at most OVERLAP_SHARE of the compute.
+         - overlap: hybrid's, and with --overlap PowerSGD's first phase (the classifier's
+           factors, sent during backward), at most OVERLAP_SHARE of the compute.
 
 Data is credited no overlap: on 2-core hosts at 1 Gbit/s its step was the compute plus all
 of its exchange (AlexNet 3.12 s = 1.03 + 2.09; VGG16 17.9 s = 12.1 + 5.8), and a credit of
@@ -190,6 +191,9 @@ class GradientExchange:
     allreduces_per_step: int
     exact: bool
     source: str  # "compression object": its own figures; "planner": the arithmetic here
+    # Of the payload, what leaves during backward with --overlap (PowerSGD's first phase:
+    # the trailing gradients' factors, hosts/mpi.py); 0 where the exchange waits for the end.
+    early_bytes: float = 0.0
 
 
 def gradient_exchange(name: str, shapes) -> GradientExchange:
@@ -199,9 +203,13 @@ def gradient_exchange(name: str, shapes) -> GradientExchange:
     shapes = list(shapes)
     compression = _compression_object(name)
     if compression is not None:
+        early = 0.0
+        if hasattr(compression, "first_phase") and shapes:
+            first = compression.first_phase(compression.early_positions(shapes), shapes)
+            early = float(compression.wire_bytes(shapes, first)) if first else 0.0
         return GradientExchange(name, float(compression.wire_bytes(shapes)),
                                 int(compression.allreduces_per_step), bool(compression.exact),
-                                "compression object")
+                                "compression object", early)
     elements = sum(math.prod(s) for s in shapes)
     if name == "none":
         return GradientExchange(name, 4.0 * elements, 1, True, "planner")
@@ -343,9 +351,10 @@ class Prediction:
 
 def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
             compute_seconds: float, link: Link, costs: HostCosts | None = None,
-            chunks: int = 1) -> Prediction:
+            chunks: int = 1, overlap: bool = False) -> Prediction:
     """`scheme`'s step on `hosts` hosts (see the module's docstring for the model);
-    `chunks`: --accumulate, each chunk one gather, row sums and reduce-scatter."""
+    `chunks`: --accumulate, each chunk one gather, row sums and reduce-scatter; `overlap`:
+    --overlap, under which PowerSGD's first phase leaves during backward."""
     if hosts < 2:
         raise ValueError("one host exchanges nothing: there is nothing to predict")
     ring = (hosts - 1) / hosts
@@ -362,6 +371,10 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
         seconds, estimated = costs.powersgd_seconds(scheme.host_parallel, averaged,
                                                     powersgd_rank(scheme.compression))
         extra += seconds
+    if overlap and gradients.early_bytes:
+        # The first phase's factors leave beside backward (its allreduce's rounds too; the
+        # second phase's are the step's one allreduce's).
+        overlappable = 2 * ring * gradients.early_bytes
     if scheme.host_parallel == "hybrid":
         if not shapes.splittable:
             raise ValueError("the hybrid scheme needs a classifier it can split")
@@ -371,7 +384,7 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
         nic += ring * rows * size  # the features' gradient, reduce-scattered
         # Beside compute: the features' gradient on its way back, and the convolutions'
         # gradients where they leave during backward (an exact compression).
-        overlappable = ring * rows * size + (nic_gradients if gradients.exact else 0.0)
+        overlappable = ring * rows * size + (nic_gradients if gradients.exact else overlappable)
         nic += sum(2 * ring * global_batch * out * 4 for out in shapes.row_outputs)
         rounds += chunks * ((hosts - 1) * 2 + 2 * (hosts - 1) * len(shapes.row_outputs))
         if costs is not None and size < 4:
@@ -380,10 +393,10 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
             extra += (2 + 2 / hosts) * rows * costs.cast + ring * rows * costs.half_add
     wire = nic / link.bytes_per_second
     latency = rounds * link.latency_seconds
-    overlap = min(overlappable / link.bytes_per_second, OVERLAP_SHARE * compute_seconds)
-    step = compute_seconds + wire + latency + extra - overlap
+    hidden = min(overlappable / link.bytes_per_second, OVERLAP_SHARE * compute_seconds)
+    step = compute_seconds + wire + latency + extra - hidden
     return Prediction(scheme, nic, compute_seconds, wire, latency, extra, step,
-                      global_batch / step, estimated, overlap)
+                      global_batch / step, estimated, hidden)
 
 
 @dataclass
@@ -404,8 +417,8 @@ class Plan:
                 "chosen": {**asdict(self.chosen), "scheme": self.chosen.label,
                            "exact": self.chosen.exact, "flags": self.chosen.flags},
                 "reason": self.reason, "advice": self.advice,
-                "overlap": f"hybrid only, at most {OVERLAP_SHARE:.0%} of the compute "
-                           "(hybriddl/hybrid/planner.py)"}
+                "overlap": f"hybrid's, and PowerSGD's first phase with --overlap, at most "
+                           f"{OVERLAP_SHARE:.0%} of the compute (hybriddl/hybrid/planner.py)"}
 
 
 def one_host_plan() -> Plan:
@@ -416,8 +429,10 @@ def one_host_plan() -> Plan:
 def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_seconds: float,
               link: Link, costs: HostCosts | None = None, *, host_parallel: str = "auto",
               compression: str = "none", feature_dtype: str | None = None,
-              chunks: int = 1, compute_source: str = "", measure=None) -> Plan:
-    """Predict every candidate scheme and settle the asked ones (see `settle`).
+              chunks: int = 1, compute_source: str = "", measure=None,
+              overlap: bool = False) -> Plan:
+    """Predict every candidate scheme and settle the asked ones (see `settle`); `overlap`:
+    the run's --overlap.
 
     `measure(scope, rank)`: seconds of PowerSGD's own compute per step, measured on this
     host (`measure_powersgd`). Measuring every rank takes seconds, so it is asked only for
@@ -430,7 +445,8 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
     extra = _asked_scheme(host_parallel, compression, feature_dtype, shapes.splittable)
     schemes += [s for s in extra if s not in schemes]
     while True:
-        rows = [predict(s, shapes, hosts, global_batch, compute_seconds, link, costs, chunks)
+        rows = [predict(s, shapes, hosts, global_batch, compute_seconds, link, costs, chunks,
+                        overlap)
                 for s in schemes]
         rows.sort(key=lambda row: row.step_seconds)
         chosen, reason = settle(rows, host_parallel, compression, feature_dtype)
@@ -447,7 +463,7 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
     inputs = {"compute_seconds": compute_seconds, "compute_source": compute_source,
               "link_bytes_per_second": link.bytes_per_second,
               "latency_seconds": link.latency_seconds, "global_batch": global_batch,
-              "accumulate": chunks,
+              "accumulate": chunks, "overlap": overlap,
               "compression_costs": None if costs is None else
               {"cast": costs.cast, "half_add": costs.half_add,
                "elementwise": costs.elementwise, "matmul": costs.matmul,
