@@ -737,6 +737,28 @@ def gpu_tests_setting(data: dict) -> str:
     return f"`{data['pytest']}` on {data['gpu_name']} (one of {data['gpu_count']} GPUs)"
 
 
+def bench_powersgd_table(data: dict) -> str:
+    lines = ["| model | PowerSGD compute | ms/step (median) | spread | × whole-matrix products |",
+             "|---|---|---:|---|---:|"]
+    for r in data["rows"]:
+        low, high = r["spread"]["min"] * 1e3, r["spread"]["max"] * 1e3
+        lines.append(f"| {r['model']} | {r['variant']} | {r['seconds_per_step'] * 1e3:.1f} | "
+                     f"{low:.1f}–{high:.1f} | {r['vs_whole_matrix']:.2f} |")
+    return "\n".join(lines)
+
+
+def bench_powersgd_setting(data: dict) -> str:
+    return (f"PowerSGD rank {data['rank']} on {data['threads']} thread(s), "
+            f"{data['rounds']} interleaved rounds of {data['steps']} steps per variant")
+
+
+BENCH_POWERSGD_NOTES = """How to read it: one step of hybriddl's PowerSGD (hosts/powersgd.py) on a whole model's
+gradients, alone (the allreduce returns its input): the wire is not in it. *row chunks* is
+what a CPU runs (each matrix worked through in chunks that stay in cache, matrix-vector
+products); *whole-matrix products* is the batched path a GPU runs, which a CPU ran before.
+On emulated hosts this compute is part of every compressed step (scaling_fast pages)."""
+
+
 def tune_gpu_table(data: dict) -> str:
     lines = ["| candidate | status | s/step (median) | spread | img/s | × one core | × one GPU | note |",
              "|---|---|---:|---|---:|---:|---:|---|"]
@@ -935,6 +957,9 @@ TABLES = [
     Table("bench_gpu-ComplexSmall", "One GPU: hybriddl's step against plain PyTorch, VGG16",
           "results/bench_gpu-ComplexSmall.json", bench_gpu_table, bench_gpu_setting,
           BENCH_GPU_NOTES),
+    Table("bench_powersgd", "PowerSGD's own compute on one core",
+          "results/bench_powersgd.json", bench_powersgd_table, bench_powersgd_setting,
+          BENCH_POWERSGD_NOTES),
     Table("gpu_tests", "The GPU tests on a GPU", "results/gpu_tests.json", gpu_tests_table,
           gpu_tests_setting, ""),
     # One page per file the glob finds (none until a GPU host has run scripts/gpu_check.py).

@@ -242,3 +242,21 @@ def test_scaling_e2e_cells_train_for_the_figures_only():
     for contender in ("hybrid", "data-powersgd", "flat"):
         train, _ = scaling_e2e.train_args(args, contender, 2, Path("run"))
         assert train[0] == "train" and "--measure-only" in train, contender
+
+
+def test_bench_powersgd_times_both_ways_side_by_side_and_names_the_cpu(tmp_path):
+    import json
+
+    import bench_powersgd
+
+    out = tmp_path / "powersgd.json"
+    assert bench_powersgd.main(["--models", "squeezenet1_1", "--rounds", "2", "--steps", "1",
+                                "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["cpu_model"] and result["command"].startswith("python scripts/bench_powersgd.py")
+    rows = result["rows"]
+    assert [r["variant"] for r in rows] == ["row chunks", "whole-matrix products"]
+    assert all(r["steps_timed"] == 2 and r["seconds_per_step"] > 0 for r in rows)
+    assert rows[1]["vs_whole_matrix"] == 1.0
+    with pytest.raises(SystemExit):
+        bench_powersgd.parse_args(["--rounds", "0"])

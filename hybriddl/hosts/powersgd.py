@@ -284,8 +284,8 @@ class PowerSGD:
         # On a CPU each matrix is worked through in row chunks that stay in cache: M,
         # this host's factor and its error in one pass over the matrix (sending P) or two
         # (sending Q), with matrix-vector products, where whole-matrix products with R
-        # columns take 2-3x as long (AlexNet's 4096 x 9216: 19-23 ms against 40-60). A
-        # GPU's batched products are the fast way there.
+        # columns take about twice as long (scripts/bench_powersgd.py). A GPU's batched
+        # products are the fast way there.
         in_chunks = device.type == "cpu" and self.cpu_chunks
         parts = []
         for group in self._groups:
