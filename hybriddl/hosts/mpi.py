@@ -15,6 +15,7 @@ heartbeat is heard but which does not come to an exchange meets the deadline
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import math
@@ -730,14 +731,10 @@ class MPIHosts(Hosts):
         wire = self.compression.local_wire([p.grad for p in self._compressed], phase)
         host_wire = _to_host(wire.detach())
         received = _host_empty(host_wire.shape, host_wire.dtype, wire.device)
-        if self._progress:
-            with self._progress.lock:
-                requests = self._iallreduce(host_wire, received)
-                self._requests.extend(requests)
+        with self._progress.lock if self._progress else contextlib.nullcontext():
+            self._requests.extend(self._iallreduce(host_wire, received))
+            if self._progress:
                 self._progress.wake()
-        else:
-            requests = self._iallreduce(host_wire, received)
-            self._requests.extend(requests)
         self._phases_sent.append((wire, host_wire, received))
         self.traffic.sent(host_wire.nbytes)
 

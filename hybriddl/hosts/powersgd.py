@@ -431,8 +431,12 @@ def orthogonal(factors: torch.Tensor) -> torch.Tensor:
 CHUNK_ELEMENTS = 2**18
 
 
+def _chunk_rows(cols: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(cols, 1))
+
+
 def _row_chunks(rows: int, cols: int):
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    step = _chunk_rows(cols)
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
@@ -475,12 +479,11 @@ def outer_products(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch
     columns_q = [q[:, r].unsqueeze(0).contiguous() for r in range(q.shape[1])]
     if len(columns_p) == 1:
         return torch.mul(columns_p[0], columns_q[0], out=out)
-    scratch = None
+    scratch = torch.empty((min(rows, _chunk_rows(cols)), cols),
+                          dtype=out.dtype, device=out.device)
     for start, stop in _row_chunks(rows, cols):
         part = out[start:stop]
         torch.mul(columns_p[0][start:stop], columns_q[0], out=part)
-        if scratch is None:
-            scratch = torch.empty(part.shape, dtype=out.dtype, device=out.device)
         extra = scratch[:stop - start]
         for p_r, q_r in zip(columns_p[1:], columns_q[1:]):
             torch.mul(p_r[start:stop], q_r, out=extra)
