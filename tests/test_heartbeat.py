@@ -5,10 +5,11 @@ named at once, a silent one after the silence, one that said goodbye never, and 
 alive but outside the exchange the others wait in is told apart from one in a transfer.
 
 On two emulated hosts: a host lost mid-run, killed, stopped (SIGSTOP) or cut off (its link
-down), is named by the survivor (rank and host), a killed one within 15 s, the others
-within 30 s with MPI's default settings, in one line, and nothing of the run is left: no
-rank, no mpirun, no shared memory segment, no namespace. And a slow link is not a dead
-host: an exchange that takes longer than the silence completes.
+down), is named by the survivor (rank and host), a killed one within 15 s, a stopped one
+within 30 s with the default settings (15 s of silence), one cut off within 15 s under
+--host-timeout 5, in one line, and nothing of the run is left: no rank, no mpirun, no
+shared memory segment, no namespace. And a slow link is not a dead host: an exchange that
+takes longer than the silence completes.
 """
 
 from __future__ import annotations
@@ -175,6 +176,22 @@ def test_a_peer_outside_the_exchange_is_behind_and_one_inside_an_earlier_one_is_
         ranks.close()
 
 
+def test_a_peer_whose_last_beat_is_old_is_not_behind_but_left_to_the_silence():
+    """A host cut off between two exchanges: its last beat said "outside, fewer exchanges",
+    but that is stale once no beat follows; it is named lost after the silence, not as a
+    host that runs and does not come (which --host-timeout shorter than the silence did)."""
+    ranks = Ranks(2, interval=0.1, silence=5.0)
+    try:
+        ranks.beats[1].report(4, inside=False)
+        wait_until(lambda: ranks.beats[0]._progress.get(1) == 8, 5)
+        assert ranks.beats[0].behind(5) == [1]
+        freeze(ranks.beats[1])
+        wait_until(lambda: ranks.beats[0].behind(5) == [], 2)
+        assert ranks.beats[0].lost() == {}  # not yet: 5 s of silence
+    finally:
+        ranks.close()
+
+
 def test_beats_use_the_interfaces_mpi_is_told_to_use_else_every_address_loopback_last():
     interfaces = {"lo": ["127.0.0.1"], "eth0": ["198.18.0.2"], "docker0": ["172.17.0.1"]}
     assert beat_addresses("198.18.0.0/24", interfaces) == ["198.18.0.2"]
@@ -248,14 +265,15 @@ def shared_memory(processes) -> set[str]:
     return paths
 
 
-def lose_a_host(tmp_path: Path, fault) -> tuple[str, int, float, float]:
-    """Train on two emulated hosts, apply `fault(launcher, rank 1's process)` once steps are
-    being checkpointed; returns the output, mpirun's exit code, and seconds from the
-    fault to rank 0's line naming the lost host and to the end of both ranks."""
+def lose_a_host(tmp_path: Path, fault, *flags: str) -> tuple[str, int, float, float]:
+    """Train on two emulated hosts (TRAIN, then `flags`), apply `fault(launcher, rank 1's
+    process)` once steps are being checkpointed; returns the output, mpirun's exit code, and
+    seconds from the fault to rank 0's line naming the lost host and to the end of both
+    ranks."""
     run_dir = tmp_path / "run"
     with hosts_launcher(2) as launcher:
         mpirun = subprocess.Popen([*launcher.argv, "-np", "2", sys.executable, "-m", "hybriddl",
-                                   *TRAIN, "--run-dir", str(run_dir)],
+                                   *TRAIN, *flags, "--run-dir", str(run_dir)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   env=hybriddl_env())
         output = Output(mpirun)
@@ -313,34 +331,43 @@ def test_a_stopped_host_is_named_by_the_survivor_within_30_seconds(tmp_path):
 
 
 @emulated
-def test_a_host_cut_off_the_network_is_named_by_the_survivor_within_30_seconds(tmp_path):
+def test_a_host_cut_off_the_network_is_named_after_the_silence_a_short_host_timeout_sets(
+        tmp_path):
+    """The stopped host above is named after the default silence (15 s); --host-timeout 5
+    shortens the silence to 6 s (three beats' intervals) and the cut-off host is named
+    lost then, not as a host that runs but does not come (its last beat is stale)."""
     text, code, named, exited = lose_a_host(tmp_path,
-                                            lambda launcher, rank: launcher.cut_link(1))
-    assert re.search(r"lost rank 1 on host h1 \(silent for 1\d s\)", text), text[-3000:]
-    assert code == 1 and exited < NAMED_WITHIN_SECONDS
-
+                                            lambda launcher, rank: launcher.cut_link(1),
+                                            "--host-timeout", "5")
+    assert re.search(r"lost rank 1 on host h1 \(silent for [5-9] s\)", text), text[-3000:]
+    assert code == 1 and named < 15 and exited < 15, (named, exited)
 
 # resnet18's gradient (3 classes) is 44.7 MB: a ring allreduce between 2 hosts sends it
-# once per host, 20 s at 18 Mbit/s, more than the heartbeat's 15 s of silence; the planner's
-# 8 MiB probe of the link at start takes 3.7 s. (AlexNet at 50 Mbit/s, 36 s per step, is the
-# case of issue 38: results/slow_link-SimpleBig-50mbit.json; this is a smaller model for a
-# test, with a transfer as long.) Before this change the heartbeat on MPI took such a
-# transfer for a lost host: "lost rank 1 on host h1 (silent for 15 s) while measuring the
-# link to the next host" (squeezenet1_1 at 1.16 Mbit/s, its 8 MiB probe taking 58 s).
-SLOW_RATE = "18mbit"
+# once per host, 10 s at 36 Mbit/s, more than the 6 s of heartbeat silence that
+# --host-timeout 5 sets (at least 3 beats' intervals; the default's 15 s would need a 20 s
+# exchange: the same test, twice as long); the planner's 8 MiB probe of the link at start
+# takes 1.9 s. (AlexNet at 50 Mbit/s, 36 s per step against the default silence, is the
+# case of issue 38: results/slow_link-SimpleBig-50mbit.json.) Before this change the
+# heartbeat on MPI took such a transfer for a lost host: "lost rank 1 on host h1 (silent
+# for 15 s) while measuring the link to the next host" (squeezenet1_1 at 1.16 Mbit/s, its
+# 8 MiB probe taking 58 s).
+SLOW_RATE = "36mbit"
+SLOW_TIMEOUT = "5"
 
 
 @emulated
 def test_an_exchange_longer_than_the_silence_completes_on_a_slow_link(tmp_path):
     """Beats sent through MPI waited behind the bulk data on the same TCP connection, so
-    a 20 s exchange read as a lost host; on connections of their own they do not. The
-    initial parameters are not sent (the hosts compare a digest): no 20 s broadcast."""
+    an exchange longer than the silence read as a lost host; on connections of their own
+    they do not. The initial parameters are not sent (the hosts compare a digest): no
+    broadcast as long as the exchange."""
     run_dir = tmp_path / "run"
     with EmulatedHosts(hosts=2, cores_per_host=1, bandwidth=SLOW_RATE) as cluster:
         done = cluster.run([sys.executable, "-m", "hybriddl", "train", "--model",
                             "resnet18", "--image-size", "32", "--batch-size", "8",
                             "--max-steps", "1", "--strategy", "sequential", "--host-parallel",
-                            "data", "--monitor-interval", "0", "--run-dir", str(run_dir)],
+                            "data", "--monitor-interval", "0", "--host-timeout", SLOW_TIMEOUT,
+                            "--run-dir", str(run_dir)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=hybriddl_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
@@ -349,4 +376,5 @@ def test_an_exchange_longer_than_the_silence_completes_on_a_slow_link(tmp_path):
     assert hosts["initial_parameters"].startswith("built from the seed")
     comm_seconds = metrics["epochs"][0]["comm_seconds"]
     # The premise: the exchange outlasted the silence that named a host lost before.
+    assert hosts["heartbeat"]["silence_seconds"] < 15  # shortened by --host-timeout
     assert comm_seconds > hosts["heartbeat"]["silence_seconds"], comm_seconds

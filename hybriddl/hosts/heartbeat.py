@@ -43,6 +43,9 @@ INTERVAL_SECONDS = 2.0
 # gets its thread scheduled once in a while; short enough to name a lost host in 15-17 s.
 SILENCE_SECONDS = 15.0
 POLL_SECONDS = 0.25
+# A peer's last beat tells where it is only while it is this fresh (in beat intervals):
+# `behind` leaves older ones to `lost`.
+RECENT_BEATS = 2
 # Per address tried: long enough for a loaded host to answer, short enough that a few
 # unreachable addresses (a docker bridge, a second NIC) delay the start by seconds only.
 CONNECT_SECONDS = 5.0
@@ -297,9 +300,14 @@ class Heartbeat:
     def behind(self, exchanges: int) -> list[int]:
         """The peers whose last beat said they had entered fewer than `exchanges` exchanges
         and were inside none: alive, but not coming to this one (a peer inside an earlier
-        exchange is in a transfer with someone, however long it takes)."""
+        exchange is in a transfer with someone, however long it takes). Only peers heard
+        within the last RECENT_BEATS intervals: what an older beat said may be stale (a
+        host cut off between two exchanges), and such a peer is named by `lost` after the
+        silence instead."""
+        listened, recent = self._listened_until, RECENT_BEATS * self.interval
         return sorted(peer for peer, state in self._progress.items()
-                      if state // 2 < exchanges and not state % 2 and peer not in self._left)
+                      if state // 2 < exchanges and not state % 2 and peer not in self._left
+                      and listened - self._heard.get(peer, listened) <= recent)
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
