@@ -759,6 +759,32 @@ products); *whole-matrix products* is the batched path a GPU runs, which a CPU r
 On emulated hosts this compute is part of every compressed step (scaling_fast pages)."""
 
 
+def planner_check_table(data: dict) -> str:
+    lines = ["| S | asked | chosen | exact | predicted s | measured s (median) | steps | error |",
+             "|---:|---|---|---|---:|---:|---|---:|"]
+    for r in data["runs"]:
+        steps = ", ".join(f"{s:.4f}" for s in r["measured_steps_seconds"])
+        lines.append(f"| {r['speedup']:g} | {r['asked']} | {r['chosen']} | "
+                     f"{'yes' if r['exact'] else 'no'} | {r['predicted_step_seconds']:.4f} | "
+                     f"{r['measured_step_seconds']:.4f} | {steps} | "
+                     f"{r['error_percent']:+.1f} % |")
+    return "\n".join(lines)
+
+
+def planner_check_setting(data: dict) -> str:
+    return (f"AlexNet 224 px, global batch 32, 2 emulated hosts x 1 core side by side (D = 1), "
+            f"{data['bandwidth']} links at speedup S, {data['warmup']} warm-up and "
+            f"{data['timed_steps']} timed steps per run")
+
+
+PLANNER_CHECK_NOTES = """How to read it: each row is one run; *predicted* is the step the run's
+plan printed for the scheme it chose (metrics.json `config.plan`), *measured* the median of
+its timed steps in emulated seconds (wall / S). The issue's target: within ±15 %. S stands
+for hosts S times faster than one core here (the link at rate/S of wall time). The
+split's feature exchanges run inside forward and backward; per step the results file keeps
+the trainer's split of the wall step into communication after backward and the rest."""
+
+
 def tune_gpu_table(data: dict) -> str:
     lines = ["| candidate | status | s/step (median) | spread | img/s | × one core | × one GPU | note |",
              "|---|---|---:|---|---:|---:|---:|---|"]
@@ -960,6 +986,9 @@ TABLES = [
     Table("bench_powersgd", "PowerSGD's own compute on one core",
           "results/bench_powersgd.json", bench_powersgd_table, bench_powersgd_setting,
           BENCH_POWERSGD_NOTES),
+    Table("planner_check-SimpleBig", "The planner's predicted step against the measured one",
+          "results/planner_check-SimpleBig.json", planner_check_table, planner_check_setting,
+          PLANNER_CHECK_NOTES),
     Table("gpu_tests", "The GPU tests on a GPU", "results/gpu_tests.json", gpu_tests_table,
           gpu_tests_setting, ""),
     # One page per file the glob finds (none until a GPU host has run scripts/gpu_check.py).
@@ -1001,7 +1030,7 @@ def load_quotable(path: Path) -> tuple[dict | None, str]:
         for record in data.get("summary", []) + data.get("cells", []):
             if "speedup" in record:
                 record["speedup"] = float(f"{record['speedup']:.3g}")
-    if not (data.get("summary") or data.get("rows") or "passed" in data):
+    if not (data.get("summary") or data.get("rows") or data.get("runs") or "passed" in data):
         return None, "no rows yet"
     return data, ""
 

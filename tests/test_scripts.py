@@ -260,3 +260,44 @@ def test_bench_powersgd_times_both_ways_side_by_side_and_names_the_cpu(tmp_path)
     assert rows[1]["vs_whole_matrix"] == 1.0
     with pytest.raises(SystemExit):
         bench_powersgd.parse_args(["--rounds", "0"])
+
+
+def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(monkeypatch,
+                                                                           tmp_path):
+    """The prediction is the chosen row of the run's plan, the measurement the median of the
+    steps after the warm-up in emulated seconds (wall / dilation)."""
+    import json
+
+    import planner_check
+
+    real_run = subprocess.run
+
+    def run(command, **kwargs):
+        if "--run-dir" not in command:  # git, for the results header
+            return real_run(command, **kwargs)
+        run_dir = Path(command[command.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True)
+        report = Path(command[command.index("--report") + 1])
+        report.write_text(json.dumps({"dilation": 200.0}))
+        row = {"scheme": "hybrid", "exact": True, "step_seconds": 0.1, "compute_seconds": 0.002,
+               "wire_seconds": 0.098, "latency_seconds": 0.0, "compression_seconds": 0.0,
+               "overlap_seconds": 0.0, "nic_bytes_per_step": 11582976}
+        plan = {"rows": [{**row, "scheme": "data", "step_seconds": 2.9}, row],
+                "chosen": {"scheme": "hybrid"}, "reason": "asked",
+                "inputs": {"link_bytes_per_second": 1.2e8, "latency_seconds": 1e-6}}
+        # wall seconds: a warm-up step, then 20, 25, 24 s (emulated 0.100, 0.125, 0.120)
+        per_step = {"seconds": [60.0, 20.0, 25.0, 24.0], "comm_seconds": [50.0, 16, 21, 20],
+                    "compute_seconds": [10.0, 4, 4, 4], "nic_bytes_sent": [1, 2, 3, 4]}
+        (run_dir / "metrics.json").write_text(json.dumps(
+            {"config": {"plan": plan}, "epochs": [{"per_step": per_step}]}))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(planner_check.subprocess, "run", run)
+    output = tmp_path / "check.json"
+    assert planner_check.main(["--speedup", "200", "--schemes", "hybrid", "--warmup", "1",
+                               "--steps", "3", "--output", str(output)]) == 0
+    [row] = json.loads(output.read_text())["runs"]
+    assert row["chosen"] == "hybrid" and row["predicted_step_seconds"] == 0.1
+    assert row["measured_step_seconds"] == pytest.approx(0.12)
+    assert row["error_percent"] == pytest.approx(100 * (0.1 - 0.12) / 0.12)
+    assert row["wall_comm_seconds_per_step"] == [16, 21, 20]
