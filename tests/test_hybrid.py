@@ -344,3 +344,23 @@ def test_the_compute_probe_leaves_the_model_as_it_was():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), random_state)
+
+
+def test_the_convolutions_go_in_one_bucket_where_backward_hides_little_of_the_wire():
+    """About a layer a bucket where backward hides a good part of the exchange (S = 1 at
+    1 Gbit/s: 58 % of the wire); one bucket where it hides almost none (hosts far faster
+    than their link), as each bucket is an allreduce of its own."""
+    from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+    from hybriddl.hybrid.parallel import CONVOLUTION_BUCKET_BYTES, convolution_bucket_bytes
+
+    def plan(hidden, wire):
+        row = {"scheme": "hybrid", "wire_seconds": wire, "overlap_seconds": hidden}
+        return {"rows": [{**row, "scheme": "data", "overlap_seconds": 0.0}, row],
+                "chosen": {"scheme": "hybrid"}}
+
+    assert convolution_bucket_bytes(plan(0.058, 0.100)) == CONVOLUTION_BUCKET_BYTES
+    assert convolution_bucket_bytes(plan(0.0003, 0.101)) == DEFAULT_BUCKET_BYTES
+    # No plan (one host, or a scheme made outside `choose`): the buckets of about a layer.
+    assert convolution_bucket_bytes(None) == CONVOLUTION_BUCKET_BYTES
+    assert convolution_bucket_bytes({"rows": [], "chosen": {"scheme": "data"}}) == \
+        CONVOLUTION_BUCKET_BYTES

@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from hybriddl.data.sharding import split_bounds, split_counts
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
+from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hybrid.classifier import (ColumnLinear, GatherRows, NotSplittable,
                                         ReturnedGradient, SplitClassifier, plan, slice_counts,
                                         split_classifier)
@@ -46,6 +47,13 @@ HOST_PARALLEL = ("auto", "data", "hybrid")
 # the first layers' (AlexNet: 1.3 MB) remain when backward ends; the small first layers
 # share one bucket.
 CONVOLUTION_BUCKET_BYTES = 2**20
+# Where the plan credits backward with hiding less than this share of the step's wire time
+# (hosts far faster than their link), the convolutions' gradient goes in one bucket: each
+# bucket is an allreduce of its own, and small ones then only add messages. Measured at
+# S = 200 (AlexNet, 2 emulated hosts x 1 core, 1 Gbit/s; scripts/planner_check.py): 0.1205 s
+# a step with the 1 MiB buckets (steps 0.115-0.124), 0.1139 s with one (0.113-0.115); at
+# S = 1 the plan credits 58 % of the wire and the buckets stay.
+ONE_BUCKET_BELOW_HIDDEN_SHARE = 0.1
 
 
 class DataParallel:
@@ -126,8 +134,9 @@ class HybridParallel(DataParallel):
         # (AlexNet's convolutions) left only once backward was done, its 80 ms at 1 Gbit/s
         # all exposed.
         exact = getattr(getattr(hosts, "compression", None), "exact", True)
+        self.bucket_bytes = convolution_bucket_bytes(getattr(self, "plan", None))
         hosts.attach(convolutions, gradient_hooks=strategy.writes_gradients_once,
-                     overlap=True if exact else None, bucket_bytes=CONVOLUTION_BUCKET_BYTES)
+                     overlap=True if exact else None, bucket_bytes=self.bucket_bytes)
         self.classifier = model.classifier
         self.first_column = next(layer for layer in self.classifier
                                  if isinstance(layer, ColumnLinear))
@@ -230,7 +239,8 @@ class HybridParallel(DataParallel):
 
     def describe(self, model: nn.Module | None = None) -> dict:
         record = {"scheme": self.name, "reason": self.reason, "compression": self.compression,
-                  "feature_dtype": self.feature_dtype}
+                  "feature_dtype": self.feature_dtype,
+                  "convolution_bucket_bytes": getattr(self, "bucket_bytes", None)}
         if self.split is not None:
             record["classifier"] = [{"layer": s.index, "split": s.kind,
                                      "in": s.in_features, "out": s.out_features}
@@ -238,6 +248,19 @@ class HybridParallel(DataParallel):
         if model is not None:
             record["held_parameter_bytes"] = held_bytes(model)
         return record
+
+
+def convolution_bucket_bytes(plan: dict | None) -> int:
+    """The hybrid's convolution buckets for `plan` (metrics.json's config.plan): about a layer
+    each (CONVOLUTION_BUCKET_BYTES), so that they leave during backward; one bucket where the
+    plan's chosen row hides less than ONE_BUCKET_BELOW_HIDDEN_SHARE of its wire time."""
+    rows = (plan or {}).get("rows") or []
+    chosen = (plan or {}).get("chosen", {}).get("scheme")
+    row = next((r for r in rows if r["scheme"] == chosen), None)
+    if row and row["wire_seconds"] > 0 and \
+            row["overlap_seconds"] < ONE_BUCKET_BELOW_HIDDEN_SHARE * row["wire_seconds"]:
+        return DEFAULT_BUCKET_BYTES
+    return CONVOLUTION_BUCKET_BYTES
 
 
 def _slice(tensor: torch.Tensor, cut: tuple[int, int, int, int]) -> torch.Tensor:
