@@ -768,6 +768,11 @@ def planner_check_table(data: dict) -> str:
                      f"{'yes' if r['exact'] else 'no'} | {r['predicted_step_seconds']:.4f} | "
                      f"{r['measured_step_seconds']:.4f} | {steps} | "
                      f"{r['error_percent']:+.1f} % |")
+    for earlier in data.get("earlier_runs", []):
+        errors = "; ".join(f"S = {r['speedup']:g} {r['asked']} {r['error_percent']:+.1f} %"
+                           for r in earlier["runs"])
+        lines += ["", f"An earlier run (commit `{earlier['commit'][:7]}`, {earlier['note']}): "
+                      f"{errors}."]
     return "\n".join(lines)
 
 
