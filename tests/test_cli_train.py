@@ -206,11 +206,11 @@ def test_info_table_lists_the_same_facts(cli):
         assert word in done.stdout
 
 
-def test_python_m_hybriddl_help_lists_the_subcommands(cli):
+def test_python_m_hybriddl_help_lists_the_subcommands(cli, cli_here):
     done = cli("--help")
     assert done.returncode == 0, done.stderr
     assert "train" in done.stdout and "info" in done.stdout
-    train_help = cli("train", "--help")
+    train_help = cli_here("train", "--help")  # the same main(), without a second start
     for flag in ("--usecase", "--model", "--image-size", "--batch-size", "--epochs", "--lr",
                  "--momentum", "--dropout", "--seed", "--max-steps", "--data", "--run-dir",
                  "--classes", "--precision", "--channels-last", "--accumulate"):
