@@ -152,10 +152,10 @@ def test_the_bandwidth_limit_is_really_applied(tmp_path):
     result = bench(tmp_path, "--hosts", "2", "--bandwidth", "100mbit", "--mib", "4",
                    "--repeats", "2")
     # Each host sends S = 4 MiB; at 100 Mbit/s that takes 0.34 s at least (less the one
-    # burst of 64 KiB tbf lets through at once).
+    # burst, 1 ms at the rate, tbf lets through at once).
     sent = min(result["host_nic_bytes_sent"])
     assert sent >= 4 * MIB
-    assert result["seconds"] >= (sent - 65536) * 8 / 1e8
+    assert result["seconds"] >= (sent - 1e8 / 8 * 1e-3) * 8 / 1e8
 
 
 def test_traffic_between_ranks_of_one_host_is_not_counted(tmp_path):

@@ -140,6 +140,37 @@ def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_w
     assert "speedup 4" in done.stderr
 
 
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)")
+@pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare"))),
+                    reason="emulated hosts need ip, tc (iproute2) and unshare")
+@pytest.mark.skipif(MACHINE_CORES < 2 and cpu_hierarchy() is None,
+                    reason="2 hosts on 1 core at a speedup need a CPU quota (cgroup cpu)")
+def test_an_exchange_after_compute_takes_its_bytes_over_the_rate_at_a_high_speedup():
+    """A rate limit's token bucket fills while a host computes and is then sent at once.
+    At S = 200 the 1 Gbit/s link runs at 5 Mbit/s of wall time; a 64 KiB bucket let an
+    allreduce of 64 KiB after 0.3 s of compute through in 5 ms instead of its 105 ms, so
+    PowerSGD's small exchanges looked far faster than a real link carries them."""
+    program = ("import time, numpy; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+               "a = numpy.ones(16384, numpy.float32); b = numpy.empty_like(a); "
+               "c.Allreduce(a, b); seconds = []\n"
+               "for _ in range(3):\n"
+               "    c.Barrier(); time.sleep(0.3); c.Barrier(); t = time.perf_counter(); "
+               "c.Allreduce(a, b); seconds.append(time.perf_counter() - t)\n"
+               "print('SECONDS', min(seconds))")
+    done = subprocess.run(
+        [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--cores-per-host", "1",
+         "--speedup", "200", "--bandwidth", "1gbit", "--", sys.executable, "-c", program],
+        capture_output=True, text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds = [float(line.split()[1]) for line in done.stdout.splitlines()
+               if line.startswith("SECONDS ")]
+    wire = 65536 * 8 / (1e9 / 200)  # 0.105 s: each host sends its 64 KiB once
+    assert len(seconds) == 2 and min(seconds) >= 0.8 * wire, seconds
+
+
 def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_host_step():
     import scaling_e2e
 

@@ -58,6 +58,11 @@ from hybriddl.errors import UsageError
 PREFIX = "hybriddl-emu-"
 SUBNET = "198.18.0.0/24"
 NIC = "eth0"
+# The least token bucket a link's rate limit (tbf) gets: two Ethernet frames of the veths'
+# 1500-byte MTU. A bucket fills while a host computes and leaves at once after it: 64 KiB
+# at S = 200 (a 5 Mbit/s wall rate) let a 64 KiB allreduce after compute through in 5 ms
+# of wall time instead of its 105 ms on the wire.
+MIN_BURST_BYTES = 2 * 1514
 # Open MPI must use only the emulated NICs between hosts, and its shared memory within one.
 MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
                  "oob_tcp_if_include": SUBNET}
@@ -697,9 +702,11 @@ class EmulatedHosts:
             parent = ["parent", "1:1"]
         if self.rate:
             rate = self.dilation.link_rate(self.rate)
-            # A burst of 1 ms at the link rate (at least a jumbo frame): short enough that
-            # a transfer's time is its bytes over the rate.
-            burst = max(int(rate / 8 * 1e-3), 65536)
+            # A burst of 1 ms of wall time at the scaled rate, 1 ms / (S x D) of emulated
+            # time: after an idle phase (compute) a host sends that much at once, as a
+            # real NIC does not. At least two frames (tbf drops a packet longer than its
+            # burst and cuts TCP's segmentation-offload packets into frames).
+            burst = max(int(rate / 8 * 1e-3), MIN_BURST_BYTES)
             # tbf's queue holds 100 ms of wall time at the scaled rate, as at D = 1.
             _tc(namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf",
                 "rate", f"{rate:.0f}bit", "burst", str(burst), "latency", "100ms")
