@@ -535,6 +535,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--append: {output} has {key} {earlier.get(key)!r}, this run "
                                  f"{result[key]!r}")
         result["cells"] = earlier["cells"]
+        if earlier.get("replaced_cells"):  # cells taken out by hand, and why: kept
+            result["replaced_cells"] = earlier["replaced_cells"]
         result["earlier_runs"] = earlier.get("earlier_runs", []) + [
             {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model", "speedup",
                                          "host_step_seconds")}]

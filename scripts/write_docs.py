@@ -1055,6 +1055,10 @@ def benchmark_page(table: Table, data: dict) -> str:
     for run in data.get("earlier_runs", []):  # cells kept from runs before (--append)
         lines.append(f"- **with cells of**: `{run.get('command')}` (commit `{run.get('commit')}`, "
                      f"{run.get('date')}, {run.get('cpu_model')})")
+    for replaced in data.get("replaced_cells", []):  # taken out by hand and measured again
+        cells = ", ".join(f"{c['contender']} at {c['hosts']} hosts (S = {c['speedup']:.3g})"
+                          for c in replaced["cells"])
+        lines.append(f"- **cells measured again**: {cells}: {replaced['why']}")
     lines.append("")
     if data.get("what"):
         lines += [data["what"], ""]
