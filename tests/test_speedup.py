@@ -25,6 +25,21 @@ from hybriddl.tuning.host_step import HostStep
 MACHINE_CORES = len(os.sched_getaffinity(0))
 
 
+def two_emulated_hosts_at_a_speedup(test):
+    """What a test that runs 2 emulated hosts of 1 core at a speedup needs, as marks."""
+    for mark in (
+            pytest.mark.root, pytest.mark.emulated, pytest.mark.mpi,
+            pytest.mark.skipif(os.geteuid() != 0,
+                               reason="emulated hosts need root (network namespaces)"),
+            pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare"))),
+                               reason="emulated hosts need ip, tc (iproute2) and unshare"),
+            pytest.mark.skipif(MACHINE_CORES < 2 and cpu_hierarchy() is None,
+                               reason="2 hosts on 1 core at a speedup need a CPU quota "
+                                      "(cgroup cpu)")):
+        test = mark(test)
+    return test
+
+
 def test_a_speedup_divides_rates_and_emulated_seconds_and_multiplies_latencies():
     fast = Dilation(speedup=4)
     assert fast.factor == 4
@@ -107,14 +122,7 @@ def tc_rates(namespace: str) -> list[str]:
     return [q["options"]["rate"] for q in json.loads(shown or "[]") if q.get("kind") == "tbf"]
 
 
-@pytest.mark.root
-@pytest.mark.emulated
-@pytest.mark.mpi
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)")
-@pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare"))),
-                    reason="emulated hosts need ip, tc (iproute2) and unshare")
-@pytest.mark.skipif(MACHINE_CORES < 2 and cpu_hierarchy() is None,
-                    reason="2 hosts on 1 core at a speedup need a CPU quota (cgroup cpu)")
+@two_emulated_hosts_at_a_speedup
 def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_wall(tmp_path):
     report = tmp_path / "report.json"
     # Each rank reads the tbf rate on its own NIC while the hosts are up.
@@ -140,14 +148,7 @@ def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_w
     assert "speedup 4" in done.stderr
 
 
-@pytest.mark.root
-@pytest.mark.emulated
-@pytest.mark.mpi
-@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (network namespaces)")
-@pytest.mark.skipif(not all(map(shutil.which, ("ip", "tc", "unshare"))),
-                    reason="emulated hosts need ip, tc (iproute2) and unshare")
-@pytest.mark.skipif(MACHINE_CORES < 2 and cpu_hierarchy() is None,
-                    reason="2 hosts on 1 core at a speedup need a CPU quota (cgroup cpu)")
+@two_emulated_hosts_at_a_speedup
 def test_an_exchange_after_compute_takes_its_bytes_over_the_rate_at_a_high_speedup():
     """A rate limit's token bucket fills while a host computes and is then sent at once.
     At S = 200 the 1 Gbit/s link runs at 5 Mbit/s of wall time; a 64 KiB bucket let an
