@@ -44,9 +44,11 @@ def table_cells(comparison: dict) -> list[list[str]]:
 def notes(comparison: dict) -> list[str]:
     config, machine = comparison["config"], comparison["machine"]
     hosts = comparison["emulated_hosts"]
+    workers, steps = config["workers_per_host"], config["steps"]
     lines = [f"{config['usecase']}: {config['model']} at {config['image_size']} px, global batch "
-             f"{config['batch_size']}, {hosts} emulated hosts x {config['workers_per_host']} "
-             f"workers per host, {config['steps']} timed steps after {config['warmup']} warm-up"
+             f"{config['batch_size']}, {hosts} emulated hosts x {workers} "
+             f"worker{'s' * (workers != 1)} per host, {steps} timed step{'s' * (steps != 1)} "
+             f"after {config['warmup']} warm-up"
              + (", gradients sent as float16" if config["fp16_allreduce"] else ""),
              f"network: each host's own NIC, link rate {comparison['bandwidth'] or 'unlimited'}"
              + (f", latency {comparison['latency']}" if comparison["latency"] else "")
