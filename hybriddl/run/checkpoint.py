@@ -388,6 +388,7 @@ class Checkpointer:
         self._pending_position: Position | None = None
         self._staging = None  # reused copy of the state the writer reads from
         self._preparing: Future | None = None  # the staging buffers, allocated in the background
+        self._staged_steps: int | None = None  # steps_done of the last state staged, every host
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -495,6 +496,7 @@ class Checkpointer:
             self._staging, self._preparing = self._preparing.result(), None
         whole = self._whole_state()  # collective where the model is split across hosts
         compression = self.hosts.compression_state()  # collective: the hosts' errors summed
+        self._staged_steps = self.position.steps_done
         if self.hosts.rank != 0:
             self.check_finite(self.model.state_dict())
             self.saved = Position(**asdict(self.position))
@@ -516,6 +518,17 @@ class Checkpointer:
         self._pending = self._executor().submit(atomic_torch_save, self.run_dir / CHECKPOINT,
                                             checkpoint.to_payload())
         self._pending_position = checkpoint.position
+
+    def holds_the_model(self) -> bool:
+        """Whether the last checkpoint's staged state is the model as it is now (no step
+        since): the same answer on every host, so the end of a run can skip a second gather
+        of a classifier split across hosts (`staged_model`)."""
+        return self._staged_steps is not None and self._staged_steps == self.position.steps_done
+
+    def staged_model(self) -> dict | None:
+        """The whole model as the last checkpoint staged it, on host memory (rank 0; None
+        elsewhere). Valid while `holds_the_model()`."""
+        return None if self._staging is None else self._staging["model"]
 
     def _whole_state(self) -> dict | None:
         """The whole model's and optimizer's state on rank 0 (None elsewhere)."""

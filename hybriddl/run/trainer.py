@@ -215,8 +215,15 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         metrics["monitor"] = monitor.stop()
         metrics["memory"] = memory_record(model, optimizer)
         keeper.wait_for_write()  # one large write at a time: the space check counts on it
-        # Collective where the classifier is split; figures_only is the same on every host.
-        whole = None if figures_only else scheme.model_state(model, hosts)
+        # Collective where the classifier is split (figures_only and holds_the_model are the
+        # same on every host): the checkpoint just staged holds the model where no step came
+        # after it, and its classifier is not gathered a second time.
+        if figures_only:
+            whole = None
+        elif keeper.holds_the_model():
+            whole = keeper.staged_model()
+        else:
+            whole = scheme.model_state(model, hosts)
         if hosts.rank == 0:
             atomic_write_json(run_dir / METRICS, metrics)
             if whole is not None:
