@@ -128,7 +128,7 @@ def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_w
     # Each rank reads the tbf rate on its own NIC while the hosts are up.
     program = ("import json, subprocess; shown = subprocess.run(['tc', '-j', 'qdisc', 'show', "
                "'dev', 'eth0'], capture_output=True, text=True).stdout; "
-               "print('RATES', json.dumps([q['options']['rate'] for q in json.loads(shown) "
+               "print('RATES', json.dumps([q['options'] for q in json.loads(shown) "
                "if q.get('kind') == 'tbf']))")
     done = subprocess.run(
         [sys.executable, "-m", "hybriddl", "emulate", "--hosts", "2", "--cores-per-host", "1",
@@ -138,9 +138,15 @@ def test_two_hosts_at_speedup_4_run_links_at_a_quarter_and_report_a_quarter_of_w
     assert done.returncode == 0, done.stderr
     rates = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
              if line.startswith("RATES ")]
-    assert len(rates) == 2
+    assert len(rates) == 2 and all(len(shown) == 1 for shown in rates)
+    tbf = [shown[0] for shown in rates]
     # tc shows bytes per second: 25 Mbit/s is 3,125,000 B/s on each host's link.
-    assert rates == [[25e6 / 8]] * 2
+    assert [q["rate"] for q in tbf] == [25e6 / 8] * 2
+    # The queue holds the bytes of 100 ms at the emulated 100 Mbit/s (1.25 MB), as a link at
+    # full speed: tc shows it as the wall time it takes to leave, 0.4 s at 25 Mbit/s (100 ms
+    # of wall time, 312.5 KB, would overflow where a full-speed link's queue does not).
+    for q in tbf:
+        assert q["lat"] / 1e6 * q["rate"] + q["burst"] == pytest.approx(100e6 / 8 * 0.1, rel=0.01)
     written = json.loads(report.read_text())
     assert written["speedup"] == 4 and written["time_scale"] == 1 and written["dilation"] == 4
     assert written["turns"] is False

@@ -63,6 +63,13 @@ NIC = "eth0"
 # at S = 200 (a 5 Mbit/s wall rate) let a 64 KiB allreduce after compute through in 5 ms
 # of wall time instead of its 105 ms on the wire.
 MIN_BURST_BYTES = 2 * 1514
+# A link's queue (tbf's limit) holds 100 ms of the emulated rate, in bytes, whatever S and D:
+# the same bytes as a link at full speed. Held as 100 ms of wall time at the scaled rate, it
+# shrank with S x D (62.5 KB at S = 200 and 1 Gbit/s), below what TCP queues for one socket
+# (net.ipv4.tcp_limit_output_bytes, 4 MiB here), and overflowed where a full-speed link's does
+# not: a hybrid AlexNet run at S = 200 dropped 3400-4200 packets a host and TCP resent
+# 2-4 % of its segments; with the queue in bytes, none (its steps took as long either way).
+QUEUE_SECONDS = 0.1
 # Open MPI must use only the emulated NICs between hosts, and its shared memory within one.
 MPI_TRANSPORT = {"btl": "tcp,self,sm", "btl_tcp_if_include": SUBNET,
                  "oob_tcp_if_include": SUBNET}
@@ -707,9 +714,9 @@ class EmulatedHosts:
             # real NIC does not. At least two frames (tbf drops a packet longer than its
             # burst and cuts TCP's segmentation-offload packets into frames).
             burst = max(int(rate / 8 * 1e-3), MIN_BURST_BYTES)
-            # tbf's queue holds 100 ms of wall time at the scaled rate, as at D = 1.
+            queue = max(int(self.rate / 8 * QUEUE_SECONDS), burst)  # bytes: see QUEUE_SECONDS
             _tc(namespace, "qdisc", "add", "dev", device, *parent, "handle", "10:", "tbf",
-                "rate", f"{rate:.0f}bit", "burst", str(burst), "latency", "100ms")
+                "rate", f"{rate:.0f}bit", "burst", str(burst), "limit", str(queue))
 
     def close(self) -> None:
         """Stop every process still on the hosts, delete the namespaces (and with them
