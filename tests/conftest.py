@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["two_at_once"]  # which tests may run two at once
 # Tests load scripts/ by file (importlib); their shared helper (bench_common) is then
 # found as when a script runs, with scripts/ on the path.
 sys.path.insert(0, str(REPO / "scripts"))

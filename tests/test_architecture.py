@@ -320,6 +320,38 @@ def test_every_test_module_is_marked_for_what_it_starts():
     assert unmarked == []
 
 
+HOST_HOLDERS = {"hosts_launcher", "EmulatedHosts"}
+
+
+def fixtures_holding_hosts(tree: ast.AST) -> list[str]:
+    """Fixtures wider than one test (scope module, package or session) that make emulated
+    hosts: they live from a module's first test to its last, where tests/two_at_once.py
+    must give the module the machine alone (marker `holds_hosts`)."""
+    def wide(decorator: ast.expr) -> bool:
+        return (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+                and decorator.func.attr == "fixture"
+                and any(k.arg == "scope" and isinstance(k.value, ast.Constant)
+                        and k.value.value != "function" for k in decorator.keywords))
+    return [node.name for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and any(map(wide, node.decorator_list))
+            and any(isinstance(n, ast.Name) and n.id in HOST_HOLDERS for n in ast.walk(node))]
+
+
+def test_a_module_whose_fixture_holds_hosts_runs_alone_to_its_end():
+    unmarked = [f"{path.name}: {fixtures}" for path in sorted(TESTS.glob("test_*.py"))
+                if (fixtures := fixtures_holding_hosts(tree := ast.parse(path.read_text())))
+                and "holds_hosts" not in markers_used(tree)]
+    assert unmarked == []
+
+
+def test_holder_check_sees_a_module_fixture_and_not_a_test_s_own():
+    tree = ast.parse('import pytest\n\n@pytest.fixture(scope="module")\ndef launcher():\n'
+                     '    with hosts_launcher(3) as held:\n        yield held\n\n'
+                     '@pytest.fixture\ndef mine():\n    with EmulatedHosts(2) as held:\n'
+                     '        yield held\n')
+    assert fixtures_holding_hosts(tree) == ["launcher"]
+
+
 def test_marker_check_sees_an_unmarked_mpirun():
     tree = ast.parse('import subprocess\nfrom emulated import MPIRUN\n\n'
                      'def test_two_ranks():\n    subprocess.run([str(MPIRUN), "-np", "2", "true"])\n')

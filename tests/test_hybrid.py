@@ -26,6 +26,7 @@ from hybriddl.errors import UsageError
 from hybriddl.usecases import build_model
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
+pytestmark = pytest.mark.holds_hosts  # the module's launcher: three emulated hosts
 # AlexNet: the smallest torchvision model made of features -> avgpool -> classifier without
 # batch normalisation (whose statistics would differ with the host's share), with the
 # default dropout of its classifier.

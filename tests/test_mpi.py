@@ -30,6 +30,7 @@ PARAMETERS = 724_035
 pytestmark = [
     pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
     pytest.mark.mpi, pytest.mark.emulated, pytest.mark.slow,
+    pytest.mark.holds_hosts,  # the module's launcher: three emulated hosts
 ]
 
 

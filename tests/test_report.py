@@ -159,7 +159,8 @@ def test_bad_run_directory_is_one_line_exit_2_and_writes_nothing(tmp_path, capsy
 
 def test_report_command_end_to_end(cli, tmp_path):
     seq = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
-    done = cli("report", str(seq), "--output", str(tmp_path / "out"))
+    # Wide enough for the whole path in the table (a worker's temporary folder is long).
+    done = cli("report", str(seq), "--output", str(tmp_path / "out"), COLUMNS="400")
     assert done.returncode == 0, done.stderr
     assert "report.md" in done.stdout
     assert_png(tmp_path / "out" / "speedup.png")

@@ -447,6 +447,7 @@ def one_core_host(monkeypatch):
     monkeypatch.setattr(HostResources, "here", classmethod(lambda cls: cls(cores=1)))
 
 
+@pytest.mark.alone  # measures steps within a budget: another test beside it would change them
 @pytest.mark.slow
 def test_tune_host_measures_real_steps_into_a_profile():
     profile = tuner.tune_host(TINY, tiny_images(), budget=600, steps=1, rounds=2, second_look=1)
@@ -577,6 +578,7 @@ def test_auto_retunes_when_the_profile_cannot_be_used(tmp_path, one_core_host, d
 
 # --------------------------------------------------------------------------- CLI
 
+@pytest.mark.alone  # measures steps within a budget: another test beside it would change them
 @pytest.mark.slow
 def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     output = tmp_path / "out" / "here.json"
@@ -600,6 +602,7 @@ def test_tune_command_writes_a_valid_profile_and_shows_the_table(cli, tmp_path):
     assert f"{low:.3f}-{high:.3f}" in done.stdout
 
 
+@pytest.mark.alone  # measures steps within a budget: another test beside it would change them
 @pytest.mark.slow
 def test_tune_with_accumulate_measures_every_candidate_with_it(cli, tmp_path):
     """Also what a tune without --output writes: one file, in the profile directory
@@ -861,6 +864,7 @@ def fake_device(monkeypatch):
     STRATEGIES.update(saved)
 
 
+@pytest.mark.alone  # measures steps within a budget: another test beside it would change them
 @pytest.mark.slow
 def test_tune_host_measures_a_registered_fast_device_early_and_picks_it(fake_device):
     # A model of many operations and few parameters: the device's step is an optimizer update

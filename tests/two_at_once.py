@@ -1,0 +1,95 @@
+"""Two tests at once where that cannot change what they measure (a pytest plugin, loaded by
+conftest.py).
+
+The suite runs on pytest-xdist's workers (`-n 2 --dist loadfile`, setup.cfg): a module's
+tests go to one worker, in order. A test marked for what it starts (`root`, `mpi`,
+`emulated`, `slurm`, `gpu`) or marked `alone` (what it asserts depends on timings: the
+tuner's picks) runs alone: its timings, its emulated hosts' cores and its checks of what a
+run left on the machine (processes, namespaces, shared memory) see no other test. Other
+tests, `slow` ones too (a training run in a child process, its files and its numbers), run
+beside each other. A module marked `holds_hosts` keeps emulated
+hosts from its first test to its last, so it runs alone from its first test to its last.
+
+Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
+for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
+overtaken by a stream of others (a fair readers-writer lock). `-n 0` (or `-p no:xdist`)
+runs the tests one after another, as before, without any lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ALONE_MARKS = ("root", "mpi", "emulated", "slurm", "gpu", "alone")
+HOLDS_HOSTS = "holds_hosts"
+LOCKS_VARIABLE = "HYBRIDDL_TEST_LOCKS"  # the folder of the two locks, set by the controller
+
+
+def runs_alone(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(mark) for mark in ALONE_MARKS + (HOLDS_HOSTS,))
+
+
+class Turns:
+    """This worker's hold on the two locks."""
+
+    def __init__(self, folder: Path):
+        self._turnstile = open(folder / "turnstile", "a")
+        self._alone = open(folder / "alone", "a")
+        self.holding: bool | None = None  # None: nothing held; else whether exclusively
+
+    def take(self, alone: bool) -> None:
+        if self.holding == alone:
+            return
+        self.give_back()
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._alone, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        self.holding = alone
+
+    def give_back(self) -> None:
+        if self.holding is not None:
+            fcntl.flock(self._alone, fcntl.LOCK_UN)
+            self.holding = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller made the folder
+        folder = os.environ.get(LOCKS_VARIABLE)
+        if folder:
+            config._hybriddl_turns = Turns(Path(folder))
+    elif getattr(config.option, "numprocesses", None):  # the controller of workers
+        folder = tempfile.mkdtemp(prefix="hybriddl-test-locks-")
+        os.environ[LOCKS_VARIABLE] = folder
+        config._hybriddl_locks = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_hybriddl_locks", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(LOCKS_VARIABLE, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    turns: Turns | None = getattr(item.config, "_hybriddl_turns", None)
+    if turns is None:
+        yield
+        return
+    turns.take(runs_alone(item))
+    try:
+        yield
+    finally:
+        # A module that holds hosts keeps its turn until its last test's teardown.
+        keep = (item.get_closest_marker(HOLDS_HOSTS) is not None and nextitem is not None
+                and nextitem.path == item.path)
+        if not keep:
+            turns.give_back()
