@@ -1,0 +1,94 @@
+"""tests/two_at_once.py, the plugin that runs tests two at once: on two workers, tests
+beside each other do run at the same time, and a test marked `alone` runs with no other.
+
+A small suite in a temporary folder, run by pytest-xdist as the real one is: module a's first
+test and module b's first test wait for each other (they fail if they cannot run at once);
+then a's `alone` test runs while b goes on with short tests, none of which may overlap it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+CONFTEST = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+pytest_plugins = ["two_at_once"]
+"""
+INI = """[pytest]
+markers =
+    alone: runs alone
+"""
+COMMON = """
+import time
+from pathlib import Path
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def record(name, start, end):
+    with open(HERE / "log", "a") as log:
+        log.write(f"{name} {start} {end}\\n")
+
+
+def meet(mine, theirs):
+    (HERE / mine).touch()
+    deadline = time.monotonic() + 30
+    while not (HERE / theirs).exists():
+        assert time.monotonic() < deadline, f"{theirs} never ran beside {mine}"
+        time.sleep(0.01)
+"""
+MODULE_A = COMMON + """
+
+def test_a_meets_b():
+    start = time.monotonic()
+    meet("a", "b")
+    record("a_meets_b", start, time.monotonic())
+
+
+@pytest.mark.alone
+def test_alone():
+    start = time.monotonic()
+    time.sleep(0.3)
+    record("alone", start, time.monotonic())
+"""
+MODULE_B = COMMON + """
+
+def test_b_meets_a():
+    start = time.monotonic()
+    meet("b", "a")
+    record("b_meets_a", start, time.monotonic())
+
+
+@pytest.mark.parametrize("i", range(20))
+def test_short(i):
+    start = time.monotonic()
+    time.sleep(0.1)
+    record(f"short{i}", start, time.monotonic())
+"""
+
+
+def test_tests_run_beside_each_other_and_one_marked_alone_runs_alone(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text(INI)
+    (tmp_path / "test_a.py").write_text(MODULE_A)
+    (tmp_path / "test_b.py").write_text(MODULE_B)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile",
+                           "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "23 passed" in done.stdout, done.stdout[-3000:]
+    spans = {name: (float(start), float(end)) for name, start, end in
+             (line.split() for line in (tmp_path / "log").read_text().splitlines())}
+    alone_start, alone_end = spans.pop("alone")
+    overlapping = [name for name, (start, end) in spans.items()
+                   if start < alone_end and end > alone_start]
+    assert overlapping == []
+    # b's short tests ran before and after it: the test alone waited for one, not for all.
+    shorts = [spans[f"short{i}"] for i in range(20)]
+    assert any(end <= alone_start for _, end in shorts), spans
+    assert any(start >= alone_end for start, _ in shorts), spans
