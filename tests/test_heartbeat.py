@@ -59,6 +59,10 @@ KILLED_NAMED_WITHIN_SECONDS = 15  # its heartbeat connection closes with its pro
 
 
 # ---------------------------------------------------------------------- in one process
+# Beats every 0.1 s and silences of a second, read against the clock: with no other test
+# beside them (tests/two_at_once.py).
+timed = pytest.mark.alone
+
 class Ranks:
     """`count` Heartbeats in one process, each built on a thread of its own (as ranks
     build theirs at once), exchanging their addresses through a plain allgather."""
@@ -105,6 +109,7 @@ def freeze(beat: Heartbeat) -> None:
     beat._thread.join(timeout=5)
 
 
+@timed
 def test_the_heartbeat_needs_no_mpi_so_its_beats_never_wait_behind_bulk_data():
     """Open MPI sends a pair's messages on one TCP connection, one after another: beats
     sent through MPI waited behind a 31 s broadcast (issue 38). These have their own."""
@@ -122,6 +127,7 @@ def test_the_heartbeat_needs_no_mpi_so_its_beats_never_wait_behind_bulk_data():
         ranks.close()
 
 
+@timed
 def test_a_peer_whose_process_ended_is_named_at_once():
     ranks = Ranks(2, silence=30.0)
     try:
@@ -136,6 +142,7 @@ def test_a_peer_whose_process_ended_is_named_at_once():
         ranks.close()
 
 
+@timed
 def test_a_silent_peer_is_named_after_the_silence_and_not_before():
     ranks = Ranks(2, silence=1.0)
     try:
@@ -149,6 +156,7 @@ def test_a_silent_peer_is_named_after_the_silence_and_not_before():
         ranks.close()
 
 
+@timed
 def test_a_peer_that_said_goodbye_is_not_lost():
     """Hosts leave the final barrier at their own pace: one that finished first and
     closed its heartbeat must not read as lost to one still waiting."""
@@ -162,6 +170,7 @@ def test_a_peer_that_said_goodbye_is_not_lost():
         ranks.beats[0].close()
 
 
+@timed
 def test_a_peer_outside_the_exchange_is_behind_and_one_inside_an_earlier_one_is_not():
     ranks = Ranks(3)
     try:
@@ -178,6 +187,7 @@ def test_a_peer_outside_the_exchange_is_behind_and_one_inside_an_earlier_one_is_
         ranks.close()
 
 
+@timed
 def test_a_peer_whose_last_beat_is_old_is_not_behind_but_left_to_the_silence():
     """A host cut off between two exchanges: its last beat said "outside, fewer exchanges",
     but that is stale once no beat follows; it is named lost after the silence, not as a
