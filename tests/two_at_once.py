@@ -1,7 +1,7 @@
 """Two tests at once where that cannot change what they measure (a pytest plugin, loaded by
 conftest.py).
 
-The suite runs on pytest-xdist's workers (`-n 2 --dist loadfile`, README's test command): a
+`python -m pytest -q -n 2 --dist loadfile tests` runs the suite on pytest-xdist's workers: a
 module's tests go to one worker, in order. A test marked for what it starts (`root`, `mpi`,
 `emulated`, `slurm`, `gpu`) or marked `alone` (what it asserts depends on timings: the
 tuner's picks) runs alone: its timings, its emulated hosts' cores and its checks of what a
@@ -12,9 +12,8 @@ hosts from its first test to its last, so it runs alone from its first test to i
 
 Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
 for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
-overtaken by a stream of others (a fair readers-writer lock). Without `-n` (as the GPU
-check runs its tests, where pytest-xdist is not installed) the tests run one after another,
-without any lock.
+overtaken by a stream of others (a fair readers-writer lock). Without `-n` (README's test
+command, CI's and the GPU check's) the tests run one after another, without any lock.
 """
 
 from __future__ import annotations
