@@ -317,6 +317,10 @@ def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch,
         assert argv[argv.index("--result-dir") + 1] == str(tmp_path / name)
 
 
+# A gloo group in this process on a loopback port: on two workers (tests/two_at_once.py) the
+# worker that had just run it aborted once (SIGABRT in a native thread, no Python frame), so
+# it runs with no other test beside it there.
+@pytest.mark.alone
 def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     """torch's powerSGD_hook, counted: two vanilla allreduces of the whole gradient (the least
     start_powerSGD_iter torch allows), then its factors and small tensors only."""
