@@ -3,7 +3,8 @@ beside each other do run at the same time, and a test marked `alone` runs with n
 
 A small suite in a temporary folder, run by pytest-xdist as the real one is: module a's first
 test and module b's first test wait for each other (they fail if they cannot run at once);
-then a's `alone` test runs while b goes on with short tests, none of which may overlap it."""
+then, once b's first short test has ended, a's `alone` test runs while b goes on with short
+tests, none of which may overlap it."""
 
 from __future__ import annotations
 
@@ -50,13 +51,20 @@ def test_a_meets_b():
     record("a_meets_b", start, time.monotonic())
 
 
+def test_a_waits_for_bs_first_short_test():
+    start = time.monotonic()
+    meet("a_waits", "short0")
+    record("a_waits", start, time.monotonic())
+
+
 @pytest.mark.alone
 def test_alone():
     start = time.monotonic()
     time.sleep(0.3)
     record("alone", start, time.monotonic())
 """
-MODULE_B = COMMON + """
+SHORTS = 40
+MODULE_B = COMMON + f"\nSHORTS = {SHORTS}\n" + """
 
 def test_b_meets_a():
     start = time.monotonic()
@@ -64,11 +72,12 @@ def test_b_meets_a():
     record("b_meets_a", start, time.monotonic())
 
 
-@pytest.mark.parametrize("i", range(20))
+@pytest.mark.parametrize("i", range(SHORTS))
 def test_short(i):
     start = time.monotonic()
     time.sleep(0.1)
     record(f"short{i}", start, time.monotonic())
+    (HERE / f"short{i}").touch()
 """
 
 
@@ -81,14 +90,15 @@ def test_tests_run_beside_each_other_and_one_marked_alone_runs_alone(tmp_path):
                            "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "23 passed" in done.stdout, done.stdout[-3000:]
+    assert f"{SHORTS + 4} passed" in done.stdout, done.stdout[-3000:]
     spans = {name: (float(start), float(end)) for name, start, end in
              (line.split() for line in (tmp_path / "log").read_text().splitlines())}
     alone_start, alone_end = spans.pop("alone")
     overlapping = [name for name, (start, end) in spans.items()
                    if start < alone_end and end > alone_start]
     assert overlapping == []
-    # b's short tests ran before and after it: the test alone waited for one, not for all.
-    shorts = [spans[f"short{i}"] for i in range(20)]
+    # b's short tests ran before and after it (a asked to run alone once b's first had
+    # ended): the test alone waited for the one under way, not for all of them.
+    shorts = [spans[f"short{i}"] for i in range(SHORTS)]
     assert any(end <= alone_start for _, end in shorts), spans
     assert any(start >= alone_end for start, _ in shorts), spans
