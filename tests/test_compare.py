@@ -5,6 +5,7 @@ assertion about it reads that one run. The hybrid's local strategy is
 threads there: the bytes on the NIC do not depend on it, and worker processes would add
 interpreter starts to every run."""
 
+import gc
 import json
 import os
 import shutil
@@ -318,8 +319,9 @@ def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch,
 
 
 # A gloo group in this process on a loopback port: on two workers (tests/two_at_once.py) the
-# worker that had just run it aborted once (SIGABRT in a native thread, no Python frame), so
-# it runs with no other test beside it there.
+# worker that had just run it aborted once (SIGABRT in a native thread, no Python frame, in
+# the next test's teardown; DDP's reducer, still alive then, is the suspect), so it runs with
+# no other test beside it there, and frees what holds the group before destroying it.
 @pytest.mark.alone
 def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     """torch's powerSGD_hook, counted: two vanilla allreduces of the whole gradient (the least
@@ -348,6 +350,10 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
             before = counter.bytes_sent
             ddp(torch.randn(4, 3, 8, 8)).sum().backward()
             sent.append(counter.bytes_sent - before)
+        # DDP's reducer and the hook's state hold the group: freed here, before the group is
+        # destroyed, not by a later test's garbage collection after it.
+        del ddp, counter
+        gc.collect()
     whole = gradient_bytes(model)
     assert sent[:2] == [whole, whole]
     assert sent[2] == sent[3] == payload_bytes(model, hook) < whole / 4

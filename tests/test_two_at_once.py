@@ -102,3 +102,26 @@ def test_tests_run_beside_each_other_and_one_marked_alone_runs_alone(tmp_path):
     shorts = [spans[f"short{i}"] for i in range(SHORTS)]
     assert any(end <= alone_start for _, end in shorts), spans
     assert any(start >= alone_end for start, _ in shorts), spans
+
+
+def test_on_two_workers_the_modules_with_no_test_alone_come_first(tmp_path):
+    """A module's tests keep their order; a module with any test alone goes after those with
+    none, and one after another (no worker's locks) nothing moves."""
+    from types import SimpleNamespace
+
+    import two_at_once
+
+    def item(module, *marks):
+        return SimpleNamespace(path=tmp_path / module, name=f"{module}{len(marks)}",
+                               get_closest_marker=lambda mark: mark if mark in marks else None)
+
+    items = [item("a", "mpi"), item("a"), item("b"), item("c", "alone"), item("d"), item("d")]
+    names = [(i.path.name, i.name) for i in items]
+    worker = SimpleNamespace(_hybriddl_turns=object())
+    sorted_items = list(items)
+    two_at_once.pytest_collection_modifyitems(worker, sorted_items)
+    assert [i.path.name for i in sorted_items] == ["b", "d", "d", "a", "a", "c"]
+    assert [i.name for i in sorted_items if i.path.name == "a"] == ["a1", "a0"]
+    same = list(items)
+    two_at_once.pytest_collection_modifyitems(SimpleNamespace(), same)
+    assert [(i.path.name, i.name) for i in same] == names

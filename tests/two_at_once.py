@@ -9,6 +9,8 @@ run left on the machine (processes, namespaces, shared memory) see no other test
 tests, `slow` ones too (a training run in a child process, its files and its numbers), run
 beside each other. A module marked `holds_hosts` keeps emulated
 hosts from its first test to its last, so it runs alone from its first test to its last.
+Modules with no test alone come first: both workers are busy with them at once, before the
+tests alone, which leave one worker waiting, begin.
 
 Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
 for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
@@ -76,6 +78,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop(LOCKS_VARIABLE, None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config, "_hybriddl_turns", None) is None:
+        return  # one after another: the order as written
+    with_alone = {item.path for item in items if runs_alone(item)}
+    items.sort(key=lambda item: item.path in with_alone)  # stable: each module in its order
 
 
 @pytest.hookimpl(hookwrapper=True)
