@@ -9,8 +9,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from hybriddl.strategies import StrategySpec
-from hybriddl.tuning.tuner import TuneObserver, bf16_gain
+from hybriddl.tuning.observer import TuneObserver
 
 console = Console(stderr=True, emoji=False)  # user input like "powersgd:two" is not an emoji code
 out = Console(emoji=False)
@@ -165,6 +164,8 @@ class TrainDisplay:
         if self.enabled and info.get("weights"):
             show_start_weights(info["weights"])
         if self.enabled:
+            from hybriddl.strategies import StrategySpec  # here: every command imports display
+
             strategy = StrategySpec.from_dict(info["strategy"]).label
             console.print(f"[bold]{info['usecase']}[/]: {info['model']} on {info['data']['source']} "
                           f"({info['data']['train_images']} train / {info['data']['val_images']} val "
@@ -301,6 +302,8 @@ def show_pick(profile, output) -> None:
     pick = profile.pick_result
     speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
     out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
+    from hybriddl.tuning.tuner import bf16_gain  # here: every command imports display
+
     gain = bf16_gain(profile)
     if gain:
         out.print(gain, markup=False, highlight=False, soft_wrap=True)

@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-import torch
-
 from hybriddl.errors import StorageError
 
 # A write in progress lives beside its target under this name; only a kill can leave one.
@@ -69,6 +67,8 @@ def atomic_torch_save(path: Path, obj) -> None:
     # Straight into the file: a BytesIO first would hold a second copy of a 1 GB checkpoint.
     # A file object rather than a name: through Python's file the OSError (ENOSPC, EROFS)
     # survives as the context of torch's error; torch's own file writer loses it.
+    import torch  # here, not above: the commands that only start processes never load torch
+
     write_atomically(path, lambda handle: torch.save(obj, handle))
 
 

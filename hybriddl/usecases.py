@@ -1,15 +1,17 @@
-"""The paper's use cases as data, and the torchvision models they name."""
+"""The paper's use cases as data, and the torchvision models they name.
+
+The use cases are read by every command, emulate and launch too, which only start processes:
+torch and torchvision are imported where a model is built or run, not above."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torchvision
-from torch import nn
-
-from hybriddl.dropout import key_dropout
 from hybriddl.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # ImageNet statistics, as in the paper's preprocessing.
 RGB_MEAN = (0.485, 0.456, 0.406)
@@ -84,11 +86,17 @@ def use_case_workload(usecase: str, model: str | None, image_size: int | None,
 
 
 def classifier_names() -> list[str]:
+    import torchvision
+
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
 def build_model(name: str, num_classes: int, dropout: float | None = None) -> nn.Module:
     """A freshly initialised torchvision classifier (no pretrained weights: no network)."""
+    import torchvision
+
+    from hybriddl.dropout import key_dropout
+
     if name not in classifier_names():
         raise UsageError(
             f"unknown model {name!r}: use a torchvision classifier name such as vgg16, "
@@ -114,6 +122,8 @@ def check_image_size(model: nn.Module, image_size: int, num_classes: int) -> Non
     """Fail early, with advice, when the model cannot take images this small."""
     if image_size < 1:
         raise UsageError(f"--image-size {image_size} must be a positive number of pixels")
+    import torch
+
     was_training = model.training
     model.eval()
     try:

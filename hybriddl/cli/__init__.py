@@ -7,9 +7,10 @@ several commands share are defined once, in `flags.py`.
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 
 from hybriddl import __version__
-from hybriddl.cli import compare, emulate, evaluate, info, launch, predict, report, train, tune
 from hybriddl.cli.allocator import add_flag as add_allocator_flag, run_on_chosen_allocator
 from hybriddl.display import console, show_error
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
@@ -22,24 +23,41 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# In the order `hybriddl --help` lists them.
-COMMANDS = (train, compare, tune, report, info, emulate, evaluate, predict, launch)
+# The modules of cli/, one per command, in the order `hybriddl --help` lists them.
+COMMANDS = ("train", "compare", "tune", "report", "info", "emulate", "evaluate", "predict", "launch")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with `command`, only that command's parser: its module alone is
+    imported, so that emulate and launch, which only start processes, start in a fraction
+    of a second without loading torch."""
     parser = OneLineErrorParser(prog="hybriddl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hybriddl {__version__}")
     add_allocator_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
-    for command in COMMANDS:
-        command.add_parser(commands)
+    for name in COMMANDS if command is None else (command,):
+        importlib.import_module(f"hybriddl.cli.{name}").add_parser(commands)
     return parser
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The command `argv` runs, read past the options before it; None where it names none
+    (`--help`, `--version`, a typo), which the whole parser then answers."""
+    words = iter(argv)
+    for word in words:
+        if word in COMMANDS:
+            return word
+        if word == "--allocator":
+            next(words, None)
+        elif not word.startswith("-"):
+            return None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     """The console script. Run as one (`argv` None) it first settles the allocator and,
     where needed, starts again on it; called with `argv` it runs in this process as it is."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(command_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     try:
         if argv is None:
             run_on_chosen_allocator(args)

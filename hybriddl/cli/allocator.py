@@ -9,7 +9,6 @@ import sys
 
 from hybriddl.display import console
 from hybriddl.machine import allocator
-from hybriddl.tuning.allocators import describe_probe, time_allocators
 
 
 def add_flag(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +23,7 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
 def run_on_chosen_allocator(args: argparse.Namespace) -> None:
     """Settle the allocator; when this process does not run on it, replace this process
     with the same command line on it (os.execve: this call does not return then)."""
-    choice = allocator.settle(allocator.requested_allocator(args.allocator), time_allocators,
+    choice = allocator.settle(allocator.requested_allocator(args.allocator), _time_allocators,
                               on_measuring=_announce)
     again = choice.needs_reexecution()
     for note in choice.notes:
@@ -36,7 +35,17 @@ def run_on_chosen_allocator(args: argparse.Namespace) -> None:
                   allocator.preload_environment(choice.name))
 
 
+def _time_allocators(*args, **kwargs):
+    # Imported when a measurement is due: the probe's strategy loads torch, which a command
+    # that only starts processes (emulate, launch) never needs.
+    from hybriddl.tuning.allocators import time_allocators
+
+    return time_allocators(*args, **kwargs)
+
+
 def _announce(names: list[str], path) -> None:
+    from hybriddl.tuning.allocators import describe_probe
+
     console.print(f"hybriddl: allocator auto: timing {', '.join(names)} on this host, once "
                   f"({describe_probe()}, about a minute); kept in {path}",
                   markup=False, highlight=False, soft_wrap=True)

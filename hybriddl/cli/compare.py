@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from hybriddl.cli.flags import (add_data_flags, add_fp16_flag, add_link_flags, add_measure_flags,
-                                add_workload_flags, default_of)
+from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags, default_of
 from hybriddl.cli.settings import compare_config
+from hybriddl.cli.workload_flags import add_link_flags, add_workload_flags
 from hybriddl.compare.settings import CONTENDERS, KNOWN, CompareConfig, MeasureSettings
 from hybriddl.display import TrainDisplay, comparison_table, console, out
 from hybriddl.strategies import STRATEGIES, Flat

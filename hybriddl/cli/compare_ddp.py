@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags, add_workload_flags
+from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags
 from hybriddl.cli.settings import measure_settings
+from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.compare.settings import MeasureSettings
 
 

@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybriddl.cli.flags import (add_data_flags, add_hosts_flags, add_measure_flags,
-                                add_strategy_flags, add_workload_flags)
+from hybriddl.cli.flags import add_data_flags, add_hosts_flags, add_measure_flags, add_strategy_flags
 from hybriddl.cli.settings import hosts_options, measure_settings, typed_strategy_options
+from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.compare.settings import MeasureSettings
 from hybriddl.display import show_host_failure
 

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from hybriddl.cli.flags import add_link_flags, add_mca_flag, add_workload_flags
+from hybriddl.cli.workload_flags import add_link_flags, add_mca_flag, add_workload_flags
 from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_cores_per_host,
                                       duration_seconds, quota_of)
 from hybriddl.errors import UsageError

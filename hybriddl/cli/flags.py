@@ -1,5 +1,6 @@
-"""The flags several commands share, each group defined once: the workload, the data, the
-local strategy and its numerics, the hosts, the timed steps, tuning, the emulated links.
+"""The flags several commands share, each group defined once: the data, the local strategy
+and its numerics, the hosts, the timed steps, tuning (the workload, the emulated links and
+Open MPI's parameters: workload_flags.py).
 
 A flag's default lives with what it configures (the use case, the tuner, the fusion
 buffers, a settings dataclass); the help text quotes it from there. Flags whose default is
@@ -21,7 +22,6 @@ from hybriddl.hybrid.planner import FEATURE_DTYPES
 from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
 from hybriddl.tuning import tuner
-from hybriddl.usecases import DEFAULT_USECASE, USECASES, get_usecase
 
 
 def default_of(settings: type, name: str):
@@ -33,20 +33,6 @@ def default_of(settings: type, name: str):
 def with_workers() -> str:
     """The strategies that have local workers (`--workers`), from the registry."""
     return ", ".join(name for name, cls in STRATEGIES.items() if issubclass(cls, CoreWorkersStrategy))
-
-
-def add_workload_flags(parser: argparse.ArgumentParser, *, batch: str,
-                       typed_only: bool = False) -> None:
-    """--usecase, --model, --image-size, --batch-size: what every command trains or times.
-    `batch` says whose batch --batch-size is; with `typed_only` --usecase is None unless
-    typed (train's --resume takes the checkpoint's then)."""
-    case = get_usecase(DEFAULT_USECASE)
-    parser.add_argument("--usecase", default=None if typed_only else DEFAULT_USECASE,
-                        help=f"one of {', '.join(USECASES)} (default: {DEFAULT_USECASE})")
-    parser.add_argument("--model", help="any torchvision classifier name (default: the use case's)")
-    parser.add_argument("--image-size", type=int,
-                        help=f"pixels per side (default: the use case's, {case.image_size})")
-    parser.add_argument("--batch-size", type=int, help=f"{batch} (default: the use case's)")
 
 
 def add_data_flags(parser: argparse.ArgumentParser, *, cache: bool = True) -> None:
@@ -187,16 +173,3 @@ def add_tuning_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_profile_dir_flag(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--profile-dir", help=f"{what} (default: $HYBRIDDL_PROFILES or ./profiles)")
-
-
-def add_link_flags(parser: argparse.ArgumentParser) -> None:
-    """--bandwidth and --latency: every emulated host's link (emulate, compare)."""
-    parser.add_argument("--bandwidth", help="every host's link rate in both directions, tc units "
-                        "(e.g. 1gbit, 100mbit; default: unlimited)")
-    parser.add_argument("--latency", help="every link's one-way delay, tc units (e.g. 0.1ms; "
-                        "needs the kernel's netem)")
-
-
-def add_mca_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mca", nargs=2, action="append", metavar=("KEY", "VALUE"),
-                        help="extra Open MPI parameter for mpirun (repeatable)")

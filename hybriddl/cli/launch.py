@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from hybriddl.cli.flags import add_mca_flag
+from hybriddl.cli.workload_flags import add_mca_flag
 from hybriddl.errors import UsageError
 
 # The training's flags that name its run directory: the launcher owns that choice, since

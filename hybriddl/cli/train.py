@@ -6,8 +6,9 @@ import argparse
 
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_flags,
                                 add_numerics_flags, add_profile_dir_flag, add_seed_flag,
-                                add_strategy_flags, add_workload_flags, default_of)
+                                add_strategy_flags, default_of)
 from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
+from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
 from hybriddl.errors import TrainingInterrupted, UsageError
 from hybriddl.run.settings import TrainConfig

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_numerics_flags,
-                                add_profile_dir_flag, add_tuning_flags, add_workload_flags)
+                                add_profile_dir_flag, add_tuning_flags)
+from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.display import TrainDisplay, TuneDisplay, show_pick
 from hybriddl.errors import UsageError
 from hybriddl.tuning.tuner import tune_settings

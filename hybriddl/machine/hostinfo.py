@@ -7,8 +7,6 @@ import os
 import platform
 
 import psutil
-import torch
-import torchvision
 
 from hybriddl import __version__
 from hybriddl.machine.naming import host_name
@@ -34,6 +32,8 @@ def cpu_model() -> str:
 
 
 def gpus() -> list[dict]:
+    import torch  # here, not above: the commands that only start processes never load torch
+
     if not torch.cuda.is_available():
         return []
     return [{"index": i, "name": torch.cuda.get_device_name(i),
@@ -42,6 +42,9 @@ def gpus() -> list[dict]:
 
 
 def host_info() -> dict:
+    import torch
+    import torchvision
+
     memory = psutil.virtual_memory()
     return {
         "host": host_name(),

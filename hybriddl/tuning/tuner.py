@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
+from hybriddl.tuning.observer import TuneObserver
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
@@ -150,18 +151,6 @@ def duplicate_step(spec: StrategySpec, gpus: list[str]) -> bool:
     if spec.name == Pipeline.name:
         return spec.micro_batches == 1 and len(set(spec.devices or ())) == 1
     return False
-
-
-class TuneObserver:
-    """What the tuner reports while it measures; the CLI draws a progress bar from it."""
-
-    def on_tune_start(self, candidates: list[StrategySpec], reason: str | None) -> None: ...
-    # Before each interleaved round: its number (from 1), how many candidates it visits,
-    # and whether it is the second look at the two fastest.
-    def on_round_start(self, number: int, visits: int, second_look: bool) -> None: ...
-    def on_candidate_start(self, index: int, choice: StrategySpec, share_seconds: float) -> None: ...
-    def on_candidate_step(self, index: int, step: int, seconds: float) -> None: ...
-    def on_candidate_end(self, index: int, result: CandidateResult) -> None: ...
 
 
 def candidate_kind(choice: StrategySpec) -> str:
