@@ -35,6 +35,7 @@ def test_the_command_is_read_past_the_options_before_it():
     assert command_named(["--allocator", "glibc", "train", "--epochs", "1"]) == "train"
     assert command_named(["--allocator=glibc", "emulate", "--hosts", "2"]) == "emulate"
     assert command_named(["--version"]) is None and command_named([]) is None
+    assert command_named(["-h", "train"]) is None  # the help lists every command
     assert command_named(["trian", "train"]) is None  # the whole parser names the typo
 
 

@@ -49,7 +49,7 @@ def command_named(argv: list[str]) -> str | None:
             return word
         if word == "--allocator":
             next(words, None)
-        elif not word.startswith("-"):
+        elif word in ("-h", "--help", "--version") or not word.startswith("-"):
             return None
     return None
 
