@@ -42,7 +42,9 @@ def test_readme_is_short_and_starts_with_the_two_set_up_commands():
     assert len(text.splitlines()) <= 250
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     assert "hybriddl train --usecase ComplexSmall" in blocks[0]
-    assert "python -m pytest -q tests" in blocks[1]
+    ci_command = next(line for line in (REPO / ".ci" / "run").read_text().splitlines()
+                      if "pytest" in line and not line.startswith("#"))
+    assert ci_command in blocks[1] and "python -m pytest -q -n 2 --dist loadfile tests" in ci_command
 
 
 def test_docs_links_point_at_files_that_exist():
