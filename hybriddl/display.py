@@ -298,12 +298,12 @@ def host_table(info: dict) -> Table:
 
 
 def show_pick(profile, output) -> None:
+    from hybriddl.tuning.tuner import bf16_gain  # here: every command imports display
+
     out.print(tune_table(profile))
     pick = profile.pick_result
     speedup = f", {pick.speedup:.2f}x sequential on one core" if pick.speedup is not None else ""
     out.print(f"pick: [bold]{pick.choice.label}[/]{speedup}; profile written to {output}")
-    from hybriddl.tuning.tuner import bf16_gain  # here: every command imports display
-
     gain = bf16_gain(profile)
     if gain:
         out.print(gain, markup=False, highlight=False, soft_wrap=True)
