@@ -3,8 +3,8 @@ conftest.py).
 
 `python -m pytest -q -n 2 --dist loadfile tests` runs the suite on pytest-xdist's workers: a
 module's tests go to one worker, in order. A test marked for what it starts (`root`, `mpi`,
-`emulated`, `slurm`, `gpu`) or marked `alone` (what it asserts depends on timings: the
-tuner's picks) runs alone: its timings, its emulated hosts' cores and its checks of what a
+`emulated`, `slurm`, `gpu`) or marked `alone` (what it asserts depends on timings, as the
+tuner's picks do, or it holds a gloo group in the worker's process) runs alone: its timings, its emulated hosts' cores and its checks of what a
 run left on the machine (processes, namespaces, shared memory) see no other test. Other
 tests, `slow` ones too (a training run in a child process, its files and its numbers), run
 beside each other. A module marked `holds_hosts` keeps emulated
@@ -14,8 +14,9 @@ tests alone, which leave one worker waiting, begin.
 
 Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
 for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
-overtaken by a stream of others (a fair readers-writer lock). Without `-n` (README's test
-command, CI's and the GPU check's) the tests run one after another, without any lock.
+overtaken by a stream of others (a fair readers-writer lock). README's and CI's test
+command runs on two workers; without `-n` (the GPU check's pytest, which has no xdist) the
+tests run one after another, in the order written, without any lock.
 """
 
 from __future__ import annotations
