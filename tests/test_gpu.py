@@ -107,9 +107,9 @@ class OneRankComm:
         self._seen(send, receive[0])
         receive[0].reshape(-1)[:send.size] = send.reshape(-1)
 
-    def Ireduce_scatter(self, send, receive, counts, op):
-        self._seen(send, receive)
-        receive.reshape(-1)[:] = send.reshape(-1)[:counts[0]]
+    def Ialltoallv(self, send, receive):  # one rank: it sends itself nothing
+        self._seen(send[0], receive[0])
+        assert send[1] == [0] and receive[1] == [0]  # counts
 
     def Iallreduce(self, send, receive, op):
         self._seen(send, receive)

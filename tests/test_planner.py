@@ -88,9 +88,9 @@ def test_a_step_is_compute_plus_wire_plus_latency_rounds_plus_compression(alexne
     assert data.step_seconds == pytest.approx(1.0 + 228_064_524 / GIGABIT + 2 * 1e-3)
     assert data.images_per_second == pytest.approx(32 / data.step_seconds)
     hybrid = predict(Scheme("hybrid"), alexnet, 3, 32, 1.0, link, chunks=2)
-    # The convolutions' allreduce, then per chunk a gather and a reduce-scatter (H-1 each)
-    # and the row sum (2(H-1)).
-    assert hybrid.latency_seconds == pytest.approx((4 + 2 * (2 + 2 + 4)) * 1e-3)
+    # The convolutions' allreduce, then per chunk a gather (H-1), the reduce-scatter (one
+    # alltoallv) and the row sum (2(H-1)).
+    assert hybrid.latency_seconds == pytest.approx((4 + 2 * (2 + 1 + 4)) * 1e-3)
     fp16 = predict(Scheme("data", "fp16"), alexnet, 2, 32, 1.0, link, COSTS)
     n = ALEXNET_PARAMETERS
     assert fp16.compression_seconds == pytest.approx(2 * n * 1e-9 + n / 2 * 2e-9)
@@ -297,6 +297,52 @@ def test_bfloat16_features_send_half_the_bytes_within_bfloat16_rounding(tmp_path
         # The gathered features: within one bfloat16 rounding of the exact ones.
         whole, exact_whole = torch.tensor(half["whole"]), torch.tensor(exact["whole"])
         assert torch.allclose(whole, exact_whole, rtol=2**-8, atol=0)
+
+
+# What each of three ranks runs: the reduce-scatter of rows (the split's features'
+# gradient), with shares of 2, 0 and 3 rows, in float32 and bfloat16, blocking and started.
+REDUCE_SCATTER_SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from hybriddl.hosts.cluster import connect
+
+    hosts = connect()
+    counts = [2, 0, 3]
+    first = sum(counts[:hosts.rank])
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        every = [torch.randn(5, 7, generator=torch.Generator().manual_seed(h)).to(dtype)
+                 for h in range(3)]
+        want = every[0][first:first + counts[hosts.rank]].clone()
+        for h in (1, 2):  # in rank order, in the dtype
+            want.add_(every[h][first:first + counts[hosts.rank]])
+        blocking = hosts.reduce_scatter_rows(every[hosts.rank], counts)
+        started = hosts.start_reduce_scatter_rows(every[hosts.rank], counts).result()
+        result[str(dtype)] = [list(blocking.shape), blocking.dtype == dtype,
+                              torch.equal(blocking, want), torch.equal(started, want)]
+    print("RESULT", hosts.rank, json.dumps(result))
+    hosts.close()
+""")
+
+
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+@pytest.mark.mpi
+def test_the_features_gradient_is_each_hosts_rows_summed_in_rank_order(tmp_path):
+    """The reduce-scatter of the split's rows (an alltoallv, then each host's own sum, not
+    libnbc's tree): every host gets its rows' sum over hosts, bit for bit the sum in rank
+    order, in float32 and in bfloat16, a host with no rows an empty tensor."""
+    script = tmp_path / "reduce_scatter.py"
+    script.write_text(REDUCE_SCATTER_SCRIPT)
+    done = subprocess.run([str(MPIRUN), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
+                           "btl_tcp_if_include", "lo", "-np", "3", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
+               for line in done.stdout.splitlines() if line.startswith("RESULT")}
+    assert sorted(results) == [0, 1, 2]
+    for rank, result in results.items():
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            assert result[dtype] == [[(2, 0, 3)[rank], 7], True, True, True], (rank, dtype)
 
 
 def test_a_resume_under_auto_continues_the_compression_its_hosts_settled():

@@ -10,7 +10,8 @@ scheme's step:
                                                      (H-1)/H of an allgather's or reduce-scatter's)
          + latency x rounds of the exchanges a step waits for one after another
                                                     (a ring allreduce 2(H-1) rounds,
-                                                     an allgather or reduce-scatter H-1)
+                                                     an allgather H-1, the split's
+                                                     reduce-scatter, an alltoallv, 1)
          + compression's own compute (casts, 2-byte sums, PowerSGD's products), this host's
          - overlap: hybrid's, and with --overlap PowerSGD's first phase (the classifier's
            factors, sent during backward), at most OVERLAP_SHARE of the compute.
@@ -386,7 +387,7 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
         # gradients where they leave during backward (an exact compression).
         overlappable = ring * rows * size + (nic_gradients if gradients.exact else overlappable)
         nic += sum(2 * ring * global_batch * out * 4 for out in shapes.row_outputs)
-        rounds += chunks * ((hosts - 1) * 2 + 2 * (hosts - 1) * len(shapes.row_outputs))
+        rounds += chunks * (hosts + 2 * (hosts - 1) * len(shapes.row_outputs))
         if costs is not None and size < 4:
             # Each host's rows and the gradient's part cast down, the whole batch's cast
             # back up (both ways), and the reduce-scatter's additions in 2 bytes.
