@@ -84,6 +84,24 @@ def bench(tmp_path: Path, *args: str) -> dict:
     return json.loads(output.read_text())["results"][0]
 
 
+def test_the_rows_exchange_bench_times_both_reduce_scatters_on_the_same_tensor(tmp_path):
+    """scripts/bench_rows_exchange.py: libnbc's reduce-scatter and hybriddl's, interleaved,
+    float32 and bfloat16, on emulated hosts; its worker fails where the two disagree."""
+    output = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_rows_exchange.py"),
+                           "--hosts", "2", "--speedup", "1", "--rounds", "2", "--rows-per-host",
+                           "3", "--width", "64", "--output", str(output)],
+                          capture_output=True, text=True, timeout=300, env=hybriddl_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(output.read_text())
+    assert result["cpu_model"] and result["command"].startswith("python scripts/bench_rows")
+    assert [(r["hosts"], r["dtype"]) for r in result["rows"]] == [(2, "float32"), (2, "bfloat16")]
+    for row in result["rows"]:
+        assert row["tensor_bytes"] == 2 * 3 * 64 * (4 if row["dtype"] == "float32" else 2)
+        assert 0 < row["libnbc_seconds"]["min"] <= row["libnbc_seconds"]["median"]
+        assert 0 < row["hybriddl_seconds"]["min"] <= row["hybriddl_seconds"]["median"]
+
+
 def test_two_emulated_hosts_train_what_one_sequential_process_trains(tmp_path):
     train = ["train", "--usecase", "SimpleBig", "--image-size", "64", "--max-steps", "3",
              "--strategy", "sequential", "--dropout", "0", "--host-parallel", "data"]
