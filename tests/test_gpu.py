@@ -109,7 +109,7 @@ class OneRankComm:
 
     def Ialltoallv(self, send, receive):  # one rank: it sends itself nothing
         self._seen(send[0], receive[0])
-        assert send[1] == [0] and receive[1] == [0]  # counts
+        assert send[1][0] == [0] and receive[1][0] == [0]  # (counts, displacements)
 
     def Iallreduce(self, send, receive, op):
         self._seen(send, receive)
