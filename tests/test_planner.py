@@ -239,6 +239,22 @@ def test_an_unknown_feature_dtype_is_refused_in_one_line():
         TrainConfig(feature_dtype="float16").resolved()
 
 
+def run_ranks(program: str, ranks: int, tmp_path) -> dict[int, dict]:
+    """`program` on `ranks` ranks under mpirun over loopback TCP: each rank's "RESULT rank
+    JSON" line, by rank (every rank must print one)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(program)
+    done = subprocess.run([str(MPIRUN), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
+                           "btl_tcp_if_include", "lo", "-np", str(ranks), sys.executable,
+                           str(script)],
+                          capture_output=True, text=True, timeout=120, env=hybriddl_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
+               for line in done.stdout.splitlines() if line.startswith("RESULT")}
+    assert sorted(results) == list(range(ranks))
+    return results
+
+
 # What each of two ranks runs: its rows through GatherRows exact and in bfloat16, the
 # classifier's slices standing in as a weight per rank; its gradient, the bytes it sent.
 GATHER_SCRIPT = textwrap.dedent("""
@@ -272,15 +288,7 @@ GATHER_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
 @pytest.mark.mpi
 def test_bfloat16_features_send_half_the_bytes_within_bfloat16_rounding(tmp_path):
-    script = tmp_path / "gather.py"
-    script.write_text(GATHER_SCRIPT)
-    done = subprocess.run([str(MPIRUN), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
-                           "btl_tcp_if_include", "lo", "-np", "2", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120, env=hybriddl_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
-               for line in done.stdout.splitlines() if line.startswith("RESULT")}
-    assert sorted(results) == [0, 1]
+    results = run_ranks(GATHER_SCRIPT, 2, tmp_path)
     for rank, result in results.items():
         rows = (3, 2)[rank]
         exact, half = result["exact"], result["bfloat16"]
@@ -331,15 +339,7 @@ def test_the_features_gradient_is_each_hosts_rows_summed_in_rank_order(tmp_path)
     """The reduce-scatter of the split's rows (an alltoallv, then each host's own sum, not
     libnbc's tree): every host gets its rows' sum over hosts, bit for bit the sum in rank
     order, in float32 and in bfloat16, a host with no rows an empty tensor."""
-    script = tmp_path / "reduce_scatter.py"
-    script.write_text(REDUCE_SCATTER_SCRIPT)
-    done = subprocess.run([str(MPIRUN), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
-                           "btl_tcp_if_include", "lo", "-np", "3", sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=120, env=hybriddl_env())
-    assert done.returncode == 0, done.stdout + done.stderr
-    results = {int(line.split()[1]): json.loads(line.split(maxsplit=2)[2])
-               for line in done.stdout.splitlines() if line.startswith("RESULT")}
-    assert sorted(results) == [0, 1, 2]
+    results = run_ranks(REDUCE_SCATTER_SCRIPT, 3, tmp_path)
     for rank, result in results.items():
         for dtype in ("torch.float32", "torch.bfloat16"):
             assert result[dtype] == [[(2, 0, 3)[rank], 7], True, True, True], (rank, dtype)
