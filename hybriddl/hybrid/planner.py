@@ -387,7 +387,9 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
         # gradients where they leave during backward (an exact compression).
         overlappable = ring * rows * size + (nic_gradients if gradients.exact else overlappable)
         nic += sum(2 * ring * global_batch * out * 4 for out in shapes.row_outputs)
-        rounds += chunks * (hosts + 2 * (hosts - 1) * len(shapes.row_outputs))
+        # Per chunk: the gather (H-1 rounds), the reduce-scatter (one alltoallv) and each
+        # row-parallel layer's allreduce (2(H-1)).
+        rounds += chunks * ((hosts - 1) + 1 + 2 * (hosts - 1) * len(shapes.row_outputs))
         if costs is not None and size < 4:
             # Each host's rows and the gradient's part cast down, the whole batch's cast
             # back up (both ways), and the reduce-scatter's additions in 2 bytes.
