@@ -113,7 +113,7 @@ def test_on_two_workers_the_modules_with_no_test_alone_come_first(tmp_path):
 
     def item(module, *marks):
         return SimpleNamespace(path=tmp_path / module, name=f"{module}{len(marks)}",
-                               get_closest_marker=lambda mark: mark if mark in marks else None)
+                               nodeid=f"{module}::{len(marks)}", get_closest_marker=lambda mark: mark if mark in marks else None)
 
     items = [item("a", "mpi"), item("a"), item("b"), item("c", "alone"), item("d"), item("d")]
     names = [(i.path.name, i.name) for i in items]
@@ -125,3 +125,20 @@ def test_on_two_workers_the_modules_with_no_test_alone_come_first(tmp_path):
     same = list(items)
     two_at_once.pytest_collection_modifyitems(SimpleNamespace(), same)
     assert [(i.path.name, i.name) for i in same] == names
+
+
+def test_a_module_that_holds_hosts_runs_alone_from_its_first_test_alone_to_its_last(tmp_path):
+    """Its fixture makes the hosts for the first test marked alone and keeps them to the
+    module's end: the tests before run beside others, every one after alone."""
+    from types import SimpleNamespace
+
+    import two_at_once
+
+    def item(module, name, *marks):
+        return SimpleNamespace(path=tmp_path / module, nodeid=f"{module}::{name}",
+                               get_closest_marker=lambda mark: mark if mark in marks else None)
+
+    items = [item("h", "one_host", "holds_hosts"), item("h", "across", "holds_hosts", "mpi"),
+             item("h", "after", "holds_hosts"), item("m", "first"), item("m", "mpi", "mpi"),
+             item("m", "last")]
+    assert two_at_once.alone_from_the_start(items) == {"h::across", "h::after", "m::mpi"}

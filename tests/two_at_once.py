@@ -7,8 +7,9 @@ module's tests go to one worker, in order. A test marked for what it starts (`ro
 tuner's picks do, or it holds a gloo group in the worker's process) runs alone: its timings, its emulated hosts' cores and its checks of what a
 run left on the machine (processes, namespaces, shared memory) see no other test. Other
 tests, `slow` ones too (a training run in a child process, its files and its numbers), run
-beside each other. A module marked `holds_hosts` keeps emulated
-hosts from its first test to its last, so it runs alone from its first test to its last.
+beside each other. A module marked `holds_hosts` keeps emulated hosts in a module fixture,
+made for its first test marked alone and kept to its last test: it runs alone from that
+first test to its last (its tests before, on one machine, run beside others).
 Modules with no test alone come first: both workers are busy with them at once, before the
 tests alone, which leave one worker waiting, begin.
 
@@ -35,7 +36,22 @@ LOCKS_VARIABLE = "HYBRIDDL_TEST_LOCKS"  # the folder of the two locks, set by th
 
 
 def runs_alone(item: pytest.Item) -> bool:
+    """Whether the test's module has a test alone (a module that holds hosts has)."""
     return any(item.get_closest_marker(mark) for mark in ALONE_MARKS + (HOLDS_HOSTS,))
+
+
+def alone_from_the_start(items: list[pytest.Item]) -> set[str]:
+    """The node ids of the tests that run alone: those marked so and, in a module that
+    holds hosts, every test from its first one marked so (whose fixture makes the hosts) to
+    the module's last (after which they are taken down). `items` in run order."""
+    alone, holding = set(), set()
+    for item in items:
+        marked = any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
+        if marked and item.get_closest_marker(HOLDS_HOSTS):
+            holding.add(item.path)
+        if marked or item.path in holding:
+            alone.add(item.nodeid)
+    return alone
 
 
 class Turns:
@@ -86,6 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return  # one after another: the order as written
     with_alone = {item.path for item in items if runs_alone(item)}
     items.sort(key=lambda item: item.path in with_alone)  # stable: each module in its order
+    config._hybriddl_alone = alone_from_the_start(items)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -94,7 +111,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if turns is None:
         yield
         return
-    turns.take(runs_alone(item))
+    turns.take(item.nodeid in item.config._hybriddl_alone)
     try:
         yield
     finally:

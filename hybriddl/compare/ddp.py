@@ -3,10 +3,10 @@ Its command line is hybriddl.cli.compare_ddp:
 
     python -m hybriddl.cli.compare_ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
 
-Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...), one
-CPU thread each, gloo over the host's NIC (`--interface`); each takes its 1/P of every
-global batch (the same batches, flips and model as the other contenders) and writes
-what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
+Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...; where
+P/H is 1, it is that process itself), one CPU thread each, gloo over the host's NIC
+(`--interface`); each takes its 1/P of every global batch (the same batches, flips and
+model as the other contenders) and writes what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
 handed to gloo, as the MPI layer's counter does for MPI: DDP's own allreduce, torch's
 fp16_compress_hook (`--fp16-allreduce`) or powerSGD_hook (`--powersgd-rank R`, one bucket,
 see ddp_peer.wrap).
@@ -96,8 +96,12 @@ def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: 
              master_addr: str, interface: str, result_dir: str,
              hook: CommHook = CommHook()) -> None:
     """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json."""
-    # start_processes joins them all and, if one fails, stops the others and raises.
     here = processes // hosts
-    mp.start_processes(peer, args=(host_index * here, processes, master_addr, interface,
-                                   settings, result_dir, hook),
-                       nprocs=here, start_method="spawn")
+    args = (host_index * here, processes, master_addr, interface, settings, result_dir, hook)
+    if here == 1:
+        # The host's one DDP process is this one: a spawned process would only add an
+        # interpreter's start and torch's import before the group forms (seconds a host).
+        peer(0, *args)
+        return
+    # start_processes joins them all and, if one fails, stops the others and raises.
+    mp.start_processes(peer, args=args, nprocs=here, start_method="spawn")
