@@ -282,8 +282,21 @@ def test_runnable_adds_only_shrinking_flags():
     assert second == "hybriddl predict runs/x new/ > out.csv"
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=needs(b)) for b in BLOCKS])
+def on_hosts(block: Block) -> bool:
+    """Whether the block starts MPI ranks, emulated hosts or SLURM: it runs alone
+    (tests/two_at_once.py), from tests/test_doc_commands_on_hosts.py, so that the blocks
+    here run beside other tests before any test alone begins."""
+    return any(mark.name in ("root", "mpi", "emulated", "slurm") for mark in needs(block))
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=needs(b)) for b in BLOCKS
+                                   if not on_hosts(b)])
 def test_command_block_runs_as_written(block: Block, tmp_path):
+    run_block(block, tmp_path)
+
+
+def run_block(block: Block, tmp_path: Path) -> None:
+    """Run the block as written (shrunk), or skip it saying why."""
     if block.skip:
         pytest.skip(f"{block.id}: {block.skip}")
     script, left_to_ci = runnable(block)
