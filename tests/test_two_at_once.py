@@ -115,12 +115,14 @@ def test_on_two_workers_the_modules_with_no_test_alone_come_first(tmp_path):
         return SimpleNamespace(path=tmp_path / module, name=f"{module}{len(marks)}",
                                nodeid=f"{module}::{len(marks)}", get_closest_marker=lambda mark: mark if mark in marks else None)
 
-    items = [item("a", "mpi"), item("a"), item("b"), item("c", "alone"), item("d"), item("d")]
+    items = [item("a", "mpi"), item("a"), item("b"), item("c", "alone"), item("d"),
+             item("d", "slow"), item("e")]
     names = [(i.path.name, i.name) for i in items]
     worker = SimpleNamespace(_hybriddl_turns=object())
     sorted_items = list(items)
     two_at_once.pytest_collection_modifyitems(worker, sorted_items)
-    assert [i.path.name for i in sorted_items] == ["b", "d", "d", "a", "a", "c"]
+    # Beside each other, those with a slow test first; then those with a test alone.
+    assert [i.path.name for i in sorted_items] == ["d", "d", "b", "e", "a", "a", "c"]
     assert [i.name for i in sorted_items if i.path.name == "a"] == ["a1", "a0"]
     same = list(items)
     two_at_once.pytest_collection_modifyitems(SimpleNamespace(), same)
@@ -142,3 +144,18 @@ def test_a_module_that_holds_hosts_runs_alone_from_its_first_test_alone_to_its_l
              item("h", "after", "holds_hosts"), item("m", "first"), item("m", "mpi", "mpi"),
              item("m", "last")]
     assert two_at_once.alone_from_the_start(items) == {"h::across", "h::after", "m::mpi"}
+
+
+def test_the_controller_keeps_the_workers_order_of_the_modules(monkeypatch):
+    """pytest-xdist's loadfile would hand out the modules by their number of tests."""
+    from types import SimpleNamespace
+
+    import two_at_once
+
+    monkeypatch.delenv(two_at_once.LOCKS_VARIABLE, raising=False)
+    controller = SimpleNamespace(option=SimpleNamespace(numprocesses=2, loadscopereorder=True))
+    two_at_once.pytest_configure(controller)
+    try:
+        assert controller.option.loadscopereorder is False
+    finally:
+        two_at_once.pytest_unconfigure(controller)

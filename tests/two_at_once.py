@@ -11,7 +11,12 @@ beside each other. A module marked `holds_hosts` keeps emulated hosts in a modul
 made for its first test marked alone and kept to its last test: it runs alone from that
 first test to its last (its tests before, on one machine, run beside others).
 Modules with no test alone come first: both workers are busy with them at once, before the
-tests alone, which leave one worker waiting, begin.
+tests alone, which leave one worker waiting, begin. Among them those with a `slow` test come
+first and the quick ones last: a worker still in its last such module when the other has
+begun the tests alone runs it one test at a time between theirs, so that module should be
+short. (pytest-xdist would order the modules by their number of tests instead: the
+controller turns that off, `--no-loadscope-reorder`. Without it, modules alone came first
+as often as not, and about 110 s of a 1250 s suite ran one test beside an idle worker.)
 
 Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
 for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
@@ -85,6 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if folder:
             config._hybriddl_turns = Turns(Path(folder))
     elif getattr(config.option, "numprocesses", None):  # the controller of workers
+        # The modules in the workers' order (pytest_collection_modifyitems), not xdist's.
+        config.option.loadscopereorder = False
         folder = tempfile.mkdtemp(prefix="hybriddl-test-locks-")
         os.environ[LOCKS_VARIABLE] = folder
         config._hybriddl_locks = folder
@@ -101,7 +108,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if getattr(config, "_hybriddl_turns", None) is None:
         return  # one after another: the order as written
     with_alone = {item.path for item in items if runs_alone(item)}
-    items.sort(key=lambda item: item.path in with_alone)  # stable: each module in its order
+    with_slow = {item.path for item in items if item.get_closest_marker("slow")}
+    # Stable: each module's tests in their order.
+    items.sort(key=lambda item: (item.path in with_alone, item.path not in with_slow))
     config._hybriddl_alone = alone_from_the_start(items)
 
 
