@@ -116,13 +116,14 @@ def test_on_two_workers_the_modules_with_no_test_alone_come_first(tmp_path):
                                nodeid=f"{module}::{len(marks)}", get_closest_marker=lambda mark: mark if mark in marks else None)
 
     items = [item("a", "mpi"), item("a"), item("b"), item("c", "alone"), item("d"),
-             item("d", "slow"), item("e")]
+             item("d", "slow"), item("e"), item("f"), item("f", "emulated")]
     names = [(i.path.name, i.name) for i in items]
     worker = SimpleNamespace(_hybriddl_turns=object())
     sorted_items = list(items)
     two_at_once.pytest_collection_modifyitems(worker, sorted_items)
-    # Beside each other, those with a slow test first; then those with a test alone.
-    assert [i.path.name for i in sorted_items] == ["d", "d", "b", "e", "a", "a", "c"]
+    # Beside each other, those with a slow test first; then those with a test alone, the
+    # one that begins with a test beside others first.
+    assert [i.path.name for i in sorted_items] == ["d", "d", "b", "e", "f", "f", "a", "a", "c"]
     assert [i.name for i in sorted_items if i.path.name == "a"] == ["a1", "a0"]
     same = list(items)
     two_at_once.pytest_collection_modifyitems(SimpleNamespace(), same)

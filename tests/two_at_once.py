@@ -14,7 +14,8 @@ Modules with no test alone come first: both workers are busy with them at once, 
 tests alone, which leave one worker waiting, begin. Among them those with a `slow` test come
 first and the quick ones last: a worker still in its last such module when the other has
 begun the tests alone runs it one test at a time between theirs, so that module should be
-short. (pytest-xdist would order the modules by their number of tests instead: the
+short; and of the modules with tests alone, those that begin with tests beside others come
+first, to meet those last modules. (pytest-xdist would order the modules by their number of tests instead: the
 controller turns that off, `--no-loadscope-reorder`. Without it, modules alone came first
 as often as not, and about 110 s of a 1250 s suite ran one test beside an idle worker.)
 
@@ -45,13 +46,17 @@ def runs_alone(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(mark) for mark in ALONE_MARKS + (HOLDS_HOSTS,))
 
 
+def runs_alone_by_its_marks(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
+
+
 def alone_from_the_start(items: list[pytest.Item]) -> set[str]:
     """The node ids of the tests that run alone: those marked so and, in a module that
     holds hosts, every test from its first one marked so (whose fixture makes the hosts) to
     the module's last (after which they are taken down). `items` in run order."""
     alone, holding = set(), set()
     for item in items:
-        marked = any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
+        marked = runs_alone_by_its_marks(item)
         if marked and item.get_closest_marker(HOLDS_HOSTS):
             holding.add(item.path)
         if marked or item.path in holding:
@@ -109,8 +114,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return  # one after another: the order as written
     with_alone = {item.path for item in items if runs_alone(item)}
     with_slow = {item.path for item in items if item.get_closest_marker("slow")}
-    # Stable: each module's tests in their order.
-    items.sort(key=lambda item: (item.path in with_alone, item.path not in with_slow))
+    first = {}
+    for item in items:
+        first.setdefault(item.path, item)
+    starts_alone = {path for path, item in first.items() if runs_alone_by_its_marks(item)}
+    # Stable: each module's tests in their order. Of the modules with tests alone, those
+    # whose first tests run beside others come first: they meet the other worker's last
+    # modules beside each other.
+    items.sort(key=lambda item: (item.path in with_alone, item.path not in with_slow,
+                                 item.path in starts_alone))
     config._hybriddl_alone = alone_from_the_start(items)
 
 
