@@ -158,7 +158,7 @@ def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_flat_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
+def test_flat_mpis_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
     """2(P-1)/P S per host: the ring's intra-host edge (shared memory) is not counted;
     were it on the NIC, each host would send twice that. (flat-mpi's allreduce at 4 ranks
     is coll/tuned's ring, as its row says.)"""

@@ -41,12 +41,7 @@ HOLDS_HOSTS = "holds_hosts"
 LOCKS_VARIABLE = "HYBRIDDL_TEST_LOCKS"  # the folder of the two locks, set by the controller
 
 
-def runs_alone(item: pytest.Item) -> bool:
-    """Whether the test's module has a test alone (a module that holds hosts has)."""
-    return any(item.get_closest_marker(mark) for mark in ALONE_MARKS + (HOLDS_HOSTS,))
-
-
-def runs_alone_by_its_marks(item: pytest.Item) -> bool:
+def marked_alone(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
 
 
@@ -56,7 +51,7 @@ def alone_from_the_start(items: list[pytest.Item]) -> set[str]:
     the module's last (after which they are taken down). `items` in run order."""
     alone, holding = set(), set()
     for item in items:
-        marked = runs_alone_by_its_marks(item)
+        marked = marked_alone(item)
         if marked and item.get_closest_marker(HOLDS_HOSTS):
             holding.add(item.path)
         if marked or item.path in holding:
@@ -112,12 +107,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if getattr(config, "_hybriddl_turns", None) is None:
         return  # one after another: the order as written
-    with_alone = {item.path for item in items if runs_alone(item)}
+    with_alone = {item.path for item in items
+                  if marked_alone(item) or item.get_closest_marker(HOLDS_HOSTS)}
     with_slow = {item.path for item in items if item.get_closest_marker("slow")}
     first = {}
     for item in items:
         first.setdefault(item.path, item)
-    starts_alone = {path for path, item in first.items() if runs_alone_by_its_marks(item)}
+    starts_alone = {path for path, item in first.items() if marked_alone(item)}
     # Stable: each module's tests in their order. Of the modules with tests alone, those
     # whose first tests run beside others come first: they meet the other worker's last
     # modules beside each other.
