@@ -1,7 +1,7 @@
 """Under plain `mpirun -n 2`, a rank killed mid-run (kill -9) is named by the survivor in
 every try: its line reaches the terminal before MPI_Abort takes the run down (issue 34:
 in one of two tries only MPI_ABORT's banner and "prterun noticed…" arrived).
-(Hosts lost on emulated hosts, with a stopped host and a cut link: test_heartbeat.py.)"""
+(Hosts lost on emulated hosts, with a stopped host and a cut link: test_heartbeat_hosts.py.)"""
 
 from __future__ import annotations
 

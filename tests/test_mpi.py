@@ -1,6 +1,6 @@
 """Across hosts, through mpirun: H ranks train exactly what one sequential run with the
 global batch trains, and a rank that fails or stops coming to the steps takes the run down,
-named. (Hosts lost to a kill, SIGSTOP or a cut link: test_heartbeat.py.)"""
+named. (Hosts lost to a kill, SIGSTOP or a cut link: test_heartbeat_hosts.py.)"""
 
 from __future__ import annotations
 

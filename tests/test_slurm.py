@@ -49,6 +49,9 @@ def cluster_unavailable() -> str | None:
 pytestmark = [
     pytest.mark.skipif(cluster_unavailable() is not None, reason=cluster_unavailable() or ""),
     pytest.mark.root, pytest.mark.slurm, pytest.mark.mpi, pytest.mark.slow,
+    # Mostly waits (a requeue's credential expiry, SLURM's scheduling) and checks only the
+    # processes of its own jobs: beside other tests (tests/two_at_once.py).
+    pytest.mark.beside,
 ]
 
 

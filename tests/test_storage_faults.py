@@ -27,6 +27,8 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0,
                        reason="mounting a tmpfs or a read-only bind mount needs root"),
     pytest.mark.root, pytest.mark.slow,
+    # Its mounts are its own (under tmp_path): beside other tests (tests/two_at_once.py).
+    pytest.mark.beside,
 ]
 
 STEPS_PER_EPOCH = 3

@@ -160,3 +160,24 @@ def test_the_controller_keeps_the_workers_order_of_the_modules(monkeypatch):
         assert controller.option.loadscopereorder is False
     finally:
         two_at_once.pytest_unconfigure(controller)
+
+
+def test_a_test_marked_beside_runs_beside_others_whatever_it_starts(tmp_path):
+    """`beside` takes a test that starts ranks or hosts out of the tests alone, and its
+    module, with no other test alone, runs among those beside each other, before them."""
+    from types import SimpleNamespace
+
+    import two_at_once
+
+    def item(module, name, *marks):
+        return SimpleNamespace(path=tmp_path / module, name=name, nodeid=f"{module}::{name}",
+                               get_closest_marker=lambda mark: mark if mark in marks else None)
+
+    waits = item("w", "waits", "root", "emulated", "mpi", "slow", "beside")
+    timed = item("t", "timed", "root", "emulated", "mpi")
+    assert not two_at_once.marked_alone(waits) and two_at_once.marked_alone(timed)
+    items = [timed, waits, item("q", "quick")]
+    worker = SimpleNamespace(_hybriddl_turns=object())
+    two_at_once.pytest_collection_modifyitems(worker, items)
+    assert [i.name for i in items] == ["waits", "quick", "timed"]
+    assert worker._hybriddl_alone == {"t::timed"}

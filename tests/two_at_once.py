@@ -4,8 +4,12 @@ conftest.py).
 `python -m pytest -q -n 2 --dist loadfile tests` runs the suite on pytest-xdist's workers: a
 module's tests go to one worker, in order. A test marked for what it starts (`root`, `mpi`,
 `emulated`, `slurm`, `gpu`) or marked `alone` (what it asserts depends on timings, as the
-tuner's picks do, or it holds a gloo group in the worker's process) runs alone: its timings, its emulated hosts' cores and its checks of what a
-run left on the machine (processes, namespaces, shared memory) see no other test. Other
+tuner's picks do, or it holds a gloo group in the worker's process) runs alone: its
+timings, its emulated hosts' cores and its checks of what a run left on the machine
+(processes, namespaces, shared memory) see no other test. Unless it is also marked
+`beside`: it starts hosts, ranks, mounts or a SLURM job but mostly waits (for a silence, a
+slow link, a requeue), what it asserts holds on a loaded machine (bounds of seconds with
+room) and it checks only what it started; alone, its waits left both cores idle. Other
 tests, `slow` ones too (a training run in a child process, its files and its numbers), run
 beside each other. A module marked `holds_hosts` keeps emulated hosts in a module fixture,
 made for its first test marked alone and kept to its last test: it runs alone from that
@@ -37,12 +41,14 @@ from pathlib import Path
 import pytest
 
 ALONE_MARKS = ("root", "mpi", "emulated", "slurm", "gpu", "alone")
+BESIDE = "beside"  # starts what ALONE_MARKS name, yet may run beside other tests
 HOLDS_HOSTS = "holds_hosts"
 LOCKS_VARIABLE = "HYBRIDDL_TEST_LOCKS"  # the folder of the two locks, set by the controller
 
 
 def marked_alone(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
+    return (any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
+            and item.get_closest_marker(BESIDE) is None)
 
 
 def alone_from_the_start(items: list[pytest.Item]) -> set[str]:
