@@ -1,0 +1,245 @@
+"""The classifier split across hosts (--host-parallel hybrid) on one host: how the classifier
+is split, which models and local strategies can run it, and, in a child process, that it
+trains exactly what sequential SGD on the global batch trains with every local strategy that
+can run the convolutions alone (with keyed dropout and --accumulate); the planner's
+prediction and probes. Across hosts: tests/test_hybrid.py (these run beside other tests,
+before any test alone begins, in a module that holds no hosts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import hybriddl_env
+from sample_data import write_saturated_classes
+from hybriddl.hosts.cluster import SingleHost
+from hybriddl.hybrid.classifier import NotSplittable, plan, split_classifier
+from hybriddl.hybrid.parallel import DataParallel, HybridParallel, choose, traffic_bytes
+from hybriddl.rundir import METRICS, MODEL
+from hybriddl.strategies import STRATEGIES, StrategyOptions, make_strategy
+from hybriddl.errors import UsageError
+from hybriddl.usecases import build_model
+
+# AlexNet: the smallest torchvision model made of features -> avgpool -> classifier without
+# batch normalisation (whose statistics would differ with the host's share), with the
+# default dropout of its classifier.
+TRAIN = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",
+         "--epochs", "1", "--monitor-interval", "0"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """3 classes x 8 images: batches of 8, 8 and a short last one."""
+    return write_saturated_classes(tmp_path_factory.mktemp("images"), seed=2)
+
+
+def train(run_dir: Path, *args: str, images: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybriddl", *TRAIN, "--data", str(images),
+                           "--run-dir", str(run_dir), *args], capture_output=True, text=True,
+                          timeout=300, env=hybriddl_env())
+
+
+@pytest.fixture(scope="module")
+def sequential(images, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("sequential") / "run"
+    done = train(run_dir, "--strategy", "sequential", "--host-parallel", "data", images=images)
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def assert_same_model(run_dir: Path, reference: Path, rtol: float = 1e-5) -> None:
+    got, want = torch.load(run_dir / MODEL), torch.load(reference / MODEL)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].shape == want[name].shape, name
+        scale = want[name].abs().max().clamp_min(1e-12)
+        error = float((got[name] - want[name]).abs().max() / scale)
+        assert error <= rtol, f"{name}: relative difference {error:.2e}"
+
+
+def metrics_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / METRICS).read_text())
+
+
+# --------------------------------------------------------------------------- the split
+
+def test_alexnet_and_vgg16_classifiers_split_column_then_row_then_replicated():
+    for name in ("alexnet", "vgg16"):
+        with torch.device("meta"):
+            model = build_model(name, 3)
+        assert [s.kind for s in plan(model.classifier)] == ["column", "row", "replicated"]
+
+
+def test_a_split_host_holds_its_slice_of_the_classifier():
+    model = build_model("alexnet", 3)
+    whole = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class ThirdHost(SingleHost):
+        rank, size = 2, 3
+    split = split_classifier(model, ThirdHost())
+    held = model.state_dict()
+    # 4096 outputs over 3 hosts: 1366, 1365, 1365; the third holds [2731, 4096).
+    assert held["classifier.1.weight"].shape == (1365, 9216)
+    assert torch.equal(held["classifier.1.weight"], whole["classifier.1.weight"][2731:])
+    assert torch.equal(held["classifier.4.weight"], whole["classifier.4.weight"][:, 2731:])
+    assert torch.equal(held["classifier.4.bias"], whole["classifier.4.bias"])
+    assert torch.equal(held["classifier.6.weight"], whole["classifier.6.weight"])
+    assert split.parameter_slices(model)["classifier.1.weight"] == (0, 4096, 2731, 4096)
+    linear = sum(whole[k].numel() for k in whole if k.startswith("classifier."))
+    kept = sum(held[k].numel() for k in held if k.startswith("classifier."))
+    # Memory: a third of the split layers, the replicated 4096 x 3 layer and bias whole.
+    assert kept < linear / 3 + 4096 * 4 + 4
+
+
+def test_models_without_a_splittable_classifier_get_data_with_the_reason():
+    model = build_model("squeezenet1_1", 3)
+    scheme = choose("hybrid", model, make_strategy("sequential"), SingleHost(), 8, 32, None)
+    assert isinstance(scheme, DataParallel) and not isinstance(scheme, HybridParallel)
+    assert "hybrid cannot split SqueezeNet" in scheme.reason
+    with pytest.raises(NotSplittable):
+        plan(torch.nn.Sequential(torch.nn.Linear(4, 3)))
+
+
+def test_a_strategy_that_cannot_run_the_convolutions_alone_is_refused_for_hybrid():
+    model = build_model("alexnet", 3)
+    strategy = make_strategy("threads", StrategyOptions(workers=1))
+    with pytest.raises(UsageError, match="cannot run the convolutions apart"):
+        choose("hybrid", model, strategy, SingleHost(), 8, 64, None)
+    # auto falls back to data with the reason instead.
+    assert choose("auto", model, strategy, SingleHost(), 8, 64, None).name == "data"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_layer_s_weight_gradient_computed_after_its_input_s_is_autograd_s(precision):
+    """Hybrid's step returns the features' gradient before the first linear layer's weight
+    gradient is computed (that crosses the wire meanwhile): the same bits as one backward."""
+    from hybriddl.hybrid.classifier import ColumnLinear, GatherRows, ReturnedGradient
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 10)
+    once, deferred = ColumnLinear(linear, 2, 8), ColumnLinear(linear, 2, 8)
+    rows, tags, upstream = torch.randn(5, 24), torch.zeros(5, 2, dtype=torch.int64), \
+        torch.randn(5, 6)
+    bf16 = precision == "bf16"
+    grads = []
+    for layer, returned in ((once, None), (deferred, ReturnedGradient())):
+        local = rows.clone().requires_grad_()
+        whole, _ = GatherRows.apply(local, SingleHost(), [5], tags, None, returned)
+        if returned is not None:
+            layer.defer_weight_gradients()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = layer(whole)
+        (out.float() * upstream).sum().backward()
+        if returned is None:
+            grads.append(local.grad)
+            continue
+        assert layer.weight.grad is None and local.grad is None  # nothing yet: deferred
+        layer.weight_gradients()
+        grads.append(returned.result())
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(once.weight.grad, deferred.weight.grad)
+    assert torch.equal(once.bias.grad, deferred.bias.grad)
+    assert deferred.deferred is None  # the next backward computes them itself again
+
+
+def test_traffic_theory_is_design_md_s():
+    with torch.device("meta"):
+        alexnet, vgg16 = build_model("alexnet", 3), build_model("vgg16", 3)
+    for model, convolutions, features in ((alexnet, 9.9e6, 9216), (vgg16, 58.9e6, 25088)):
+        bytes_ = traffic_bytes(model, hosts=2, global_batch=64)
+        # 2(H-1)/H = 1 at H = 2: the convolutions' gradient once, the features there and back.
+        assert bytes_["hybrid_convolutions"] == pytest.approx(convolutions, rel=0.02)
+        assert bytes_["hybrid_activations"] == 64 * (features + 4096) * 4
+        assert bytes_["hybrid"] < bytes_["data"] / 5
+
+
+# --------------------------------------------------------------------------- one host
+
+CAN_RUN_ALONE = [name for name, cls in STRATEGIES.items() if cls.runs_convolutions_alone]
+
+
+def feasible(name: str) -> bool:
+    return why_not(name) is None
+
+
+def why_not(name: str) -> str | None:
+    try:
+        STRATEGIES[name].check_feasible(StrategyOptions(workers=2, oversubscribe=True))
+        return None
+    except UsageError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("name", CAN_RUN_ALONE)
+@pytest.mark.slow
+def test_hybrid_on_one_host_matches_sequential_for_every_strategy_that_can_run_it(
+        name, images, sequential, tmp_path):
+    if not feasible(name):
+        pytest.skip(f"strategy {name!r} cannot run on this host: {why_not(name)}")
+    workers = STRATEGIES[name].example_options.workers
+    options = ["--workers", str(workers), "--oversubscribe"] if workers else []
+    done = train(tmp_path / "run", "--strategy", name, *options, "--host-parallel", "hybrid",
+                 "--accumulate", "2", images=images)
+    assert done.returncode == 0, done.stderr
+    assert_same_model(tmp_path / "run", sequential)
+    assert metrics_of(tmp_path / "run")["config"]["host_parallel"]["scheme"] == "hybrid"
+
+
+def test_hybrid_with_a_strategy_that_cannot_is_one_line_exit_2(images, tmp_path):
+    done = train(tmp_path / "run", "--strategy", "threads", "--workers", "2", "--oversubscribe",
+                 "--host-parallel", "hybrid", images=images)
+    assert done.returncode == 2
+    assert "cannot run the convolutions apart from the classifier" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_auto_predicts_compute_plus_bytes_over_the_link():
+    """AlexNet's bytes at 2 hosts, a 1 s step: the hybrid's fewer bytes win at 1 Gbit/s;
+    the reason gives the predicted step and its parts (the planner's: tests/test_planner.py)."""
+    from hybriddl.hybrid.planner import Link, ModelShapes, make_plan
+    with torch.device("meta"):
+        shapes = ModelShapes.of(build_model("alexnet", 3))
+    plan = make_plan(shapes, 2, 32, 1.0, Link(1e9 / 8))
+    assert plan.chosen.host_parallel == "hybrid" and plan.chosen.exact
+    # 1.000 + 0.093 of wire, 0.084 of it (the convolutions' gradients and the features'
+    # gradient, 10.5 MB) beside the compute.
+    assert "predicted step 1.009 s (compute 1.000 + wire 0.093" in plan.reason
+    steps = {row.scheme.label: row.step_seconds for row in plan.rows}
+    assert steps["data"] == pytest.approx(1.0 + 228_064_524 / (1e9 / 8))
+
+
+def test_the_compute_probe_leaves_the_model_as_it_was():
+    from hybriddl.hybrid.parallel import probe_compute
+    from hybriddl.usecases import build_model
+    torch.manual_seed(0)
+    model = build_model("alexnet", 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    random_state = torch.get_rng_state()
+    assert probe_compute(model, 2, 64) > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+def test_the_convolutions_go_in_one_bucket_where_backward_hides_little_of_the_wire():
+    """About a layer a bucket where backward hides a good part of the exchange (S = 1 at
+    1 Gbit/s: 58 % of the wire); one bucket where it hides almost none (hosts far faster
+    than their link), as each bucket is an allreduce of its own."""
+    from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+    from hybriddl.hybrid.parallel import CONVOLUTION_BUCKET_BYTES, convolution_bucket_bytes
+
+    def plan(hidden, wire):
+        row = {"scheme": "hybrid", "wire_seconds": wire, "overlap_seconds": hidden}
+        return {"rows": [{**row, "scheme": "data", "overlap_seconds": 0.0}, row],
+                "chosen": {"scheme": "hybrid"}}
+
+    assert convolution_bucket_bytes(plan(0.058, 0.100)) == CONVOLUTION_BUCKET_BYTES
+    assert convolution_bucket_bytes(plan(0.0003, 0.101)) == DEFAULT_BUCKET_BYTES
+    # No plan (one host, or a scheme made outside `choose`): the buckets of about a layer.
+    assert convolution_bucket_bytes(None) == CONVOLUTION_BUCKET_BYTES
+    assert convolution_bucket_bytes({"rows": [], "chosen": {"scheme": "data"}}) == \
+        CONVOLUTION_BUCKET_BYTES
