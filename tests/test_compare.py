@@ -134,6 +134,10 @@ def test_comparison_json_contract(comparison):
         assert c["seconds_per_step"] > 0
         assert len(c["host_nic_bytes_per_step"]) == len(c["host_nic_bytes_theory"]) == H
         assert len(c["host_peak_rss_bytes"]) == H
+    # A host's memory is its processes', each counted once: a DDP host's first process,
+    # the parent of the others, counts only itself (counting them too read 1.46x flat-mpi's).
+    ddp, flat = contender(comparison, "ddp"), contender(comparison, "flat-mpi")
+    assert max(ddp["host_peak_rss_bytes"]) < 1.25 * max(flat["host_peak_rss_bytes"])
     # An MPI contender's ranks measure steps only: no checkpoint, validation or weights.
     for name in ("hybrid", "flat-mpi"):
         run = comparison["output"] / "contenders" / name / "run"

@@ -3,8 +3,8 @@ Its command line is hybriddl.cli.compare_ddp:
 
     python -m hybriddl.cli.compare_ddp --processes P [--hosts H --host-index I --master-addr A] ... --result-dir D
 
-Started once on each of H hosts, it spawns P/H processes there (ranks I*P/H, ...; where
-P/H is 1, it is that process itself), one CPU thread each, gloo over the host's NIC
+Started once on each of H hosts, it is the first of the P/H processes there (ranks I*P/H,
+...) and spawns the others, one CPU thread each, gloo over the host's NIC
 (`--interface`); each takes its 1/P of every global batch (the same batches, flips and
 model as the other contenders) and writes what it measured to D/rank<R>.json. A DDP communication hook counts the bytes
 handed to gloo, as the MPI layer's counter does for MPI: DDP's own allreduce, torch's
@@ -15,6 +15,7 @@ see ddp_peer.wrap).
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.multiprocessing as mp
 
@@ -58,8 +59,10 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
     transform = BatchTransform(config.image_size)
     warmup = max(settings.warmup, hook.untimed_steps)
+    # A DDP process is one rank of one thread: its own memory only (the host's first
+    # process is the parent of the others, which measure themselves).
     meter = StepMeter(warmup, settings.steps, comm_bytes=lambda: state.bytes_sent,
-                      interface=interface)
+                      interface=interface, rss_bytes=lambda: psutil.Process().memory_info().rss)
     epoch = 0
     while meter.remaining:
         batches = epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
@@ -95,13 +98,25 @@ def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
 def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: int,
              master_addr: str, interface: str, result_dir: str,
              hook: CommHook = CommHook()) -> None:
-    """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json."""
+    """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json.
+    This process is the host's first; only the others are spawned (each spawned process
+    adds an interpreter's start and torch's import, seconds, before the group forms)."""
     here = processes // hosts
     args = (host_index * here, processes, master_addr, interface, settings, result_dir, hook)
-    if here == 1:
-        # The host's one DDP process is this one: a spawned process would only add an
-        # interpreter's start and torch's import before the group forms (seconds a host).
+    others = (mp.start_processes(spawned_peer, args=args, nprocs=here - 1, join=False,
+                                 start_method="spawn") if here > 1 else None)
+    try:
         peer(0, *args)
-        return
-    # start_processes joins them all and, if one fails, stops the others and raises.
-    mp.start_processes(peer, args=args, nprocs=here, start_method="spawn")
+    except BaseException:
+        if others is not None:
+            for process in others.processes:
+                process.terminate()
+        raise
+    # join raises if a spawned process failed, after stopping the others.
+    while others is not None and not others.join():
+        pass
+
+
+def spawned_peer(index: int, *args) -> None:
+    """A spawned process of a host: its local rank is one after the launcher's."""
+    peer(index + 1, *args)

@@ -42,7 +42,9 @@ class StepMeter(TrainingObserver):
     """
 
     def __init__(self, warmup: int, steps: int, comm_bytes: Callable[[], int],
-                 interface: str = HOST_NIC):
+                 interface: str = HOST_NIC, rss_bytes: Callable[[], int] = tree_rss_bytes):
+        """`rss_bytes`: the memory this rank holds, by default its process and its children
+        (a rank's worker processes)."""
         if warmup < 0 or steps < 1:
             raise ValueError(f"need warmup >= 0 and steps >= 1, got {warmup} and {steps}")
         self.warmup, self.steps = warmup, steps
@@ -50,7 +52,8 @@ class StepMeter(TrainingObserver):
         self.interface = interface
         self.seen = 0
         self.step_seconds: list[float] = []
-        self.peak_rss_bytes = tree_rss_bytes()
+        self._rss_bytes = rss_bytes
+        self.peak_rss_bytes = rss_bytes()
         self._opened = self._edge() if warmup == 0 else None
         self._closed: tuple[int, int] | None = None
 
@@ -63,7 +66,7 @@ class StepMeter(TrainingObserver):
 
     def on_step(self, epoch: int, step: int, samples: int, seconds: float, loss: float) -> None:
         self.seen += 1
-        self.peak_rss_bytes = max(self.peak_rss_bytes, tree_rss_bytes())
+        self.peak_rss_bytes = max(self.peak_rss_bytes, self._rss_bytes())
         if self.seen == self.warmup:
             self._opened = self._edge()
         elif self.warmup < self.seen <= self.warmup + self.steps:
