@@ -125,6 +125,37 @@ class Timer:
         return {"tcmalloc": [1.0, 1.2, 1.1], "glibc": [0.9, 0.95, 1.3]}
 
 
+@needs["tcmalloc"]
+def test_the_console_script_starts_again_before_it_imports_torch(tmp_path):
+    """Settled without a measurement, the choice is made before the command's module (and
+    torch, seconds) is imported: a process that starts again imports torch once."""
+    environ = hybriddl_env()
+    environ.pop("HYBRIDDL_ALLOCATOR", None)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hybriddl", "--allocator",
+                           "tcmalloc", "train", "--image-size", "8", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          env=environ)
+    assert done.returncode == 2 and "--image-size 8" in done.stderr, done.stderr[-2000:]
+    torch_imports = [line for line in done.stderr.splitlines()
+                     if line.startswith("import time:") and line.split("|")[-1].strip() == "torch"]
+    assert len(torch_imports) == 1, done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_what_is_settled_without_measuring(tmp_path, two_installed, monkeypatch):
+    cache = tmp_path / "allocator-h.json"
+    monkeypatch.setattr(allocator, "choice_cache_path", lambda: cache)
+    assert allocator.settled_without_measuring("auto") is None  # measured after parsing
+    assert allocator.settled_without_measuring("mimalloc") is None  # the parser says why
+    asked = allocator.settled_without_measuring("glibc")
+    assert (asked.name, asked.how) == ("glibc", "asked")
+    allocator.settle("auto", Timer(), cache=cache)
+    kept = allocator.settled_without_measuring("auto")
+    assert (kept.name, kept.how) == ("glibc", "cached")
+    monkeypatch.setenv(allocator.PRELOADED_ENV, "tcmalloc")
+    assert allocator.settled_without_measuring("auto").how == "inherited"
+
+
 def test_auto_measures_once_and_then_reads_the_hosts_choice(tmp_path, two_installed):
     timer, cache = Timer(), tmp_path / "allocator-h.json"
     first = allocator.settle("auto", timer, cache=cache)

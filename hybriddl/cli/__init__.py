@@ -11,7 +11,8 @@ import importlib
 import sys
 
 from hybriddl import __version__
-from hybriddl.cli.allocator import add_flag as add_allocator_flag, run_on_chosen_allocator
+from hybriddl.cli.allocator import (add_flag as add_allocator_flag, run_on_chosen_allocator,
+                                    start_on_settled_allocator)
 from hybriddl.display import console, show_error
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 
@@ -57,6 +58,8 @@ def command_named(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """The console script. Run as one (`argv` None) it first settles the allocator and,
     where needed, starts again on it; called with `argv` it runs in this process as it is."""
+    if argv is None:
+        start_on_settled_allocator(sys.argv[1:])  # before torch is imported, where it can
     args = build_parser(command_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     try:
         if argv is None:

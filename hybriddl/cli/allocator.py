@@ -8,6 +8,7 @@ import os
 import sys
 
 from hybriddl.display import console
+from hybriddl.errors import UsageError
 from hybriddl.machine import allocator
 
 
@@ -20,6 +21,34 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
              f"not installed falls back to glibc")
 
 
+def start_on_settled_allocator(argv: list[str]) -> None:
+    """Before the command's module (and torch) is imported: where the allocator is settled
+    without a measurement, replace this process with the same command line on it now, so
+    that a process that starts again imports torch once, not twice (seconds a process: every
+    rank mpirun starts). Where `auto` must measure first, or the flag is bad,
+    `run_on_chosen_allocator` settles it once the command line is parsed."""
+    try:
+        choice = allocator.settled_without_measuring(
+            allocator.requested_allocator(allocator_flag(argv)))
+    except UsageError:
+        return  # the parser or run_on_chosen_allocator says it in one line
+    if choice is not None and choice.needs_reexecution():
+        _start_again(choice.name)
+
+
+def allocator_flag(argv: list[str]) -> str | None:
+    """--allocator's value in `argv`, read up to the command's name (where the flag goes)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--allocator":
+            return next(words, None)
+        if word.startswith("--allocator="):
+            return word.split("=", 1)[1]
+        if not word.startswith("-"):
+            return None
+    return None
+
+
 def run_on_chosen_allocator(args: argparse.Namespace) -> None:
     """Settle the allocator; when this process does not run on it, replace this process
     with the same command line on it (os.execve: this call does not return then)."""
@@ -29,10 +58,14 @@ def run_on_chosen_allocator(args: argparse.Namespace) -> None:
     for note in choice.notes:
         console.print(f"hybriddl: {note}", markup=False, highlight=False, soft_wrap=True)
     if again:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                  allocator.preload_environment(choice.name))
+        _start_again(choice.name)
+
+
+def _start_again(name: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+              allocator.preload_environment(name))
 
 
 def _time_allocators(*args, **kwargs):

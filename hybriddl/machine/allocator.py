@@ -5,7 +5,8 @@ freed memory back.
 (libjemalloc2) or glibc's malloc, the one `auto` found fastest on this host. An allocator
 can only be chosen before the process starts (LD_PRELOAD), so the console script settles
 the choice (`settle`) and re-executes itself once with the library preloaded
-(`preload_environment`; PRELOADED_ENV, set then, says it happened, so it happens once).
+(`preload_environment`; PRELOADED_ENV, set then, says it happened, so it happens once),
+before it imports torch wherever no measurement is due (`settled_without_measuring`).
 Every process hybriddl starts inherits that environment: ranks, spawned worker processes,
 compare's contenders. `auto` is measured, not assumed: a few timed steps with each
 library found, in child processes, interleaved rounds (tuning/allocators.py), kept per
@@ -236,6 +237,24 @@ def settle(requested: str, measure: Measure, *, cache: Path | None = None,
     if names == [GLIBC]:
         return AllocatorChoice(GLIBC, "measured", [])  # nothing to compare with
     return measured_choice(names, measure, cache or choice_cache_path(), on_measuring)
+
+
+def settled_without_measuring(requested: str) -> AllocatorChoice | None:
+    """What `settle` answers where that needs no measurement (a named allocator, one an
+    ancestor settled, glibc alone installed, or a choice kept for this host under the same
+    facts); None where `auto` must measure first or `requested` is not a choice. Nothing is
+    written: the console script asks it before it imports torch."""
+    if requested not in CHOICES:
+        return None
+    names = installed_allocators()
+    if requested != "auto" or os.environ.get(PRELOADED_ENV) in ALLOCATORS or names == [GLIBC]:
+        return settle(requested, _no_measurement)
+    cached = _read_choice(choice_cache_path(), choice_facts(names))
+    return AllocatorChoice(cached, "cached") if cached else None
+
+
+def _no_measurement(names: list[str]) -> dict:
+    raise AssertionError("settle measured where settled_without_measuring needs none")
 
 
 def choice_cache_path() -> Path:
