@@ -7,7 +7,9 @@ before any test alone begins, in a module that holds no hosts)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +48,22 @@ def train(run_dir: Path, *args: str, images: Path) -> subprocess.CompletedProces
 
 @pytest.fixture(scope="module")
 def sequential(images, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("sequential") / "run"
-    done = train(run_dir, "--strategy", "sequential", "--host-parallel", "data", images=images)
-    assert done.returncode == 0, done.stderr
+    """The sequential run every hybrid run must equal. On pytest-xdist's workers it is
+    trained once for the whole test run, by the first module to ask (the workers' folders
+    share a parent), so that tests/test_hybrid.py's tests, which run alone, find it made by
+    this module's, which run beside others; `images` are the same bytes on every worker."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "hybrid-sequential"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("sequential")
+    run_dir = folder / "run"
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (run_dir / MODEL).exists():
+            done = train(run_dir, "--strategy", "sequential", "--host-parallel", "data",
+                         images=images)
+            assert done.returncode == 0, done.stderr
     return run_dir
 
 
