@@ -283,9 +283,8 @@ def test_runnable_adds_only_shrinking_flags():
 
 
 def on_hosts(block: Block) -> bool:
-    """Whether the block starts MPI ranks, emulated hosts or SLURM: it runs alone
-    (tests/two_at_once.py), from tests/test_doc_commands_on_hosts.py, so that the blocks
-    here run beside other tests before any test alone begins."""
+    """Whether the block starts MPI ranks, emulated hosts or SLURM: it runs from
+    tests/test_doc_commands_on_hosts.py (beside other tests, as the blocks here do)."""
     return any(mark.name in ("root", "mpi", "emulated", "slurm") for mark in needs(block))
 
 

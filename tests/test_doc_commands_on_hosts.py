@@ -1,6 +1,8 @@
 """The command blocks of README.md and docs/*.md that start MPI ranks, emulated hosts or
-SLURM, run as written (tests/test_doc_commands.py says how). They run alone; apart from
-the other blocks, which then run beside other tests first (tests/two_at_once.py)."""
+SLURM, run as written (tests/test_doc_commands.py says how). What they assert (the exit
+code, the files a block writes in its own folder) holds on a loaded machine, and their
+hosts are their own: they run beside other tests (`beside`, tests/two_at_once.py), though
+marked for what they start."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import pytest
 from test_doc_commands import BLOCKS, Block, needs, on_hosts, run_block
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=needs(b)) for b in BLOCKS
-                                   if on_hosts(b)])
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[*needs(b), pytest.mark.beside])
+                                   for b in BLOCKS if on_hosts(b)])
 def test_command_block_runs_as_written(block: Block, tmp_path):
     run_block(block, tmp_path)
 
