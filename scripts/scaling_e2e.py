@@ -506,6 +506,33 @@ def summarise(cells: list[dict], measured_host_step: dict | None = None) -> list
     return out
 
 
+# What a file's author wrote by hand, kept by --append: a note shown with its figures and
+# the cells taken out (and why).
+BY_HAND = ("note", "replaced_cells")
+
+
+def continue_from(earlier: dict, result: dict, args, measured_steps: dict,
+                  output: Path) -> dict:
+    """--append: `result` takes `earlier`'s cells, runs and what was written by hand
+    (BY_HAND); returns the measured host steps of both. SystemExit where `earlier` is of
+    another use case, image size or hosts' cores."""
+    for key in ("usecase", "image_size", "cores_per_host"):
+        if earlier.get(key) != result[key]:
+            raise SystemExit(f"--append: {output} has {key} {earlier.get(key)!r}, this run "
+                             f"{result[key]!r}")
+    result["cells"] = earlier["cells"]
+    result.update({key: earlier[key] for key in BY_HAND if earlier.get(key)})
+    result["earlier_runs"] = earlier.get("earlier_runs", []) + [
+        {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model", "speedup",
+                                     "host_step_seconds")}]
+    hosts = sorted({int(h) for h in earlier["theory_nic_bytes_per_step"]} | set(args.hosts))
+    result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host,
+                                                          args.powersgd_rank)
+                                           for h in hosts}
+    return {**{float(k): v for k, v in earlier.get("measured_host_step_seconds", {}).items()},
+            **measured_steps}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     output = Path(args.output)
@@ -529,24 +556,8 @@ def main(argv=None) -> int:
         "cells": [],
     }
     if args.append and output.exists():
-        earlier = json.loads(output.read_text())
-        for key in ("usecase", "image_size", "cores_per_host"):
-            if earlier.get(key) != result[key]:
-                raise SystemExit(f"--append: {output} has {key} {earlier.get(key)!r}, this run "
-                                 f"{result[key]!r}")
-        result["cells"] = earlier["cells"]
-        if earlier.get("replaced_cells"):  # cells taken out by hand, and why: kept
-            result["replaced_cells"] = earlier["replaced_cells"]
-        result["earlier_runs"] = earlier.get("earlier_runs", []) + [
-            {k: earlier.get(k) for k in ("command", "commit", "date", "cpu_model", "speedup",
-                                         "host_step_seconds")}]
-        measured_steps = {**{float(k): v for k, v in
-                             earlier.get("measured_host_step_seconds", {}).items()},
-                          **measured_steps}
-        hosts = sorted({int(h) for h in earlier["theory_nic_bytes_per_step"]} | set(args.hosts))
-        result["theory_nic_bytes_per_step"] = {str(h): theory(args.usecase, h, args.cores_per_host,
-                                                              args.powersgd_rank)
-                                               for h in hosts}
+        measured_steps = continue_from(json.loads(output.read_text()), result, args,
+                                       measured_steps, output)
     with tempfile.TemporaryDirectory(prefix="hybriddl-scaling-") as scratch:
         for round_ in range(args.rounds):
             for bandwidth in args.bandwidth:

@@ -149,6 +149,27 @@ def test_scaling_append_refuses_a_file_of_another_use_case(tmp_path):
     assert json.loads(output.read_text())["usecase"] == "ComplexSmall"  # left as it was
 
 
+def test_scaling_append_keeps_the_cells_runs_and_what_was_written_by_hand(tmp_path):
+    import scaling_e2e
+
+    args = scaling_e2e.parse_args(["--usecase", "SimpleBig", "--hosts", "4", "--output", "x"])
+    cell = {"contender": "hybrid", "hosts": 2, "bandwidth": "1gbit", "images_per_second": 1.0}
+    earlier = {"usecase": "SimpleBig", "image_size": 224, "cores_per_host": 1,
+               "cells": [cell], "theory_nic_bytes_per_step": {"2": {}},
+               "command": "python scripts/scaling_e2e.py --hosts 2", "commit": "abc",
+               "note": "the hybrid cells predate the alltoallv",
+               "replaced_cells": [{"why": "token bucket", "cells": []}],
+               "measured_host_step_seconds": {"74.2": 0.01}}
+    result = {"usecase": "SimpleBig", "image_size": 224, "cores_per_host": 1, "cells": []}
+    steps = scaling_e2e.continue_from(earlier, result, args, {127.0: 0.0101}, Path("x"))
+    assert result["cells"] == [cell]
+    assert result["note"] == earlier["note"]
+    assert result["replaced_cells"] == earlier["replaced_cells"]
+    assert result["earlier_runs"][-1]["command"] == earlier["command"]
+    assert sorted(result["theory_nic_bytes_per_step"]) == ["2", "4"]
+    assert steps == {74.2: 0.01, 127.0: 0.0101}
+
+
 def test_scaling_drops_a_skipped_cell_that_a_later_run_measured():
     import scaling_e2e
 
