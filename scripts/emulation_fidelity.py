@@ -34,6 +34,13 @@ so each check compares the same emulated hosts at D = 1 and at D > 1:
     (what `emulate` changes for hosts that take turns: the rendezvous handshake waits for
     the other host's turn).
 
+(f) at once under a quota: H hosts of 1 core for each H in --quota-hosts, under `--speedup 1`
+    (where they do not fit side by side every host runs at once, held to 1/D core by a CPU
+    quota: what the 4-host cells of the scaling_fast tables run), each training on its own
+    as in (d): each host's step / D should be one host's alone (D = 1, the rest of the
+    machine idle) within 15 %: the hosts that run at once do not slow each other's compute
+    (caches, memory bandwidth) beyond what D accounts for.
+
 Each check runs its D values interleaved, --rounds times; figures are medians over the
 rounds with their spread [lowest, highest]. Needs root (emulated hosts) and cgroups that
 can be frozen (v2, or v1's freezer).
@@ -83,9 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nic-steps", type=int, default=2, help="(c) steps (default: 2)")
     parser.add_argument("--side-hosts", type=int, nargs="+", default=[2],
                         help="(d) host counts H (D = H) (default: 2)")
+    parser.add_argument("--quota-hosts", type=int, nargs="+", default=[2, 4],
+                        help="(f) host counts, hosts of 1 core (default: 2 4)")
     parser.add_argument("--exchange-steps", type=int, default=20,
                         help="(e) steps of exchanges per run (default: 20)")
-    parser.add_argument("--checks", nargs="+", choices="abcde", default=list("abcde"),
+    parser.add_argument("--checks", nargs="+", choices="abcdef", default=list("abcdef"),
                         help="which checks to run (default: a b c d e)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--link-worker", help=argparse.SUPPRESS)  # OUTPUT_FOLDER,BYTES
@@ -349,6 +358,37 @@ def side_by_side_check(args, scratch: Path) -> dict:
             "rows": rows}
 
 
+def quota_check(args, scratch: Path) -> dict:
+    """(f): H hosts of 1 core at once under `--speedup 1` (a quota of 1/D core each where
+    they do not fit), each training on its own, against one host alone."""
+    counts = [1, *args.quota_hosts]
+    steps: dict[int, list[list[float]]] = {h: [] for h in counts}
+    scales: dict[int, float] = {}
+    for _ in range(args.rounds):
+        for hosts in counts:
+            prefix = Path(tempfile.mkdtemp(prefix=f"quota-{hosts}-", dir=scratch)) / "run"
+            report = emulate(
+                ["--hosts", str(hosts), "--cores-per-host", "1", "--speedup", "1"],
+                [sys.executable, str(Path(__file__).resolve()), "--output", "-",
+                 "--alone-worker", str(prefix), "--", "hybriddl", "train", "--usecase",
+                 args.usecase, "--image-size", str(args.image_size), "--max-steps",
+                 str(args.steps), "--strategy", "sequential", "--dropout", "0"], scratch)
+            scales[hosts] = report["time_scale"]
+            for host in range(hosts):
+                metrics = json.loads(Path(f"{prefix}{host}", "metrics.json").read_text())
+                steps[hosts].append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
+            print(f"(f) H={hosts} D={scales[hosts]:g}: steps {steps[hosts][-hosts:]}", flush=True)
+    base = statistics.median(s for r in steps[1] for s in r)
+    rows = [{"hosts": hosts, "quota_cores": 1 / scales[hosts] if scales[hosts] > 1 else None,
+             **step_row(steps[hosts], base, scales[hosts]),
+             "step_seconds_by_host_and_round": steps[hosts]} for hosts in counts]
+    return {"what": f"H hosts of 1 core at once under --speedup 1 (1/D core each where they "
+                    f"do not fit), each training on its own (hybriddl train {args.usecase} "
+                    f"{args.image_size}px sequential, {args.steps} steps, first "
+                    f"{args.warmup} left out): each host's wall step vs D x one host's alone",
+            "rows": rows}
+
+
 OPEN_MPI_EAGER = ["--mca", "btl_tcp_eager_limit", "65536", "--mca", "btl_tcp_rndv_eager_limit",
                   "65536", "--mca", "btl_tcp_max_send_size", "131072"]  # Open MPI's defaults
 
@@ -402,6 +442,9 @@ def summary(result: dict) -> list[dict]:
     rows += [compute_row(row, f"compute, {row['hosts']} hosts side by side (step / one "
                               "host's step at D = 1)")
              for row in result.get("side_by_side", {}).get("rows", []) if row["hosts"] != 1]
+    rows += [compute_row(row, f"compute, {row['hosts']} hosts of 1 core at once under a "
+                              "quota (step / one host's alone)")
+             for row in result.get("quota", {}).get("rows", []) if row["hosts"] != 1]
     for row in result.get("link", {}).get("rows", []):
         turns = " (hosts taking turns)" if row.get("cores_per_host", 1) > 1 else ""
         rows.append({"check": f"link at {row.get('bandwidth', '')}{turns} (wire rate)",
@@ -462,7 +505,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hybriddl-fidelity-") as scratch:
         checks = {"a": ("compute", compute_check), "b": ("link", link_check),
                   "c": ("nic_bytes", nic_check), "d": ("side_by_side", side_by_side_check),
-                  "e": ("exchanges", exchange_check)}
+                  "e": ("exchanges", exchange_check), "f": ("quota", quota_check)}
         for letter in args.checks:
             key, check = checks[letter]
             result[key] = check(args, Path(scratch))
@@ -483,6 +526,9 @@ def main(argv=None) -> int:
     for row in result.get("side_by_side", {}).get("rows", []):
         print(f"(d) H=D={row['hosts']}: step {row['step_seconds_median']:.3f} s, "
               f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
+    for row in result.get("quota", {}).get("rows", []):
+        print(f"(f) H={row['hosts']} D={row['time_scale']:g}: step {row['step_seconds_median']:.3f}"
+              f" s, {row['ratio_to_d1']:.2f} x one host alone ({row['error']:+.1%} from D)")
     for row in result.get("exchanges", {}).get("rows", []):
         print(f"(e) {row['case']} (D={row['time_scale']:g}): {row['emulated_seconds_median']:.4f} "
               f"emulated s per step ({row['error']:+.1%} from side by side)")

@@ -322,3 +322,20 @@ def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(mon
     assert row["measured_step_seconds"] == pytest.approx(0.12)
     assert row["error_percent"] == pytest.approx(100 * (0.1 - 0.12) / 0.12)
     assert row["wall_comm_seconds_per_step"] == [16, 21, 20]
+
+
+def test_fidelity_summary_judges_hosts_at_once_under_a_quota_against_one_alone():
+    import emulation_fidelity
+
+    def row(hosts, scale, median, base=1.6):
+        return {"hosts": hosts, **emulation_fidelity.step_row([[median]], base, scale)}
+
+    result = {"quota": {"rows": [row(1, 1.0, 1.6), row(2, 1.0, 1.64), row(4, 2.0, 4.0)]}}
+    rows = emulation_fidelity.summary(result)
+    assert [(r["check"].split(",")[1].strip()[:1], r["time_scale"]) for r in rows] == \
+        [("2", 1.0), ("4", 2.0)]
+    at_once, quota = rows
+    assert at_once["within"] and at_once["error"] == pytest.approx(0.025)
+    # 4 hosts at D = 2 taking 4.0 s where one alone takes 1.6: 25 % slower than D accounts for.
+    assert not quota["within"] and quota["error"] == pytest.approx(0.25)
+    assert emulation_fidelity.parse_args(["--output", "x"]).checks == list("abcdef")
