@@ -442,8 +442,9 @@ def summary(result: dict) -> list[dict]:
     rows += [compute_row(row, f"compute, {row['hosts']} hosts side by side (step / one "
                               "host's step at D = 1)")
              for row in result.get("side_by_side", {}).get("rows", []) if row["hosts"] != 1]
-    rows += [compute_row(row, f"compute, {row['hosts']} hosts of 1 core at once under a "
-                              "quota (step / one host's alone)")
+    rows += [compute_row(row, f"compute, {row['hosts']} hosts of 1 core at once, "
+                              + ("under a quota" if row["time_scale"] > 1 else "side by side")
+                              + " (step / one host's alone)")
              for row in result.get("quota", {}).get("rows", []) if row["hosts"] != 1]
     for row in result.get("link", {}).get("rows", []):
         turns = " (hosts taking turns)" if row.get("cores_per_host", 1) > 1 else ""

@@ -778,7 +778,7 @@ def bench_rows_exchange_setting(data: dict) -> str:
             "emulated ms")
 
 
-BENCH_ROWS_QUOTA_NOTES = """How to read it: *compute, H hosts of 1 core at once under a quota*: H emulated hosts of one
+QUOTA_NOTES = """How to read it: *compute, H hosts of 1 core at once under a quota*: H emulated hosts of one
 core started with `--speedup 1`, each training on its own (no exchange between them), their
 steps against one host's alone on this machine (the other core idle), × D. Where H hosts do
 not fit the cores side by side (4 on 2 cores: D = 2) every host runs at once, held to 1/D
@@ -787,7 +787,7 @@ tables. An error near 0 says that hosts running at once do not slow each other's
 (shared caches, memory bandwidth) beyond the D the emulation divides by; a positive one is
 the share of a multi-host cell's step that real hosts would not pay."""
 
-EXCHANGE_NOTES = """How to read it: the split classifier's features' gradient (AlexNet's and VGG16's 9216
+BENCH_ROWS_EXCHANGE_NOTES = """How to read it: the split classifier's features' gradient (AlexNet's and VGG16's 9216
 features at 32 images a host) returned to the hosts that computed them, a reduce-scatter of
 rows. *libnbc* is Open MPI's non-blocking reduce-scatter, which the hosts ran before: a
 reduce to one host along a tree, then a scatter from it, so one host receives every other
