@@ -330,23 +330,34 @@ def nic_check(args, scratch: Path) -> dict:
                                        for a, b in zip(medians[scaled], medians[1.0]))}
 
 
+def each_on_its_own(args, hosts: int, options: list[str],
+                    scratch: Path) -> tuple[dict, list[list[float]]]:
+    """`hybriddl emulate --hosts HOSTS OPTIONS` with every host training on its own (one single-process
+    run per host, no MPI between them; (d), (f)): the report and each host's wall step
+    seconds, the first --warmup left out."""
+    prefix = Path(tempfile.mkdtemp(prefix="alone-", dir=scratch)) / "run"
+    report = emulate(["--hosts", str(hosts), *options], [
+        sys.executable, str(Path(__file__).resolve()), "--output", "-", "--alone-worker",
+        str(prefix), "--", "hybriddl", "train", "--usecase", args.usecase, "--image-size",
+        str(args.image_size), "--max-steps", str(args.steps), "--strategy", "sequential",
+        "--dropout", "0"], scratch)
+    steps = []
+    for host in range(hosts):
+        metrics = json.loads(Path(f"{prefix}{host}", "metrics.json").read_text())
+        steps.append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
+    return report, steps
+
+
 def side_by_side_check(args, scratch: Path) -> dict:
     counts = [1, *args.side_hosts]
     steps: dict[int, list[list[float]]] = {h: [] for h in counts}
     for _ in range(args.rounds):
         for hosts in counts:
-            prefix = Path(tempfile.mkdtemp(prefix=f"alone-{hosts}-", dir=scratch)) / "run"
-            report = emulate(
-                ["--hosts", str(hosts), "--cores-per-host", str(args.cores),
-                 "--time-scale", str(hosts)],
-                [sys.executable, str(Path(__file__).resolve()), "--output", "-",
-                 "--alone-worker", str(prefix), "--", "hybriddl", "train", "--usecase",
-                 args.usecase, "--image-size", str(args.image_size), "--max-steps",
-                 str(args.steps), "--strategy", "sequential", "--dropout", "0"], scratch)
+            report, per_host = each_on_its_own(
+                args, hosts, ["--cores-per-host", str(args.cores), "--time-scale", str(hosts)],
+                scratch)
             assert report["time_scale"] == hosts
-            for host in range(hosts):
-                metrics = json.loads(Path(f"{prefix}{host}", "metrics.json").read_text())
-                steps[hosts].append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
+            steps[hosts] += per_host
             print(f"(d) H=D={hosts}: steps {steps[hosts][-hosts:]}", flush=True)
     base = statistics.median(s for r in steps[1] for s in r)
     rows = [{"hosts": hosts, **step_row(steps[hosts], base, float(hosts)),
@@ -366,17 +377,10 @@ def quota_check(args, scratch: Path) -> dict:
     scales: dict[int, float] = {}
     for _ in range(args.rounds):
         for hosts in counts:
-            prefix = Path(tempfile.mkdtemp(prefix=f"quota-{hosts}-", dir=scratch)) / "run"
-            report = emulate(
-                ["--hosts", str(hosts), "--cores-per-host", "1", "--speedup", "1"],
-                [sys.executable, str(Path(__file__).resolve()), "--output", "-",
-                 "--alone-worker", str(prefix), "--", "hybriddl", "train", "--usecase",
-                 args.usecase, "--image-size", str(args.image_size), "--max-steps",
-                 str(args.steps), "--strategy", "sequential", "--dropout", "0"], scratch)
+            report, per_host = each_on_its_own(
+                args, hosts, ["--cores-per-host", "1", "--speedup", "1"], scratch)
             scales[hosts] = report["time_scale"]
-            for host in range(hosts):
-                metrics = json.loads(Path(f"{prefix}{host}", "metrics.json").read_text())
-                steps[hosts].append(metrics["epochs"][0]["per_step"]["seconds"][args.warmup:])
+            steps[hosts] += per_host
             print(f"(f) H={hosts} D={scales[hosts]:g}: steps {steps[hosts][-hosts:]}", flush=True)
     base = statistics.median(s for r in steps[1] for s in r)
     rows = [{"hosts": hosts, "quota_cores": 1 / scales[hosts] if scales[hosts] > 1 else None,
