@@ -211,6 +211,15 @@ class TrainDisplay:
                           f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
                           f"val accuracy {accuracy(record['val_accuracy'])}")
 
+    def on_target(self, record: dict) -> None:
+        if self.enabled:  # above the epoch's bar, which goes on
+            self.progress.console.print(f"  target: val accuracy {record['accuracy']:g} reached at step "
+                          f"{record['step']} (epoch {record['epochs']:g}), after "
+                          f"{record['wall_seconds']:.1f} s"
+                          + (f" ({record['emulated_seconds']:.1f} s emulated)"
+                             if record['emulated_seconds'] != record['wall_seconds'] else ""),
+                          markup=False, highlight=False)
+
     def stop(self) -> None:
         self.progress.stop()
         self.tuning.stop()

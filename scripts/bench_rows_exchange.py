@@ -62,7 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from hybriddl.hosts.cluster import connect
-    from hybriddl.hosts.mpi import time_scale
+    from hybriddl.emulation.hosts import time_scale
     from hybriddl.hosts.wire import as_bits
 
     hosts = connect()

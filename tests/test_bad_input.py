@@ -129,6 +129,13 @@ CASES = {
                                                    "layerwise"), "features -> avgpool"),
     # ":two:" is an emoji code to rich: the line must show what the user typed.
     "compression_rank_not_a_number": (flags("--compression", "powersgd:two"), "powersgd:two"),
+    "target_accuracy_zero": (flags("--target-accuracy", "0"), "--target-accuracy 0"),
+    "target_accuracy_above_one": (flags("--target-accuracy", "1.5"), "(0, 1]"),
+    "target_accuracy_nan": (flags("--target-accuracy", "nan"), "--target-accuracy nan"),
+    "stop_at_target_without_a_target": (flags("--stop-at-target"), "--target-accuracy A"),
+    "eval_every_zero": (flags("--eval-every", "0"), "--eval-every 0"),
+    "target_with_measure_only": (flags("--measure-only", "--target-accuracy", "0.9"),
+                                 "--measure-only runs no validation"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
     "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
     "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),

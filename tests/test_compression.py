@@ -544,3 +544,31 @@ def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, mo
     metrics = json.loads((cut / METRICS).read_text())
     assert metrics["config"]["host_parallel"]["scheme"] == scheme
     assert metrics["config"]["hosts"]["compression"] == "powersgd:2"
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank):
+    """At the first step every gradient behind a zero head is exactly zero: its factor
+    must not stay zero for ever (rank 1's normalisation kept it so; QR at rank >= 2 not)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 16), nn.ReLU(),
+                          nn.Linear(16, 10))
+    nn.init.zeros_(model[4].weight)
+    nn.init.zeros_(model[4].bias)  # as torchvision's ViT initialises its head
+    compression = PowerSGD(rank)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    assert all(compression.compresses(p.shape) for p in matrices)
+    before = [p.detach().clone() for p in matrices]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)
+    for step in range(8):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if step == 0:  # the premise: nothing but the head has a gradient yet
+            assert float(model[0].weight.grad.abs().max()) == 0.0
+        gradients = [p.grad for p in model.parameters()]
+        compression.aggregate(gradients, alone, out=gradients)
+        optimizer.step()
+    moved = [float((p.detach() - b).abs().max()) for p, b in zip(matrices, before)]
+    assert all(m > 0 for m in moved), moved

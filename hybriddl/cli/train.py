@@ -66,6 +66,17 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                         help="time the steps only: no checkpoint, validation pass or model.pt "
                              "(what benchmarks run: scripts/scaling_e2e.py); metrics.json "
                              "says so, and the run cannot be resumed")
+    timed = parser.add_argument_group("time to accuracy (as MLPerf Training times a run)")
+    timed.add_argument("--target-accuracy", type=float, metavar="A",
+                       help="record the step, epoch, wall and emulated seconds at which "
+                            "validation accuracy first reaches A, in (0, 1] (metrics.json's "
+                            "target; the clock runs through evaluations)")
+    timed.add_argument("--eval-every", type=int, metavar="N",
+                       help="validate every N optimizer steps as well (default: at every "
+                            "epoch's end only)")
+    timed.add_argument("--stop-at-target", action="store_true", default=None,
+                       help="end the run, checkpointed and with its model.pt, once "
+                            "--target-accuracy is reached")
     add_strategy_flags(parser)
     add_profile_dir_flag(parser, "where auto finds and keeps profiles")
     parser.add_argument("--tune-budget", type=float,
@@ -90,6 +101,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.measure_only and args.resume_if_exists:
         raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
                          "nothing to resume: leave one of them out")
+    if args.measure_only and (args.target_accuracy is not None or args.eval_every is not None
+                              or args.stop_at_target):
+        raise UsageError("--measure-only runs no validation, so --target-accuracy, "
+                         "--eval-every and --stop-at-target would time nothing: leave one "
+                         "side out")
     if not resume_if_exists(args):
         console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
                       markup=False, highlight=False, soft_wrap=True)

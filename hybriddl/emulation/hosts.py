@@ -287,8 +287,17 @@ def _end_processes(pids: list[int], grace: float) -> None:
 
 
 # ---------------------------------------------------------------------- time slicing
-# Set in every rank of hosts emulated with D > 1 (read by hybriddl.hosts.mpi).
+# Set in every rank of emulated hosts slowed down (D > 1) or standing for faster ones (S):
+# S·D, read by `time_scale` (the hosts' deadlines and link rates, the run's target clock).
 TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """S·D of emulated hosts (1 on real hosts): wall seconds over it are emulated seconds."""
+    try:
+        return max(1.0, float(os.environ.get(TIME_SCALE_VARIABLE, "1")))
+    except ValueError:
+        return 1.0
 
 
 def default_cores_per_host(hosts: int) -> int:

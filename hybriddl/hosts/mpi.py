@@ -36,6 +36,7 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
+from hybriddl.emulation.hosts import time_scale
 from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.traffic import TrafficMeter
@@ -883,14 +884,6 @@ def _back_to(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
     if given.device.type == "cpu":
         return host
     return given.new_empty(host.shape).copy_(host, non_blocking=True)
-
-
-def time_scale() -> float:
-    """D of emulated hosts slowed down in time (1 on real hosts)."""
-    try:
-        return max(1.0, float(os.environ.get("HYBRIDDL_TIME_SCALE", "1")))
-    except ValueError:
-        return 1.0
 
 
 def parameters_digest(model: nn.Module) -> str:

@@ -27,6 +27,7 @@ stays far below float32's), and P Q^T is summed outer product by outer product
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -420,9 +421,22 @@ def orthogonal(factors: torch.Tensor) -> torch.Tensor:
     orthogonalize, in float64 so that every host rounds to the same float32 bits."""
     wide = factors.double()
     if factors.shape[-1] == 1:
+        # A zero factor (a matrix whose summed M was exactly zero, as every layer's is at
+        # the first step behind a zero-initialised head) would stay zero under power
+        # iteration for ever, its layer frozen while its error grows: it starts again from
+        # a fixed direction, the same on every host, as QR's unit vectors do at rank >= 2.
+        norms = wide.norm(dim=1, keepdim=True)
+        wide = torch.where(norms > 0, wide, fresh_direction(tuple(wide.shape), wide.device))
         # Each matrix's own norm (epfml divides the whole batch by one norm).
         return (wide / wide.norm(dim=1, keepdim=True).clamp_min(1e-30)).to(factors.dtype)
     return torch.linalg.qr(wide).Q.to(factors.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def fresh_direction(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A fixed float64 direction of this shape (FACTOR_SEED's), drawn once per shape."""
+    generator = torch.Generator().manual_seed(FACTOR_SEED)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
 
 
 # Elements of a matrix worked on at a time: ~1 MB, in cache, where a whole matrix's pass

@@ -51,6 +51,11 @@ class TrainConfig(NamesAUseCase):
     # The split's features and their gradients on the wire (--feature-dtype, hybrid only):
     # "float32" (exact), "bfloat16"; None: float32, or the planner's under --compression auto.
     feature_dtype: str | None = None
+    # Time to accuracy (run/target.py): the validation accuracy timed, in (0, 1]; validation
+    # every N steps besides every epoch's end; the run ended once the target is reached.
+    target_accuracy: float | None = None
+    eval_every: int | None = None
+    stop_at_target: bool = False
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -80,6 +85,15 @@ class TrainConfig(NamesAUseCase):
             raise UsageError(f"--lr {filled.lr}: give a positive, finite learning rate")
         if not 0 <= filled.momentum < 1:
             raise UsageError(f"--momentum {filled.momentum}: give a value in [0, 1)")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise UsageError(f"--target-accuracy {self.target_accuracy}: give a validation "
+                             "accuracy in (0, 1], e.g. 0.9")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise UsageError(f"--eval-every {self.eval_every}: give at least 1 step (left "
+                             "out, validation runs at every epoch's end)")
+        if self.stop_at_target and self.target_accuracy is None:
+            raise UsageError("--stop-at-target needs --target-accuracy A: the accuracy to "
+                             "stop at")
         parse_compression(filled.compression)  # auto: the planner settles it at start
         if filled.feature_dtype is not None and filled.feature_dtype not in FEATURE_DTYPES:
             raise UsageError(f"--feature-dtype {filled.feature_dtype}: choose one of "

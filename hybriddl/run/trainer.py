@@ -32,6 +32,7 @@ from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
+from hybriddl.run.target import AccuracyTarget
 from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
@@ -56,6 +57,8 @@ class TrainingObserver:
     def on_step(self, epoch: int, step: int, samples: int, seconds: float,
                 loss: float | None) -> None: ...
     def on_epoch_end(self, record: dict) -> None: ...
+    # the target record (run/target.py) when --target-accuracy is first reached
+    def on_target(self, record: dict) -> None: ...
 
 
 @dataclass
@@ -183,6 +186,10 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             "config": config_record(prepared, hosts, scheme), "epochs": []}
         if figures_only:  # `train --measure-only`: the record says what was left out
             metrics["config"]["measure_only"] = "no checkpoint, validation pass or model.pt"
+        target = AccuracyTarget(config.target_accuracy, config.eval_every,
+                                config.stop_at_target, metrics.get("target"))
+        if target.active or config.eval_every is not None:
+            metrics["target"] = target.record  # kept up to date, in every checkpoint too
         optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         keeper = monitoring.enter_context(ckpt.Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
@@ -193,7 +200,10 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(run_dir / METRICS, metrics)
         observer.on_start(metrics["config"])
+        target.start()
         for epoch in range(keeper.position.epoch, config.epochs):
+            if target.should_stop():  # resumed after it stopped at its target: nothing to do
+                break
             progress = keeper.epoch_progress(epoch)
             batches = datamod.epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
             todo = batches[progress.steps:]
@@ -201,17 +211,24 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                 todo = todo[: config.max_steps - keeper.position.steps_done]
             if not todo and progress.steps == 0:
                 break
+            validate = Validation(strategy, split.val, transform, 2 * config.batch_size,
+                                  target, observer, len(batches))
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
-                                 optimizer, hosts, observer, keeper, config.seed, scheme)
-            record["val_accuracy"] = None if figures_only else evaluate(
-                strategy, split.val, transform, 2 * config.batch_size)
+                                 optimizer, hosts, observer, keeper, config.seed, scheme,
+                                 None if figures_only else validate)
+            record["val_accuracy"] = None if figures_only else validate.at_epoch_end(
+                epoch, keeper.position.steps_done, progress.steps)
             metrics["epochs"].append(record)
             if hosts.rank == 0:
                 atomic_write_json(run_dir / METRICS, metrics)
             observer.on_epoch_end(record)
+            target.tick()  # the clock the checkpoint carries
             keeper.epoch_done(progress, complete=progress.steps == len(batches))
             if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
                 break
+            if target.should_stop():
+                break
+        target.tick()
         metrics["monitor"] = monitor.stop()
         metrics["memory"] = memory_record(model, optimizer)
         keeper.wait_for_write()  # one large write at a time: the space check counts on it
@@ -238,8 +255,10 @@ _BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
 
 
 def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
-                observer, keeper, seed: int, scheme) -> dict:
-    """The epoch's remaining `batches`; `progress` holds the sums of the steps before them."""
+                observer, keeper, seed: int, scheme, validate: Validation | None = None) -> dict:
+    """The epoch's remaining `batches`; `progress` holds the sums of the steps before them.
+    With `validate`, validation runs after the steps it is due at (`--eval-every`), and the
+    epoch ends early where the run stops at its target (`--stop-at-target`)."""
     model.train()
     observer.on_epoch_start(epoch, len(batches))
     started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
@@ -281,7 +300,14 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             if loss.due(stats.loss_sum, now) or keeper.saves_next_step():
                 loss.read(progress, now, f"epoch {epoch + 1}, step {step + 1}", keeper.kept)
             observer.on_step(epoch, step, share.global_samples, now - step_started, loss.last)
+            if validate is not None:
+                validate.target.tick()  # the clock a checkpoint of this step carries
             keeper.step_done(progress)
+            if validate is not None and validate.due(keeper.position.steps_done):
+                stop = validate.after_step(epoch, keeper.position.steps_done, progress.steps)
+                last = time.perf_counter()  # validation is not the next step's time
+                if stop:
+                    break
     # A GPU step returns once queued: the epoch's clock stops when its last step has run.
     strategy.synchronize()
     progress.seconds += time.perf_counter() - last
@@ -329,6 +355,45 @@ class LossReader:
             # The mean over the steps since the last read (the step's own on a CPU).
             self.last = (total - self._sum) / (progress.samples - self._samples)
         self._sum, self._samples, self.read_at = total, progress.samples, now
+
+
+class Validation:
+    """Validation of a run's epoch, where `--eval-every` and `--target-accuracy` want it: every
+    host evaluates the whole validation set at the same steps (the split classifier's forward
+    is collective), and the target's record (run/target.py) takes each accuracy."""
+
+    def __init__(self, strategy, images, transform, batch_size: int, target: AccuracyTarget,
+                 observer: TrainingObserver, epoch_steps: int):
+        self.strategy, self.images, self.transform = strategy, images, transform
+        self.batch_size, self.target, self.observer = batch_size, target, observer
+        self.epoch_steps = epoch_steps
+        self._last: tuple[int, float] | None = None  # (steps done, accuracy) just measured
+
+    def due(self, steps_done: int) -> bool:
+        return self.target.due(steps_done)
+
+    def after_step(self, epoch: int, steps_done: int, epoch_steps_done: int) -> bool:
+        """Validate now; True when the run stops at its target here."""
+        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size)
+        self._last = (steps_done, accuracy)
+        return self._taken(accuracy, epoch, steps_done, epoch_steps_done)
+
+    def at_epoch_end(self, epoch: int, steps_done: int, epoch_steps_done: int) -> float:
+        """The epoch's validation accuracy: the one just measured when validation was due at
+        its last step, else measured now."""
+        if self._last is not None and self._last[0] == steps_done:
+            return self._last[1]
+        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size)
+        self._taken(accuracy, epoch, steps_done, epoch_steps_done)
+        return accuracy
+
+    def _taken(self, accuracy: float, epoch: int, steps_done: int, epoch_steps_done: int) -> bool:
+        reached_before = self.target.reached
+        stop = self.target.evaluated(accuracy, epoch + 1, steps_done,
+                                     epoch + epoch_steps_done / max(self.epoch_steps, 1))
+        if self.target.reached and not reached_before:
+            self.observer.on_target(self.target.record)
+        return stop
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:

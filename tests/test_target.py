@@ -1,0 +1,120 @@
+"""`train --target-accuracy A`: the step, epoch, wall and emulated seconds at which validation
+first reaches A, recorded in metrics.json; `--stop-at-target` ends the run there,
+checkpointed and finished; a run cut short and resumed is timed as one.
+
+Runs are the checkpoint tests' tiny ones (squeezenet1_1, 32 px, 18 tinted images, 3 steps
+an epoch) in this process, validated after every step (`--eval-every 1`). The target is
+taken from a first run's own evaluations, so it is reached at a known step whatever this
+machine's arithmetic makes of the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from held_fixtures import images  # noqa: F401  (fixture)
+from hybriddl.cli import main
+from hybriddl.run import checkpoint
+from hybriddl.run.checkpoint import Position
+from hybriddl.rundir import METRICS, MODEL
+
+pytestmark = pytest.mark.slow
+
+STEPS_PER_EPOCH = 3
+
+
+def train_args(images: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--model", "squeezenet1_1", "--data", str(images), "--val-fraction", "0.34",
+            "--image-size", "32", "--batch-size", "4", "--epochs", "2", "--strategy",
+            "sequential", "--dropout", "0", "--lr", "0.05", "--monitor-interval", "0",
+            "--run-dir", str(run_dir), *extra]
+
+
+def target_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / METRICS).read_text())["target"]
+
+
+@pytest.fixture(scope="module")
+def every_step(images, tmp_path_factory) -> dict:
+    """Two epochs validated after every step, with a target no run reaches twice over."""
+    run_dir = tmp_path_factory.mktemp("every-step") / "run"
+    assert main(train_args(images, run_dir, "--eval-every", "1", "--target-accuracy", "1")) == 0
+    return target_of(run_dir)
+
+
+def first_reaching(evaluations: list[dict]) -> tuple[float, int]:
+    """A target some evaluation after the first reaches: (accuracy, the step it first does)."""
+    best = max(e["accuracy"] for e in evaluations[1:])
+    step = next(e["step"] for e in evaluations if e["accuracy"] >= best)
+    return best, step
+
+
+def test_every_evaluation_is_recorded_with_its_step_epoch_and_clock(every_step):
+    evaluations = every_step["evaluations"]
+    assert [e["step"] for e in evaluations] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    assert [e["epoch"] for e in evaluations] == [1, 1, 1, 2, 2, 2]
+    assert [e["epochs"] for e in evaluations] == pytest.approx(
+        [s / STEPS_PER_EPOCH for s in range(1, 7)], abs=1e-3)
+    clock = [e["wall_seconds"] for e in evaluations]
+    assert clock == sorted(clock) and clock[0] > 0
+    # Not under emulation: emulated seconds are wall seconds.
+    assert [e["emulated_seconds"] for e in evaluations] == clock
+    assert every_step["accuracy"] == 1
+    reached = [e for e in evaluations if e["accuracy"] >= 1]
+    assert every_step["reached"] == bool(reached)
+    if not reached:  # "never did" is said with nulls, not left out
+        assert every_step["step"] is None and every_step["wall_seconds"] is None
+
+
+def test_stop_at_target_ends_the_run_there_checkpointed_and_finished(images, every_step,
+                                                                    tmp_path, monkeypatch):
+    accuracy, step = first_reaching(every_step["evaluations"])
+    monkeypatch.setenv("HYBRIDDL_TIME_SCALE", "4")  # as emulate --speedup 4 sets it
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--eval-every", "1", "--target-accuracy",
+                           str(accuracy), "--stop-at-target")) == 0
+    target = target_of(run_dir)
+    assert target["reached"] is True
+    assert (target["step"], target["epoch"]) == (step, (step - 1) // STEPS_PER_EPOCH + 1)
+    assert target["epochs"] == pytest.approx(step / STEPS_PER_EPOCH, abs=1e-3)
+    assert target["emulated_seconds"] == pytest.approx(target["wall_seconds"] / 4, rel=1e-4)
+    # The same steps as the run that went on: the same accuracies up to the target.
+    assert [e["accuracy"] for e in target["evaluations"]] == \
+        [e["accuracy"] for e in every_step["evaluations"][:step]]
+    assert checkpoint.load(run_dir).position.steps_done == step
+    assert (run_dir / MODEL).is_file()
+    assert checkpoint.run_state(run_dir) == checkpoint.FINISHED
+    # Resumed as it is, it has nothing left to do: no step more.
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert checkpoint.load(run_dir).position.steps_done == step
+    assert len(target_of(run_dir)["evaluations"]) == step
+
+
+def test_a_run_cut_short_and_resumed_reaches_the_target_on_one_clock(images, every_step,
+                                                                     tmp_path):
+    accuracy, step = first_reaching(every_step["evaluations"])
+    run_dir = tmp_path / "run"
+    flags = ["--eval-every", "1", "--target-accuracy", str(accuracy)]
+    assert main(train_args(images, run_dir, *flags, "--max-steps", "1")) == 0
+    cut = target_of(run_dir)
+    assert checkpoint.load(run_dir).position == Position(0, 1, 1)
+    assert main(["train", "--resume", str(run_dir), "--max-steps", "6"]) == 0
+    target = target_of(run_dir)
+    assert [e["step"] for e in target["evaluations"]] == list(range(1, 7))
+    # Where its own evaluations first reach the target (a resumed run equals the run that
+    # went on to 1e-6, not bit for bit: an accuracy of 6 images may differ by a near-tie).
+    first = next(e for e in target["evaluations"] if e["accuracy"] >= accuracy)
+    assert (target["reached"], target["step"]) == (True, first["step"])
+    # One clock: the resumed attempt's evaluations come after the first attempt's time.
+    assert target["evaluations"][0] == cut["evaluations"][0]
+    assert target["evaluations"][1]["wall_seconds"] > cut["clock"]["wall_seconds"] > 0
+    assert target["wall_seconds"] == first["wall_seconds"]
+
+
+def test_without_a_target_metrics_keep_their_contract(images, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--epochs", "1")) == 0
+    assert "target" not in json.loads((run_dir / METRICS).read_text())
