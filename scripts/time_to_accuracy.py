@@ -1,40 +1,40 @@
-"""Time to accuracy of the main job on 1, 2 and 4 emulated hosts: the same training, so
-nearly the same loss and validation accuracy per epoch, reached in less emulated time with
-more hosts.
+"""Time to a target accuracy on real images, over seeds, scored as MLPerf Training scores
+its runs: each cell (a contender on H emulated hosts) is trained once per seed to the target
+(`train --target-accuracy A --stop-at-target`), its emulated seconds to the target taken
+from metrics.json's `target`; the cell's score drops the fastest and the slowest run and
+averages the rest, a run that misses the target within the epoch cap counting as the
+slowest (more than one miss: no score).
 
-Each host count is one `hybriddl emulate --hosts H --cores-per-host C --bandwidth R --
-hybriddl train --usecase ComplexSmall ...` run with the same global batch (the use case's),
-so every host count takes the same optimizer steps (`--host-parallel` hybrid and data are
-both exact to float rounding: each host count sums in another order, and over the epochs
-the difference grows; the train loss per epoch is recorded beside the accuracy to show it).
-Time is the trainer's own (metrics.json's epoch spans: the epoch's steps, without its
-evaluation, which every host runs whole) divided by the emulation's time scale D (emulated
-time), epoch by epoch; beside it, the whole command's emulated seconds (start-up and
-evaluations included) from the emulation's report.
+The target is fixed before any other cell runs: the highest validation accuracy, rounded
+down to the percent, that one host training exactly reaches in all but at most one of its
+seeds within the epoch cap (those reference runs go to the cap, validated every
+--eval-every steps). It goes in the results file, and a later call reads it from there.
 
-    python scripts/time_to_accuracy.py --hosts 1 2 4 --epochs 3 \\
-        --output results/time_to_accuracy-ComplexSmall-1gbit.json
+Contenders: `exact` (hybriddl, the exact scheme the planner picks: `--host-parallel auto
+--compression none`), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
+scheme), `ddp-powersgd:R` (PyTorch DDP with torch's powerSGD_hook at rank R, one process
+per core, trained to the same target: hybriddl.cli.compare_ddp --epochs). Every run has
+the same global batch, learning rate, seed list and data; hosts stand for faster ones at
+one speedup S for the whole file (`--host-step` measures S once, at the first run, from
+one host's step here; later runs use `--speedup S`). Runs are kept as they finish: a call
+with --output naming an existing file runs only the (contender, hosts, seed) not in it.
 
-Exact against compressed (`--compression none powersgd:2 ...`: each scheme is a run of its
-own at every host count, on the same data, seed and steps), on a real image set and at an
-emulated host speed (`--host-step 10ms`: each host stands for one whose step takes 10 ms,
-`hybriddl emulate --host-step`), so that the accuracy each scheme reaches at equal epochs
-stands beside the emulated time it took:
-
-    python scripts/digits_imagefolder.py /tmp/digits
-    python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/digits \\
-        --image-size 64 --lr 0.01 --hosts 2 --cores-per-host 1 --runs hybrid/none \\
-        hybrid/powersgd:2 data/powersgd:2 --host-step 10ms --epochs 5 \\
-        --output results/time_to_accuracy-digits-SimpleBig-1gbit.json
+    python scripts/digits_imagefolder.py /tmp/mnist
+    python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/mnist \\
+        --image-size 64 --lr 0.01 --epochs 6 --eval-every 25 --seeds 1 2 3 4 5 \\
+        --host-step 10ms --bandwidth 1gbit --cells 1:exact 2:powersgd:2 2:ddp-powersgd:2 \\
+        --output results/time_to_accuracy-mnist-SimpleBig-1gbit.json
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import math
 import os
 import shlex
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,164 +43,258 @@ from pathlib import Path
 
 from bench_common import results_header
 from hybriddl.files import atomic_write_json
+from hybriddl.usecases import get_usecase
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-# The main job's profiled pick at 224 px on a 2-core host (profiles/); pinned so that no
-# host count tunes a profile of its own first (that would be time outside the training).
-LOCAL = ["--strategy", "intraop", "--workers", "2", "--channels-last"]
+EXACT, DDP_PREFIX = "exact", "ddp-powersgd:"
+# hybriddl's local strategy on every host: PyTorch's intra-op threads on the host's cores
+# (the fastest local strategy at small sizes; every strategy trains the same steps).
+LOCAL = ["--strategy", "intraop", "--channels-last"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--usecase", default="ComplexSmall")
-    parser.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--cores-per-host", type=int, default=2)
-    parser.add_argument("--bandwidth", default="1gbit")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--host-parallel", nargs="+", default=["auto"],
-                        choices=["auto", "hybrid", "data"],
-                        help="schemes across hosts; each with each --compression is a run "
-                             "(default: auto)")
-    parser.add_argument("--compression", nargs="+", default=["none"],
-                        help="schemes to train with, each a run of its own (train's "
-                             "--compression values; default: none, exact)")
-    parser.add_argument("--runs", nargs="+", metavar="SCHEME/COMPRESSION",
-                        help="the runs themselves, e.g. hybrid/none data/powersgd:2, in "
-                             "place of every --host-parallel with every --compression (an "
-                             "exact data run on a slow link can take hours at a speedup)")
-    parser.add_argument("--data", default="synthetic",
-                        help="train's --data (default: the embedded set)")
-    parser.add_argument("--image-size", type=int, help="train's --image-size")
+    parser.add_argument("--usecase", default="SimpleBig")
     parser.add_argument("--model", help="train's --model (default: the use case's)")
-    parser.add_argument("--lr", type=float, help="train's --lr")
+    parser.add_argument("--data", required=True, help="a real image set (ImageFolder): "
+                        "scripts/digits_imagefolder.py writes one")
+    parser.add_argument("--image-size", type=int, required=True)
+    parser.add_argument("--batch-size", type=int,
+                        help="the global batch, the same at every host count (default: the "
+                             "use case's)")
+    parser.add_argument("--lr", type=float, required=True,
+                        help="one learning rate, at which one host exact converges, for every cell")
+    parser.add_argument("--epochs", type=int, required=True, help="the epoch cap")
+    parser.add_argument("--eval-every", type=int, help="validate every N steps as well as "
+                        "at every epoch's end")
+    parser.add_argument("--seeds", type=int, nargs="+", required=True)
+    parser.add_argument("--cells", nargs="+", required=True, metavar="H:CONTENDER",
+                        help="e.g. 1:exact 2:exact 2:powersgd:2 4:ddp-powersgd:2")
+    parser.add_argument("--cores-per-host", type=int, default=1)
+    parser.add_argument("--bandwidth", default="1gbit")
     speed = parser.add_mutually_exclusive_group()
-    speed.add_argument("--speedup", type=float, help="emulate's --speedup S")
-    speed.add_argument("--host-step", help="emulate's --host-step (e.g. 10ms): S from a "
-                                           "step measured here for --usecase")
+    speed.add_argument("--speedup", type=float, help="emulate's --speedup S (every run)")
+    speed.add_argument("--host-step", help="S from one host's step measured here (e.g. "
+                                           "10ms), once, at the first run")
+    parser.add_argument("--target", type=float, help="the target accuracy, where it is not "
+                        "fixed yet by the reference (1:exact) in --output")
     parser.add_argument("--output", required=True)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.cells = [parse_cell(text) for text in args.cells]
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
-def run_hosts(args, hosts: int, scratch: Path, compression: str = "none",
-              host_parallel: str = "auto") -> dict:
-    name = f"h{hosts}-{host_parallel}-{compression.replace(':', '')}"
-    run_dir = scratch / name
-    report = scratch / f"{name}.report.json"
-    sizes = ["--image-size", str(args.image_size)] if args.image_size else []
-    sizes += ["--model", args.model] if args.model else []
-    local = [*LOCAL[:2], "--workers", str(args.cores_per_host), *LOCAL[4:]]
-    train = ["train", "--usecase", args.usecase, "--epochs", str(args.epochs),
-             "--data", args.data, *sizes, *(["--lr", str(args.lr)] if args.lr else []),
-             "--monitor-interval", "0", "--run-dir", str(run_dir), *local, "--overlap",
-             "--host-parallel", host_parallel, "--compression", compression]
-    speed = (["--speedup", str(args.speedup)] if args.speedup else
-             ["--host-step", args.host_step, "--usecase", args.usecase, *sizes,
-              "--channels-last"] if args.host_step else [])
-    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
-               "--cores-per-host", str(args.cores_per_host), "--bandwidth", args.bandwidth,
-               *speed, "--report", str(report), "--", "hybriddl", *train]
+def parse_cell(text: str) -> tuple[int, str]:
+    """'2:powersgd:2' -> (2, 'powersgd:2')."""
+    hosts, _, contender = text.partition(":")
+    if not hosts.isdigit() or int(hosts) < 1 or not contender:
+        raise ValueError(f"--cells {text}: give HOSTS:CONTENDER, e.g. 2:powersgd:2")
+    if not (contender == EXACT or contender.startswith(("powersgd:", DDP_PREFIX))):
+        raise ValueError(f"--cells {text}: the contender is exact, powersgd:R[:start=N] or "
+                         "ddp-powersgd:R")
+    return int(hosts), contender
+
+
+# ------------------------------------------------------------------------ scoring
+
+def mlperf_score(seconds: list[float | None]) -> dict:
+    """MLPerf Training's score of one cell's runs (None: a run that missed the target):
+    the fastest and slowest dropped, the rest averaged; a miss is the slowest, and more
+    than one miss (or fewer than 3 runs) gives no score."""
+    runs, missed = len(seconds), sum(s is None for s in seconds)
+    ordered = sorted(seconds, key=lambda s: math.inf if s is None else s)
+    kept = ordered[1:-1]
+    if runs < 3:
+        return {"score_seconds": None, "why": f"{runs} runs: MLPerf's score needs at least 3"}
+    if missed > 1:
+        return {"score_seconds": None, "why": f"{missed} of {runs} runs missed the target"}
+    return {"score_seconds": statistics.fmean(kept),
+            "dropped": [ordered[0], ordered[-1]], "kept": kept}
+
+
+def target_from_reference(best: list[float]) -> float:
+    """The highest accuracy, rounded down to the percent, that all but at most one of the
+    reference's runs reach (each run's best validation accuracy within the cap)."""
+    ordered = sorted(best)
+    reached_by_all_but_one = ordered[1] if len(ordered) > 1 else ordered[0]
+    return math.floor(round(100 * reached_by_all_but_one, 6)) / 100
+
+
+def first_reaching(evaluations: list[dict], target: float) -> dict | None:
+    return next((e for e in evaluations if e["accuracy"] >= target), None)
+
+
+def summarise(runs: list[dict], target: float, bandwidth: str,
+              host_step_seconds: float | None) -> list[dict]:
+    """One row per (contender, hosts): seeds, runs reaching the target, the MLPerf-style
+    score in emulated seconds, its ratio to one host exact's, median epochs to target,
+    and the final accuracy's mean and spread over seeds."""
+    done = [r for r in runs if "failed" not in r]
+    cells = sorted({(r["hosts"], r["contender"]) for r in done})
+    rows = []
+    for hosts, contender in cells:
+        mine = [r for r in done if (r["hosts"], r["contender"]) == (hosts, contender)]
+        reaching = [first_reaching(r["evaluations"], target) for r in mine]
+        score = mlperf_score([e["emulated_seconds"] if e else None for e in reaching])
+        finals = [r["evaluations"][-1]["accuracy"] for r in mine if r["evaluations"]]
+        epochs = [e["epochs"] for e in reaching if e]
+        rows.append({
+            "model": mine[0]["model"], "hosts": hosts, "bandwidth": bandwidth,
+            "host_step_seconds": host_step_seconds, "contender": contender,
+            "exact": contender == EXACT, "seeds": len(mine),
+            "reached": sum(e is not None for e in reaching),
+            **score, "median_epochs_to_target": statistics.median(epochs) if epochs else None,
+            "seconds_by_seed": {str(r["seed"]): (e["emulated_seconds"] if e else None)
+                                for r, e in zip(mine, reaching)},
+            "final_accuracy_mean": statistics.fmean(finals) if finals else None,
+            "final_accuracy_spread": [min(finals), max(finals)] if finals else None,
+            "final_epochs": [r["evaluations"][-1]["epochs"] for r in mine if r["evaluations"]],
+        })
+    reference = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
+    for row in rows:
+        row["ratio_to_one_host"] = (
+            row["score_seconds"] / reference["score_seconds"]
+            if reference and reference["score_seconds"] and row["score_seconds"] else None)
+    return rows
+
+
+# ------------------------------------------------------------------------ one run
+
+def emulate_command(args, hosts: int, report: Path, speed: list[str],
+                    command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
+            "--cores-per-host", str(args.cores_per_host), "--bandwidth", args.bandwidth,
+            *speed, "--report", str(report), "--", *command]
+
+
+def goal_flags(args, seed: int, stop_at: float | None) -> list[str]:
+    """What every contender trains: the data, sizes, batch, learning rate, seed, epoch
+    cap, validation and target."""
+    flags = ["--usecase", args.usecase, "--data", args.data, "--image-size",
+             str(args.image_size), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+             "--seed", str(seed), "--epochs", str(args.epochs)]
+    flags += ["--model", args.model] if args.model else []
+    flags += ["--eval-every", str(args.eval_every)] if args.eval_every else []
+    if stop_at is not None:
+        flags += ["--target-accuracy", str(stop_at), "--stop-at-target"]
+    return flags
+
+
+def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
+             stop_at: float | None, scratch: Path) -> dict:
+    """One seed of one cell on emulated hosts; its evaluations in emulated seconds."""
+    name = f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
+    run_dir, report = scratch / name, scratch / f"{name}.report.json"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    report.unlink(missing_ok=True)
+    if contender.startswith(DDP_PREFIX):
+        processes = hosts * args.cores_per_host
+        ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
+                          str(processes), "--hosts", str(hosts), "--master-addr",
+                          "198.18.0.1", "--interface", "eth0", "--result-dir", str(run_dir),
+                          "--powersgd-rank", contender[len(DDP_PREFIX):],
+                          *goal_flags(args, seed, stop_at)])
+        command = ["sh", "-c", f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
+        result = run_dir / "rank0.json"
+    else:
+        compression = "none" if contender == EXACT else contender
+        command = ["hybriddl", "train", *goal_flags(args, seed, stop_at), *LOCAL,
+                   "--workers", str(args.cores_per_host), "--overlap", "--host-parallel",
+                   "auto", "--compression", compression, "--monitor-interval", "0",
+                   "--run-dir", str(run_dir)]
+        result = run_dir / "metrics.json"
+    full = emulate_command(args, hosts, report, speed, command)
     started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+    done = subprocess.run(full, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    record = {"hosts": hosts, "contender": contender, "seed": seed,
+              "model": args.model or get_usecase(args.usecase).model,
+              "wall_seconds": round(time.time() - started, 1),
+              "command": shlex.join(["hybriddl", *full[3:]])}
     if done.returncode != 0:
         lines = (done.stdout + done.stderr).strip().splitlines()
-        return {"hosts": hosts, "failed": done.returncode, "output_tail": lines[-8:]}
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+        return {**record, "failed": done.returncode, "output_tail": lines[-8:]}
     emulation = json.loads(report.read_text())
-    # Emulated seconds are wall seconds over the dilation: the time scale D of hosts that
-    # take turns times the speedup S of hosts standing for faster ones.
-    scale = emulation.get("dilation", emulation.get("time_scale", 1.0))
-    epochs, elapsed = [], 0.0
-    for epoch in metrics["epochs"]:
-        # The epoch's span (its steps), in emulated seconds.
-        span = epoch["ended_at"] - epoch["started_at"]
-        elapsed += span / scale
-        epochs.append({"epoch": epoch["epoch"], "val_accuracy": epoch["val_accuracy"],
-                       "train_loss": epoch["train_loss"],
-                       "emulated_seconds": round(span / scale, 2),
-                       "emulated_seconds_total": round(elapsed, 2)})
-    return {"hosts": hosts, "time_scale": emulation.get("time_scale", 1.0),
-            "speedup": emulation.get("speedup", 1.0), "dilation": scale,
-            "host_step_seconds": (emulation.get("host_step") or {}).get("asked_seconds"),
-            "compression": compression,
-            "host_parallel": metrics["config"]["host_parallel"]["scheme"],
-            "global_batch": metrics["config"]["global_batch"],
-            "strategy": metrics["config"]["strategy"], "epochs": epochs,
-            "command_emulated_seconds": emulation.get("emulated_seconds"),
-            "wall_seconds": round(time.time() - started, 1),
-            "command": shlex.join(["hybriddl", *command[3:]])}
+    measured = json.loads(result.read_text())
+    target = measured["target"]
+    record.update({
+        "speedup": emulation.get("speedup", 1.0), "time_scale": emulation.get("time_scale", 1.0),
+        "host_step": emulation.get("host_step"),
+        "evaluations": [{k: e[k] for k in ("step", "epochs", "accuracy", "emulated_seconds",
+                                           "wall_seconds")} for e in target["evaluations"]],
+        "stopped_at_target": bool(stop_at is not None and target["reached"]),
+        "train_loss": [e["train_loss"] for e in measured["epochs"]],
+    })
+    config = measured.get("config", {})
+    if config.get("host_parallel"):
+        record["host_parallel"] = config["host_parallel"]["scheme"]
+        record["compression"] = (config.get("hosts") or {}).get("compression")
+    if measured.get("comm_hook"):
+        record["comm_hook"] = measured["comm_hook"]
+    return record
 
 
-def planned_runs(args) -> list[tuple[str, str]]:
-    """(--host-parallel, --compression) of each run, in the order they run."""
-    if not args.runs:
-        return list(itertools.product(args.host_parallel, args.compression))
-    runs = [tuple(run.split("/", 1)) for run in args.runs]
-    bad = [run for run, pair in zip(args.runs, runs) if len(pair) != 2
-           or pair[0] not in ("auto", "hybrid", "data")]
-    if bad:
-        raise SystemExit(f"time_to_accuracy: --runs {bad[0]}: give SCHEME/COMPRESSION, "
-                         "e.g. hybrid/none or data/powersgd:2")
-    return runs
-
+# ------------------------------------------------------------------------ the file
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = {
-        "what": " ".join(__doc__.split("\n\n")[0 if planned_runs(args) == [("auto", "none")]
-                                              else 3].split()), "usecase": args.usecase,
+    args.batch_size = args.batch_size or get_usecase(args.usecase).batch_size
+    output = Path(args.output)
+    result = json.loads(output.read_text()) if output.exists() else {
+        "what": " ".join(__doc__.split("\n\n")[0].split()), "usecase": args.usecase,
+        "data": args.data, "image_size": args.image_size, "global_batch": args.batch_size,
+        "lr": args.lr, "epoch_cap": args.epochs, "eval_every": args.eval_every,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
-        "model": args.model, "data": args.data, "compression": args.compression,
-        "runs_planned": ["/".join(run) for run in planned_runs(args)],
-        **results_header("time_to_accuracy.py", argv),
-        "runs": [],
-    }
+        "target": None, "speedup": args.speedup, "runs": []}
+    result.update(results_header("time_to_accuracy.py", argv))
+    result.setdefault("commands", []).append(result["command"])
+    if args.target is not None and result["target"] is None:
+        result["target"] = {"accuracy": args.target, "how": "given (--target)"}
+    done = {(r["hosts"], r["contender"], r["seed"]) for r in result["runs"] if "failed" not in r}
+    # The reference first: the target is fixed from it before any other cell runs.
+    cells = sorted(args.cells, key=lambda cell: cell != (1, EXACT))
     with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
-        for hosts in args.hosts:
-            for host_parallel, compression in planned_runs(args):
-                run = run_hosts(args, hosts, Path(scratch), compression, host_parallel)
-                result["runs"].append(run)
-                print(json.dumps({k: run.get(k) for k in (
-                    "hosts", "compression", "host_parallel", "failed", "wall_seconds")}),
-                    flush=True)
-            result["summary"] = summarise(result["runs"])
-            atomic_write_json(Path(args.output), result)
+        for hosts, contender in cells:
+            reference = (hosts, contender) == (1, EXACT)
+            if not reference and result["target"] is None:
+                raise SystemExit("time_to_accuracy: no target yet: run the reference cell "
+                                 "1:exact first (or give --target)")
+            for seed in args.seeds:
+                if (hosts, contender, seed) in done:
+                    continue
+                speed = (["--speedup", repr(result["speedup"])] if result["speedup"] else
+                         ["--host-step", args.host_step, "--usecase", args.usecase,
+                          "--image-size", str(args.image_size), "--batch-size",
+                          str(args.batch_size), "--channels-last"] if args.host_step else [])
+                stop_at = None if reference else result["target"]["accuracy"]
+                run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
+                result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],
+                                  r["seed"]) != (hosts, contender, seed)] + [run]
+                if run.get("host_step") and not result["speedup"]:
+                    result["speedup"] = run["speedup"]
+                    result["host_step_seconds"] = run["host_step"].get("asked_seconds")
+                print(json.dumps({k: run.get(k) for k in ("hosts", "contender", "seed",
+                                  "failed", "wall_seconds", "stopped_at_target")}), flush=True)
+                save(output, result)
+            if reference and result["target"] is None:
+                best = [max(e["accuracy"] for e in r["evaluations"]) for r in result["runs"]
+                        if (r["hosts"], r["contender"]) == (1, EXACT) and "failed" not in r]
+                result["target"] = {
+                    "accuracy": target_from_reference(best), "reference_best": best,
+                    "how": "the highest accuracy, rounded down to the percent, that one host "
+                           "exact reaches in all but at most one of its seeds within the cap"}
+                save(output, result)
     return 0
 
 
-def summarise(runs: list[dict]) -> list[dict]:
-    """Per host count and scheme: each epoch's accuracy and emulated time, the speed-up of
-    the whole training against one host (same scheme), and the accuracy against the exact
-    run at the same host count (points: 100 x the difference, per epoch; hybrid and data
-    are both exact, so either is the reference)."""
-    done = [r for r in runs if "failed" not in r]
-    rows = []
-    for run in done:
-        scheme = run.get("compression", "none")
-        one = next((r for r in done if r["hosts"] == 1 and r["host_parallel"] ==
-                    run["host_parallel"] and r.get("compression", "none") == scheme), None)
-        exact = next((r for r in done if r["hosts"] == run["hosts"]
-                      and r.get("compression", "none") == "none"), None)
-        total = run["epochs"][-1]["emulated_seconds_total"]
-        accuracy = [e["val_accuracy"] for e in run["epochs"]]
-        rows.append({
-            "hosts": run["hosts"], "host_parallel": run["host_parallel"],
-            "compression": scheme,
-            "points_vs_exact": ([round(100 * (a - e["val_accuracy"]), 2)
-                                 for a, e in zip(accuracy, exact["epochs"])]
-                                if exact else None),
-            "speedup_vs_exact": (exact["epochs"][-1]["emulated_seconds_total"] / total)
-            if exact else None,
-            "val_accuracy": [e["val_accuracy"] for e in run["epochs"]],
-            "emulated_seconds_total": total,
-            "speedup": (one["epochs"][-1]["emulated_seconds_total"] / total) if one else None,
-            "same_accuracy_as_one_host": ([e["val_accuracy"] for e in run["epochs"]] ==
-                                          [e["val_accuracy"] for e in one["epochs"]])
-            if one else None,
-        })
-    return rows
+def save(output: Path, result: dict) -> None:
+    if result["target"] is not None:
+        result["summary"] = summarise(result["runs"], result["target"]["accuracy"],
+                                      result["bandwidth"], result.get("host_step_seconds"))
+    atomic_write_json(output, result)
 
 
 if __name__ == "__main__":

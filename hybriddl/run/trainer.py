@@ -21,6 +21,7 @@ import torch
 from hybriddl import data as datamod
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
+from hybriddl.data.sharding import split_bounds
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hosts.compression import parse_compression
@@ -212,7 +213,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if not todo and progress.steps == 0:
                 break
             validate = Validation(strategy, split.val, transform, 2 * config.batch_size,
-                                  target, observer, len(batches))
+                                  target, observer, len(batches),
+                                  # every host holds the whole model: each validates a share
+                                  hosts if scheme.name == "data" else None)
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
                                  optimizer, hosts, observer, keeper, config.seed, scheme,
                                  None if figures_only else validate)
@@ -363,10 +366,11 @@ class Validation:
     is collective), and the target's record (run/target.py) takes each accuracy."""
 
     def __init__(self, strategy, images, transform, batch_size: int, target: AccuracyTarget,
-                 observer: TrainingObserver, epoch_steps: int):
+                 observer: TrainingObserver, epoch_steps: int, shared_by=None):
         self.strategy, self.images, self.transform = strategy, images, transform
         self.batch_size, self.target, self.observer = batch_size, target, observer
         self.epoch_steps = epoch_steps
+        self.shared_by = shared_by  # hosts that each validate their share, or None: all
         self._last: tuple[int, float] | None = None  # (steps done, accuracy) just measured
 
     def due(self, steps_done: int) -> bool:
@@ -374,7 +378,8 @@ class Validation:
 
     def after_step(self, epoch: int, steps_done: int, epoch_steps_done: int) -> bool:
         """Validate now; True when the run stops at its target here."""
-        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size)
+        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size,
+                            self.shared_by)
         self._last = (steps_done, accuracy)
         return self._taken(accuracy, epoch, steps_done, epoch_steps_done)
 
@@ -383,7 +388,8 @@ class Validation:
         its last step, else measured now."""
         if self._last is not None and self._last[0] == steps_done:
             return self._last[1]
-        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size)
+        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size,
+                            self.shared_by)
         self._taken(accuracy, epoch, steps_done, epoch_steps_done)
         return accuracy
 
@@ -396,17 +402,27 @@ class Validation:
         return stop
 
 
-def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int) -> float:
-    """Validation accuracy of the current master parameters (no augmentation)."""
+def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int,
+             hosts=None) -> float:
+    """Validation accuracy of the current master parameters (no augmentation). With `hosts`
+    (each holding the whole model), each host validates its share of the images and the
+    correct counts are summed: the same accuracy, 1/H of the time (MLPerf's clock runs
+    through validation)."""
     model = strategy.model
     was_training = model.training
     model.eval()
+    first, last = 0, len(images)
+    if hosts is not None and hosts.size > 1:
+        first, last = split_bounds(len(images), [1] * hosts.size)[hosts.rank]
     correct = 0
-    for start in range(0, len(images), batch_size):
-        x = transform(images.images[start:start + batch_size])
+    for start in range(first, last, batch_size):
+        stop = min(start + batch_size, last)
+        x = transform(images.images[start:stop])
         logits = strategy.evaluate(x)
-        correct += int((logits.argmax(1) == images.labels[start:start + batch_size]).sum())
+        correct += int((logits.argmax(1) == images.labels[start:stop]).sum())
     model.train(was_training)
+    if hosts is not None and hosts.size > 1:
+        correct = sum(hosts.allgather(correct))
     return correct / len(images)
 
 
