@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", default="127.0.0.1", help="host 0's address")
     parser.add_argument("--interface", default="lo", help="the NIC gloo uses and the meter reads")
     parser.add_argument("--result-dir", required=True, help="where rank<R>.json goes")
+    goal = parser.add_argument_group("train to a target accuracy instead of timing steps "
+                                     "(scripts/time_to_accuracy.py's DDP peer)")
+    goal.add_argument("--epochs", type=int, help="train N epochs at most, validating")
+    goal.add_argument("--lr", type=float, help="SGD learning rate (default: the use case's)")
+    goal.add_argument("--eval-every", type=int, metavar="N",
+                      help="validate every N steps as well as at every epoch's end")
+    goal.add_argument("--target-accuracy", type=float, metavar="A")
+    goal.add_argument("--stop-at-target", action="store_true")
     return parser
 
 
@@ -44,8 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.powersgd_rank is not None and args.powersgd_rank < 1:
         parser.error(f"--powersgd-rank {args.powersgd_rank}: give a rank of 1 or more")
     hook = CommHook("powersgd", args.powersgd_rank) if args.powersgd_rank else CommHook()
+    goal = None
+    if args.epochs is not None:
+        from hybriddl.compare.ddp import TrainingGoal
+
+        if args.epochs < 1 or (args.eval_every is not None and args.eval_every < 1):
+            parser.error("--epochs and --eval-every: give at least 1")
+        if args.target_accuracy is not None and not 0 < args.target_accuracy <= 1:
+            parser.error(f"--target-accuracy {args.target_accuracy}: give a value in (0, 1]")
+        goal = TrainingGoal(args.epochs, args.lr, args.eval_every, args.target_accuracy,
+                            args.stop_at_target)
+    elif any(v not in (None, False) for v in (args.lr, args.eval_every, args.target_accuracy,
+                                               args.stop_at_target)):
+        parser.error("--lr, --eval-every, --target-accuracy and --stop-at-target go with "
+                     "--epochs N")
     run_host(measure_settings(args), args.processes, args.hosts, args.host_index,
-             args.master_addr, args.interface, args.result_dir, hook)
+             args.master_addr, args.interface, args.result_dir, hook, goal)
     return 0
 
 

@@ -13,10 +13,12 @@ see ddp_peer.wrap).
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybriddl.compare.settings import MeasureSettings
@@ -27,6 +29,7 @@ from hybriddl.data.sharding import split_bounds
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.compare.stepmeter import StepMeter, gradient_bytes, write_rank_result
 from hybriddl.compare.theory import powersgd_elements
+from hybriddl.run.target import AccuracyTarget
 from hybriddl.strategies import Sequential, criterion
 from hybriddl.usecases import build_model
 
@@ -34,16 +37,32 @@ from hybriddl.usecases import build_model
 PORT = 29500
 
 
+@dataclass(frozen=True)
+class TrainingGoal:
+    """`--epochs N`: the DDP peer trains to a target accuracy (scripts/time_to_accuracy.py)
+    instead of timing steps: N epochs at most, validated every `eval_every` steps and at
+    each epoch's end, timed as `train --target-accuracy` times itself (run/target.py)."""
+
+    epochs: int
+    lr: float | None = None  # None: the use case's
+    eval_every: int | None = None
+    target_accuracy: float | None = None
+    stop_at_target: bool = False
+
+
 def peer(local_rank: int, first_rank: int, world: int, address: str, interface: str,
-         settings: MeasureSettings, result_dir: str, hook: CommHook = CommHook()) -> None:
-    """One DDP process: join the group, run the steps, write rank<rank>.json."""
+         settings: MeasureSettings, result_dir: str, hook: CommHook = CommHook(),
+         goal: TrainingGoal | None = None) -> None:
+    """One DDP process: join the group, run the steps (or train to `goal`), write
+    rank<rank>.json."""
     rank = first_rank + local_rank
     # The same pidstat/sar-style files the MPI contenders' runs leave, in D/run.
     monitor_dir = Path(result_dir) / "run"
     monitor_dir.mkdir(parents=True, exist_ok=True)
     with gloo_group(rank, world, address, PORT, interface):
         with Monitor(monitor_dir, rank) as monitor:
-            record = measure_ddp(rank, world, settings, interface, hook)
+            record = (measure_ddp(rank, world, settings, interface, hook) if goal is None
+                      else train_ddp(rank, world, settings, hook, goal))
             record["monitor"] = monitor.stop()
         write_rank_result(result_dir, rank, record)
 
@@ -86,6 +105,74 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str
             "payload_bytes": payload_bytes(model, hook)}
 
 
+def train_ddp(rank: int, world: int, settings: MeasureSettings, hook: CommHook,
+              goal: TrainingGoal) -> dict:
+    """DDP trained as a PyTorch user trains it (torch's own dropout, the comm hook's
+    averaging) on the same batches, flips, initial model and validation images as hybriddl
+    train, to `goal`; each rank validates its share of the images."""
+    config = settings.train_config(Sequential.name).resolved()
+    split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, len(split.classes), config.dropout)
+    ddp, _ = wrap(model, world, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=goal.lr or config.lr,
+                                momentum=config.momentum)
+    transform = BatchTransform(config.image_size)
+    target = AccuracyTarget(goal.target_accuracy, goal.eval_every, goal.stop_at_target)
+    target.start()
+    steps_done, epochs = 0, []
+    for epoch in range(goal.epochs):
+        batches = epoch_batches(len(split.train), config.batch_size, config.seed, epoch)
+        losses, started = [], time.perf_counter()
+        for index, batch in enumerate(batches):
+            start, stop = split_bounds(len(batch.indices), [1] * world)[rank]
+            mine = batch.part(start, stop)
+            optimizer.zero_grad(set_to_none=False)
+            loss = criterion(ddp(transform(split.train.images[mine.indices], mine.flips)),
+                             split.train.labels[mine.indices])
+            loss.backward()
+            optimizer.step()
+            steps_done += 1
+            losses.append(loss.item())
+            if target.due(steps_done) or index == len(batches) - 1:
+                accuracy = validate_share(model, split.val, transform, rank, world,
+                                          2 * config.batch_size)
+                if target.evaluated(accuracy, epoch + 1, steps_done,
+                                    epoch + (index + 1) / len(batches)):
+                    break
+        epochs.append({"epoch": epoch + 1, "steps": len(losses),
+                       "seconds": time.perf_counter() - started,
+                       "train_loss": sum(losses) / len(losses),
+                       "val_accuracy": target.record["evaluations"][-1]["accuracy"]})
+        if target.should_stop():
+            break
+    target.tick()
+    return {"strategy": {"name": "ddp", "backend": "gloo", "processes": world,
+                         "threads_per_process": 1},
+            "comm_hook": hook.describe(gradient_bytes(model)), "config": {
+                "model": config.model, "global_batch": config.batch_size,
+                "lr": goal.lr or config.lr, "momentum": config.momentum, "seed": config.seed},
+            "epochs": epochs, "target": target.record}
+
+
+def validate_share(model: torch.nn.Module, images, transform, rank: int, world: int,
+                   batch_size: int) -> float:
+    """Validation accuracy of `model` (the module DDP wraps: no hook runs), this rank's
+    share of the images, the correct counts summed over the group."""
+    first, last = split_bounds(len(images), [1] * world)[rank]
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(first, last, batch_size):
+            stop = min(start + batch_size, last)
+            logits = model(transform(images.images[start:stop]))
+            correct += int((logits.argmax(1) == images.labels[start:stop]).sum())
+    model.train()
+    total = torch.tensor([correct], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total) / len(images)
+
+
 def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
     """What one rank hands to gloo per step, in theory: the gradient in float32 or float16,
     or PowerSGD's factors and uncompressed tensors."""
@@ -97,12 +184,13 @@ def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
 
 def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: int,
              master_addr: str, interface: str, result_dir: str,
-             hook: CommHook = CommHook()) -> None:
+             hook: CommHook = CommHook(), goal: TrainingGoal | None = None) -> None:
     """This host's processes, of `processes` over `hosts`; each writes its rank<R>.json.
     This process is the host's first; only the others are spawned (each spawned process
     adds an interpreter's start and torch's import, seconds, before the group forms)."""
     here = processes // hosts
-    args = (host_index * here, processes, master_addr, interface, settings, result_dir, hook)
+    args = (host_index * here, processes, master_addr, interface, settings, result_dir, hook,
+            goal)
     others = (mp.start_processes(spawned_peer, args=args, nprocs=here - 1, join=False,
                                  start_method="spawn") if here > 1 else None)
     try:
