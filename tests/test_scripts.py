@@ -181,23 +181,59 @@ def test_scaling_drops_a_skipped_cell_that_a_later_run_measured():
     assert kept[0]["hosts"] == 8
 
 
-def test_time_to_accuracy_puts_each_scheme_beside_the_exact_run_at_its_host_count():
+def test_time_to_accuracy_scores_as_mlperf_dropping_the_fastest_and_the_slowest():
+    from time_to_accuracy import mlperf_score
+
+    assert mlperf_score([5.0, 1.0, 3.0, 9.0, 4.0])["score_seconds"] == 4.0  # (3 + 4 + 5) / 3
+    # One miss is the slowest run, dropped; two misses give no score.
+    missed_once = mlperf_score([5.0, None, 3.0, 9.0, 4.0])
+    assert missed_once["score_seconds"] == 6.0 and missed_once["dropped"] == [3.0, None]
+    assert mlperf_score([5.0, None, 3.0, None, 4.0])["score_seconds"] is None
+    assert mlperf_score([5.0, 4.0])["score_seconds"] is None  # too few runs to drop two
+
+
+def test_time_to_accuracy_fixes_the_target_all_but_one_reference_seed_reaches():
+    from time_to_accuracy import target_from_reference
+
+    # The second lowest best accuracy, rounded down to the percent.
+    assert target_from_reference([0.951, 0.912, 0.97, 0.5, 0.93]) == 0.91
+    assert target_from_reference([0.9, 0.9]) == 0.9
+
+
+def test_time_to_accuracy_summary_has_a_row_per_cell_with_its_misses_and_ratio():
     import time_to_accuracy
 
-    def run(hosts, scheme, accuracy, seconds):
-        epochs = [{"epoch": i + 1, "val_accuracy": a, "emulated_seconds_total": s}
-                  for i, (a, s) in enumerate(zip(accuracy, seconds))]
-        return {"hosts": hosts, "compression": scheme, "host_parallel": "hybrid",
-                "epochs": epochs}
+    def run(hosts, contender, seed, reached_at):
+        accuracy = [0.5, 0.95 if reached_at else 0.6]
+        return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
+                "evaluations": [{"epochs": e + 1, "accuracy": a, "emulated_seconds":
+                                 (reached_at or 10.0) * (e + 1) / 2}
+                                for e, a in enumerate(accuracy)]}
 
-    rows = time_to_accuracy.summarise([
-        run(2, "none", [0.5, 0.8], [10.0, 20.0]),
-        run(2, "powersgd:2", [0.45, 0.79], [2.0, 4.0]),
-        {"hosts": 2, "compression": "fp16", "failed": 1}])
-    compressed = next(r for r in rows if r["compression"] == "powersgd:2")
-    assert compressed["points_vs_exact"] == [-5.0, -1.0]
-    assert compressed["speedup_vs_exact"] == 5.0
-    assert [r["compression"] for r in rows] == ["none", "powersgd:2"]  # the failed run left out
+    runs = [run(1, "exact", s, 10.0 + s) for s in range(1, 6)]
+    runs += [run(2, "powersgd:2", s, 5.0 + s if s != 3 else None) for s in range(1, 6)]
+    runs += [{"hosts": 2, "contender": "ddp-powersgd:2", "seed": 1, "failed": 1}]
+    rows = time_to_accuracy.summarise(runs, 0.9, "1gbit", 0.01)
+    assert [(r["hosts"], r["contender"]) for r in rows] == [(1, "exact"), (2, "powersgd:2")]
+    one, two = rows
+    assert (one["seeds"], one["reached"], one["score_seconds"]) == (5, 5, 13.0)
+    # 6, 7, 9, 10 and a miss: 6 and the miss dropped.
+    assert (two["reached"], two["score_seconds"]) == (4, pytest.approx(26 / 3))
+    assert two["ratio_to_one_host"] == pytest.approx(26 / 3 / 13)
+    assert two["exact"] is False and one["exact"] is True
+    assert two["seconds_by_seed"]["3"] is None
+    assert two["final_accuracy_mean"] == (4 * 0.95 + 0.6) / 5
+    assert {"model", "bandwidth", "host_step_seconds", "median_epochs_to_target",
+            "final_accuracy_spread"} <= set(two)
+
+
+@pytest.mark.parametrize("cell", ["0:exact", "two:exact", "2:", "2:topk:3"])
+def test_time_to_accuracy_refuses_a_cell_it_cannot_run(cell):
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "time_to_accuracy.py"),
+                           "--data", "x", "--image-size", "64", "--lr", "0.01", "--epochs",
+                           "1", "--seeds", "1", "--output", "x.json", "--cells", cell],
+                          capture_output=True, text=True, cwd=REPO, env=hybriddl_env())
+    assert done.returncode == 2 and "--cells" in done.stderr.strip().splitlines()[-1]
 
 
 def test_digits_imagefolder_refuses_a_folder_that_holds_files(tmp_path):
