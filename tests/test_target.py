@@ -114,7 +114,12 @@ def test_a_run_cut_short_and_resumed_reaches_the_target_on_one_clock(images, eve
     assert target["wall_seconds"] == first["wall_seconds"]
 
 
-def test_without_a_target_metrics_keep_their_contract(images, tmp_path):
+def test_without_a_target_every_epochs_validation_is_on_the_clock(images, tmp_path):
     run_dir = tmp_path / "run"
-    assert main(train_args(images, run_dir, "--epochs", "1")) == 0
-    assert "target" not in json.loads((run_dir / METRICS).read_text())
+    assert main(train_args(images, run_dir)) == 0
+    target = target_of(run_dir)
+    assert (target["accuracy"], target["reached"], target["step"]) == (None, False, None)
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert [e["accuracy"] for e in target["evaluations"]] == \
+        [e["val_accuracy"] for e in metrics["epochs"]]
+    assert [e["step"] for e in target["evaluations"]] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]

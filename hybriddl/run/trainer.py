@@ -189,8 +189,8 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             metrics["config"]["measure_only"] = "no checkpoint, validation pass or model.pt"
         target = AccuracyTarget(config.target_accuracy, config.eval_every,
                                 config.stop_at_target, metrics.get("target"))
-        if target.active or config.eval_every is not None:
-            metrics["target"] = target.record  # kept up to date, in every checkpoint too
+        if not figures_only:  # every validation, on the run's clock; kept in every checkpoint
+            metrics["target"] = target.record
         optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         keeper = monitoring.enter_context(ckpt.Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
