@@ -211,6 +211,11 @@ class TrainDisplay:
                           f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
                           f"val accuracy {accuracy(record['val_accuracy'])}")
 
+    def on_warning(self, line: str) -> None:
+        if self.enabled:  # above the epoch's bar, which goes on
+            self.progress.console.print(f"hybriddl: warning: {line}", markup=False,
+                                        highlight=False, soft_wrap=True)
+
     def on_target(self, record: dict) -> None:
         if self.enabled:  # above the epoch's bar, which goes on
             self.progress.console.print(f"  target: val accuracy {record['accuracy']:g} reached at step "

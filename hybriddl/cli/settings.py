@@ -114,7 +114,8 @@ def training_config(args: argparse.Namespace):
 # The across-hosts flags, which do something only when there are other hosts.
 HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
                "fusion_mib": "--fusion-mib", "host_timeout": "--host-timeout",
-               "balance": "--balance", "throughput": "--throughput"}
+               "balance": "--balance", "throughput": "--throughput",
+               "check_every": "--check-every", "strict_equal": "--strict-equal"}
 
 
 def hosts_options(args: argparse.Namespace) -> dict:

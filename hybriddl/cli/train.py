@@ -77,6 +77,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     timed.add_argument("--stop-at-target", action="store_true", default=None,
                        help="end the run, checkpointed and with its model.pt, once "
                             "--target-accuracy is reached")
+    same = parser.add_argument_group("the same model on every host")
+    same.add_argument("--check-every", type=int, metavar="N",
+                      help="compare the hosts' parameters every N steps and at every "
+                           "epoch's end; a host that differs is named and given rank 0's "
+                           "(default: as often as costs 1%% of a step)")
+    same.add_argument("--strict-equal", action="store_true", default=None,
+                      help="stop the run where hosts hold different parameters, instead of "
+                           "giving them rank 0's")
     add_strategy_flags(parser)
     add_profile_dir_flag(parser, "where auto finds and keeps profiles")
     parser.add_argument("--tune-budget", type=float,
@@ -91,6 +99,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from hybriddl import failpoints
     from hybriddl.data.loading import data_notes, data_repairs
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
@@ -101,6 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.measure_only and args.resume_if_exists:
         raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
                          "nothing to resume: leave one of them out")
+    failpoints.active()  # HYBRIDDL_FAILPOINTS: a name it does not know is one line, exit 2
     if args.measure_only and (args.target_accuracy is not None or args.eval_every is not None
                               or args.stop_at_target):
         raise UsageError("--measure-only runs no validation, so --target-accuracy, "

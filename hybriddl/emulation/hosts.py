@@ -54,6 +54,7 @@ from pathlib import Path
 import psutil
 
 from hybriddl.errors import UsageError
+from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
 
 PREFIX = "hybriddl-emu-"
 SUBNET = "198.18.0.0/24"
@@ -819,6 +820,8 @@ class EmulatedHosts:
             # they measure are in emulated time too: a host's 15 s of silence is 15 x S x D
             # s of wall time here.
             argv += ["-x", f"{TIME_SCALE_VARIABLE}={self.dilation.factor:g}"]
+        if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
+            argv += ["-x", FAILPOINTS_VARIABLE]
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
         return self.on_host(0, argv)

@@ -250,6 +250,9 @@ class Hosts:
     def barrier(self) -> None:
         """Return when every host has arrived."""
 
+    def broadcast_tensors(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Rank 0's values of `tensors` written into every host's (alone: they are)."""
+
     def any_true(self, flag: bool) -> bool:
         """Whether `flag` is true on any host: how all hosts agree to stop at the same step."""
         return bool(flag)

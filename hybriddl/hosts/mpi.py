@@ -36,6 +36,7 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
+from hybriddl import failpoints
 from hybriddl.emulation.hosts import time_scale
 from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
@@ -51,6 +52,11 @@ LINK_PROBE_TAG = 7301
 # The latency measurement at start: small round trips, few enough to take milliseconds.
 LATENCY_PROBE_ROUNDS = 10
 LATENCY_PROBE_TAG = 7302
+ROLL_CALL_TAG = 7303
+# The least the first exchange waits for every host to have started: interpreters and
+# torch's import start at different speeds (3-4 s each here, more on a loaded machine), and
+# a --host-timeout of a few seconds is for steps, not starts.
+ROLL_CALL_SECONDS = 20.0
 # What a failed reduce-scatter of the split's rows was doing, in its one line.
 ROWS_SUM = "returning classifier input gradients"
 # How long an aborting rank waits for mpirun to read what it last wrote (see
@@ -223,6 +229,11 @@ class MPIHosts(Hosts):
         # Exchanges entered since attach(): the heartbeat tells the others (see _wait).
         self._exchanges = 0
         self.initial_parameters: str | None = None  # how broadcast_parameters made them equal
+        if failpoints.fires("stall-start", self.rank):
+            failpoints.stall_for_ever()
+        # No heartbeat exists before its own set-up: every host answers within the deadline
+        # or is named, rather than the others waiting for ever.
+        self._roll_call("starting the heartbeat between hosts")
         self.heartbeat = self._start_heartbeat()
         # Before training, hosts may spend minutes on a data cache or on tuning: while the
         # heartbeat hears them, set-up waits need no deadline (attach() arms it).
@@ -252,6 +263,32 @@ class MPIHosts(Hosts):
         self._step_begun = False
         self._armed = False
         self._closed = False
+
+    def _roll_call(self, what: str) -> None:
+        """Every other rank answers within --host-timeout (ROLL_CALL_SECONDS at least), or
+        HostFailure names those that did not (an allgather would only say that someone is
+        missing)."""
+        if self.size == 1:
+            return
+        deadline = max(self.timeout, ROLL_CALL_SECONDS * self.time_scale)
+        others = [r for r in range(self.size) if r != self.rank]
+        token = np.ones(1, dtype=np.uint8)
+        answers = {r: np.zeros(1, dtype=np.uint8) for r in others}
+        received = {r: self.comm.Irecv(answers[r], source=r, tag=ROLL_CALL_TAG) for r in others}
+        sent = [self.comm.Isend(token, dest=r, tag=ROLL_CALL_TAG) for r in others]
+        started = time.monotonic()
+        pending = dict(received)
+        while pending:
+            for r in [r for r, request in pending.items() if request.Test()]:
+                del pending[r]
+            if pending and time.monotonic() - started > deadline:
+                who = ", ".join(f"rank {r}" for r in sorted(pending))
+                raise HostFailure(f"no answer from {who} for {deadline:.0f} s while "
+                                  f"{what}: it did not start, hung before it, or cannot "
+                                  "reach this host (see --host-timeout)",
+                                  {r: f"rank {r}" for r in pending})
+            time.sleep(0.001)
+        self.MPI.Request.Waitall(sent)
 
     def _start_heartbeat(self) -> Heartbeat | None:
         if self.size == 1:
@@ -432,12 +469,17 @@ class MPIHosts(Hosts):
                 "initial parameters than rank 0 from the same seed (another torch or "
                 "torchvision?): rank 0's were sent to every host")
         self.initial_parameters = "rank 0's, sent to every host"
+        self.broadcast_tensors([*model.parameters(), *model.buffers()],
+                               "receiving rank 0's initial parameters")
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], what: str) -> None:
+        """Rank 0's values of `tensors` written into every host's, in place."""
         staged = []
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in tensors:
             data = tensor.detach()
             staged.append((data, _to_host(data)))
         requests = [self.comm.Ibcast(host.numpy(), root=0) for _, host in staged]
-        self._wait(requests, "receiving rank 0's initial parameters")
+        self._wait(requests, what)
         for data, host in staged:
             if host is not data:
                 data.copy_(host)

@@ -92,6 +92,10 @@ class DataParallel:
         """This host's part of a whole optimizer state_dict (a checkpoint's)."""
         return state
 
+    def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of what every host holds the same of the model: all of it."""
+        return [*model.named_parameters(), *model.named_buffers()]
+
     def describe(self, model: nn.Module | None = None) -> dict:
         return {"scheme": self.name, "reason": self.reason, "compression": self.compression}
 
@@ -140,6 +144,13 @@ class HybridParallel(DataParallel):
         self.classifier = model.classifier
         self.first_column = next(layer for layer in self.classifier
                                  if isinstance(layer, ColumnLinear))
+
+    def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The convolutions: each host holds its own slices of the classifier."""
+        convolutions = split_at_classifier(model)[0]
+        names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        return [(names.get(id(t), "?"), t)
+                for t in [*convolutions.parameters(), *convolutions.buffers()]]
 
     def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
         """The step's gradients: the convolutions' host mean (averaged after, as in data)

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hybriddl.errors import UsageError
+from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
 from hybriddl.run.failure_record import (LAUNCHED_ENV, STOP_GLOB, clear_failures,
                                          read_failures)
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
@@ -285,6 +286,8 @@ class Launcher:
         argv = [mpirun_path(config.mpirun), "--hostfile", str(hostfile), "--map-by",
                 "ppr:1:node", "--bind-to", "none", "-np", str(len(hosts)),
                 "--mca", "plm_rsh_agent", config.rsh_agent, "-x", LAUNCHED_ENV]
+        if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
+            argv += ["-x", FAILPOINTS_VARIABLE]
         for key, value in config.mca.items():
             argv += ["--mca", key, str(value)]
         return argv + [*config.command, *config.train_args,

@@ -56,6 +56,10 @@ class TrainConfig(NamesAUseCase):
     target_accuracy: float | None = None
     eval_every: int | None = None
     stop_at_target: bool = False
+    # Hosts checked to hold the same model (hosts/replicas.py): every N steps (None: as
+    # often as costs 1% of a step) and at every epoch's end; a mismatch stops the run.
+    check_every: int | None = None
+    strict_equal: bool = False
 
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
@@ -91,6 +95,9 @@ class TrainConfig(NamesAUseCase):
         if self.eval_every is not None and self.eval_every < 1:
             raise UsageError(f"--eval-every {self.eval_every}: give at least 1 step (left "
                              "out, validation runs at every epoch's end)")
+        if self.check_every is not None and self.check_every < 1:
+            raise UsageError(f"--check-every {self.check_every}: give at least 1 step (left "
+                             "out, as often as costs 1% of a step)")
         if self.stop_at_target and self.target_accuracy is None:
             raise UsageError("--stop-at-target needs --target-accuracy A: the accuracy to "
                              "stop at")

@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 
 from hybriddl import data as datamod
+from hybriddl import failpoints
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_bounds
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hosts.compression import parse_compression
+from hybriddl.hosts.replicas import ReplicaCheck
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
@@ -60,6 +62,8 @@ class TrainingObserver:
     def on_epoch_end(self, record: dict) -> None: ...
     # the target record (run/target.py) when --target-accuracy is first reached
     def on_target(self, record: dict) -> None: ...
+    # one line the user should read (hosts found holding different models, resynced)
+    def on_warning(self, line: str) -> None: ...
 
 
 @dataclass
@@ -181,6 +185,8 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         # Weights from a file (--weights, --resume) travel from rank 0, as before.
         scheme.setup(model, strategy, hosts, built_from_seed=prepared.resume is None
                      and prepared.start_weights is None)
+        replicas = ReplicaCheck(hosts, [] if figures_only else scheme.replicated(model),
+                                config.check_every, config.strict_equal)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
@@ -218,13 +224,15 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                                   hosts if scheme.name == "data" else None)
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
                                  optimizer, hosts, observer, keeper, config.seed, scheme,
-                                 None if figures_only else validate)
+                                 None if figures_only else validate, replicas)
             record["val_accuracy"] = None if figures_only else validate.at_epoch_end(
                 epoch, keeper.position.steps_done, progress.steps)
             metrics["epochs"].append(record)
             if hosts.rank == 0:
                 atomic_write_json(run_dir / METRICS, metrics)
             observer.on_epoch_end(record)
+            if line := replicas.check(f"at the end of epoch {epoch + 1}"):  # its checkpoint's
+                observer.on_warning(line)
             target.tick()  # the clock the checkpoint carries
             keeper.epoch_done(progress, complete=progress.steps == len(batches))
             if config.max_steps is not None and keeper.position.steps_done >= config.max_steps:
@@ -232,6 +240,8 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if target.should_stop():
                 break
         target.tick()
+        if replicas.enabled:
+            metrics["replicas"] = replicas.describe()
         metrics["monitor"] = monitor.stop()
         metrics["memory"] = memory_record(model, optimizer)
         keeper.wait_for_write()  # one large write at a time: the space check counts on it
@@ -258,7 +268,8 @@ _BATCHNORM_ONE_SAMPLE = "Expected more than 1 value per channel when training"
 
 
 def train_epoch(epoch, batches, progress, split, transform, model, strategy, optimizer, hosts,
-                observer, keeper, seed: int, scheme, validate: Validation | None = None) -> dict:
+                observer, keeper, seed: int, scheme, validate: Validation | None = None,
+                replicas: ReplicaCheck | None = None) -> dict:
     """The epoch's remaining `batches`; `progress` holds the sums of the steps before them.
     With `validate`, validation runs after the steps it is due at (`--eval-every`), and the
     epoch ends early where the run stops at its target (`--stop-at-target`)."""
@@ -306,6 +317,10 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             if validate is not None:
                 validate.target.tick()  # the clock a checkpoint of this step carries
             keeper.step_done(progress)
+            inject_faults(hosts.rank, keeper.position.steps_done, model)
+            if replicas is not None and (line := replicas.after_step(
+                    keeper.position.steps_done, step_seconds[-1])):
+                observer.on_warning(line)
             if validate is not None and validate.due(keeper.position.steps_done):
                 stop = validate.after_step(epoch, keeper.position.steps_done, progress.steps)
                 last = time.perf_counter()  # validation is not the next step's time
@@ -324,6 +339,16 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             "train_loss": hosts.mean_over_hosts(progress.settle(), progress.samples),
             "data_wait_seconds": progress.data_wait_seconds,
             "started_at": started_at, "ended_at": time.time(), **traffic}
+
+
+def inject_faults(rank: int, steps_done: int, model) -> None:
+    """HYBRIDDL_FAILPOINTS's faults of a step (hybriddl/failpoints.py); none when unset."""
+    if failpoints.fires("drift", rank, steps_done):
+        with torch.no_grad():
+            first = next(model.parameters()).view(-1)[:1]
+            first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
+    if failpoints.fires("stall-exchange", rank, steps_done):
+        failpoints.stall_for_ever()  # the heartbeat's thread goes on beating
 
 
 class LossReader:

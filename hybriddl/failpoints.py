@@ -1,0 +1,80 @@
+"""Faults the code injects into itself, as etcd's gofail and TiKV's fail-rs do: named points,
+switched on by one environment variable, `HYBRIDDL_FAILPOINTS`, read once per process, and
+free when it is unset (one dictionary lookup where a point sits).
+
+    HYBRIDDL_FAILPOINTS="stall-exchange=1@3,drift=0@2"
+
+- `stall-start=R`: host R never comes to the first exchange between hosts (the heartbeat's
+  set-up), as a host whose start hangs;
+- `stall-exchange=R@N`: host R stops entering exchanges after its step N, while its
+  heartbeat goes on beating: a host alive that no longer takes part;
+- `drift=R@N`: after step N, host R adds one unit in the last place to the first element
+  of its first parameter: hosts no longer hold the same model.
+
+Several are separated by commas. `hybriddl emulate` and `hybriddl launch` pass the variable
+to every host (mpirun -x), SLURM's srun passes the job's environment. docs/faults.md says
+what each looks like from outside.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+from hybriddl.errors import UsageError
+
+VARIABLE = "HYBRIDDL_FAILPOINTS"
+# name -> (pattern of its value, an example)
+POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
+          "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
+          "drift": (r"(\d+)@(\d+)", "drift=1@2")}
+
+
+@dataclass(frozen=True)
+class Failpoint:
+    name: str
+    rank: int
+    step: int | None = None
+
+
+def parse(text: str) -> dict[str, Failpoint]:
+    """The failpoints `text` names; UsageError (one line) for anything else."""
+    points: dict[str, Failpoint] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in POINTS:
+            raise UsageError(f"{VARIABLE}: unknown failpoint {name!r}; choose from "
+                             f"{', '.join(POINTS)} (e.g. {POINTS['stall-exchange'][1]})")
+        pattern, example = POINTS[name]
+        match = re.fullmatch(pattern, value.strip())
+        if match is None:
+            raise UsageError(f"{VARIABLE}: {item!r}: give it as {example}")
+        numbers = [int(g) for g in match.groups()]
+        points[name] = Failpoint(name, numbers[0], numbers[1] if len(numbers) > 1 else None)
+    return points
+
+
+_ACTIVE: dict[str, Failpoint] | None = None
+
+
+def active() -> dict[str, Failpoint]:
+    """The failpoints of this process, read from the environment once."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = parse(os.environ.get(VARIABLE, ""))
+    return _ACTIVE
+
+
+def fires(name: str, rank: int, step: int | None = None) -> bool:
+    """Whether failpoint `name` fires on host `rank` (after step `step`, where it has one)."""
+    point = active().get(name)
+    return point is not None and point.rank == rank and (point.step is None
+                                                         or point.step == step)
+
+
+def stall_for_ever() -> None:
+    """This thread waits for ever (other threads, the heartbeat's among them, go on)."""
+    while True:
+        time.sleep(3600)

@@ -1,0 +1,78 @@
+"""Faults injected by HYBRIDDL_FAILPOINTS (hybriddl/failpoints.py), two ranks over loopback:
+a host that drifts one unit in the last place is named and given rank 0's parameters (or,
+--strict-equal, stops the run); a host that never starts is named by the first exchange;
+a host alive that stops coming to the exchanges is named at --host-timeout, and the run
+resumed from what it left equals the run nothing interrupted."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from test_failpoints import MPIRUN, TRAIN, images, two_ranks  # noqa: F401  (fixture)
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
+
+pytestmark = [pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
+              pytest.mark.mpi, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("compression", ["none", "powersgd:2"])
+def test_a_drifted_host_is_named_and_given_rank_0s_parameters(images, tmp_path, compression):
+    run_dir = tmp_path / "run"
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--compression", compression, "--check-every", "1", faults="drift=1@2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert re.search(r"hosts differ after step 2: rank 1 on host \S+ hold other values than "
+                     r"rank 0, first in features\.0\.weight \(largest difference [0-9.e-]+\); "
+                     r"every host now holds rank 0's", output), output[-3000:]
+    replicas = json.loads((run_dir / METRICS).read_text())["replicas"]
+    assert len(replicas["mismatches"]) == 1  # resynced: every later check found them equal
+    assert replicas["check_every"] == 1 and replicas["checks"] == 6 + 2  # steps, epoch ends
+
+
+def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, tmp_path):
+    run_dir = tmp_path / "run"
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--check-every", "1", "--checkpoint-every", "1", "--strict-equal",
+                     faults="drift=1@2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert re.search(r"hosts differ after step 2: .* first in features\.0\.weight .*"
+                     r"--strict-equal stops the run", output), output[-3000:]
+    assert (run_dir / CHECKPOINT).is_file() and not (run_dir / MODEL).exists()
+
+
+def test_a_host_that_never_starts_is_named_by_the_first_exchange(images, tmp_path):
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
+                     faults="stall-start=1", timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert re.search(r"no answer from rank 1 for 20 s while starting the heartbeat between "
+                     r"hosts", output), output[-3000:]
+    assert time.monotonic() - started < 90
+
+
+def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_same(
+        images, tmp_path):
+    uninterrupted = tmp_path / "uninterrupted"
+    assert two_ranks(*TRAIN, "--data", str(images), "--run-dir",
+                     str(uninterrupted)).returncode == 0
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--checkpoint-every", "1", "--host-timeout", "5",
+                     faults="stall-exchange=1@4")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert re.search(r"rank 1 on host \S+ runs \(its heartbeat is heard\) but has not come to "
+                     r"this exchange", output), output[-3000:]
+    assert time.monotonic() - started < 90
+    assert two_ranks("train", "--resume", str(run_dir)).returncode == 0
+    got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted / MODEL)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
