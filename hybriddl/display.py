@@ -9,6 +9,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from hybriddl.hosts.scheme import EXACT
 from hybriddl.tuning.observer import TuneObserver
 
 console = Console(stderr=True, emoji=False)  # user input like "powersgd:two" is not an emoji code
@@ -174,7 +175,7 @@ class TrainDisplay:
             hosts = info["hosts"]
             if hosts["count"] > 1:
                 console.print(f"{hosts['count']} hosts ({', '.join(hosts['names'])}), shares by "
-                              f"{hosts['balance']}, gradients {hosts.get('compression', 'none')} "
+                              f"{hosts['balance']}, gradients {hosts.get('compression', EXACT)} "
                               "on the wire")
             scheme = info.get("host_parallel")
             if scheme and (hosts["count"] > 1 or scheme["scheme"] != "data"):

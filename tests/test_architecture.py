@@ -6,6 +6,7 @@ import ast
 import re
 from pathlib import Path
 
+from hybriddl.hosts.compression import REGISTRY
 from hybriddl.strategies import STRATEGIES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybriddl"
@@ -208,6 +209,62 @@ def test_strategy_name_check_sees_a_literal():
     flagged = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
                and n.value in STRATEGIES and id(n) not in skip]
     assert flagged == ["threads"]
+
+
+def not_scheme_names(tree: ast.AST) -> set[int]:
+    """Strings that only look like a wire scheme's word: dict keys, another function's
+    keyword (torch's `reduction="none"`), another option's value in a command line
+    (mpirun's `"--bind-to", "none"`) and a word shown for nothing (`names or "none"`,
+    `"none" if seen else None`)."""
+    ids = set(not_strategy_names(tree))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and "compression" not in (node.arg or ""):
+            ids.add(id(node.value))
+        if isinstance(node, (ast.List, ast.Tuple)):
+            for flag, value in zip(node.elts, node.elts[1:]):
+                if isinstance(flag, ast.Constant) and str(flag.value).startswith("--") \
+                        and flag.value != "--compression":
+                    ids.add(id(value))
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            ids.add(id(node.values[-1]))
+        if isinstance(node, ast.IfExp) and isinstance(node.orelse, ast.Constant) \
+                and node.orelse.value is None:
+            ids.add(id(node.body))
+    return ids
+
+
+def is_scheme_name(value) -> bool:
+    """A registered scheme's word, alone or with its parameters ("powersgd:2")."""
+    return isinstance(value, str) and any(value == name or value.startswith(f"{name}:")
+                                          for name in REGISTRY)
+
+
+def scheme_name_literals(tree: ast.AST) -> list[ast.Constant]:
+    skip = not_scheme_names(tree)
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and is_scheme_name(node.value) and id(node) not in skip]
+
+
+def test_no_scheme_name_literal_outside_its_module_and_the_registry():
+    """The planner, the averaging, the settings and compare ask the scheme objects (or
+    name them by their classes' `name`, EXACT for the default), never spell them."""
+    homes = {"hybriddl.hosts.compression", "hybriddl.hosts.scheme",
+             *(cls.__module__ for cls in REGISTRY.values())}
+    found = []
+    for name, path in modules().items():
+        if name in homes:
+            continue
+        found += [f"{name}:{node.lineno}: {node.value!r}"
+                  for node in scheme_name_literals(ast.parse(path.read_text()))]
+    assert found == []
+
+
+def test_scheme_name_check_sees_a_literal():
+    tree = ast.parse('if compression != "none" and c == "fp16":\n'
+                     '    x = f"powersgd:{rank}"\n'
+                     'loss(reduction="none")\nargv = ["--bind-to", "none"]\n'
+                     'row = {"fp16": 2}\nshown = names or "none"')
+    assert [n.value for n in scheme_name_literals(tree)] == ["none", "fp16", "powersgd:"]
 
 
 # What computing looks like in a call: building a model, a step, a collective.

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from conftest import REPO, hybriddl_env
 from sample_data import write_tinted_classes
 from hybriddl.cli import main
 from hybriddl.errors import UsageError
-from hybriddl.hosts.compression import AUTO, Compression, parse_compression
+from hybriddl.hosts.compression import (AUTO, REGISTRY, Compression, HalfWire, parse_compression,
+                                        register)
 from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.rundir import METRICS, MODEL
 
@@ -572,3 +574,78 @@ def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank):
         optimizer.step()
     moved = [float((p.detach() - b).abs().max()) for p, b in zip(matrices, before)]
     assert all(m > 0 for m in moved), moved
+
+
+# --------------------------------------------------------------------------- a new scheme
+
+class BF16Wire(HalfWire):
+    """A toy scheme added by ARCHITECTURE.md's recipe alone: bfloat16 on the wire, bucketed
+    like fp16 (its class and its line in `register`)."""
+
+    name = syntax = "bf16"
+    help = "bf16 halves the bytes in bfloat16"
+    wire_dtype = torch.bfloat16
+
+
+@pytest.fixture
+def bf16_registered():
+    from hybriddl.hybrid.planner import compression_object
+    register(BF16Wire)
+    yield
+    del REGISTRY[BF16Wire.name]
+    compression_object.cache_clear()
+
+
+class SummingMPI:
+    """What `mpi_sum` asks of mpi4py: a 2-byte datatype and a user-defined operation,
+    handed back as the callback itself."""
+
+    class BYTE:
+        @staticmethod
+        def Create_contiguous(count):
+            return SimpleNamespace(Commit=lambda: f"{count} bytes")
+
+    class Op:
+        @staticmethod
+        def Create(function, commute):
+            return function
+
+
+def test_a_scheme_registered_alone_is_parsed_planned_and_averaged_with(bf16_registered):
+    from hybriddl.hosts.compression import compression_help, schemes
+    from hybriddl.hosts.fusion import GradientBuckets
+    from hybriddl.hybrid.planner import HostCosts, Link, ModelShapes, Scheme, make_plan, predict
+    scheme = parse_compression("bf16")
+    assert isinstance(scheme, BF16Wire) and scheme.kind == "bucketed" and not scheme.exact
+    assert "bf16" in schemes() and BF16Wire.help in compression_help()
+    with pytest.raises(UsageError, match="choose one of none, fp16, powersgd:R, bf16, auto"):
+        parse_compression("zip")
+
+    # The planner weighs it beside the others, from what it answers: fp16's bytes and casts.
+    link, costs = Link(1e9 / 8, 1e-4), HostCosts(1e-9, 2e-9, 1e-10, 1e-10)
+    shapes = ModelShapes.of(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3)),
+                            splittable=False)
+    plan = make_plan(shapes, 2, 32, 0.01, link, costs, compression="auto")
+    assert Scheme("data", "bf16") in {row.scheme for row in plan.rows}
+    ours, fp16 = (predict(Scheme("data", c), shapes, 2, 32, 0.01, link, costs)
+                  for c in ("bf16", "fp16"))
+    assert (ours.nic_bytes, ours.compression_seconds) == (fp16.nic_bytes, fp16.compression_seconds)
+    asked = make_plan(shapes, 2, 32, 0.01, link, costs, compression="bf16")
+    assert asked.chosen == Scheme("data", "bf16") and not asked.record()["chosen"]["exact"]
+
+    # The averaging: each bucket's wire in bfloat16, two hosts' wires summed by its MPI op.
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    buckets = GradientBuckets(model, scheme)
+    buckets.install_views()
+    model(torch.randn(5, 8)).sum().backward()
+    (bucket,) = buckets.buckets
+    buckets.gather(bucket)
+    assert bucket.wire.dtype == torch.bfloat16 and buckets.wire_bytes == scheme.wire_bytes(model)
+    scheme.compress(bucket.flat, bucket.wire)
+    datatype, add = scheme.mpi_sum(SummingMPI)
+    summed = bucket.wire.clone()
+    add(bucket.wire.view(torch.uint8).numpy(), summed.view(torch.uint8).numpy(), datatype)
+    want = (bucket.flat.to(torch.bfloat16) * 2).float()
+    bucket.flat.copy_(summed)
+    buckets.scatter(bucket)
+    assert torch.equal(bucket.flat, want) and torch.equal(bucket.slot(0), model[2].bias.grad)

@@ -6,6 +6,7 @@ bfloat16 across two ranks (half the feature bytes, the gradient within bfloat16'
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from conftest import hybriddl_env, run_cli
+from hybriddl.hosts.powersgd import PowerSGD, matrix_shape
 from hybriddl.hybrid.planner import (ADVICE_FACTOR, HostCosts, Link, ModelShapes, Prediction,
-                                     Scheme, advise, gradient_exchange, make_plan, powersgd_floats,
-                                     predict, settle)
+                                     Scheme, advise, gradient_exchange, make_plan, predict, settle)
 from hybriddl.rundir import METRICS
 from hybriddl.usecases import build_model
 
@@ -63,6 +64,14 @@ def test_bytes_per_host_are_the_ring_s_for_alexnet_and_vgg16(alexnet):
     assert fp16.nic_bytes == pytest.approx(data.nic_bytes / 2)
 
 
+def powersgd_floats(shapes, rank: int) -> int:
+    """Both factors, P and Q, of every matrix PowerSGD compresses at `rank`, and the rest
+    dense (vectors, and matrices the factors would not make smaller)."""
+    compression = PowerSGD(rank)
+    return sum(rank * sum(matrix_shape(s)) if compression.compresses(s) else math.prod(s)
+               for s in shapes)
+
+
 def test_powersgd_sends_rank_r_factors_of_every_matrix_and_the_rest_dense(alexnet):
     """Rank 2 on AlexNet, by hand: 2 (out + in k k) per matrix (the 3 x 4096 head too, 8198
     floats against 12288), the 9347 biases dense: 81759 floats, the issue's ~85k."""
@@ -73,12 +82,9 @@ def test_powersgd_sends_rank_r_factors_of_every_matrix_and_the_rest_dense(alexne
     # Rank 4 would not shrink the 3 x 4096 head (rank >= its 3 rows): it goes dense.
     assert powersgd_floats(alexnet.parameters, 4) == 4 * sum(factors[:-1]) + 3 * 4096 + biases
     exchange = gradient_exchange("powersgd:2", alexnet.parameters)
-    if exchange.source == "compression object":
-        # hosts/powersgd.py sends one factor a step, P then Q: their mean, in one allreduce.
-        assert exchange.payload_bytes == 4 * (biases + sum(factors))
-        assert exchange.allreduces_per_step == 1
-    else:
-        assert exchange.payload_bytes == 4 * 81_759 and exchange.allreduces_per_step == 2
+    # hosts/powersgd.py sends one factor a step, P then Q: their mean, in one allreduce.
+    assert exchange.payload_bytes == 4 * (biases + sum(factors))
+    assert exchange.allreduces_per_step == 1
 
 
 def test_a_step_is_compute_plus_wire_plus_latency_rounds_plus_compression(alexnet):
@@ -119,7 +125,6 @@ def test_with_overlap_powersgds_first_phase_is_credited_as_it_leaves_during_back
     """--overlap sends the classifier's factors (PowerSGD's first phase, hosts/mpi.py) while
     the convolutions' backward runs: credited as the hybrid's exchanges are; without
     --overlap, and for exact data parallelism, nothing is."""
-    from hybriddl.hosts.powersgd import PowerSGD
     from hybriddl.hybrid.planner import OVERLAP_SHARE
     link = Link(GIGABIT / 20)
     compression = PowerSGD(2)
@@ -359,7 +364,7 @@ def test_a_resume_under_auto_continues_the_compression_its_hosts_settled():
 
 def test_costs_scale_to_emulated_time():
     costs = HostCosts(1e-9, 2e-9, 1e-10, 1e-10, {"data:2": 0.4}).scaled(1 / 20)
-    assert costs.cast == pytest.approx(5e-11) and costs.powersgd == {"data:2": pytest.approx(0.02)}
+    assert costs.cast == pytest.approx(5e-11) and costs.measured == {"data:2": pytest.approx(0.02)}
 
 
 def test_auto_with_a_feature_dtype_given_weighs_every_compression_at_it(alexnet):
@@ -378,3 +383,44 @@ def test_a_powersgd_start_is_planned_as_the_steps_after_it(alexnet):
     assert late.nic_bytes == plain.nic_bytes < 0.01 * 4 * ALEXNET_PARAMETERS
     exchange = gradient_exchange("powersgd:2:start=100", alexnet.parameters)
     assert exchange.name == "powersgd:2:start=100" and not exchange.exact
+
+
+class ScaledHosts:
+    """Rank 0 of two emulated hosts at time scale `time_scale` (S·D under `hybriddl emulate`):
+    a link already in emulated time, every host as slow as this one."""
+
+    size, rank, overlap = 2, 0, False
+
+    def __init__(self, time_scale: float):
+        self.time_scale = time_scale
+
+    def link_rate(self) -> float:
+        return GIGABIT
+
+    def link_latency(self) -> float:
+        return 1e-4
+
+    def allgather(self, value):
+        return [value] * self.size
+
+    def broadcast_object(self, value):
+        return value
+
+
+def test_a_profiles_compute_and_a_probes_are_predicted_alike_under_a_time_scale(monkeypatch):
+    """Both are wall seconds on this machine: the profile's (host batch / images/s) is
+    divided by the hosts' time scale as the probe's is, so the plan is the same."""
+    from hybriddl.hybrid import parallel
+    from hybriddl.strategies import make_strategy
+    wall, scale = 0.8, 20.0
+    monkeypatch.setattr(parallel, "probe_compute", lambda model, batch, size: wall)
+    monkeypatch.setattr(HostCosts, "measure", classmethod(lambda cls: COSTS))
+    monkeypatch.setattr(PowerSGD, "measure_seconds", lambda self, gradients: 0.5)
+    model = build_model("squeezenet1_1", 3)
+    plans = [parallel.choose("data", model, make_strategy("sequential"), ScaledHosts(scale), 16,
+                             32, compute).plan for compute in (None, wall)]
+    probed, profiled = ([(row["scheme"], row["compute_seconds"], row["step_seconds"])
+                         for row in plan["rows"]] for plan in plans)
+    assert plans[0]["inputs"]["compute_seconds"] == pytest.approx(wall / scale)
+    assert profiled == probed
+    assert plans[1]["chosen"] == plans[0]["chosen"]

@@ -12,7 +12,7 @@ import sys
 from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags
 from hybriddl.cli.settings import measure_settings
 from hybriddl.cli.workload_flags import add_workload_flags
-from hybriddl.compare.settings import MeasureSettings
+from hybriddl.compare.settings import POWERSGD, MeasureSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.powersgd_rank is not None and args.powersgd_rank < 1:
         parser.error(f"--powersgd-rank {args.powersgd_rank}: give a rank of 1 or more")
-    hook = CommHook("powersgd", args.powersgd_rank) if args.powersgd_rank else CommHook()
+    hook = CommHook(POWERSGD, args.powersgd_rank) if args.powersgd_rank else CommHook()
     goal = None
     if args.epochs is not None:
         from hybriddl.compare.ddp import TrainingGoal

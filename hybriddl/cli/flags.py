@@ -14,7 +14,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
-from hybriddl.hosts.compression import SCHEMES
+from hybriddl.hosts.compression import compression_help
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import SILENCE_SECONDS
 from hybriddl.hybrid.parallel import HOST_PARALLEL
@@ -90,12 +90,7 @@ def add_fp16_flag(parser) -> None:
 
 
 def add_compression_flag(parser) -> None:
-    parser.add_argument("--compression", metavar="SCHEME",
-                        help=f"what gradients look like on the wire, one of {', '.join(SCHEMES)}: "
-                             "none is exact (default); fp16 halves the bytes; powersgd:R sends "
-                             "rank-R factors of each gradient matrix with error feedback, also "
-                             "on one host (inexact, opt-in), powersgd:R:start=N after N steps "
-                             "averaged exactly; auto takes the fastest the planner predicts")
+    parser.add_argument("--compression", metavar="SCHEME", help=compression_help())
 
 
 def add_hosts_flags(parser: argparse.ArgumentParser) -> None:

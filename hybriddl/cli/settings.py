@@ -13,7 +13,8 @@ from dataclasses import fields
 from hybriddl.cli.flags import with_workers
 from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
-from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, Compression, parse_compression
+from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, EXACT, Compression, parse_compression
+from hybriddl.hosts.scheme import BUCKETED
 from hybriddl.run import checkpoint
 from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import STRATEGIES, StrategyOptions
@@ -56,10 +57,11 @@ def typed_compression(args: argparse.Namespace) -> str | None:
         text = text.strip()
         parse_compression(text)  # an unknown scheme or rank: one line, exit 2
     if getattr(args, "fp16_allreduce", False):
-        if text not in (None, "fp16"):
+        fp16 = Compression.fp16.name
+        if text not in (None, fp16):
             raise UsageError(f"--fp16-allreduce and --compression {text}: --fp16-allreduce is "
-                             "--compression fp16; give one of them")
-        text = "fp16"
+                             f"--compression {fp16}; give one of them")
+        text = fp16
     return text
 
 
@@ -121,7 +123,7 @@ HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
 def hosts_options(args: argparse.Namespace) -> dict:
     """`hosts.cluster.connect`'s keywords from the across-hosts flags; those left out are
     connect's defaults."""
-    compression = parse_compression(typed_compression(args) or "none")
+    compression = parse_compression(typed_compression(args) or EXACT)
     options = {"overlap": args.overlap,
                # auto is settled by the trainer (use_compression), from the planner.
                "compression": Compression.none if compression == AUTO_COMPRESSION else compression}
@@ -143,8 +145,11 @@ def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: in
         lines += [f"{flag} does nothing on a single host: it acts when mpirun starts one rank "
                   "on each of several hosts"
                   for name, flag in HOSTS_FLAGS.items() if getattr(args, name) not in (None, False)]
-        if getattr(args, "compression", None) and config.compression == Compression.fp16.name:
-            # powersgd applies alone too (the same steps as on H hosts); fp16 has nothing to send.
-            lines.append("--compression fp16 does nothing on a single host: it acts when mpirun "
-                         "starts one rank on each of several hosts")
+        compression = parse_compression(config.compression) \
+            if getattr(args, "compression", None) else None
+        # A whole-gradient scheme applies alone too (the same steps as on H hosts); an
+        # inexact bucketed one has nothing to send.
+        if getattr(compression, "kind", None) == BUCKETED and not compression.exact:
+            lines.append(f"--compression {compression.name} does nothing on a single host: it "
+                         "acts when mpirun starts one rank on each of several hosts")
     return lines

@@ -36,11 +36,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hybriddl.compare.outputs import write_outputs
-from hybriddl.compare.settings import FLAT_MPI, FLAT_RING, KNOWN, CompareConfig, ContenderKind
+from hybriddl.compare.settings import (FLAT_MPI, FLAT_RING, FP16, KNOWN, POWERSGD, CompareConfig,
+                                       ContenderKind)
 from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
 from hybriddl.compare.theory import host_nic_theory
 from hybriddl.emulation import EmulatedHosts, bits_per_second, check_available, seconds_of
 from hybriddl.errors import TrainingError, UsageError
+from hybriddl.hosts.compression import EXACT
+from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.rundir import check_new_run_dir, default_run_dir
 from hybriddl.strategies import STRATEGIES, Flat, Sequential, StrategyOptions, StrategySpec
 
@@ -90,7 +93,7 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
                          f"{', '.join(KNOWN)}")
     if config.powersgd_rank < 1:
         raise UsageError(f"--powersgd-rank {config.powersgd_rank}: give a rank of 1 or more")
-    compressed = [name for name in config.contenders if KNOWN[name].compression != "none"]
+    compressed = [name for name in config.contenders if KNOWN[name].compression != EXACT]
     if config.settings.fp16_allreduce and compressed:
         raise UsageError(f"--fp16-allreduce sends every contender's gradients as float16, and "
                          f"{', '.join(compressed)} name their own: leave out one or the other")
@@ -187,11 +190,11 @@ def wire_flags(kind: ContenderKind, powersgd_rank: int) -> list[str]:
     """What a contender's ranks are told of its compression: the MPI ranks' and the DDP
     processes' flags for fp16 are the same (Compression.fp16; torch's fp16_compress_hook);
     PowerSGD is DDP's powerSGD_hook, or hybriddl's own (--compression powersgd:R)."""
-    if kind.compression == "fp16":
+    if kind.compression == FP16:
         return ["--fp16-allreduce"]
-    if kind.compression == "powersgd":
+    if kind.compression == POWERSGD:
         return (["--powersgd-rank", str(powersgd_rank)] if kind.scheme == "ddp"
-                else ["--compression", f"powersgd:{powersgd_rank}"])
+                else ["--compression", PowerSGD(powersgd_rank).name])
     return []
 
 
@@ -281,11 +284,11 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     per_step = [max(r["step_seconds"][i] for r in records) for i in range(steps)]
     seconds = statistics.median(per_step)
     kind = KNOWN[contender.name]
-    compression = "fp16" if settings.fp16_allreduce else kind.compression
+    compression = FP16 if settings.fp16_allreduce else kind.compression
     gradient = records[0]["gradient_bytes"]
     # What one rank hands to its allreduce(s) per step: a DDP rank records its hook's.
     payload = records[0].get("payload_bytes",
-                             gradient / 2 if compression == "fp16" else gradient)
+                             gradient / 2 if compression == FP16 else gradient)
     on_host = {host: [r for r in records if r["host"] == host] for host in hosts}
     missing = [host for host, mine in on_host.items() if not mine]
     if missing:
@@ -295,7 +298,7 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
     nic = [mine[0]["nic_bytes_sent"] / steps for mine in on_host.values()]
     scheme = (records[0].get("host_parallel") or {}).get("scheme", "data")
     planned = planned_nic_bytes(records[0]) if kind.scheme in ("hybrid", "data") \
-        and compression != "none" else None
+        and compression != EXACT else None
     if planned is not None:
         # A compressed hybrid or data run: the planner's own bytes for the scheme it ran.
         theory, payload = planned, None
@@ -310,9 +313,9 @@ def summarize(contender: Contender, records: list[dict], config: CompareConfig,
         "strategy": records[0]["strategy"], "local_strategy": local_label(records[0]["strategy"]),
         "scheme": scheme if contender.algorithm == "split" or kind.scheme == "data"
         else kind.scheme, "launch": contender.describe_launch(),
-        "compression": f"powersgd r={config.powersgd_rank}" if compression == "powersgd"
+        "compression": f"{POWERSGD} r={config.powersgd_rank}" if compression == POWERSGD
         else compression,
-        "note": contender_note(compression, records[0]) if kind.compression != "none" else None,
+        "note": contender_note(compression, records[0]) if kind.compression != EXACT else None,
         "allreduce": contender.algorithm if scheme != "data" or contender.algorithm != "split"
         else "ring", "host_parallel": scheme,
         "seconds_per_step": seconds, "step_seconds": per_step,
@@ -349,9 +352,9 @@ def contender_note(compression: str, record: dict) -> str | None:
                 "every timed step was compressed; three allreduces per bucket and step")
     if hook.get("hook") == "fp16_compress_hook":
         return "torch's fp16_compress_hook: gradients sent as float16"
-    if compression == "fp16":
+    if compression == FP16:
         return "hybriddl's Compression.fp16 (Horovod's): gradients sent as float16"
-    if compression == "powersgd":
+    if compression == POWERSGD:
         return ("hybriddl's PowerSGD (--compression powersgd:R): one allreduce per step, two "
                 "with --overlap (the first during backward); "
                 "theory: the planner's bytes for the scheme that ran")

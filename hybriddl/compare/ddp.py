@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybriddl.compare.settings import MeasureSettings
+from hybriddl.compare.settings import FP16, POWERSGD, MeasureSettings
 from hybriddl.compare.ddp_peer import CommHook, gloo_group, wrap
 from hybriddl.data import BatchTransform, epoch_batches
 from hybriddl.data.loading import load_data
@@ -73,7 +73,7 @@ def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
-    hook = CommHook("fp16") if settings.fp16_allreduce and hook.name == "allreduce" else hook
+    hook = CommHook(FP16) if settings.fp16_allreduce and hook.name == "allreduce" else hook
     ddp, state = wrap(model, world, hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)
     transform = BatchTransform(config.image_size)
@@ -176,10 +176,10 @@ def validate_share(model: torch.nn.Module, images, transform, rank: int, world: 
 def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
     """What one rank hands to gloo per step, in theory: the gradient in float32 or float16,
     or PowerSGD's factors and uncompressed tensors."""
-    if hook.name == "powersgd":
+    if hook.name == POWERSGD:
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
         return powersgd_elements(shapes, hook.rank) * 4
-    return gradient_bytes(model) / (2 if hook.name == "fp16" else 1)
+    return gradient_bytes(model) / (2 if hook.name == FP16 else 1)
 
 
 def run_host(settings: MeasureSettings, processes: int, hosts: int, host_index: int,

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hybriddl.hosts.compression import FP16Compression
+from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.machine.cpu_threads import set_torch_threads
 
 # Buffers are not synchronised each step: the MPI contenders average gradients only,
@@ -42,14 +44,15 @@ class CommHook:
     def untimed_steps(self) -> int:
         """Steps to leave out of a timing so that every timed step runs compressed: the
         vanilla ones, and the first compressed one, which allocates P, Q and the error."""
-        return POWERSGD_START_ITER + 1 if self.name == "powersgd" else 0
+        return POWERSGD_START_ITER + 1 if self.name == PowerSGD.name else 0
 
     def describe(self, model_bytes: int) -> dict:
-        if self.name == "powersgd":
+        if self.name == PowerSGD.name:
             return {"hook": "powerSGD_hook", "matrix_approximation_rank": self.rank,
                     "start_powerSGD_iter": POWERSGD_START_ITER,
                     "bucket_cap_mb": one_bucket_mb(model_bytes)}
-        return {"hook": {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook"}[self.name]}
+        return {"hook": {"allreduce": "allreduce_hook",
+                         FP16Compression.name: "fp16_compress_hook"}[self.name]}
 
 
 @dataclass
@@ -110,7 +113,7 @@ def wrap(model: torch.nn.Module, world: int,
     compressed step (torch 2.14.1, gloo: "Received data size doesn't match expected size";
     each bucket chains three allreduces, and the ranks ran the chains in different orders).
     """
-    if hook.name == "powersgd":
+    if hook.name == PowerSGD.name:
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ddp = DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb(model_bytes),
                                       **NO_BUFFER_SYNC)
@@ -120,6 +123,6 @@ def wrap(model: torch.nn.Module, world: int,
         ddp.register_comm_hook(counter, counting_powersgd_hook)
         return ddp, counter
     ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)
-    counter = CountingHook(None, fp16=hook.name == "fp16")
+    counter = CountingHook(None, fp16=hook.name == FP16Compression.name)
     ddp.register_comm_hook(counter, counting_allreduce_hook)
     return ddp, counter

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hybriddl.hosts.compression import EXACT, FP16Compression
+from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import IntraOp, StrategyOptions
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
@@ -12,6 +14,8 @@ from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 FLAT_MPI, FLAT_RING = "flat-mpi", "flat-ring"
 DDP_FP16, DDP_POWERSGD, FLAT_FP16 = "ddp-fp16", "ddp-powersgd", "flat-fp16"
 HYBRID_POWERSGD, DATA_POWERSGD = "hybrid-powersgd", "data-powersgd"
+# The registered schemes the compressed contenders (and their DDP peers) send gradients in.
+FP16, POWERSGD = FP16Compression.name, PowerSGD.name
 
 
 @dataclass(frozen=True)
@@ -20,21 +24,21 @@ class ContenderKind:
     what its gradients look like on the wire (none, fp16, powersgd at CompareConfig's rank)."""
 
     scheme: str
-    compression: str = "none"
+    compression: str = EXACT
 
 
 # Every contender compare knows, by name; a compressed one is its scheme with a compression.
 KNOWN = {name: ContenderKind(name) for name in ("hybrid", "data", FLAT_MPI, FLAT_RING, "ddp")}
-KNOWN |= {DDP_FP16: ContenderKind("ddp", "fp16"),  # torch's fp16_compress_hook
-          DDP_POWERSGD: ContenderKind("ddp", "powersgd"),  # torch's powerSGD_hook
-          FLAT_FP16: ContenderKind(FLAT_MPI, "fp16"),  # Horovod's Compression.fp16
+KNOWN |= {DDP_FP16: ContenderKind("ddp", FP16),  # torch's fp16_compress_hook
+          DDP_POWERSGD: ContenderKind("ddp", POWERSGD),  # torch's powerSGD_hook
+          FLAT_FP16: ContenderKind(FLAT_MPI, FP16),  # Horovod's Compression.fp16
           # hybriddl's own PowerSGD (--compression powersgd:R): the hybrid's on its
           # convolutions' gradients, data's on the whole gradient.
-          HYBRID_POWERSGD: ContenderKind("hybrid", "powersgd"),
-          DATA_POWERSGD: ContenderKind("data", "powersgd")}
+          HYBRID_POWERSGD: ContenderKind("hybrid", POWERSGD),
+          DATA_POWERSGD: ContenderKind("data", POWERSGD)}
 # What runs when --contenders is left out: the exact contenders. The compressed peers
 # are asked for by name (each is one more run).
-CONTENDERS = tuple(name for name, c in KNOWN.items() if c.compression == "none")
+CONTENDERS = tuple(name for name, c in KNOWN.items() if c.compression == EXACT)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from hybriddl.data import GlobalBatch, HostShare
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.compression import Compression
+from hybriddl.hosts.scheme import WHOLE_GRADIENT
 from hybriddl.hosts.traffic import TrafficMeter, interface_bytes_sent
 
 BALANCE_POLICIES = ("throughput", "even")
@@ -127,7 +128,7 @@ class Hosts:
         applies (PowerSGD's approximation and error feedback), so that one host trains
         what H hosts do; `none` and `fp16` change nothing here."""
         self._compressed = [p for p in model.parameters() if p.requires_grad] \
-            if self.compression.whole_gradient else []
+            if self.compression.kind == WHOLE_GRADIENT else []
         if self._compressed:
             names = {id(p): name for name, p in model.named_parameters()}
             self.notes.extend(self.compression.setup(

@@ -40,6 +40,7 @@ from hybriddl import failpoints
 from hybriddl.emulation.hosts import time_scale
 from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
+from hybriddl.hosts.scheme import WHOLE_GRADIENT
 from hybriddl.hosts.traffic import TrafficMeter
 from hybriddl.hosts.wire import HALF_DTYPES, as_bits
 
@@ -635,7 +636,7 @@ class MPIHosts(Hosts):
         done and sends its factors in one allreduce."""
         self._deadline_armed = True  # training starts: every wait now has --host-timeout
         self._exchanges = 0  # every host counts its exchanges from here (the deadline's)
-        whole = self.compression.whole_gradient
+        whole = self.compression.kind == WHOLE_GRADIENT
         # The buckets hold the gradients themselves where the compression is of the whole.
         self.buckets = GradientBuckets(model, Compression.none if whole else self.compression,
                                        min(self.bucket_bytes, bucket_bytes or self.bucket_bytes))
@@ -760,7 +761,7 @@ class MPIHosts(Hosts):
             self._compressed[0].device if self._compressed else "cpu"))
         everything = list(range(len(self._compressed)))
         early = (self.compression.split_phases(self.compression.early_positions())
-                 if phases and hasattr(self.compression, "split_phases") else [])
+                 if phases and self.compression.in_phases else [])
         self._phase_positions = ([early, [i for i in everything if i not in set(early)]]
                                  if early else [everything])
 
@@ -816,7 +817,7 @@ class MPIHosts(Hosts):
 
     def _gradient_bytes(self) -> int:
         """Bytes one gradient exchange hands to MPI."""
-        if self.compression.whole_gradient:
+        if self.compression.kind == WHOLE_GRADIENT:
             return self.compression.wire_bytes([p.shape for p in self._compressed])
         return self.buckets.wire_bytes
 
@@ -824,7 +825,7 @@ class MPIHosts(Hosts):
         return array if self._wire_type is None else [array, self._wire_type]
 
     def _average(self, share) -> None:
-        if self.compression.whole_gradient:
+        if self.compression.kind == WHOLE_GRADIENT:
             return self._average_whole_gradient(share)
         if self._progress:
             self._progress.release()

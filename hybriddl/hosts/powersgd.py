@@ -29,23 +29,19 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from hybriddl.errors import UsageError
+from hybriddl.hosts.scheme import WHOLE_GRADIENT, WireScheme, gradient_shapes
 
 # The seed of the first P and Q: the same on every host, whatever the run's --seed.
 FACTOR_SEED = 0
-
-
-def gradient_shapes(model_or_shapes: nn.Module | Iterable) -> list[tuple[int, ...]]:
-    """The shapes of a model's trainable parameters (its gradients), or the shapes given."""
-    if isinstance(model_or_shapes, nn.Module):
-        return [tuple(p.shape) for p in model_or_shapes.parameters() if p.requires_grad]
-    return [tuple(shape) for shape in model_or_shapes]
+# The ranks the planner weighs: those its paper and PyTorch's hook use (1 to 4).
+PLANNED_RANKS = (1, 2, 4)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
@@ -67,7 +63,7 @@ class _Group:
     error: torch.Tensor  # (k, out, in), this host's
 
 
-class PowerSGD:
+class PowerSGD(WireScheme):
     """`powersgd:R`: rank-R factors of every gradient matrix, error feedback, warm start.
 
     `aggregate(gradients, allreduce)` returns the approximate sum over hosts of the
@@ -80,9 +76,16 @@ class PowerSGD:
     no smaller than the matrix): `setup` returns one line naming them.
     """
 
+    name = "powersgd"  # an instance's: powersgd:R[:start=N]
+    syntax = "powersgd:R"
+    help = ("powersgd:R sends rank-R factors of each gradient matrix with error feedback, also "
+            "on one host (inexact, opt-in), powersgd:R:start=N after N steps averaged exactly")
+    syntax_note = ("R: PowerSGD's rank, e.g. powersgd:2; powersgd:2:start=100 averages the "
+                   "first 100 steps exactly")
     exact = False
+    kind = WHOLE_GRADIENT
     allreduces_per_step = 1
-    whole_gradient = True  # the step's whole gradient at once, not bucket by bucket
+    in_phases = True
     cpu_chunks = True  # on a CPU, local_factor's row chunks (False: a GPU's batched products)
 
     def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0):
@@ -112,6 +115,66 @@ class PowerSGD:
         """(datatype, op) MPI sums the wire with: factors and dense tensors are float32,
         which MPI reads and sums itself."""
         return None, MPI.SUM
+
+    # ------------------------------------------------------------------ the registry's questions
+    @classmethod
+    def parse(cls, text: str) -> PowerSGD | None:
+        """`powersgd:R` or `powersgd:R:start=N`."""
+        scheme, _, rest = text.partition(":")
+        if scheme != cls.name:
+            return None
+        rank, _, option = rest.partition(":")
+        if not rank.strip().lstrip("-").isdigit():
+            raise UsageError(f"--compression {text}: give PowerSGD's rank as a whole number, "
+                             "e.g. powersgd:2")
+        start = 0
+        if option:
+            key, equals, value = option.partition("=")
+            if key.strip() != "start" or not equals or not value.strip().lstrip("-").isdigit():
+                raise UsageError(f"--compression {text}: after the rank, give only the first "
+                                 f"compressed step, e.g. powersgd:{rank.strip()}:start=100")
+            start = int(value)
+        return cls(int(rank), start=start)
+
+    @classmethod
+    def planned(cls) -> list[PowerSGD]:
+        return [cls(rank) for rank in PLANNED_RANKS]
+
+    def early_wire_bytes(self, model_or_shapes) -> int:
+        """The first phase's factors (`first_phase`), which --overlap sends during backward."""
+        shapes = gradient_shapes(model_or_shapes)
+        first = self.first_phase(self.early_positions(shapes), shapes) if shapes else []
+        return self.wire_bytes(shapes, first) if first else 0
+
+    def compute_seconds(self, costs, scope, model_or_shapes, hosts):
+        """Measured (`costs.measured`, keyed by `measured_key`), else estimated from the
+        per-element figures; the steps before `start` are not predicted (the planner
+        predicts the steps after it)."""
+        measured = costs.measured.get(self.measured_key(scope))
+        if measured is not None:
+            return measured, False
+        seconds = 0.0
+        for shape in gradient_shapes(model_or_shapes):
+            if self.compresses(shape):
+                n = math.prod(shape)
+                # M Q, M^T P and P Q^T (the error), each R products per element; the error
+                # added in and the approximation taken out: two element-wise passes.
+                seconds += 3 * self.rank * n * costs.matmul + 2 * n * costs.elementwise
+        return seconds, True
+
+    def measured_key(self, scope: str) -> str:
+        return f"{scope}:{self.rank}"
+
+    def measure_seconds(self, gradients: Sequence[torch.Tensor]) -> float:
+        """Seconds of one step of `aggregate` with the allreduce left out, on `gradients` as
+        stand-ins (their values do not change the work), after its set-up, on a fresh
+        object of the same rank; a step sends one factor, the next the other, at the same
+        cost."""
+        fresh = PowerSGD(self.rank, self.seed)
+        fresh.setup([g.shape for g in gradients])
+        started = time.perf_counter()
+        fresh.aggregate(gradients, lambda wire: wire)
+        return time.perf_counter() - started
 
     # ------------------------------------------------------------------ planning
     def compresses(self, shape: Sequence[int]) -> bool:

@@ -30,13 +30,14 @@ from torch.nn import functional as F
 from hybriddl.data.sharding import split_bounds, split_counts
 from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
+from hybriddl.hosts.compression import AUTO, EXACT
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hybrid.classifier import (ColumnLinear, GatherRows, NotSplittable,
                                         ReturnedGradient, SplitClassifier, plan, slice_counts,
                                         split_classifier)
 from hybriddl.machine.cpu_threads import torch_threads
 from hybriddl.hybrid.planner import (EXACT_FEATURES, FEATURE_DTYPES, HostCosts, Link,
-                                     ModelShapes, make_plan, measure_powersgd, one_host_plan)
+                                     ModelShapes, make_plan, one_host_plan)
 from hybriddl.strategies import LocalStrategy, StepStats
 from hybriddl.strategies.base import cut_computes_model, host_gradients, run_forward, \
     split_at_classifier
@@ -63,7 +64,7 @@ class DataParallel:
     # Settled by `choose` with the planner (hybrid/planner.py): its record, the gradients'
     # compression and (hybrid) the features' wire dtype.
     plan: dict | None = None
-    compression = "none"
+    compression = EXACT
     feature_dtype = EXACT_FEATURES
 
     def __init__(self, reason: str = ""):
@@ -326,7 +327,7 @@ def traffic_bytes(model: nn.Module, hosts: int, global_batch: int) -> dict[str, 
 
 
 def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_batch: int,
-           image_size: int, compute_seconds: float | None, compression: str = "none",
+           image_size: int, compute_seconds: float | None, compression: str = EXACT,
            feature_dtype: str | None = None, accumulate: int = 1) -> DataParallel:
     """The scheme for `--host-parallel asked --compression compression [--feature-dtype]`,
     the same on every host (rank 0 plans, hybrid/planner.py): every scheme's step predicted
@@ -361,18 +362,21 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
         # Alone nothing crosses a wire: auto is none; a named compression still applies
         # (PowerSGD trains the same steps on one host as on H).
         return _settled(scheme, one_host_plan().record(),
-                        "none" if compression == "auto" else compression,
+                        EXACT if compression == AUTO else compression,
                         feature_dtype or EXACT_FEATURES)
     rate, latency = hosts.link_rate(), hosts.link_latency() or 0.0
+    # Every time the plan weighs is in the time the link's rate is in: on emulated hosts
+    # slowed down or sped up by D (S·D under --speedup), wall seconds / D. The profile's
+    # compute was measured in wall seconds on this machine, as the probe's is.
+    scale = getattr(hosts, "time_scale", 1.0)
     source = "the profile" if compute_seconds is not None else "timed once on a copy of the model"
     if compute_seconds is None:  # no profile: time this host's share once
         share = -(-global_batch // hosts.size)
         # On this rank's cores only, as its strategy will compute: before the strategy is
         # set up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
         with torch_threads(len(getattr(hosts, "cores", None) or []) or None):
-            compute_seconds = probe_compute(model, share, image_size) / getattr(
-                hosts, "time_scale", 1.0)
-    compute = max(hosts.allgather(compute_seconds))
+            compute_seconds = probe_compute(model, share, image_size)
+    compute = max(hosts.allgather(compute_seconds / scale))
     record = None
     if hosts.rank == 0:
         shapes = ModelShapes.of(model, splittable=cannot_split is None)
@@ -381,12 +385,8 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
             if cannot_split is None else set()
         in_hybrid = [g for g in gradients if id(g) in averaged] if averaged else gradients
 
-        # Compression's own compute in the time the compute and the link are in (on emulated
-        # hosts slowed down or sped up by D, wall seconds / D).
-        scale = getattr(hosts, "time_scale", 1.0)
-
-        def measure(scope: str, rank: int) -> float:
-            return measure_powersgd(gradients if scope == "data" else in_hybrid, rank) / scale
+        def measure(scope: str, compression) -> float:
+            return compression.measure_seconds(gradients if scope == "data" else in_hybrid) / scale
 
         record = make_plan(shapes, hosts.size, global_batch, compute, Link(rate, latency),
                            HostCosts.measure().scaled(1 / scale), host_parallel=asked,

@@ -12,9 +12,14 @@ scheme's step:
                                                     (a ring allreduce 2(H-1) rounds,
                                                      an allgather H-1, the split's
                                                      reduce-scatter, an alltoallv, 1)
-         + compression's own compute (casts, 2-byte sums, PowerSGD's products), this host's
-         - overlap: hybrid's, and with --overlap PowerSGD's first phase (the classifier's
-           factors, sent during backward), at most OVERLAP_SHARE of the compute.
+         + compression's own compute (casts, 2-byte sums, PowerSGD's products), this host's,
+           as the compression object answers it (`compute_seconds`)
+         - overlap: hybrid's, and with --overlap what the compression sends during backward
+           (`early_wire_bytes`: PowerSGD's first phase, the classifier's factors), at most
+           OVERLAP_SHARE of the compute.
+
+The planner names no compression: it weighs the variants each registered one plans
+(hosts/compression.py, `planned_compressions`) and predicts from what the objects answer.
 
 Data is credited no overlap: on 2-core hosts at 1 Gbit/s its step was the compute plus all
 of its exchange (AlexNet 3.12 s = 1.03 + 2.09; VGG16 17.9 s = 12.1 + 5.8), and a credit of
@@ -25,7 +30,8 @@ layer's weight gradient (hybrid/parallel.py): those exchanges are credited up to
 OVERLAP_SHARE of the compute, what measured runs hid and no more (`OVERLAP_SHARE`).
 
 The fusion buckets of one gradient exchange are all in flight at once, so they pay one
-allreduce's latency; PowerSGD's exchanges wait for one another (`allreduces_per_step`).
+allreduce's latency; a compression's exchanges that wait for one another are its
+`allreduces_per_step`.
 
 `settle` picks: exact schemes unless `--compression auto`; with auto the fastest, but an
 inexact one only where it is predicted faster than the best exact one by more than the
@@ -37,6 +43,7 @@ it and its flags.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,11 +52,9 @@ import torch
 from torch import nn
 
 from hybriddl.errors import UsageError
+from hybriddl.hosts.compression import AUTO, EXACT, parse_compression, planned_compressions
 from hybriddl.hybrid.classifier import NotSplittable, plan
 
-# The gradient exchanges the planner weighs, beside each other: exact, half precision, and
-# PowerSGD at the ranks its paper and PyTorch's hook use (1 to 4).
-COMPRESSIONS = ("none", "fp16", "powersgd:1", "powersgd:2", "powersgd:4")
 # The split's features and their gradients on the wire (--feature-dtype): float32 is exact;
 # bfloat16 halves the bytes and keeps float32's exponent range, which the gradients of the
 # global mean loss (a 1/B factor in every element) need and float16's would cut off.
@@ -75,17 +80,18 @@ class Scheme:
     averaged gradients look like on the wire, and (hybrid) the features' wire dtype."""
 
     host_parallel: str
-    compression: str = "none"
+    compression: str = EXACT
     feature_dtype: str = EXACT_FEATURES
 
     @property
     def exact(self) -> bool:
-        return self.compression == "none" and self.feature_dtype == EXACT_FEATURES
+        return compression_object(self.compression).exact and \
+            self.feature_dtype == EXACT_FEATURES
 
     @property
     def label(self) -> str:
         parts = [self.host_parallel]
-        if self.compression != "none":
+        if self.compression != EXACT:
             parts.append(self.compression)
         if self.feature_dtype != EXACT_FEATURES:
             parts.append(f"{SHORT_NAMES[self.feature_dtype]} features")
@@ -104,10 +110,11 @@ def candidate_schemes(splittable: bool) -> list[Scheme]:
     """The schemes weighed: data with each compression; hybrid exact, with 2-byte features,
     and with each compression of its convolutions' gradients (features in bfloat16 there:
     once a run is inexact, float32 features only cost bytes)."""
-    schemes = [Scheme("data", c) for c in COMPRESSIONS]
+    compressions = planned_compressions()
+    schemes = [Scheme("data", c) for c in compressions]
     if splittable:
-        schemes += [Scheme("hybrid"), Scheme("hybrid", "none", "bfloat16")]
-        schemes += [Scheme("hybrid", c, "bfloat16") for c in COMPRESSIONS if c != "none"]
+        schemes += [Scheme("hybrid"), Scheme("hybrid", EXACT, "bfloat16")]
+        schemes += [Scheme("hybrid", c, "bfloat16") for c in compressions if c != EXACT]
     return schemes
 
 
@@ -157,29 +164,15 @@ class Link:
 
 # --------------------------------------------------------------------------- bytes
 
-def _matrix(shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """A gradient as PowerSGD sees it: out x (in k k); None for a vector."""
-    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None
-
-
-def _factored(matrix: tuple[int, int] | None, rank: int) -> bool:
-    """Whether PowerSGD sends this matrix as rank-`rank` factors: only where they are
-    smaller than it (as hosts/powersgd.py decides)."""
-    return bool(matrix) and rank < min(matrix) and rank * sum(matrix) < math.prod(matrix)
-
-
-def powersgd_floats(shapes, rank: int) -> int:
-    """Floats one host hands to the allreduces of a PowerSGD step of rank `rank` (both
-    factors, P and Q): R (n + m) for each n x m matrix with R below min(n, m), the rest
-    dense (vectors, and matrices the factors would not make smaller)."""
-    floats = 0
-    for shape in shapes:
-        matrix = _matrix(shape)
-        if _factored(matrix, rank):
-            floats += rank * sum(matrix)
-        else:
-            floats += math.prod(shape)
-    return floats
+@functools.lru_cache(maxsize=None)
+def compression_object(name: str):
+    """The compression `name` names (hosts/compression.py), which the planner only asks:
+    one object per name, read and never stepped."""
+    compression = parse_compression(name)
+    if compression == AUTO:
+        raise UsageError(f"--compression {AUTO} is the planner's to settle, not a scheme to "
+                         "predict: name a scheme")
+    return compression
 
 
 @dataclass(frozen=True)
@@ -191,55 +184,18 @@ class GradientExchange:
     payload_bytes: float
     allreduces_per_step: int
     exact: bool
-    source: str  # "compression object": its own figures; "planner": the arithmetic here
     # Of the payload, what leaves during backward with --overlap (PowerSGD's first phase:
     # the trailing gradients' factors, hosts/mpi.py); 0 where the exchange waits for the end.
     early_bytes: float = 0.0
 
 
 def gradient_exchange(name: str, shapes) -> GradientExchange:
-    """`name`'s exchange of gradients of `shapes`: the compression object's own figures
-    where hosts/compression.py has it, else the same arithmetic here (float32 4 bytes,
-    float16 2, PowerSGD both factors in two exchanges, as PyTorch's hook sends them)."""
+    """`name`'s exchange of gradients of `shapes`, as the compression object answers it."""
     shapes = list(shapes)
-    compression = _compression_object(name)
-    if compression is not None:
-        early = 0.0
-        if hasattr(compression, "first_phase") and shapes:
-            first = compression.first_phase(compression.early_positions(shapes), shapes)
-            early = float(compression.wire_bytes(shapes, first)) if first else 0.0
-        return GradientExchange(name, float(compression.wire_bytes(shapes)),
-                                int(compression.allreduces_per_step), bool(compression.exact),
-                                "compression object", early)
-    elements = sum(math.prod(s) for s in shapes)
-    if name == "none":
-        return GradientExchange(name, 4.0 * elements, 1, True, "planner")
-    if name == "fp16":
-        return GradientExchange(name, 2.0 * elements, 1, False, "planner")
-    rank = powersgd_rank(name)
-    return GradientExchange(name, 4.0 * powersgd_floats(shapes, rank), 2, False, "planner")
-
-
-def powersgd_rank(name: str) -> int:
-    """R of `powersgd:R` (and of `powersgd:R:start=N`: the planner predicts the steps after
-    the start)."""
-    scheme, _, rest = name.partition(":")
-    rank = rest.partition(":")[0]
-    if scheme != "powersgd" or not rank.isdigit() or int(rank) < 1:
-        raise UsageError(f"--compression {name}: choose none, fp16, powersgd:R (R >= 1) or auto")
-    return int(rank)
-
-
-def _compression_object(name: str):
-    """The compression `name` names in hosts/compression.py, where it exposes what the
-    planner reads (`wire_bytes`, `allreduces_per_step`, `exact`); None until then."""
-    try:
-        from hybriddl.hosts.compression import parse_compression
-        compression = parse_compression(name)
-    except (ImportError, UsageError):
-        return None
-    needed = ("wire_bytes", "allreduces_per_step", "exact")
-    return compression if all(hasattr(compression, n) for n in needed) else None
+    compression = compression_object(name)
+    return GradientExchange(name, float(compression.wire_bytes(shapes)),
+                            int(compression.allreduces_per_step), bool(compression.exact),
+                            float(compression.early_wire_bytes(shapes)))
 
 
 # --------------------------------------------------------------------------- compute
@@ -249,15 +205,16 @@ class HostCosts:
     """This host's seconds for the work compression adds to a step, measured once
     (`measure`): per element, a float32 <-> 2-byte float cast, a 2-byte float addition as
     MPI's reduction does it (torch's add), a float32 element-wise pass, and a gradient
-    matrix's skinny product with rank-1 factors (scaled by R). `powersgd` holds seconds
-    per step measured with the PowerSGD object itself, keyed "data:R" / "hybrid:R";
-    without them its cost is estimated from the per-element figures (`estimated`)."""
+    matrix's skinny product with rank-1 factors (scaled by R). `measured` holds seconds
+    per step measured with a compression object itself, keyed as it says (its
+    `measured_key`: PowerSGD's "data:R" / "hybrid:R"); without them the object estimates
+    its cost from the per-element figures."""
 
     cast: float
     half_add: float
     elementwise: float
     matmul: float
-    powersgd: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)
 
     @classmethod
     def measure(cls, elements: int = 1 << 21) -> HostCosts:
@@ -277,35 +234,7 @@ class HostCosts:
         """These costs `factor` times as long (on emulated hosts, 1/D: emulated time)."""
         return HostCosts(self.cast * factor, self.half_add * factor, self.elementwise * factor,
                          self.matmul * factor,
-                         {key: seconds * factor for key, seconds in self.powersgd.items()})
-
-    def powersgd_seconds(self, scope: str, shapes, rank: int) -> tuple[float, bool]:
-        """(seconds per step, estimated?) of PowerSGD's own compute on `shapes`."""
-        measured = self.powersgd.get(f"{scope}:{rank}")
-        if measured is not None:
-            return measured, False
-        seconds = 0.0
-        for shape in shapes:
-            matrix = _matrix(shape)
-            if _factored(matrix, rank):
-                n = math.prod(matrix)
-                # M Q, M^T P and P Q^T (the error), each R products per element; the error
-                # added in and the approximation taken out: two element-wise passes.
-                seconds += 3 * rank * n * self.matmul + 2 * n * self.elementwise
-        return seconds, True
-
-
-def measure_powersgd(gradients: list[torch.Tensor], rank: int) -> float:
-    """Seconds of one step of PowerSGD's own compute (hosts/powersgd.py, its `aggregate`
-    with the allreduce left out) on `gradients` as stand-ins (their values do not change
-    the work), after its set-up; a step sends one factor, the next the other, at the same
-    cost."""
-    from hybriddl.hosts.compression import parse_compression
-    compression = parse_compression(f"powersgd:{rank}")
-    compression.setup([g.shape for g in gradients])
-    started = time.perf_counter()
-    compression.aggregate(gradients, lambda wire: wire)
-    return time.perf_counter() - started
+                         {key: seconds * factor for key, seconds in self.measured.items()})
 
 
 def _best(work, repeats: int = 3) -> float:
@@ -364,14 +293,9 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
     nic = nic_gradients = 2 * ring * gradients.payload_bytes
     rounds = gradients.allreduces_per_step * 2 * (hosts - 1)
     extra, estimated, overlappable = 0.0, False, 0.0
-    elements = sum(math.prod(s) for s in averaged)
-    if costs is not None and scheme.compression == "fp16":
-        # Cast to float16 and back, and the ring's (H-1)/H additions in float16.
-        extra += 2 * elements * costs.cast + ring * elements * costs.half_add
-    elif costs is not None and scheme.compression != "none":
-        seconds, estimated = costs.powersgd_seconds(scheme.host_parallel, averaged,
-                                                    powersgd_rank(scheme.compression))
-        extra += seconds
+    if costs is not None:
+        extra, estimated = compression_object(scheme.compression).compute_seconds(
+            costs, scheme.host_parallel, averaged, hosts)
     if overlap and gradients.early_bytes:
         # The first phase's factors leave beside backward (its allreduce's rounds too; the
         # second phase's are the step's one allreduce's).
@@ -426,21 +350,22 @@ class Plan:
 
 def one_host_plan() -> Plan:
     """Alone, a host exchanges nothing: data parallelism over itself, nothing compressed."""
-    return Plan(1, [], Scheme("data"), "one host: no exchange, nothing to compress (none)")
+    return Plan(1, [], Scheme("data"), f"one host: no exchange, nothing to compress ({EXACT})")
 
 
 def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_seconds: float,
               link: Link, costs: HostCosts | None = None, *, host_parallel: str = "auto",
-              compression: str = "none", feature_dtype: str | None = None,
+              compression: str = EXACT, feature_dtype: str | None = None,
               chunks: int = 1, compute_source: str = "", measure=None,
               overlap: bool = False) -> Plan:
     """Predict every candidate scheme and settle the asked ones (see `settle`); `overlap`:
     the run's --overlap.
 
-    `measure(scope, rank)`: seconds of PowerSGD's own compute per step, measured on this
-    host (`measure_powersgd`). Measuring every rank takes seconds, so it is asked only for
-    the rows that decide (the one settled, the one advised) while their cost is estimated,
-    and the plan made again: an estimate never decides."""
+    `measure(scope, compression)`: seconds of a compression object's own compute per step
+    in `scope`, measured on this host (its `measure_seconds`). Measuring every variant takes
+    seconds (PowerSGD's ranks), so it is asked only for the rows that decide (the one
+    settled, the one advised) while their cost is estimated, and the plan made again: an
+    estimate never decides."""
     if hosts < 2:
         return one_host_plan()
     schemes = candidate_schemes(shapes.splittable)
@@ -459,8 +384,9 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
         if not estimated or measure is None or costs is None:
             break
         for scheme in estimated:
-            costs.powersgd[f"{scheme.host_parallel}:{powersgd_rank(scheme.compression)}"] = \
-                measure(scheme.host_parallel, powersgd_rank(scheme.compression))
+            measured = compression_object(scheme.compression)
+            costs.measured[measured.measured_key(scheme.host_parallel)] = \
+                measure(scheme.host_parallel, measured)
     reason += (f"; measured link {link.bytes_per_second * 8 / 1e9:.3f} Gbit/s, latency "
                f"{link.latency_seconds * 1e3:.3f} ms")
     inputs = {"compute_seconds": compute_seconds, "compute_source": compute_source,
@@ -470,18 +396,20 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
               "compression_costs": None if costs is None else
               {"cast": costs.cast, "half_add": costs.half_add,
                "elementwise": costs.elementwise, "matmul": costs.matmul,
-               "powersgd_measured": dict(costs.powersgd)}}
+               # metrics.json's name for it since PowerSGD was the one scheme measured
+               "powersgd_measured": dict(costs.measured)}}
     return Plan(hosts, rows, chosen.scheme, reason, advice_line(*advised) if advised else None,
                 inputs)
 
 
 def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list[Scheme]:
-    """The schemes a run asked for by name, where they are none of the candidates (a rank
-    outside COMPRESSIONS; under auto, the compressions with the feature dtype given)."""
-    if compression == "auto":
+    """The schemes a run asked for by name, where they are none of the candidates (a
+    variant no compression plans, powersgd:8; under auto, the compressions with the feature
+    dtype given)."""
+    if compression == AUTO:
         if feature_dtype is None or not splittable or host_parallel == "data":
             return []
-        return [Scheme("hybrid", c, feature_dtype) for c in COMPRESSIONS]
+        return [Scheme("hybrid", c, feature_dtype) for c in planned_compressions()]
     parallels = ["data", "hybrid"] if host_parallel == "auto" else [host_parallel]
     if not splittable:
         parallels = [p for p in parallels if p == "data"]
@@ -489,7 +417,7 @@ def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list
                    else EXACT_FEATURES) for p in parallels]
 
 
-def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str = "none",
+def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str = EXACT,
            feature_dtype: str | None = None) -> tuple[Prediction, str]:
     """The scheme a run takes among `rows`, and why. Named choices are kept; "auto" and a
     feature dtype left out are the planner's. With --compression auto the fastest, but an
@@ -520,7 +448,7 @@ def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str
     if gain > 1 + PREDICTION_ERROR:
         return best, (f"auto: {best.scheme.label} (not exact), predicted {gain:.2f}x faster "
                       f"than {best_exact.scheme.label}; {parts}")
-    return best_exact, (f"auto: none, {best_exact.scheme.label} (exact): the fastest inexact "
+    return best_exact, (f"auto: {EXACT}, {best_exact.scheme.label} (exact): the fastest inexact "
                         f"scheme, {best.scheme.label}, is predicted only {gain:.2f}x faster, "
                         f"within the predictions' {PREDICTION_ERROR:.0%}; predicted step "
                         f"{best_exact.step_seconds:.3f} s ({_parts(best_exact)})")

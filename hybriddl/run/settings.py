@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from hybriddl.errors import UsageError
-from hybriddl.hosts.compression import parse_compression
+from hybriddl.hosts.compression import EXACT, parse_compression
 from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.hybrid.planner import FEATURE_DTYPES
 from hybriddl.strategies import StrategyOptions
@@ -45,9 +45,9 @@ class TrainConfig(NamesAUseCase):
     throughput: float | None = None  # this host's images/s (its profile's) for --balance
     host_parallel: str = "auto"  # across hosts: "data", "hybrid" or "auto" (hybrid/parallel.py)
     weights: str | None = None  # a state_dict to start from (run/weights.py); None: fresh
-    # What gradients look like on the wire (hosts/compression.py): "none" (exact), "fp16",
-    # "powersgd:R", or "auto" (the planner's pick).
-    compression: str = "none"
+    # What gradients look like on the wire (hosts/compression.py): a registered scheme's
+    # text (EXACT, the default, sends them as they are), or "auto" (the planner's pick).
+    compression: str = EXACT
     # The split's features and their gradients on the wire (--feature-dtype, hybrid only):
     # "float32" (exact), "bfloat16"; None: float32, or the planner's under --compression auto.
     feature_dtype: str | None = None

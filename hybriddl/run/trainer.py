@@ -25,7 +25,7 @@ from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_bounds
 from hybriddl.run import checkpoint as ckpt
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.hosts.compression import parse_compression
+from hybriddl.hosts.compression import EXACT, parse_compression
 from hybriddl.hosts.replicas import ReplicaCheck
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
@@ -481,7 +481,7 @@ def saved_compression(resume: ckpt.Checkpoint) -> str:
     the latest start (--compression auto is "auto" in its config), else the one asked."""
     starts = [resume.metrics.get("config", {}), *resume.metrics.get("resumes", [])]
     settled = starts[-1].get("hosts", {}).get("compression")
-    return settled or resume.config.get("compression", "none")
+    return settled or resume.config.get("compression", EXACT)
 
 
 def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
