@@ -5,32 +5,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import hybriddl_env
-from sample_data import write_saturated_classes
 from hybriddl import failpoints
 from hybriddl.errors import UsageError
 
-MPIRUN = Path(sys.executable).parent / "mpirun"
-LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
 # 18 training images in batches of 8: 3 steps an epoch.
 TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "8",
          "--epochs", "2", "--strategy", "sequential", "--monitor-interval", "0"]
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_saturated_classes(tmp_path_factory.mktemp("images"), seed=1)
-
-
-def two_ranks(*args: str, faults: str = "", timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl",
-                           *args], capture_output=True, text=True, timeout=timeout,
-                          env=hybriddl_env(HYBRIDDL_FAILPOINTS=faults))
 
 
 def test_failpoints_parse_what_the_docs_name_and_refuse_the_rest():

@@ -8,13 +8,33 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from test_failpoints import MPIRUN, TRAIN, images, two_ranks  # noqa: F401  (fixture)
+from conftest import hybriddl_env
+from sample_data import write_saturated_classes
+from test_failpoints import TRAIN
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_saturated_classes(tmp_path_factory.mktemp("images"), seed=1)
+
+
+def two_ranks(*args: str, faults: str = "", timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl",
+                           *args], capture_output=True, text=True, timeout=timeout,
+                          env=hybriddl_env(HYBRIDDL_FAILPOINTS=faults))
+
 
 pytestmark = [pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
               pytest.mark.mpi, pytest.mark.slow]
