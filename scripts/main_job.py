@@ -7,9 +7,10 @@ The main job is the README's first command after the install (Set up, block 1):
 run as a new user runs it: from an empty folder (no `profiles/`, so `--strategy auto` tunes
 this host first, `--tune-budget` 120 s by default; no `runs/`), with nothing but the
 command's own flags. The wall seconds are the whole command's (interpreter start, tuning,
-training, evaluations); the epochs' figures are metrics.json's. scripts/write_docs.py writes
-the README's line about the main job from the JSON, and tests/test_docs.py checks that the
-command it records is the README's.
+training, evaluations); the epochs' figures are metrics.json's. Its page (`PAGES`) and the
+README's line about the main job (`main_job_line`) are written from the JSON by
+scripts/write_docs.py, and tests/test_docs.py checks that the command it records is the
+README's.
 
     python scripts/main_job.py --output results/main_job.json
 """
