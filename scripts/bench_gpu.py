@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from bench_common import REPO, results_header, spread
+from pages import Page
 from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.errors import UsageError
 from hybriddl.files import atomic_write_json
@@ -253,6 +254,54 @@ def train_data_wait(usecase: str, image_size: int, batch_size: int, variant: str
     return {"command": shlex.join(["hybriddl", *command[3:]]), "steps": sum(e["steps"] for e in epochs),
             "epochs": len(epochs), "images_per_second": sum(e["samples"] for e in epochs) / seconds,
             "seconds": seconds, "data_wait_seconds": wait, "data_wait_share": wait / seconds}
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def bench_gpu_table(data: dict) -> str:
+    lines = ["| strategy | numerics | dropout | ms/step (median) | spread | vs fastest PyTorch |",
+             "|---|---|---:|---:|---|---:|"]
+    for r in data["rows"]:
+        vs = "—" if r.get("vs_fastest_peer") is None else f"{r['vs_fastest_peer']:.2f}×"
+        lines.append(f"| {r['strategy']} | {r['variant']} | {r['dropout']:g} | "
+                     f"{r['seconds_per_step'] * 1e3:.2f} | {r['spread']['min'] * 1e3:.2f}–"
+                     f"{r['spread']['max'] * 1e3:.2f} | {vs} |")
+    for r in data["rows"]:
+        if r.get("stages"):
+            st = r["stages"]
+            lines += ["", f"Pipeline ({r['variant']}), one step: stage 1 busy "
+                          f"{st['stage1_busy_ms']:.1f} ms, stage 2 busy {st['stage2_busy_ms']:.1f} ms, "
+                          f"both at once {st['both_busy_ms']:.1f} ms, step {st['step_ms']:.1f} ms. "
+                          "The two-GPU pipeline's speedup is not measured (one GPU)."]
+    if data.get("train"):
+        t = data["train"]
+        # Files of 2026-11-26 recorded `-m hybriddl train ...`; later ones `hybriddl train ...`.
+        command = "hybriddl " + t["command"].removeprefix("-m ").removeprefix("hybriddl ")
+        lines += ["", f"`{command}`: {t['images_per_second']:.0f} img/s over "
+                      f"{t['steps']} steps, data wait {t['data_wait_share']:.1%} of the time."]
+    return "\n".join(lines)
+
+
+def bench_gpu_setting(data: dict) -> str:
+    return (f"{data['model']} at {data['image_size']} px, batch {data['batch_size']}, "
+            f"{data['rounds']} interleaved rounds of {data['warmup_steps']} warm-up and "
+            f"{data['timed_steps']} timed steps (one device synchronisation per visit)")
+
+
+BENCH_GPU_NOTES = """How to read it: every row trains the same batch, already on the GPU, in interleaved
+rounds; *vs fastest PyTorch* is the fastest plain PyTorch row's step over the row's, within
+each round. The pytorch rows are torchvision's model with nn.Dropout; the gpu rows are
+hybriddl's whole optimizer step with keyed dropout (dropout 0.5) or none (0)."""
+
+
+PAGES = [
+    Page("bench_gpu-SimpleBig", "One GPU: hybriddl's step against plain PyTorch, AlexNet",
+         "results/bench_gpu-SimpleBig.json", bench_gpu_table, bench_gpu_setting,
+         BENCH_GPU_NOTES),
+    Page("bench_gpu-ComplexSmall", "One GPU: hybriddl's step against plain PyTorch, VGG16",
+         "results/bench_gpu-ComplexSmall.json", bench_gpu_table, bench_gpu_setting,
+         BENCH_GPU_NOTES),
+]
 
 
 def main(argv=None) -> int:

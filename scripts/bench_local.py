@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_common import results_header
+from pages import Page, provenance
 from hybriddl.compare.local_peers import measure_ddp, measure_pytorch
 from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch
 from hybriddl.data import SYNTHETIC_CLASSES, ImageSet, render_synthetic
@@ -333,6 +334,83 @@ def table(result: dict) -> Table:
                       f"{row['vs_faster_peer_max']:.2f})", *mib,
                       f"{row['hwm_vs_faster_peer']:.2f}x")
     return table
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def bench_local_table(data: dict) -> str:
+    lines = ["| row | numerics | s/step (median, spread) | images/s | speed-up vs sequential "
+             "| vs fastest peer (median, spread) | peak HWM MiB | HWM vs that peer |",
+             "|---|---|---|---:|---:|---|---:|---:|"]
+    for r in data["rows"]:
+        if r["name"] in ("pytorch", "ddp"):  # peers, not strategies: their own settings
+            details = {k: v for k, v in r["strategy"].items()
+                       if k not in ("name", "precision", "channels_last", "accumulate")}
+            name = " ".join([r["strategy"]["name"], *(f"{k}={v}" for k, v in details.items())])
+        else:
+            name = StrategySpec.from_dict(r["strategy"]).label
+        lines.append(f"| {name} | {r['variant']} | {r['seconds_per_step']:.3f} "
+                     f"({r['seconds_min']:.3f}–{r['seconds_max']:.3f}) | "
+                     f"{r['images_per_second']:.1f} | {r['speedup']:.2f} | "
+                     f"{r['vs_faster_peer']:.2f} ({r['vs_faster_peer_min']:.2f}–"
+                     f"{r['vs_faster_peer_max']:.2f}) | {r['peak_hwm_bytes'] / 2**20:,.0f} | "
+                     f"{r['hwm_vs_faster_peer']:.2f} |")
+    lines += ["", f"Tuned PyTorch (the fastest plain PyTorch row): `pytorch "
+                  f"{data['tuned_pytorch']}`; the fastest peer: `{data['fastest_peer']}`."]
+    if "hybriddl_allocator" in data:  # absent in results from before allocators were chosen
+        ours = data["hybriddl_allocator"]
+        lines += [f"The hybriddl rows ran on {ours['name']} ({ours['how']}: "
+                  f"{ALLOCATOR_HOW.get(ours['how'], ours['how'])})."]
+    lines += [f"Note: {note}" for note in data.get("notes", [])]
+    return "\n".join(lines)
+
+
+def bench_local_setting(data: dict) -> str:
+    return (f"{data['model']}, {data['image_size']} px, batch {data['batch_size']}, "
+            f"K = {data['workers']} workers, {data['warmup']} untimed and {data['steps']} timed "
+            f"steps per row and round, {data['rounds']} interleaved round(s), one host")
+
+
+ALLOCATOR_HOW = {"measured": "the allocator hybriddl measured fastest on this host",
+                 "cached": "the allocator hybriddl had measured fastest on this host",
+                 "asked": "named by --allocator", "inherited": "set by the parent process",
+                 "fallback": "the one asked for is not installed"}
+
+
+BENCH_LOCAL_NOTES = """How to read it: every row trains the same model on the same batch, each in a fresh
+process, in interleaved rounds. The peers are PyTorch DDP and plain PyTorch as it comes and
+tuned (`fp32-kept`: glibc keeps freed memory, as hybriddl does on glibc; `fp32-tcmalloc`:
+tcmalloc preloaded; `-cl`: channels_last). The hybriddl rows run on the allocator hybriddl
+chose for this host (see [tuning](../tuning.md#allocator)). *vs fastest peer* is the fastest float32 peer's
+step over the row's, within each round. HWM is the kernel's peak resident memory (see
+[methodology](../methodology.md))."""
+
+
+def bench_local_headline(table: Page, data: dict) -> str | None:
+    """The fastest hybriddl row against the fastest peer (tuned PyTorch or DDP)."""
+    p = provenance(data)
+    # float32 rows, in either memory format (as the peers are): no bf16, no accumulation.
+    ours = [r for r in data["rows"] if r["name"] not in ("pytorch", "ddp")
+            and r["variant"] in ("fp32", "fp32-cl")]
+    if not ours:
+        return None
+    best = min(ours, key=lambda r: r["seconds_per_step"])
+    on = " with channels_last" if best["variant"] == "fp32-cl" else ""
+    on += f" on {best['allocator']}" if "allocator" in best else ""
+    return (f"- **One host, {data['model']}, {data['image_size']} px, batch "
+            f"{data['batch_size']}, {p['cores']} cores** — the fastest local strategy "
+            f"({best['name']}{on}, {best['seconds_per_step']:.2f} s/step) runs at "
+            f"{best['vs_faster_peer']:.2f}× the fastest peer (`{data['fastest_peer']}`; "
+            f"tuned PyTorch: the fastest of plain PyTorch with kept memory or tcmalloc, with "
+            f"and without channels_last, and DDP; {p['cpu_model']}, torch {p['torch']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
+PAGES = [
+    Page("bench_local-SimpleBig", "One host: local strategies against tuned PyTorch, AlexNet",
+         "results/bench_local-SimpleBig.json", bench_local_table, bench_local_setting,
+         BENCH_LOCAL_NOTES, headline=bench_local_headline),
+]
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench_common import REPO, results_header, spread
+from pages import Page
 
 VARIANTS = {"row chunks": True, "whole-matrix products": False}
 
@@ -78,6 +79,37 @@ def measure(model_name: str, args) -> list[dict]:
     for row in rows:
         row["vs_whole_matrix"] = row["seconds_per_step"] / base
     return rows
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def bench_powersgd_table(data: dict) -> str:
+    lines = ["| model | PowerSGD compute | ms/step (median) | spread | × whole-matrix products |",
+             "|---|---|---:|---|---:|"]
+    for r in data["rows"]:
+        low, high = r["spread"]["min"] * 1e3, r["spread"]["max"] * 1e3
+        lines.append(f"| {r['model']} | {r['variant']} | {r['seconds_per_step'] * 1e3:.1f} | "
+                     f"{low:.1f}–{high:.1f} | {r['vs_whole_matrix']:.2f} |")
+    return "\n".join(lines)
+
+
+def bench_powersgd_setting(data: dict) -> str:
+    return (f"PowerSGD rank {data['rank']} on {data['threads']} thread(s), "
+            f"{data['rounds']} interleaved rounds of {data['steps']} steps per variant")
+
+
+BENCH_POWERSGD_NOTES = """How to read it: one step of hybriddl's PowerSGD (hosts/powersgd.py) on a whole model's
+gradients, alone (the allreduce returns its input): the wire is not in it. *row chunks* is
+what a CPU runs (each matrix worked through in chunks that stay in cache, matrix-vector
+products); *whole-matrix products* is the batched path a GPU runs, which a CPU ran before.
+On emulated hosts this compute is part of every compressed step (scaling_fast pages)."""
+
+
+PAGES = [
+    Page("bench_powersgd", "PowerSGD's own compute on one core",
+         "results/bench_powersgd.json", bench_powersgd_table, bench_powersgd_setting,
+         BENCH_POWERSGD_NOTES),
+]
 
 
 def main(argv=None) -> int:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench_common import results_header, spread
+from pages import Page
 
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("libnbc", "hybriddl")
@@ -152,6 +153,45 @@ def measure(hosts: int, speedup: float, args: argparse.Namespace) -> list[dict]:
               f"{tensor / 1e6:.2f} MB: libnbc {medians['libnbc'] * 1e3:.2f} ms, hybriddl "
               f"{medians['hybriddl'] * 1e3:.2f} ms, bound {bound * 1e3:.2f} ms", flush=True)
     return rows
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def bench_rows_exchange_table(data: dict) -> str:
+    lines = ["| hosts | S | D | dtype | MB | libnbc ms (spread) | hybriddl ms (spread) | "
+             "bound ms | libnbc / hybriddl |", "|---:|---:|---:|---|---:|---|---|---:|---:|"]
+    for r in data["rows"]:
+        ways = [f"{r[f'{way}_seconds']['median'] * 1e3:.1f} "
+                f"({r[f'{way}_seconds']['min'] * 1e3:.1f}–{r[f'{way}_seconds']['max'] * 1e3:.1f})"
+                for way in ("libnbc", "hybriddl")]
+        lines.append(f"| {r['hosts']} | {r['speedup']:g} | {r['time_scale']:g} | {r['dtype']} | "
+                     f"{r['tensor_bytes'] / 1e6:.2f} | {ways[0]} | {ways[1]} | "
+                     f"{r['bound_seconds'] * 1e3:.1f} | {r['libnbc_over_hybriddl']:.2f} |")
+    return "\n".join(lines)
+
+
+def bench_rows_exchange_setting(data: dict) -> str:
+    return (f"{data['rows_per_host']} rows of {data['width']} values from each emulated host "
+            f"of one core, {data['bandwidth']} links, {data['rounds']} interleaved rounds, "
+            "emulated ms")
+
+
+BENCH_ROWS_EXCHANGE_NOTES = """How to read it: the split classifier's features' gradient (AlexNet's and VGG16's 9216
+features at 32 images a host) returned to the hosts that computed them, a reduce-scatter of
+rows. *libnbc* is Open MPI's non-blocking reduce-scatter, which the hosts ran before: a
+reduce to one host along a tree, then a scatter from it, so one host receives every other
+host's whole tensor before anything goes back. *hybriddl* is `MPIHosts.reduce_scatter_rows`:
+one alltoallv (each host sends every other host that host's rows, all links at once), then
+each host's own sum in rank order. The bound is what each host must send, (H-1)/H of the
+tensor, over the link. Where D > 1 the hosts share the cores under a CPU quota each, and at
+S = 1 their TCP processing is not dilated: the bound is then out of reach for both."""
+
+
+PAGES = [
+    Page("bench_rows_exchange", "The split's features' gradient: two reduce-scatters",
+         "results/bench_rows_exchange.json", bench_rows_exchange_table,
+         bench_rows_exchange_setting, BENCH_ROWS_EXCHANGE_NOTES),
+]
 
 
 def main(argv=None) -> int:

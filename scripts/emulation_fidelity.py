@@ -60,6 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pages import Page
 
 PORT = 5202
 CHUNK = 1 << 20
@@ -481,6 +482,69 @@ def summary(result: dict) -> list[dict]:
                      "error": sent / expected - 1, "tolerance": 0.01,
                      "within": abs(sent / expected - 1) <= 0.01})
     return rows
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def fidelity_table(data: dict) -> str:
+    lines = ["| check | time scale D | expected | measured (median) | spread | error "
+             "| within |", "|---|---:|---:|---:|---|---:|---|"]
+    for r in data["summary"]:
+        unit = r["unit"]
+        lines.append(f"| {r['check']} | {r['time_scale']:g} | {r['expected']:.3g} {unit} | "
+                     f"{r['measured']:.3g} {unit} | {r['spread'][0]:.3g}–{r['spread'][1]:.3g} | "
+                     f"{r['error']:+.1%} | {'yes' if r['within'] else '**no**'} "
+                     f"(±{r['tolerance']:.0%}) |")
+    return "\n".join(lines)
+
+
+def fidelity_setting(data: dict) -> str:
+    return (f"{data['rounds']} interleaved round(s) per check; D = 1 is the reference of "
+            f"every compute check")
+
+
+FIDELITY_NOTES = """How to read it: emulated hosts that do not fit this machine run slowed down by D (see
+[methodology](../methodology.md)). *compute, one host*: a host alone, its step at D against
+D × its step at D = 1. *compute, hosts side by side*: H hosts at D = H, each training on
+its own, their steps against D × one host's at D = 1 (the case of every multi-host cell).
+*link*: the wire rate against rate / D. *NIC bytes*: bytes a host sent at the largest D
+against D = 1 (expected: equal)."""
+
+
+EXCHANGE_NOTES = """How to read it: one step's exchanges of `--host-parallel hybrid` (AlexNet, 2 hosts of 32
+images: the features gathered, the row-parallel layer's sum, the features' gradient
+reduce-scattered, the convolutions' gradient averaged), run back to back through hybriddl's
+MPI hosts, in emulated seconds. *Expected* is the same exchanges between 2 hosts of 1 core
+side by side (D = 1, real time); *measured*, between 2 hosts of 2 cores that take turns
+(D = 2), the case of every multi-host cell of the scaling tables. Each exchange needs both
+hosts running, so hosts that take turns wait for each other's turn; the gap is what the
+scaling tables' hybrid cells carry on top of real hosts. `emulate` sends messages up to
+16 MiB eagerly between hosts that take turns (the row with Open MPI's own limits shows
+why)."""
+
+
+QUOTA_NOTES = """How to read it: *compute, H hosts of 1 core at once under a quota*: H emulated hosts of one
+core started with `--speedup 1`, each training on its own (no exchange between them), their
+steps against one host's alone on this machine (the other core idle), × D. Where H hosts do
+not fit the cores side by side (4 on 2 cores: D = 2) every host runs at once, held to 1/D
+core by a CPU quota over a 10 ms period: the case of every 4-host cell of the scaling_fast
+tables. An error near 0 says that hosts running at once do not slow each other's compute
+(shared caches, memory bandwidth) beyond the D the emulation divides by; a positive one is
+the share of a multi-host cell's step that real hosts would not pay."""
+
+
+PAGES = [
+    Page("emulation_fidelity", "Emulated time: is it faithful?",
+         "results/emulation_fidelity.json", fidelity_table, fidelity_setting, FIDELITY_NOTES),
+    Page("emulation_fidelity-exchanges",
+         "Emulated time: the hybrid step's exchanges between hosts that take turns",
+         "results/emulation_fidelity-exchanges.json", fidelity_table, fidelity_setting,
+         EXCHANGE_NOTES),
+    Page("emulation_fidelity-quota-*",
+         "Emulated time: hosts at once under a CPU quota, do they slow each other?",
+         "results/emulation_fidelity-quota-*.json", fidelity_table, fidelity_setting,
+         QUOTA_NOTES, none_yet="scripts/emulation_fidelity.py --checks f writes them"),
+]
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from bench_common import REPO, results_header
+from pages import Page
 from hybriddl.files import atomic_write_json
 
 TOTAL_SECONDS = 20 * 60
@@ -213,6 +214,49 @@ def run_limited(argv: list[str], limit: float) -> tuple[int, list[str], bool]:
 
 
 # ------------------------------------------------------------------ the check
+
+# ------------------------------------------------------------------ its page in docs/benchmarks
+
+def tune_gpu_table(data: dict) -> str:
+    lines = ["| candidate | status | s/step (median) | spread | img/s | × one core | × one GPU | note |",
+             "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        measured = r["status"] == "measured"
+        low, high = r.get("spread_seconds") or (None, None)
+        cells = ([f"{r['seconds_per_step']:.4f}", f"{low:.4f}–{high:.4f}" if low else "—",
+                  f"{r['images_per_second']:.1f}",
+                  *("—" if r.get(k) is None else f"{r[k]:.2f}×" for k in ("speedup",
+                                                                        "speedup_over_gpu"))]
+                 if measured else ["—"] * 5)
+        note = (r.get("note") or "").replace("|", "/")
+        lines.append(f"| {r['label']} | {r['status']} | {' | '.join(cells)} | {note} |")
+    lines += ["", f"Pick: **{data['pick']}**."]
+    if data.get("bf16_gain"):
+        lines[-1] += f" The line `train --strategy auto` logs with it: {data['bf16_gain']}."
+    return "\n".join(lines)
+
+
+def tune_gpu_setting(data: dict) -> str:
+    s, m = data["settings"], data["measurement"]
+    return (f"`hybriddl tune` of {s['usecase']} ({s['model']} at {s['image_size']} px, batch "
+            f"{s['batch_size']}, precision {s['precision']}): budget {m['budget_seconds']:g} s, "
+            f"{m['rounds']} interleaved rounds of {m['warmup_steps']} warm-up and "
+            f"{m['timed_steps']} timed steps per visit, {m['second_look_rounds']} second-look "
+            f"rounds; {m['seconds_spent']:.0f} s spent")
+
+
+TUNE_GPU_NOTES = """How to read it: the profile `hybriddl tune` wrote on a GPU host, as
+`scripts/gpu_check.py` recorded it. *× one core* is the speedup over sequential on one CPU
+core, *× one GPU* over the `gpu` strategy in float32; a dropped candidate's note says why
+(a kind outrun, the budget)."""
+
+
+PAGES = [
+    # One page per file the glob finds (none until a GPU host has run scripts/gpu_check.py).
+    Page("tune_gpu-*", "Tuning a GPU host", "results/tune_gpu-*.json", tune_gpu_table,
+         tune_gpu_setting, TUNE_GPU_NOTES),
+]
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

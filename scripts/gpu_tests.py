@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench_common import REPO, results_header
+from pages import Page
 from hybriddl.files import atomic_write_json
 
 COMMAND = ["-m", "pytest", "-q", "-m", "gpu", "tests", "-rs"]
@@ -78,6 +79,23 @@ def run_and_record(command: list[str], output: Path, gpu_name: str, gpu_count: i
     atomic_write_json(output, result)
     print(f"{output}: {problem or counts} on {gpu_name}")
     return code if code else (1 if problem else 0)
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def gpu_tests_table(data: dict) -> str:
+    return ("| passed | failed | skipped |\n|---:|---:|---:|\n"
+            f"| {data['passed']} | {data['failed']} | {data['skipped']} |")
+
+
+def gpu_tests_setting(data: dict) -> str:
+    return f"`{data['pytest']}` on {data['gpu_name']} (one of {data['gpu_count']} GPUs)"
+
+
+PAGES = [
+    Page("gpu_tests", "The GPU tests on a GPU", "results/gpu_tests.json", gpu_tests_table,
+         gpu_tests_setting, ""),
+]
 
 
 def main(argv=None) -> int:

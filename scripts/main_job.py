@@ -7,9 +7,10 @@ The main job is the README's first command after the install (Set up, block 1):
 run as a new user runs it: from an empty folder (no `profiles/`, so `--strategy auto` tunes
 this host first, `--tune-budget` 120 s by default; no `runs/`), with nothing but the
 command's own flags. The wall seconds are the whole command's (interpreter start, tuning,
-training, evaluations); the epochs' figures are metrics.json's. scripts/write_docs.py writes
-the README's line about the main job from the JSON, and tests/test_docs.py checks that the
-command it records is the README's.
+training, evaluations); the epochs' figures are metrics.json's. Its page (`PAGES`) and the
+README's line about the main job (`main_job_line`) are written from the JSON by
+scripts/write_docs.py, and tests/test_docs.py checks that the command it records is the
+README's.
 
     python scripts/main_job.py --output results/main_job.json
 """
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench_common import results_header
+from pages import Page, provenance
 from hybriddl.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +79,59 @@ def run_main_job(folder: Path) -> dict:
                   "train_loss": round(e["train_loss"], 5), "seconds": round(e["seconds"], 1)}
                  for e in epochs],
     }
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def main_job_table(data: dict) -> str:
+    lines = ["| epoch | validation accuracy | train loss | seconds (the epoch's steps) |",
+             "|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        lines.append(f"| {r['epoch']} | {r['val_accuracy']:.3f} | {r['train_loss']:.5f} | "
+                     f"{r['seconds']:.0f} |")
+    lines += ["", f"The whole command: {_minutes(data['wall_seconds'])} wall time "
+                  f"(start, tuning, the epochs and their evaluations). `--strategy auto` "
+                  f"said: {(data.get('strategy_choice') or '').removeprefix('strategy auto: ')}."]
+    return "\n".join(lines)
+
+
+def main_job_setting(data: dict) -> str:
+    tuning = (f"tuning this host's local strategies first (budget "
+              f"{data['tune_budget_seconds']:g} s)" if data.get("tuned") else "a profile found")
+    return (f"`{data['main_job']}` from an empty folder, as a new user runs it, on one host "
+            f"of {data['cores']} cores: {tuning}, then {data['epochs']} epochs")
+
+
+MAIN_JOB_NOTES = """How to read it: the README's first command after the install, measured by
+`scripts/main_job.py` in a new folder (no profile, so `--strategy auto` tunes first; the
+embedded 3-class data). The README's line about the main job is written from this JSON."""
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {round(seconds % 60):02d} s"
+
+
+def main_job_line(data: dict) -> str:
+    """What the main job gives: accuracy per epoch, minutes, cores and hardware."""
+    p = provenance(data)
+    accuracy = ", ".join(f"{a:.3f}" for a in data["val_accuracy"])
+    tuning = (f", the first {data['tune_budget_seconds']:g} s at most tuning this host's "
+              f"local strategies" if data.get("tuned") else "")
+    if data.get("allocator_timed"):
+        tuning += ", and about a minute before that timing its allocators"
+    if tuning:
+        tuning += " (later runs reuse both)" if data.get("allocator_timed") else \
+            " (later runs reuse the profile)"
+    return (f"Block 1's training (`{data['main_job']}`) reaches validation accuracy {accuracy} "
+            f"after epochs 1 to {data['epochs']}, in {_minutes(data['wall_seconds'])} on "
+            f"{p['cores']} cores ({p['cpu_model']}, torch {p['torch']}){tuning}; "
+            f"[measured](docs/benchmarks/main_job.md) by `scripts/main_job.py`.")
+
+
+PAGES = [
+    Page("main_job", "The main job: VGG16, 64 px, 5 epochs on one host",
+         "results/main_job.json", main_job_table, main_job_setting, MAIN_JOB_NOTES),
+]
 
 
 def main(argv=None) -> int:

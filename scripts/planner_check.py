@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import results_header
+from pages import Page
 from hybriddl.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +95,46 @@ def run(speedup: float, scheme: str, args: argparse.Namespace, scratch: Path) ->
             "wall_compute_seconds_per_step": per_step["compute_seconds"][timed],
             "nic_bytes_per_step": per_step["nic_bytes_sent"][timed],
             "plan_reason": plan["reason"]}
+
+
+# ---------------------------------------------------------------- its page in docs/benchmarks
+
+def planner_check_table(data: dict) -> str:
+    lines = ["| S | asked | chosen | exact | predicted s | measured s (median) | steps | error |",
+             "|---:|---|---|---|---:|---:|---|---:|"]
+    for r in data["runs"]:
+        steps = ", ".join(f"{s:.4f}" for s in r["measured_steps_seconds"])
+        lines.append(f"| {r['speedup']:g} | {r['asked']} | {r['chosen']} | "
+                     f"{'yes' if r['exact'] else 'no'} | {r['predicted_step_seconds']:.4f} | "
+                     f"{r['measured_step_seconds']:.4f} | {steps} | "
+                     f"{r['error_percent']:+.1f} % |")
+    for earlier in data.get("earlier_runs", []):
+        errors = "; ".join(f"S = {r['speedup']:g} {r['asked']} {r['error_percent']:+.1f} %"
+                           for r in earlier["runs"])
+        lines += ["", f"An earlier run (commit `{earlier['commit'][:7]}`, {earlier['note']}): "
+                      f"{errors}."]
+    return "\n".join(lines)
+
+
+def planner_check_setting(data: dict) -> str:
+    return (f"AlexNet 224 px, global batch 32, 2 emulated hosts x 1 core side by side (D = 1), "
+            f"{data['bandwidth']} links at speedup S, {data['warmup']} warm-up and "
+            f"{data['timed_steps']} timed steps per run")
+
+
+PLANNER_CHECK_NOTES = """How to read it: each row is one run; *predicted* is the step the run's
+plan printed for the scheme it chose (metrics.json `config.plan`), *measured* the median of
+its timed steps in emulated seconds (wall / S). The issue's target: within ±15 %. S stands
+for hosts S times faster than one core here (the link at rate/S of wall time). The
+split's feature exchanges run inside forward and backward; per step the results file keeps
+the trainer's split of the wall step into communication after backward and the rest."""
+
+
+PAGES = [
+    Page("planner_check-SimpleBig", "The planner's predicted step against the measured one",
+         "results/planner_check-SimpleBig.json", planner_check_table, planner_check_setting,
+         PLANNER_CHECK_NOTES),
+]
 
 
 def main(argv=None) -> int:

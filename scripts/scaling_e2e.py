@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -60,6 +61,8 @@ import time
 from pathlib import Path
 
 from bench_common import results_header
+from accuracy_pages import accuracy_at_equal_epochs, accuracy_links
+from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
@@ -531,6 +534,483 @@ def continue_from(earlier: dict, result: dict, args, measured_steps: dict,
                                            for h in hosts}
     return {**{float(k): v for k, v in earlier.get("measured_host_step_seconds", {}).items()},
             **measured_steps}
+
+
+# ---------------------------------------------------------------- its pages in docs/benchmarks
+
+EXCHANGES_JSON = REPO / "results" / "emulation_fidelity-exchanges.json"
+
+
+def _mb(n) -> str:
+    return "–" if n is None else f"{n / 1e6:,.1f}"
+
+
+CONTENDER_WORDS = {
+    "hybrid": "hybrid (`--host-parallel hybrid`)",
+    "data": "data (`--host-parallel data`)",
+    "flat": "flat (Horovod's model: one rank per core)",
+    "auto": "auto (`--host-parallel auto`)",
+    "ddp": "PyTorch DDP (gloo, one process per core)",
+    "hybrid-powersgd": "hybrid + hybriddl's PowerSGD (`--compression powersgd:R`)",
+    "data-powersgd": "data + hybriddl's PowerSGD (`--compression powersgd:R`)",
+    "ddp-powersgd": "DDP + torch's powerSGD_hook (one bucket: DDP's 25 MB buckets abort on "
+                    "gloo; compressing from step 2)",
+    "ddp-fp16": "DDP + torch's fp16_compress_hook",
+    "flat-fp16": "flat + fp16 (Horovod's model with fp16 compression)",
+}
+
+
+def model_name(usecase: str) -> str:
+    """The model a use case trains, as the pages name it."""
+    return {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(usecase, usecase)
+
+
+def scaling_e2e_table(data: dict) -> str:
+    theory = data.get("theory_nic_bytes_per_step", {})
+    rows = sorted(data["summary"], key=lambda r: (r["bandwidth"], r["hosts"],
+                                                  list(CONTENDER_WORDS).index(r["contender"])
+                                                  if r["contender"] in CONTENDER_WORDS else 9))
+    lines = ["| link | hosts | contender | images/s | step s (median, spread) | efficiency "
+             "| MB per host NIC per step | MB in theory | classifier MB held |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        contender = CONTENDER_WORDS.get(r["contender"], r["contender"])
+        if r["contender"] == "auto" and r.get("picked"):
+            contender += f", picked {r['picked']}"
+        low, high = r["step_seconds_spread"]
+        scheme = r.get("picked") if r["contender"] == "auto" else r["contender"]
+        expected = theory.get(str(r["hosts"]), {}).get(scheme)
+        lines.append(f"| {r['bandwidth']} | {r['hosts']} | {contender} | "
+                     f"{r['images_per_second']:.1f} | {r['step_seconds_median']:.2f} "
+                     f"({low:.2f}–{high:.2f}) | {ratio_text(r['efficiency'])} | "
+                     f"{_mb(r['nic_bytes_per_step'])} | {_mb(expected)} | "
+                     f"{_mb(r.get('classifier_bytes_held'))} |")
+    lines += emulation_caveats(data)
+    for cell in data["cells"]:
+        if "skipped" in cell or "failed" in cell:
+            why = cell.get("skipped") or ("failed (exit %s): %s" % (
+                cell["failed"], " / ".join(cell.get("output_tail", [])[-2:])))
+            lines.append(f"\n{cell['bandwidth']}, {cell['hosts']} hosts, "
+                         f"{CONTENDER_WORDS.get(cell['contender'], cell['contender'])}: {why}")
+    return "\n".join(lines)
+
+
+def time_scales(data: dict) -> dict[int, float]:
+    """The time scale D each host count ran at (the largest, should cells differ)."""
+    scales = {}
+    for cell in data["cells"]:
+        if cell.get("time_scale") is not None:
+            scales[cell["hosts"]] = max(scales.get(cell["hosts"], 0), cell["time_scale"])
+    return scales
+
+
+def took_turns(cell: dict) -> bool:
+    """Whether a cell's hosts took turns on the cores (D > 1 without --speedup): under
+    --speedup they all run at once, each held to C/D cores by a CPU quota
+    (docs/methodology.md). Cells from before the report said so: turns unless S > 1."""
+    if cell.get("time_scale", 1.0) <= 1:
+        return False
+    if cell.get("turns") is not None:
+        return bool(cell["turns"])
+    return cell.get("speedup", 1.0) <= 1
+
+
+def quota_line(data: dict) -> str | None:
+    """What hosts held to C/D cores by a CPU quota (D > 1 under --speedup) do to the figures."""
+    quota = sorted({(c["hosts"], c["time_scale"]) for c in data["cells"]
+                    if c.get("time_scale", 1.0) > 1 and not took_turns(c)})
+    if not quota:
+        return None
+    which = ", ".join(f"{h} hosts at D = {d:g}" for h, d in quota)
+    return (f"Hosts under a CPU quota: {which} run at once, each held to C/D cores of CPU time "
+            f"over a 10 ms period ([methodology](../methodology.md#faster-hosts---speedup-s)); "
+            f"a host held back by its quota waits up to one period before it answers, so every "
+            f"exchange is slower than between hosts side by side (D = 1), and these rows "
+            f"understate real hosts.")
+
+
+def turns_line(data: dict) -> str | None:
+    """What hosts that take turns (D > 1) do to the figures, and the measurement saying so."""
+    turns = {}
+    for cell in data["cells"]:
+        if took_turns(cell):
+            turns[cell["hosts"]] = max(turns.get(cell["hosts"], 0), cell["time_scale"])
+    turns = dict(sorted(turns.items()))
+    if not turns:
+        return None
+    which = ", ".join(f"{h} hosts at D = {d:g}" for h, d in turns.items())
+    slower = ""
+    if EXCHANGES_JSON.exists():
+        row = json.loads(EXCHANGES_JSON.read_text())["summary"][0]
+        slower = (f" (a hybrid step's exchanges took {row['error']:+.0%} at D = "
+                  f"{row['time_scale']:g}: [fidelity](emulation_fidelity-exchanges.md))")
+    return (f"Hosts taking turns: {which} share this machine's cores in turns, which slows "
+            f"every exchange between them{slower}; these rows understate real hosts. The "
+            f"README quotes scaling only from hosts side by side (D = 1).")
+
+
+def emulation_caveats(data: dict) -> list[str]:
+    """The lines below a table that say what hosts taking turns, or held to a CPU quota,
+    do to its figures (each after a blank line)."""
+    return [part for line in (turns_line(data), quota_line(data)) if line for part in ("", line)]
+
+
+def scaling_e2e_setting(data: dict) -> str:
+    model = model_name(data["usecase"])
+    cores = data["cores_per_host"]
+    return (f"{data['usecase']} ({model}), {data['image_size']} px, emulated hosts of "
+            f"{cores} core{'s' if cores != 1 else ''} each, {data['warmup']} untimed and "
+            f"{data['steps']} timed steps per run, {data['rounds']} interleaved round(s)")
+
+
+SCALING_E2E_NOTES = """\
+How to read it: each row is one `hybriddl emulate -- hybriddl train` run per round (weak
+scaling: each host keeps the use case's per-host batch, so the global batch grows with the
+hosts). *Efficiency* is images/s over (hosts × images/s of `data` on one host). *MB per
+host NIC* is the median over timed steps of what rank 0's host interface sent; *in theory*
+is the scheme's own count (a hierarchical allreduce, Horovod's reduce inside each host then
+ring across hosts, would put data's bytes on each NIC: one ring rank per host). *Classifier MB held* is what host 0 held at the end of the run:
+the classifier's parameters and their momentum, counted from the tensors (runs older than
+this column show –). Emulated hosts that do not fit this machine side by side run
+slowed down by D = H·C / cores (see [methodology](../methodology.md)): the figures are
+emulated time, compute assumed to scale with cores."""
+
+
+def scaling_headline(table: Page, data: dict) -> str | None:
+    """Efficiency and NIC bytes of every scheme at the widest host count measured with the
+    hosts side by side (D = 1): hosts that take turns slow every exchange, so they would
+    understate the scaling (docs/benchmarks says so beside those tables)."""
+    p = provenance(data)
+    by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
+    contenders = ("hybrid", "data", "flat", "ddp")
+    side_by_side = {h for h, d in time_scales(data).items() if d == 1}
+    # The widest host count where hybrid ran beside another scheme (the comparison).
+    widest = max((h for (c, h) in by if c == "hybrid" and h in side_by_side and
+                  any((other, h) in by for other in contenders[1:])), default=None)
+    if widest is None or widest < 2:
+        return None
+    row = {c: by.get((c, widest)) for c in contenders}
+    model = model_name(data["usecase"])
+    parts = [f"{c} {ratio_text(row[c]['efficiency'])} at {_mb(row[c]['nic_bytes_per_step'])} MB"
+             for c in contenders if row[c]]
+    cores = data["cores_per_host"]
+    return (f"- **{model}, {data['image_size']} px, {widest} emulated hosts × {cores} "
+            f"core{'s' if cores != 1 else ''} side by side (D = 1), "
+            f"{row['hybrid']['bandwidth']} links** — scaling "
+            f"efficiency (against one host) and bytes each host's NIC sent per step: "
+            + "; ".join(parts) + f" (flat = Horovod's model, one rank per core; ddp = PyTorch "
+            f"DDP, one process per core; {p['cpu_model']}, torch {p['torch']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
+def traffic_headline(table: Page, data: dict) -> str | None:
+    """The bytes each host's NIC sent per step at 2 hosts and at the widest host count,
+    each scheme's theory beside it, and a hierarchical allreduce's theory."""
+    p = provenance(data)
+    by = {(r["contender"], r["hosts"]): r for r in data["summary"]}
+    theory = data.get("theory_nic_bytes_per_step", {})
+    counts = sorted({h for (c, h) in by if c == "hybrid" and h >= 2})
+    if not counts:
+        return None
+    parts = []
+    for hosts in dict.fromkeys([counts[0], counts[-1]]):
+        expected = theory.get(str(hosts), {})
+        cells = [f"{c} {_mb(by[(c, hosts)]['nic_bytes_per_step'])} ({_mb(expected.get(c))})"
+                 if (c, hosts) in by else f"{c} not run ({_mb(expected.get(c))})"
+                 for c in ("hybrid", "data", "flat") if expected.get(c) is not None]
+        if expected.get("hierarchical") is not None:
+            cells.append(f"a hierarchical allreduce in theory {_mb(expected['hierarchical'])}")
+        parts.append(f"{hosts} hosts: " + ", ".join(cells))
+    model = model_name(data["usecase"])
+    rate = by[("hybrid", counts[0])]["bandwidth"]
+    return (f"- **Traffic, {model}, {data['image_size']} px, emulated hosts, {rate} links** — MB "
+            f"each host's NIC sent per step, measured (theory): " + "; ".join(parts)
+            + f" (bytes do not depend on the time scale D; hybrid splits the classifier; data averages the whole gradient, one rank per "
+            f"host, which is also what Horovod's hierarchical allreduce puts on a NIC; flat = "
+            f"Horovod's model, one rank per core; {p['cpu_model']}; "
+            f"[table](docs/benchmarks/{table.name}.md)).")
+
+
+def scaling_and_traffic_headline(table: Page, data: dict) -> str | None:
+    lines = [scaling_headline(table, data), traffic_headline(table, data)]
+    return "\n".join(line for line in lines if line) or None
+
+
+PAGES = [
+    Page("scaling_e2e-SimpleBig-1gbit-D1",
+         "End-to-end weak scaling, AlexNet, 1 Gbit/s links, hosts side by side (D = 1)",
+         "results/scaling_e2e-SimpleBig-1gbit-D1.json", scaling_e2e_table, scaling_e2e_setting,
+         SCALING_E2E_NOTES, headline=scaling_headline),
+    Page("scaling_e2e-SimpleBig-1gbit", "End-to-end weak scaling, AlexNet, 1 Gbit/s links",
+         "results/scaling_e2e-SimpleBig-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
+         SCALING_E2E_NOTES, headline=scaling_and_traffic_headline),
+    Page("scaling_e2e-SimpleBig-10gbit", "End-to-end weak scaling, AlexNet, 10 Gbit/s links",
+         "results/scaling_e2e-SimpleBig-10gbit.json", scaling_e2e_table, scaling_e2e_setting,
+         SCALING_E2E_NOTES),
+    Page("scaling_e2e-ComplexSmall-1gbit", "End-to-end weak scaling, VGG16, 1 Gbit/s links",
+         "results/scaling_e2e-ComplexSmall-1gbit.json", scaling_e2e_table, scaling_e2e_setting,
+         SCALING_E2E_NOTES, headline=scaling_headline),
+    Page("scaling_e2e-ComplexSmall-10gbit", "End-to-end weak scaling, VGG16, 10 Gbit/s links",
+         "results/scaling_e2e-ComplexSmall-10gbit.json", scaling_e2e_table,
+         scaling_e2e_setting, SCALING_E2E_NOTES),
+]
+
+
+# ---------------------------------------------------------------- faster hosts (--speedup, --host-step): their pages
+
+FAST_COLORS = {"hybrid": "#4C72B0", "data": "#55A868", "flat": "#8172B2", "auto": "#64B5CD",
+               "ddp": "#8C8C8C", "hybrid-powersgd": "#1F3A93", "data-powersgd": "#2E7D32",
+               "ddp-powersgd": "#C44E52", "ddp-fp16": "#DD8452", "flat-fp16": "#937860"}
+
+
+def fast_compression(contender: str, data: dict) -> str | None:
+    """What a contender's gradients look like on the wire, None for exact ones: fp16, or
+    PowerSGD at the rank its cells' commands name."""
+    if contender.endswith("-fp16"):
+        return "fp16"
+    if contender.endswith("-powersgd"):
+        ranks = {m for c in data["cells"] if c["contender"] == contender
+                 for m in re.findall(r"(?:powersgd:|--powersgd-rank )(\d+)", c.get("command", ""))}
+        return "PowerSGD" + (f" rank {'/'.join(sorted(ranks))}" if ranks else "")
+    return None
+
+
+def _exactness(contender: str, data: dict) -> str:
+    compression = fast_compression(contender, data)
+    return "exact" if compression is None else f"**not exact**: {compression}"
+
+
+def fast_speeds(data: dict) -> list[tuple[float, float | None]]:
+    """(S, the emulated one-host step it stands for), slowest host first."""
+    steps = {}
+    for speedup, step in [(r["speedup"], r.get("host_step_seconds")) for r in data["summary"]] \
+            + [(c.get("speedup", 1.0), c.get("host_step_seconds")) for c in data["cells"]]:
+        if steps.get(speedup) is None:
+            steps[speedup] = step
+    return sorted(steps.items())
+
+
+def _speed_label(speedup: float, step: float | None) -> str:
+    step_text = ("?" if step is None else f"{step:.2f} s" if step >= 1
+                 else f"{step * 1e3:.3g} ms")
+    return f"{step_text} (S = {speedup:.3g})"
+
+
+def fast_not_run(data: dict) -> list[dict]:
+    """The cells --max-step-wall left out (or that failed) and no later run measured, once
+    each: (link, S, contender, hosts)."""
+    measured = {(r["bandwidth"], r["speedup"], r["contender"], r["hosts"]) for r in data["summary"]}
+    out = {}
+    for cell in data["cells"]:
+        key = (cell["bandwidth"], cell.get("speedup", 1.0), cell["contender"], cell["hosts"])
+        if ("skipped" in cell or "failed" in cell) and key not in measured:
+            out[key] = cell
+    return [out[k] for k in sorted(out)]
+
+
+def fast_winners(data: dict) -> list[dict]:
+    """Per (link, S, hosts > 1): the row of highest images/s, the best exact one, and
+    ddp-powersgd's (the peer at the same rank)."""
+    groups = {}
+    for row in data["summary"]:
+        if row["hosts"] > 1:
+            groups.setdefault((row["bandwidth"], row["speedup"], row["hosts"]), []).append(row)
+    out = []
+    for key, rows in sorted(groups.items()):
+        ours = [r for r in rows if not r["contender"].startswith(("ddp", "flat"))]
+        exact = [r for r in rows if fast_compression(r["contender"], data) is None]
+        by = {r["contender"]: r for r in rows}
+        out.append({"bandwidth": key[0], "speedup": key[1], "hosts": key[2],
+                    "winner": max(rows, key=lambda r: r["images_per_second"]),
+                    "ours": max(ours, key=lambda r: r["images_per_second"]) if ours else None,
+                    "exact": max(exact, key=lambda r: r["images_per_second"]) if exact else None,
+                    "ddp_powersgd": by.get("ddp-powersgd")})
+    return out
+
+
+def _row_words(row: dict | None, data: dict) -> str:
+    if row is None:
+        return "–"
+    return (f"{row['contender']} ({_exactness(row['contender'], data)}): "
+            f"{ratio_text(row['efficiency'])}, {row['images_per_second']:.0f} img/s")
+
+
+def scaling_fast_table(data: dict) -> str:
+    steps = dict(fast_speeds(data))
+    lines = ["Which scheme wins, per host speed and host count (the highest images/s; "
+             "efficiency against one host of `data` at the same S):", "",
+             "| link | host step (S) | hosts | winner | hybriddl's best | best exact scheme | "
+             "hybriddl's best ÷ ddp-powersgd (images/s) |",
+             "|---|---|---:|---|---|---|---:|"]
+    for w in fast_winners(data):
+        peer, ours = w["ddp_powersgd"], w["ours"]
+        ratio = (f"{ours['images_per_second'] / peer['images_per_second']:.2f}"
+                 if peer and ours else "– (ddp-powersgd not measured)")
+        lines.append(f"| {w['bandwidth']} | {_speed_label(w['speedup'], steps.get(w['speedup']))} "
+                     f"| {w['hosts']} | {_row_words(w['winner'], data)} | "
+                     f"{_row_words(ours, data)} | {_row_words(w['exact'], data)} | {ratio} |")
+    theory = data.get("theory_nic_bytes_per_step", {})
+    lines += ["", "Every row (emulated time: wall time / (S·D)):", "",
+              "| link | host step (S) | D | hosts | contender | wire | images/s | "
+              "step ms (median, spread) | efficiency | MB per host NIC per step | MB in theory |",
+              "|---|---|---:|---:|---|---|---:|---|---:|---:|---:|"]
+    scales = time_scales(data)
+    rows = [(r["bandwidth"], r["speedup"], r["hosts"], r["contender"], r) for r in data["summary"]]
+    rows += [(c["bandwidth"], c.get("speedup", 1.0), c["hosts"], c["contender"], c)
+             for c in fast_not_run(data)]
+    order = list(FAST_COLORS)
+    for bandwidth, speedup, hosts, contender, r in sorted(
+            rows, key=lambda t: (t[0], t[1], t[2], order.index(t[3]) if t[3] in order else 99)):
+        label = _speed_label(speedup, steps.get(speedup))
+        expected = _mb(theory.get(str(hosts), {}).get(contender))
+        wire = _exactness(contender, data)
+        scale = f"{scales[hosts]:g}" if hosts in scales else "–"
+        if "skipped" in r or "failed" in r:
+            why = (f"not run (predicted {r['predicted_step_wall_seconds']:.0f} s/step of wall time)"
+                   if r.get("predicted_step_wall_seconds") else
+                   r.get("skipped") or f"failed (exit {r['failed']})")
+            lines.append(f"| {bandwidth} | {label} | {scale} | {hosts} | {contender} | {wire} | "
+                         f"{why} | – | – | – | {expected} |")
+            continue
+        low, high = r["step_seconds_spread"]
+        lines.append(f"| {bandwidth} | {label} | {scale} | {hosts} | {contender} | {wire} | "
+                     f"{r['images_per_second']:.0f} | {r['step_seconds_median'] * 1e3:.1f} "
+                     f"({low * 1e3:.1f}–{high * 1e3:.1f}) | {ratio_text(r['efficiency'])} | "
+                     f"{_mb(r['nic_bytes_per_step'])} | {expected} |")
+    lines += emulation_caveats(data)
+    return "\n".join(lines)
+
+
+def scaling_fast_setting(data: dict) -> str:
+    speeds = ", ".join(_speed_label(s, t) for s, t in fast_speeds(data))
+    return (scaling_e2e_setting(data) + f"; each host stands for one S× faster "
+            f"(`--speedup`/`--host-step`): {speeds}")
+
+
+def scaling_fast_notes(data: dict) -> str:
+    return f"""\
+How to read it: each host computes as one S× faster than its core here (`hybriddl emulate
+--speedup S`; S derived from `--host-step`, one host's step measured here / the step asked):
+links run at rate / (S·D) and every time is emulated, wall time / (S·D), so the host step
+column is what one emulated host takes for one step of the use case's per-host batch. Rows
+marked **not exact** send compressed gradients (fp16, or PowerSGD's rank-r factors with
+error feedback): they are not the same training as the exact ones, so their images/s count
+only at the accuracy they reach at equal epochs ({accuracy_links()}). `ddp-powersgd`,
+`ddp-fp16` and `flat-fp16` are the peers (torch's DDP hooks, Horovod's model with fp16).
+*Not run (predicted X s/step)*: `--max-step-wall` left the cell out because one step would
+take X s of wall time here (S·D × (the host step + its bytes at the emulated link)); it
+was not measured. The chart shows each row's efficiency; the winner of each group is
+outlined. The CPU-side work of every exchange is treated as S× faster too, which flatters
+fast hosts ([methodology](../methodology.md#faster-hosts---speedup-s))."""
+
+
+def scaling_fast_digest(data: dict) -> str:
+    """What the chart is drawn from, hashed: the PNG records it, --check compares it."""
+    import hashlib
+
+    drawn = {"summary": data["summary"], "not_run": fast_not_run(data),
+             "steps": fast_speeds(data)}
+    return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def scaling_fast_chart(data: dict, path: Path) -> Path:
+    """Efficiency of every contender, grouped by (host step, hosts); each group's winner
+    (highest images/s) outlined, compressed schemes hatched, cells not run marked."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    steps = dict(fast_speeds(data))
+    groups = sorted({(r["speedup"], r["hosts"]) for r in data["summary"] if r["hosts"] > 1}
+                    | {(c.get("speedup", 1.0), c["hosts"]) for c in fast_not_run(data)})
+    contenders = [c for c in FAST_COLORS
+                  if any(r["contender"] == c for r in data["summary"] if r["hosts"] > 1)
+                  or any(c2["contender"] == c for c2 in fast_not_run(data))]
+    by = {(r["speedup"], r["hosts"], r["contender"]): r for r in data["summary"]}
+    missing = {(c.get("speedup", 1.0), c["hosts"], c["contender"]) for c in fast_not_run(data)}
+    winners = {(w["speedup"], w["hosts"]): w["winner"]["contender"] for w in fast_winners(data)}
+    width = 0.8 / max(1, len(contenders))
+    figure = Figure(figsize=(max(8.0, 1.6 * len(groups) + 5), 4.8), layout="constrained")
+    axes = figure.subplots()
+    for i, contender in enumerate(contenders):
+        compressed = fast_compression(contender, data) is not None
+        for g, (speedup, hosts) in enumerate(groups):
+            x = g - 0.4 + width * (i + 0.5)
+            row = by.get((speedup, hosts, contender))
+            if row is not None and row["efficiency"] is not None:
+                won = winners.get((speedup, hosts)) == contender
+                axes.bar(x, row["efficiency"], width * 0.92, color=FAST_COLORS[contender],
+                         hatch="//" if compressed else None, zorder=2,
+                         edgecolor="black" if won else "white", linewidth=2 if won else 0.5)
+                if won:
+                    axes.annotate("best", (x, row["efficiency"]), ha="center", va="bottom",
+                                  xytext=(0, 2), textcoords="offset points", fontsize="small")
+            elif (speedup, hosts, contender) in missing:
+                axes.plot(x, 0.02, marker="x", color=FAST_COLORS[contender], zorder=3)
+    axes.set_xticks(range(len(groups)),
+                    [f"{_speed_label(s, steps.get(s))}\n{h} hosts" for s, h in groups])
+    axes.axhline(1.0, color="black", linestyle="--", linewidth=1, zorder=1)
+    tallest = max((r["efficiency"] for r in data["summary"] if r["efficiency"] is not None),
+                  default=1.0)
+    axes.set_ylim(0, max(1.25, tallest * 1.12))  # above 1: the one-host reference was slow
+    axes.set_ylabel("weak-scaling efficiency (higher is better)")
+    axes.set_xlabel("emulated host step (speedup S), hosts")
+    rates = ", ".join(sorted({r["bandwidth"] for r in data["summary"]}))
+    axes.set_title(f"{data['usecase']}, {rates} links: which scheme wins at each host speed")
+    axes.grid(axis="y", alpha=0.3, zorder=0)
+    handles = [Patch(facecolor=FAST_COLORS[c], hatch="//" if fast_compression(c, data) else None,
+                     label=c + (" (not exact)" if fast_compression(c, data) else ""))
+               for c in contenders]
+    handles.append(axes.plot([], [], "kx", linestyle="none", label="not run (too slow to emulate)")[0])
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return save_chart(figure, path, scaling_fast_digest(data))
+
+
+def fast_headline(table: Page, data: dict) -> str | None:
+    """Every scheme at the fastest host speed measured and the widest host count side by
+    side (D = 1), which are exact, and what was not run."""
+    side_by_side = {h for h, d in time_scales(data).items() if d == 1}
+    rows = [r for r in data["summary"] if r["hosts"] in side_by_side and r["hosts"] > 1
+            and r["efficiency"] is not None]
+    if not rows:
+        return None
+    speedup = max(r["speedup"] for r in rows)
+    hosts = max(r["hosts"] for r in rows if r["speedup"] == speedup)
+    rows = sorted((r for r in rows if r["speedup"] == speedup and r["hosts"] == hosts),
+                  key=lambda r: -r["images_per_second"])
+    not_run = [c for c in fast_not_run(data) if c.get("speedup", 1.0) == speedup
+               and c["hosts"] == hosts]
+    step = dict(fast_speeds(data)).get(speedup)
+    model = model_name(data["usecase"])
+    parts = [f"{r['contender']} {ratio_text(r['efficiency'])} ({r['images_per_second']:.0f} img/s)"
+             for r in rows]
+    parts += [f"{c['contender']} not run (predicted {c['predicted_step_wall_seconds']:.0f} s of "
+              f"wall time per step)" if c.get("predicted_step_wall_seconds")
+              else f"{c['contender']} not run" for c in not_run]
+    names = [r["contender"] for r in rows] + [c["contender"] for c in not_run]
+    exact = [n for n in names if fast_compression(n, data) is None]
+    compressed = {}
+    for n in names:
+        if fast_compression(n, data):
+            compressed.setdefault(fast_compression(n, data), []).append(n)
+    inexact = "; ".join(f"{how}: {', '.join(ns)}" for how, ns in compressed.items())
+    p = provenance(data)
+    return (f"- **{model}, {data['image_size']} px, {hosts} emulated hosts as fast as a "
+            f"{_speed_label(speedup, step)} step, side by side (D = 1), "
+            f"{rows[0]['bandwidth']} links** — efficiency (images/s), best first: "
+            + "; ".join(parts) + ". Exact: " + (", ".join(exact) or "none")
+            + (f"; not exact (judged by accuracy at equal epochs) — {inexact}" if inexact else "")
+            + (f"; {accuracy}" if inexact and (accuracy := accuracy_at_equal_epochs()) else "")
+            + f" ({p['cpu_model']}; [table](docs/benchmarks/{table.name}.md)).")
+
+
+# One page and chart per use case and link (scripts/scaling_e2e.py --speedup/--host-step).
+FAST_PAGES = [
+    Page("scaling_fast-*", "Faster hosts: which scheme wins", "results/scaling_fast-*.json",
+         scaling_fast_table, scaling_fast_setting, scaling_fast_notes, headline=fast_headline,
+         chart=scaling_fast_chart, digest=scaling_fast_digest,
+         none_yet="scripts/scaling_e2e.py --host-step 10ms --output "
+                  "results/scaling_fast-<usecase>-<rate>.json writes them"),
+]
 
 
 def main(argv=None) -> int:

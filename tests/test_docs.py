@@ -31,10 +31,24 @@ def test_every_generated_table_matches_results():
 
 def test_quoted_results_record_their_provenance():
     docs = write_docs()
-    for table in docs.TABLES:
+    for table in docs.PAGES:
         data, why = docs.load_quotable(REPO / table.json)
         page = REPO / "docs" / "benchmarks" / f"{table.name}.md"
         assert page.exists() == (data is not None), f"{table.json}: {why}"
+
+
+def test_every_scripts_pages_are_written_and_no_script_imports_the_writer():
+    """Each benchmark's pages stand beside its runner (its PAGES); write_docs collects them
+    all, and a runner never imports write_docs (no circle)."""
+    docs = write_docs()
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        text = path.read_text()
+        assert path.name == "write_docs.py" or not re.search(r"^\s*(from|import) write_docs\b",
+                                                             text, re.M), path.name
+        for name in re.findall(r"^(\w*PAGES) = \[", text, re.M):
+            module = importlib.import_module(path.stem)
+            assert all(page in docs.PAGES for page in getattr(module, name)), \
+                f"scripts/write_docs.py does not write {path.name}'s {name}"
 
 
 def test_readme_is_short_and_starts_with_the_two_set_up_commands():
@@ -101,12 +115,13 @@ def scaling_results(time_scale: float) -> dict:
 
 
 def test_the_scaling_headline_comes_only_from_hosts_side_by_side():
-    docs = write_docs()
-    table = docs.TABLES[0]
-    assert "D = 1" in docs.scaling_headline(table, scaling_results(1.0))
-    assert docs.turns_line(scaling_results(1.0)) is None
-    assert docs.scaling_headline(table, scaling_results(2.0)) is None
-    assert "2 hosts at D = 2" in docs.turns_line(scaling_results(2.0))
+    import scaling_e2e
+
+    table = scaling_e2e.PAGES[0]
+    assert "D = 1" in scaling_e2e.scaling_headline(table, scaling_results(1.0))
+    assert scaling_e2e.turns_line(scaling_results(1.0)) is None
+    assert scaling_e2e.scaling_headline(table, scaling_results(2.0)) is None
+    assert "2 hosts at D = 2" in scaling_e2e.turns_line(scaling_results(2.0))
 
 
 def fast_results() -> dict:
@@ -138,23 +153,26 @@ def fast_results() -> dict:
 
 
 def test_the_fast_host_page_names_the_winner_what_is_exact_and_what_was_not_run(tmp_path):
-    docs = write_docs()
+    import scaling_e2e
+    from pages import chart_digest
+
     data = fast_results()
-    page = docs.scaling_fast_table(data)
+    page = scaling_e2e.scaling_fast_table(data)
     assert "| 1gbit | 10 ms (S = 130) | 2 | data-powersgd (**not exact**: PowerSGD rank 2): 0.80" \
         in page
     assert "| hybrid | exact | 580 |" in page
     assert "| data | exact | not run (predicted 238 s/step of wall time) |" in page
     assert "| 1.59 |" in page  # hybriddl's best over ddp-powersgd's images/s at 2 hosts
     # Under --speedup the 4 hosts ran at once under a quota: no turns.
-    assert docs.turns_line(data) is None and "4 hosts at D = 2" in docs.quota_line(data)
-    headline = docs.fast_headline(docs.TABLES[0], data)
+    assert scaling_e2e.turns_line(data) is None
+    assert "4 hosts at D = 2" in scaling_e2e.quota_line(data)
+    headline = scaling_e2e.fast_headline(scaling_e2e.FAST_PAGES[0], data)
     assert "2 emulated hosts as fast as a 10 ms (S = 130) step" in headline
     assert "Exact: hybrid, data;" in headline and "data not run (predicted 238 s" in headline
-    chart = docs.scaling_fast_chart(data, tmp_path / "fast.png")
-    assert docs.chart_digest(chart) == docs.scaling_fast_digest(data)
+    chart = scaling_e2e.scaling_fast_chart(data, tmp_path / "fast.png")
+    assert chart_digest(chart) == scaling_e2e.scaling_fast_digest(data)
     data["summary"][1]["efficiency"] = 0.1
-    assert docs.chart_digest(chart) != docs.scaling_fast_digest(data)  # a stale chart shows
+    assert chart_digest(chart) != scaling_e2e.scaling_fast_digest(data)  # a stale chart shows
 
 
 def test_the_fast_host_headline_gives_the_compressed_runs_accuracy_beside_their_speed(
@@ -163,7 +181,8 @@ def test_the_fast_host_headline_gives_the_compressed_runs_accuracy_beside_their_
     whose exact run stayed near chance is not."""
     import json
 
-    docs = write_docs()
+    import accuracy_pages
+    import scaling_e2e
 
     def digits(name, exact, compressed):
         rows = [{"hosts": 2, "host_parallel": "data", "compression": c, "val_accuracy": a,
@@ -173,14 +192,14 @@ def test_the_fast_host_headline_gives_the_compressed_runs_accuracy_beside_their_
         (tmp_path / f"time_to_accuracy-digits-{name}.json").write_text(json.dumps(
             {"usecase": "SimpleBig", "model": name, "summary": rows}))
 
-    monkeypatch.setattr(docs, "RESULTS", tmp_path)
-    assert docs.accuracy_at_equal_epochs() is None
+    monkeypatch.setattr(accuracy_pages, "RESULTS", tmp_path)
+    assert accuracy_pages.accuracy_at_equal_epochs() is None
     digits("alexnet", [0.1, 0.23], [0.1, 0.24])  # never learned: judges speed only
-    assert docs.accuracy_at_equal_epochs() is None
+    assert accuracy_pages.accuracy_at_equal_epochs() is None
     digits("resnet18", [0.5, 0.914], [0.4, 0.925])
-    said = docs.accuracy_at_equal_epochs()
+    said = accuracy_pages.accuracy_at_equal_epochs()
     assert said.startswith("accuracy after 2 epochs (resnet18 on the handwritten digits, 2 hosts)")
     assert "data/none 0.914, data/powersgd:2 0.925 (+1.1 points)" in said
-    headline = docs.fast_headline(docs.TABLES[0], fast_results())
+    headline = scaling_e2e.fast_headline(scaling_e2e.FAST_PAGES[0], fast_results())
     assert "not exact (judged by accuracy at equal epochs) — PowerSGD rank 2: " in headline
     assert said in headline
