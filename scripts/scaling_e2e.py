@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 from bench_common import results_header
-from accuracy_pages import accuracy_at_equal_epochs, accuracy_links
+from time_to_accuracy import accuracy_at_equal_epochs, accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase

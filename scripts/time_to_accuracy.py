@@ -42,10 +42,12 @@ import time
 from pathlib import Path
 
 from bench_common import results_header
+from pages import Page, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "results"
 EXACT, DDP_PREFIX = "exact", "ddp-powersgd:"
 # hybriddl's local strategy on every host: PyTorch's intra-op threads on the host's cores
 # (the fastest local strategy at small sizes; every strategy trains the same steps).
@@ -235,6 +237,188 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
     if measured.get("comm_hook"):
         record["comm_hook"] = measured["comm_hook"]
     return record
+
+
+# ------------------------------------------------------------------------ earlier pages
+# results/time_to_accuracy-ComplexSmall-1gbit.json and -digits-*.json, written by this
+# script's earlier form (accuracy per epoch, one seed), and what other pages quote of them.
+
+
+
+def accuracy_links() -> str:
+    """The time-to-accuracy pages that exist, where compressed schemes are judged."""
+    pages = sorted(p.stem for p in RESULTS.glob("time_to_accuracy-*.json"))
+    if not pages:
+        return "no time-to-accuracy table is measured yet"
+    return ", ".join(f"[{name}]({name}.md)" for name in pages)
+
+
+def accuracy_at_equal_epochs() -> str | None:
+    """What the compressed schemes cost in accuracy, for the headlines beside their speed:
+    the final validation accuracy of each run of the results/time_to_accuracy-digits-*.json
+    whose exact run learned most (at least half right on the ten digits), points against
+    exact; None where no such file is."""
+    learned = []
+    for path in RESULTS.glob("time_to_accuracy-digits-*.json"):
+        data = json.loads(path.read_text())
+        exact = [r["val_accuracy"][-1] for r in data["summary"]
+                 if r["compression"] == "none" and r["val_accuracy"]]
+        if exact and max(exact) >= 0.5:
+            learned.append((max(exact), path.stem, data))
+    if not learned:
+        return None
+    _, stem, data = max(learned, key=lambda item: item[0])
+    rows = [r for r in data["summary"] if r["val_accuracy"]]
+    parts = [f"{r['host_parallel']}/{r['compression']} {r['val_accuracy'][-1]:.3f}" + (
+        f" ({r['points_vs_exact'][-1]:+.1f} points)" if r["compression"] != "none"
+        and r.get("points_vs_exact") else "") for r in rows]
+    return (f"accuracy after {len(rows[0]['val_accuracy'])} epochs "
+            f"({data.get('model') or data['usecase']} on the handwritten digits, "
+            f"{rows[0]['hosts']} hosts): " + ", ".join(parts)
+            + f" ([table](docs/benchmarks/{stem}.md))")
+
+
+def time_to_accuracy_table(data: dict) -> str:
+    lines = ["| hosts | across hosts | train loss per epoch | validation accuracy per epoch "
+             "| emulated s per epoch | emulated s, all epochs | speed-up | same accuracy as 1 host |",
+             "|---:|---|---|---|---|---:|---:|---|"]
+    runs = {r["hosts"]: r for r in data["runs"] if "failed" not in r}
+    for row in data["summary"]:
+        run = runs[row["hosts"]]
+        accuracy = ", ".join(f"{a:.3f}" for a in row["val_accuracy"])
+        spans = ", ".join(f"{e['emulated_seconds']:.0f}" for e in run["epochs"])
+        same = {True: "yes", False: "**no**", None: "–"}[row["same_accuracy_as_one_host"]]
+        losses = ", ".join(f"{e['train_loss']:.5f}" for e in run["epochs"])
+        lines.append(f"| {row['hosts']} | {row['host_parallel']} | {losses} | {accuracy} | {spans} | "
+                     f"{row['emulated_seconds_total']:.0f} | {ratio_text(row['speedup'])} | {same} |")
+    return "\n".join(lines)
+
+
+def time_to_accuracy_setting(data: dict) -> str:
+    return (f"{data['usecase']}, its global batch on every host count, emulated hosts of "
+            f"{data['cores_per_host']} cores each, {data['bandwidth']} links")
+
+
+def compressed_accuracy_table(data: dict) -> str:
+    """Exact against compressed at equal epochs: one row per run (scheme across hosts and
+    what crossed the wire), its accuracy per epoch and the points it differs from the exact
+    run at the same host count, and the emulated time it took."""
+    lines = ["| hosts | across hosts | on the wire | exact? | validation accuracy per epoch "
+             "| points vs exact, per epoch | emulated s, all epochs | faster than exact |",
+             "|---:|---|---|---|---|---|---:|---:|"]
+    for row in data["summary"]:
+        accuracy = ", ".join(f"{a:.3f}" for a in row["val_accuracy"])
+        points = ("–" if row["points_vs_exact"] is None else
+                  ", ".join(f"{p:+.1f}" for p in row["points_vs_exact"]))
+        exact = "yes" if row["compression"] == "none" else "**no**"
+        lines.append(f"| {row['hosts']} | {row['host_parallel']} | {row['compression']} | "
+                     f"{exact} | {accuracy} | {points} | {row['emulated_seconds_total']:.1f} | "
+                     f"{ratio_text(row['speedup_vs_exact'])}× |")
+    failed = [r for r in data["runs"] if "failed" in r]
+    lines += [f"\nNot finished: {r['host_parallel']}/{r['compression']} at {r['hosts']} hosts "
+              f"(exit {r['failed']})." for r in failed]
+    return "\n".join(lines)
+
+
+def compressed_accuracy_setting(data: dict) -> str:
+    run = next((r for r in data["runs"] if "failed" not in r), {})
+    step = run.get("host_step_seconds")
+    speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (speedup S = "
+             f"{run.get('speedup', 1):.3g}, measured here)" if step else "hosts at their speed here")
+    return (f"{data['usecase']} ({data.get('model') or 'its model'}) on `{data['data']}`, "
+            f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}")
+
+
+COMPRESSED_ACCURACY_NOTES = """\
+How to read it: every run trains the same steps from the same seed; only what crosses the
+wire differs. `none` is exact (hybrid and data give the same model to float rounding), so
+the exact row is the reference and a compressed row's points are its accuracy minus the
+exact run's, epoch by epoch. Times are the epochs' spans in emulated seconds (wall / S).
+A table whose exact run did not learn (accuracy near 1 / classes) judges speed only."""
+
+
+TIME_TO_ACCURACY_NOTES = """\
+How to read it: the same training (same global batch, same steps, same dropout masks) on
+1, 2 and 4 emulated hosts: in exact arithmetic the same model, so only the time should
+differ. In floating point each host count sums in another order (a host's batch of 16, 8 or
+4 images picks other kernels; the hybrid splits the classifier's sums), each step agreeing to
+about 1e-5 (the equivalence tests); over the epochs' steps those differences grow, which the
+train loss per epoch shows, and can move an image across a decision boundary. Times are the
+epochs' spans (their steps; the evaluation after each epoch is not in them) in emulated
+seconds, wall time / D."""
+
+
+EARLIER_PAGES = [
+    Page("time_to_accuracy-ComplexSmall-1gbit",
+         "Time to accuracy, the main job (VGG16), 1, 2 and 4 hosts, 1 Gbit/s links",
+         "results/time_to_accuracy-ComplexSmall-1gbit.json", time_to_accuracy_table,
+         time_to_accuracy_setting, TIME_TO_ACCURACY_NOTES),
+    Page("time_to_accuracy-digits-*", "Accuracy at equal epochs, exact against compressed",
+         "results/time_to_accuracy-digits-*.json", compressed_accuracy_table,
+         compressed_accuracy_setting, COMPRESSED_ACCURACY_NOTES,
+         none_yet="scripts/time_to_accuracy.py --data DIGITS --runs ... writes them"),
+]
+
+# ------------------------------------------------------------------------ its pages
+
+def score_text(row: dict) -> str:
+    if row["score_seconds"] is None:
+        return f"none ({row['why']})"
+    return f"{row['score_seconds']:.3g}"
+
+
+def mlperf_table(data: dict) -> str:
+    """One row per cell: the MLPerf-style score beside the runs reaching the target, the
+    ratio to one host exact, median epochs, and the final accuracy over seeds."""
+    lines = ["| hosts | contender | exact? | seeds | reached the target | score, emulated s "
+             "| × one host's | median epochs to target | final accuracy, mean (range) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    for row in data.get("summary", []):
+        spread = row["final_accuracy_spread"]
+        final = ("–" if row["final_accuracy_mean"] is None else
+                 f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f})")
+        epochs = row["median_epochs_to_target"]
+        lines.append(f"| {row['hosts']} | {row['contender']} | "
+                     f"{'yes' if row['exact'] else '**no**'} | {row['seeds']} | "
+                     f"{row['reached']} of {row['seeds']} | {score_text(row)} | "
+                     f"{ratio_text(row['ratio_to_one_host'])} | "
+                     f"{'–' if epochs is None else f'{epochs:g}'} | {final} |")
+    failed = [r for r in data["runs"] if "failed" in r]
+    lines += [f"\nNot finished: {r['contender']} at {r['hosts']} hosts, seed {r['seed']} "
+              f"(exit {r['failed']})." for r in failed]
+    return "\n".join(lines)
+
+
+def mlperf_setting(data: dict) -> str:
+    target = data.get("target") or {}
+    step = data.get("host_step_seconds")
+    speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (S = "
+             f"{data['speedup']:.3g}, one host's step measured here / that step), side by "
+             "side" if step else f"S = {data.get('speedup') or 1:g}")
+    return (f"{data['usecase']} on real images (`{data['data']}`: MNIST, "
+            "scripts/digits_imagefolder.py), "
+            f"{data['image_size']} px, global batch {data['global_batch']} at every host count, "
+            f"SGD lr {data['lr']:g} momentum 0.9, at most {data['epoch_cap']} epochs, "
+            f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}; "
+            f"target: validation accuracy {target.get('accuracy', '–')} "
+            f"({target.get('how', 'not fixed yet')})")
+
+
+MLPERF_NOTES = """\
+How to read it: each cell trains one run per seed to the target (`train --target-accuracy
+A --stop-at-target`; the clock runs through every validation, as in MLPerf); its score
+drops the fastest and the slowest run and averages the rest, in emulated seconds (wall /
+S). A run that misses the target within the epoch cap counts as the slowest; more than one
+miss, no score. `exact` is hybriddl's exact scheme as the planner picks it; `powersgd:R`
+is hybriddl's PowerSGD at rank R (not exact); `ddp-powersgd:R` is PyTorch DDP with torch's
+powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs go to the
+cap: they fix the target and their final accuracy is the cap's."""
+
+
+PAGES = [*EARLIER_PAGES,
+         Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
+              "MLPerf", "results/time_to_accuracy-mnist-*.json", mlperf_table, mlperf_setting,
+              MLPERF_NOTES, none_yet="scripts/time_to_accuracy.py --data MNIST ... writes them")]
 
 
 # ------------------------------------------------------------------------ the file

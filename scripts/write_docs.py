@@ -27,7 +27,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import accuracy_pages
+import time_to_accuracy
 import bench_gpu
 import bench_local
 import bench_powersgd
@@ -91,7 +91,7 @@ PAGES: list[Page] = [
     *gpu_check.PAGES,
     *scaling_e2e.FAST_PAGES,
     *main_job.PAGES,
-    *accuracy_pages.PAGES,
+    *time_to_accuracy.PAGES,
 ]
 
 

@@ -181,7 +181,7 @@ def test_the_fast_host_headline_gives_the_compressed_runs_accuracy_beside_their_
     whose exact run stayed near chance is not."""
     import json
 
-    import accuracy_pages
+    import time_to_accuracy as accuracy_pages
     import scaling_e2e
 
     def digits(name, exact, compressed):

@@ -14,7 +14,7 @@ from conftest import REPO, hybriddl_env
 
 SCRIPTS = sorted(path for path in (REPO / "scripts").rglob("*.py") if "__pycache__" not in path.parts)
 # What the scripts import, not commands: results files' header, and the docs' pages.
-SHARED = ("bench_common.py", "pages.py", "accuracy_pages.py")
+SHARED = ("bench_common.py", "pages.py")
 COMMANDS = [path for path in SCRIPTS if path.name not in SHARED]
 
 
