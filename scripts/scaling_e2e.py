@@ -965,6 +965,34 @@ def scaling_fast_chart(data: dict, path: Path) -> Path:
     return save_chart(figure, path, scaling_fast_digest(data))
 
 
+def fast_row(data: dict, page: str) -> dict | None:
+    """The README's throughput row of one scaling_fast file: 2 hosts side by side at the
+    fastest host speed measured, hybriddl's best contender against DDP's best."""
+    if time_scales(data).get(2) != 1:
+        return None
+    rows = [r for r in data["summary"] if r["hosts"] == 2 and r["efficiency"] is not None]
+    if not rows:
+        return None
+    speedup = max(r["speedup"] for r in rows)
+    rows = [r for r in rows if r["speedup"] == speedup]
+    ours = [r for r in rows if not r["contender"].startswith(("ddp", "flat"))]
+    peers = [r for r in rows if r["contender"].startswith("ddp")]
+    if not ours:
+        return None
+    best = max(ours, key=lambda r: r["efficiency"])
+    peer = max(peers, key=lambda r: r["efficiency"]) if peers else None
+    compression = fast_compression(best["contender"], data)
+    return {"workload": f"{model_name(data['usecase'])}, {data.get('image_size', 224)} px, "
+                        f"{rows[0]['bandwidth']} links",
+            "speed": _speed_label(speedup, dict(fast_speeds(data)).get(speedup)),
+            "ours": f"{best['contender']} {ratio_text(best['efficiency'])}",
+            "ddp": "–" if peer is None else f"{peer['contender']} {ratio_text(peer['efficiency'])}",
+            "mb": f"{best['nic_bytes_per_step'] / 1e6:.2f}" if best.get("nic_bytes_per_step")
+            else "–",
+            "exact": "yes" if compression is None else f"no ({compression})",
+            "cpu": data.get("cpu_model"), "page": page}
+
+
 def fast_headline(table: Page, data: dict) -> str | None:
     """Every scheme at the fastest host speed measured and the widest host count side by
     side (D = 1), which are exact, and what was not run."""

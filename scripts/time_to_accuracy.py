@@ -415,6 +415,46 @@ powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs
 cap: they fix the target and their final accuracy is the cap's."""
 
 
+def readme_lead(data: dict, page: str) -> list[str]:
+    """The README's time-to-accuracy lines: one claim sentence, generated from the cells
+    measured, and a table of them."""
+    rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
+    if not rows or target is None:
+        return []
+    one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
+    scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
+    ours = [r for r in scored if not r["contender"].startswith(DDP_PREFIX)]
+    peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
+    step = data.get("host_step_seconds")
+    speed = f"each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})" if step \
+        else f"S = {data.get('speedup') or 1:g}"
+    setting = (f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px) on real "
+               f"images (MNIST), {data['bandwidth']} links, hosts {speed}")
+    if ours and one and one["score_seconds"]:
+        best = min(ours, key=lambda r: r["score_seconds"])
+        claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
+                 f"{best['contender']} reaches validation accuracy {target:g} in "
+                 f"{ratio_text(best['ratio_to_one_host'])}× one host's time")
+        peer = next((p for p in peers if p["hosts"] == best["hosts"]), None)
+        claim += (f", DDP + PowerSGD ({peer['contender']}) in "
+                  f"{ratio_text(peer['ratio_to_one_host'])}×" if peer else
+                  ", DDP + PowerSGD not measured yet")
+    else:
+        claim = (f"**Time to accuracy**: {setting}: the target (validation accuracy "
+                 f"{target:g}) is fixed; the cells on more hosts are not all measured yet")
+    lines = [claim + f" (MLPerf-style score over seeds, fastest and slowest dropped; "
+                     f"[table](docs/benchmarks/{page}.md)).", "",
+             "| hosts | scheme | exact? | reached | score, emulated s | × one host | "
+             "final accuracy, mean (range) |", "|---:|---|---|---:|---:|---:|---|"]
+    for row in rows:
+        spread = row["final_accuracy_spread"]
+        lines.append(f"| {row['hosts']} | {row['contender']} | "
+                     f"{'yes' if row['exact'] else '**no**'} | {row['reached']}/{row['seeds']} "
+                     f"| {score_text(row)} | {ratio_text(row['ratio_to_one_host'])} | "
+                     f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f}) |")
+    return lines
+
+
 PAGES = [*EARLIER_PAGES,
          Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
               "MLPerf", "results/time_to_accuracy-mnist-*.json", mlperf_table, mlperf_setting,

@@ -182,6 +182,9 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
             continue
         files[BENCHMARKS / f"{page.name}.md"] = benchmark_page(page, data)
         index.append(f"| [{page.title}]({page.name}.md) | `{page.json}` |")
+    long_form = headline_lines()
+    if long_form:
+        index += ["", "## Headline figures, long form", "", *long_form]
     files[BENCHMARKS / "README.md"] = "\n".join(index) + "\n"
     return files, skipped
 
@@ -189,19 +192,64 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
 # ---------------------------------------------------------------- README headline
 
 def headline_block() -> str:
-    lines = [HEADLINE_BEGIN]
-    for page in expanded(PAGES, []):
+    """The README's headline: time to accuracy first (a claim and its cells), then one
+    table row per fast-host throughput page, a footnote for S and D and the hardware, and
+    the command that reproduces the first. The long form of every page's headline is in
+    docs/benchmarks/README.md."""
+    lines, cpus, command = [HEADLINE_BEGIN], {"tta": set(), "fast": set()}, None
+    for page in expanded(time_to_accuracy.PAGES, []):
         data, _ = load_quotable(REPO / page.json)
-        if data is None or page.headline is None:
-            continue
-        line = page.headline(page, data)
-        if line:
-            lines.append(line)
+        if data is not None and page.name.startswith("time_to_accuracy-mnist"):
+            lead = time_to_accuracy.readme_lead(data, page.name)
+            if lead:
+                lines += [*lead, ""]
+                cpus["tta"].add(data["cpu_model"])
+                command = command or data["command"]
+    rows = []
+    for page in expanded(scaling_e2e.FAST_PAGES, []):
+        data, _ = load_quotable(REPO / page.json)
+        row = scaling_e2e.fast_row(data, page.name) if data else None
+        if row:
+            rows.append(row)
+            cpus["fast"].add(row["cpu"])
+            command = command or data["command"]
+    if rows:
+        lines += ["**Throughput** on 2 emulated hosts side by side, each S× faster than a "
+                  "core here (efficiency: images/s against one such host's):", "",
+                  "| workload and link | host step (S) | hybriddl's best | DDP's best "
+                  "| MB per host per step | exact? |", "|---|---|---|---|---:|---|"]
+        lines += [f"| [{r['workload']}](docs/benchmarks/{r['page']}.md) | {r['speed']} | "
+                  f"{r['ours']} | {r['ddp']} | {r['mb']} | {r['exact']} |" for r in rows]
+        chart = BENCHMARKS / f"{rows[-1]['page']}.png"
+        if chart.exists():  # which scheme wins where, at every host speed measured
+            lines += ["", f"![Which scheme wins where: {rows[-1]['workload']}]"
+                          f"({chart.relative_to(REPO)})"]
+        lines.append("")
     if len(lines) == 1:
-        lines.append("- No benchmark in results/ records its provenance yet; see "
+        lines.append("No benchmark in results/ records its provenance yet; see "
+                     "[docs/benchmarks](docs/benchmarks/README.md).")
+    else:
+        measured = "; ".join(f"{what} on {', '.join(sorted(c for c in cpus[key] if c))}"
+                             for key, what in (("tta", "time to accuracy"),
+                                               ("fast", "throughput")) if cpus[key])
+        lines.append(f"S: each emulated host stands for one S times faster (its step is one "
+                     f"host's step here / S; links run at rate / S; times are emulated, wall "
+                     f"/ S). D: hosts that take turns on this machine's cores (D = 1 here: "
+                     f"side by side). Measured with 2 cores: {measured}. Reproduce the first "
+                     f"table: `{command}`. Every figure's long form: "
                      "[docs/benchmarks](docs/benchmarks/README.md).")
     lines.append(HEADLINE_END)
     return "\n".join(lines)
+
+
+def headline_lines() -> list[str]:
+    """Each page's headline line (the README's before it became a table), long form."""
+    lines = []
+    for page in expanded(PAGES, []):
+        data, _ = load_quotable(REPO / page.json)
+        if data is not None and page.headline is not None and (line := page.headline(page, data)):
+            lines.append(line.replace("docs/benchmarks/", ""))
+    return lines
 
 
 def main_job_block() -> str:
