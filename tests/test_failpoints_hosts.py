@@ -70,9 +70,10 @@ def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, 
 def test_a_host_that_never_starts_is_named_by_the_first_exchange(images, tmp_path):
     started = time.monotonic()
     done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
-                     faults="stall-start=1", timeout=120)
+                     "--host-timeout", "5", faults="stall-start=1", timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode != 0
+    # At least 20 s however short --host-timeout: starts take seconds.
     assert re.search(r"no answer from rank 1 for 20 s while starting the heartbeat between "
                      r"hosts", output), output[-3000:]
     assert time.monotonic() - started < 90

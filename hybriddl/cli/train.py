@@ -10,7 +10,7 @@ from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_f
 from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
 from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
-from hybriddl.errors import TrainingInterrupted, UsageError
+from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.run.settings import TrainConfig
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, get_usecase
@@ -120,7 +120,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
                       markup=False, highlight=False, soft_wrap=True)
         return 0
-    hosts = connect(**hosts_options(args))
+    try:
+        hosts = connect(**hosts_options(args))
+    except TrainingError as exc:
+        if getattr(exc, "hosts", None) is not None:  # started, but not every host answered
+            stop_every_host(exc.hosts, exc, show_host_failure)
+        raise
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
     stop = StopRequest()
     steps = StepsSeen(display)  # how far this attempt came, should it fail

@@ -284,10 +284,14 @@ class MPIHosts(Hosts):
                 del pending[r]
             if pending and time.monotonic() - started > deadline:
                 who = ", ".join(f"rank {r}" for r in sorted(pending))
-                raise HostFailure(f"no answer from {who} for {deadline:.0f} s while "
-                                  f"{what}: it did not start, hung before it, or cannot "
-                                  "reach this host (see --host-timeout)",
-                                  {r: f"rank {r}" for r in pending})
+                failure = HostFailure(f"no answer from {who} for {deadline:.0f} s while "
+                                      f"{what}: it did not start, hung before it, or cannot "
+                                      "reach this host (see --host-timeout)",
+                                      {r: f"rank {r}" for r in pending})
+                # MPI is up but not every host: what the caller takes down (abort), or
+                # this rank would wait for the silent one in MPI's finalize, for ever.
+                failure.hosts = self
+                raise failure
             time.sleep(0.001)
         self.MPI.Request.Waitall(sent)
 
