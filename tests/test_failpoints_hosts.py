@@ -18,10 +18,12 @@ import torch
 
 from conftest import hybriddl_env
 from sample_data import write_saturated_classes
-from test_failpoints import TRAIN
+from test_failpoints import TRAIN as TWO_EPOCHS
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
+# One epoch of 3 steps.
+TRAIN = [*TWO_EPOCHS, "--epochs", "1"]
 LOOPBACK = ["--oversubscribe", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"]
 
 
@@ -38,6 +40,8 @@ def two_ranks(*args: str, faults: str = "", timeout: float = 240) -> subprocess.
 
 pytestmark = [pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
               pytest.mark.mpi, pytest.mark.slow]
+# tests/two_at_once.py: the roll call's test mostly waits (20 s for a rank that never
+# comes), asserts a bound with room and checks only the ranks it started.
 
 
 @pytest.mark.parametrize("compression", ["none", "powersgd:2"])
@@ -52,7 +56,7 @@ def test_a_drifted_host_is_named_and_given_rank_0s_parameters(images, tmp_path, 
                      r"every host now holds rank 0's", output), output[-3000:]
     replicas = json.loads((run_dir / METRICS).read_text())["replicas"]
     assert len(replicas["mismatches"]) == 1  # resynced: every later check found them equal
-    assert replicas["check_every"] == 1 and replicas["checks"] == 6 + 2  # steps, epoch ends
+    assert replicas["check_every"] == 1 and replicas["checks"] == 3 + 1  # steps, epoch's end
 
 
 def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, tmp_path):
@@ -67,6 +71,7 @@ def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, 
     assert (run_dir / CHECKPOINT).is_file() and not (run_dir / MODEL).exists()
 
 
+@pytest.mark.beside
 def test_a_host_that_never_starts_is_named_by_the_first_exchange(images, tmp_path):
     started = time.monotonic()
     done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
@@ -88,7 +93,7 @@ def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_
     started = time.monotonic()
     done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
                      "--checkpoint-every", "1", "--host-timeout", "5",
-                     faults="stall-exchange=1@4")
+                     faults="stall-exchange=1@2")
     output = done.stdout + done.stderr
     assert done.returncode == 1, output[-3000:]
     assert re.search(r"rank 1 on host \S+ runs \(its heartbeat is heard\) but has not come to "
