@@ -314,9 +314,8 @@ def compressed_accuracy_table(data: dict) -> str:
         lines.append(f"| {row['hosts']} | {row['host_parallel']} | {row['compression']} | "
                      f"{exact} | {accuracy} | {points} | {row['emulated_seconds_total']:.1f} | "
                      f"{ratio_text(row['speedup_vs_exact'])}× |")
-    failed = [r for r in data["runs"] if "failed" in r]
-    lines += [f"\nNot finished: {r['host_parallel']}/{r['compression']} at {r['hosts']} hosts "
-              f"(exit {r['failed']})." for r in failed]
+    lines += not_finished(data, lambda r: f"{r['host_parallel']}/{r['compression']} at "
+                                          f"{r['hosts']} hosts")
     return "\n".join(lines)
 
 
@@ -383,10 +382,15 @@ def mlperf_table(data: dict) -> str:
                      f"{row['reached']} of {row['seeds']} | {score_text(row)} | "
                      f"{ratio_text(row['ratio_to_one_host'])} | "
                      f"{'–' if epochs is None else f'{epochs:g}'} | {final} |")
-    failed = [r for r in data["runs"] if "failed" in r]
-    lines += [f"\nNot finished: {r['contender']} at {r['hosts']} hosts, seed {r['seed']} "
-              f"(exit {r['failed']})." for r in failed]
+    lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
+                                          f"{r['seed']}")
     return "\n".join(lines)
+
+
+def not_finished(data: dict, run_name) -> list[str]:
+    """A line under a table for each run that failed, named by `run_name(run)`."""
+    return [f"\nNot finished: {run_name(r)} (exit {r['failed']})." for r in data["runs"]
+            if "failed" in r]
 
 
 def mlperf_setting(data: dict) -> str:
