@@ -485,37 +485,50 @@ def main(argv=None) -> int:
     # The reference first: the target is fixed from it before any other cell runs.
     cells = sorted(args.cells, key=lambda cell: cell != (1, EXACT))
     with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
-        for hosts, contender in cells:
+        # The reference's seeds first, then the other cells seed by seed, interleaved, so
+        # that a change in this machine's speed falls on every cell alike.
+        order = [(cell, seed) for cell in cells if cell == (1, EXACT) for seed in args.seeds]
+        order += [(cell, seed) for seed in args.seeds for cell in cells if cell != (1, EXACT)]
+        for (hosts, contender), seed in order:
             reference = (hosts, contender) == (1, EXACT)
+            if not reference and result["target"] is None:
+                result["target"] = fixed_target(result)
+                save(output, result)
             if not reference and result["target"] is None:
                 raise SystemExit("time_to_accuracy: no target yet: run the reference cell "
                                  "1:exact first (or give --target)")
-            for seed in args.seeds:
-                if (hosts, contender, seed) in done:
-                    continue
-                speed = (["--speedup", repr(result["speedup"])] if result["speedup"] else
-                         ["--host-step", args.host_step, "--usecase", args.usecase,
-                          "--image-size", str(args.image_size), "--batch-size",
-                          str(args.batch_size), "--channels-last"] if args.host_step else [])
-                stop_at = None if reference else result["target"]["accuracy"]
-                run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
-                result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],
-                                  r["seed"]) != (hosts, contender, seed)] + [run]
-                if run.get("host_step") and not result["speedup"]:
-                    result["speedup"] = run["speedup"]
-                    result["host_step_seconds"] = run["host_step"].get("asked_seconds")
-                print(json.dumps({k: run.get(k) for k in ("hosts", "contender", "seed",
-                                  "failed", "wall_seconds", "stopped_at_target")}), flush=True)
-                save(output, result)
-            if reference and result["target"] is None:
-                best = [max(e["accuracy"] for e in r["evaluations"]) for r in result["runs"]
-                        if (r["hosts"], r["contender"]) == (1, EXACT) and "failed" not in r]
-                result["target"] = {
-                    "accuracy": target_from_reference(best), "reference_best": best,
-                    "how": "the highest accuracy, rounded down to the percent, that one host "
-                           "exact reaches in all but at most one of its seeds within the cap"}
-                save(output, result)
+            if (hosts, contender, seed) in done:
+                continue
+            speed = (["--speedup", repr(result["speedup"])] if result["speedup"] else
+                     ["--host-step", args.host_step, "--usecase", args.usecase,
+                      "--image-size", str(args.image_size), "--batch-size",
+                      str(args.batch_size), "--channels-last"] if args.host_step else [])
+            stop_at = None if reference else result["target"]["accuracy"]
+            run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
+            result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],
+                              r["seed"]) != (hosts, contender, seed)] + [run]
+            if run.get("host_step") and not result["speedup"]:
+                result["speedup"] = run["speedup"]
+                result["host_step_seconds"] = run["host_step"].get("asked_seconds")
+            print(json.dumps({k: run.get(k) for k in ("hosts", "contender", "seed",
+                              "failed", "wall_seconds", "stopped_at_target")}), flush=True)
+            save(output, result)
+        if result["target"] is None:
+            result["target"] = fixed_target(result)
+            save(output, result)
     return 0
+
+
+def fixed_target(result: dict) -> dict | None:
+    """The target the reference's runs fix (None before any finished)."""
+    best = [max(e["accuracy"] for e in r["evaluations"]) for r in result["runs"]
+            if (r["hosts"], r["contender"]) == (1, EXACT) and "failed" not in r
+            and r["evaluations"]]
+    if not best:
+        return None
+    return {"accuracy": target_from_reference(best), "reference_best": best,
+            "how": "the highest accuracy, rounded down to the percent, that one host exact "
+                   "reaches in all but at most one of its seeds within the cap"}
 
 
 def save(output: Path, result: dict) -> None:
