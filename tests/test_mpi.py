@@ -107,6 +107,8 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     assert epoch["comm_seconds"] > 0 and epoch["compute_seconds"] > 0
     # Only rank 0 reports progress.
     assert done.stderr.count("epoch 1:") == 1
+    # Each host validated its half of the images: the same accuracy as one host's whole.
+    assert epoch["val_accuracy"] == epoch_of(sequential)[1]["val_accuracy"]
 
 
 def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,
