@@ -43,17 +43,17 @@ EPOCH_2_STEPS = 6
 
 def child(args: argparse.Namespace) -> None:
     """One run; prints its events as one JSON line."""
-    from hybriddl.run import checkpoint, trainer
+    from hybriddl.run import checkpointer, trainer
     from hybriddl.strategies import StrategyOptions
 
     if args.child == "wait":
-        background_save = checkpoint.Checkpointer.save
+        background_save = checkpointer.Checkpointer.save
 
         def save_and_wait(self, *a, **k):
             background_save(self, *a, **k)
             self.wait_for_write()
 
-        checkpoint.Checkpointer.save = save_and_wait
+        checkpointer.Checkpointer.save = save_and_wait
 
     events: dict = {"epoch_end": {}, "epoch_start": {}, "steps": {}}
 

@@ -116,7 +116,7 @@ def _hold_at_call(owner, name: str, pause_at: int, hold, counts=lambda *a: True,
 
 
 def _main(argv: list[str]) -> int:
-    import hybriddl.run.checkpoint
+    import hybriddl.run.checkpointer
     import hybriddl.strategies.sequential
     from hybriddl.cli import main
 
@@ -126,7 +126,7 @@ def _main(argv: list[str]) -> int:
         paused = paused.with_name(f"{paused.name}.rank{rank}")
 
     keepers = []
-    _hold_at_call(hybriddl.run.checkpoint.Checkpointer, "__init__", 0,
+    _hold_at_call(hybriddl.run.checkpointer.Checkpointer, "__init__", 0,
                   lambda *args: None,
                   counts=lambda keeper, *rest: keepers.append(keeper) or False)
 
@@ -143,7 +143,7 @@ def _main(argv: list[str]) -> int:
             time.sleep(0.01)
 
     if where == "after-write":
-        _hold_at_call(hybriddl.run.checkpoint.Checkpointer, "save", pause_at, hold, after=True)
+        _hold_at_call(hybriddl.run.checkpointer.Checkpointer, "save", pause_at, hold, after=True)
     elif where == "inside-write":
         _hold_at_call(os, "fsync", pause_at, hold_writer,
                       lambda fd: ".checkpoint.pt.tmp-" in os.readlink(f"/proc/self/fd/{fd}"))

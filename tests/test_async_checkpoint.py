@@ -17,9 +17,10 @@ from torch import nn
 
 from held_run import Held, wait_for
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
-from hybriddl.run import checkpoint
+from hybriddl.run import resumption
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.run.checkpoint import Checkpoint, Checkpointer, EpochProgress, Position, stage
+from hybriddl.run.checkpointer import Checkpointer, stage
+from hybriddl.run.resumption import Checkpoint, EpochProgress, Position
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.cli import main
 from hybriddl.rundir import CHECKPOINT, METRICS
@@ -54,7 +55,7 @@ def test_training_goes_on_while_the_checkpoint_is_written(images, tmp_path):
     child.release()
     code, err = child.finish()
     assert code == 0, err
-    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
 
 
@@ -67,11 +68,11 @@ def test_kill_during_background_write_keeps_previous_and_next_start_removes_the_
     assert child.finish()[0] == -signal.SIGKILL
     [partial] = run_dir.glob(PARTIAL_GLOB)
     assert partial.stat().st_size > 0
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
 
     assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
     assert not partial.exists() and list(run_dir.glob(PARTIAL_GLOB)) == []
-    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def test_stop_signal_while_a_write_is_under_way_leaves_both_checkpoints_complete
     code, err = child.finish()
     assert code == 128 + signal.SIGTERM, err
     assert "checkpoint written; continue with" in err.strip().splitlines()[-1]
-    assert checkpoint.load(run_dir).position.steps_done >= 1
+    assert resumption.load(run_dir).position.steps_done >= 1
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
 
 
@@ -101,7 +102,7 @@ def test_non_finite_loss_is_one_line_exit_1_and_the_last_checkpoint_stays_good(i
     assert "at epoch 1, step 2: lower --lr" in line  # the step, and the loss it reached
     assert ("loss became nan" in line or "loss became inf" in line
             or "parameters became non-finite" in line), line
-    kept = checkpoint.load(run_dir)
+    kept = resumption.load(run_dir)
     assert f"the last good checkpoint (epoch 1, step {kept.position.step}) is kept" in line
     assert all(torch.isfinite(t).all() for t in kept.model.values() if t.is_floating_point())
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
@@ -143,7 +144,7 @@ def test_staging_buffers_are_made_beside_the_first_step_and_the_checkpoint_copie
         staged = keeper._staging["model"]
         assert {k: v.data_ptr() for k, v in staged.items()} == buffers
         assert all(torch.equal(staged[k], v) for k, v in model.state_dict().items())
-    assert torch.equal(checkpoint.load(tmp_path).model["weight"], model.weight.detach())
+    assert torch.equal(resumption.load(tmp_path).model["weight"], model.weight.detach())
 
 
 def test_the_payload_holds_the_staged_tensors_themselves_not_copies():

@@ -22,8 +22,9 @@ from torch import nn
 from held_run import Held
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.dropout import MASKS
-from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Checkpointer, EpochProgress, Position
+from hybriddl.run import resumption
+from hybriddl.run.checkpointer import Checkpointer
+from hybriddl.run.resumption import EpochProgress, Position
 from hybriddl.cli import main
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.errors import TrainingError, UsageError
@@ -82,7 +83,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
     else:  # held at the start of epoch 2's first step, so the signal comes inside a step
         child = Held(tmp_path, train_args(images, run_dir, dropout),
                        pause_at=STEPS_PER_EPOCH + 1, where="step")
-    epoch_one = checkpoint.load(run_dir)
+    epoch_one = resumption.load(run_dir)
     assert epoch_one.position == Position(epoch=1, step=0, steps_done=STEPS_PER_EPOCH)
 
     if stop == "SIGKILL":
@@ -98,7 +99,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
         message = err.strip().splitlines()[-1]
         assert "stopped by SIGTERM at epoch 2, step 1" in message
         assert message.endswith(f"continue with: hybriddl train --resume {run_dir}")
-        resumed_at = checkpoint.load(run_dir).position
+        resumed_at = resumption.load(run_dir).position
         # The step under way when the signal came was finished, then checkpointed.
         assert resumed_at == Position(epoch=1, step=1, steps_done=STEPS_PER_EPOCH + 1)
 
@@ -119,7 +120,7 @@ def test_resume_after_interruption_matches_uninterrupted_run(stop, dropout, imag
     assert metrics["resumes"][0]["step"] == resumed_at.step
     # Same mask generator before and after: no note that the resume changed the draws.
     assert metrics["config"]["dropout_masks"] == MASKS and "note" not in metrics["resumes"][0]
-    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
 def runs_squeezenet(cls) -> bool:
@@ -148,7 +149,7 @@ def test_sigkill_mid_epoch_under_each_cpu_strategy_resumes_to_the_uninterrupted_
                  pause_at=STEPS_PER_EPOCH + 2, where="any-step")
     child.process.kill()
     assert child.finish()[0] == -signal.SIGKILL
-    assert checkpoint.load(run_dir).position == Position(epoch=1, step=0,
+    assert resumption.load(run_dir).position == Position(epoch=1, step=0,
                                                          steps_done=STEPS_PER_EPOCH)
     assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
     assert json.loads((run_dir / METRICS).read_text())["config"]["strategy"]["name"] == strategy
@@ -166,14 +167,14 @@ def test_kill_during_checkpoint_write_keeps_previous_checkpoint(images, tmp_path
     child.process.kill()
     assert child.finish()[0] == -signal.SIGKILL
 
-    survivor = checkpoint.load(run_dir)
+    survivor = resumption.load(run_dir)
     assert survivor.position == Position(epoch=1, step=0, steps_done=STEPS_PER_EPOCH)
     assert [r["epoch"] for r in survivor.metrics["epochs"]] == [1]
 
     assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
     assert max_abs_difference(final_parameters(run_dir),
                               final_parameters(uninterrupted(0.0))) <= 1e-6
-    assert checkpoint.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(2, 0, 2 * STEPS_PER_EPOCH)
 
 
 def test_sigint_stops_after_the_step_with_exit_code_130(images, tmp_path):
@@ -185,7 +186,7 @@ def test_sigint_stops_after_the_step_with_exit_code_130(images, tmp_path):
     code, err = child.finish()
     assert code == 128 + signal.SIGINT, err
     assert "stopped by SIGINT at epoch 2, step 1" in err.strip().splitlines()[-1]
-    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    assert resumption.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
 
 
 def test_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(images, tmp_path):
@@ -196,7 +197,7 @@ def test_second_signal_abandons_the_step_and_keeps_the_last_checkpoint(images, t
     child.process.send_signal(signal.SIGTERM)  # never released: the step is abandoned
     code, err = child.finish()
     assert code == 130, err
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
 
 
 def test_interrupted_run_leaves_no_worker_process(images, tmp_path, uninterrupted, capsys):
@@ -211,7 +212,7 @@ def test_interrupted_run_leaves_no_worker_process(images, tmp_path, uninterrupte
     assert code == 128 + signal.SIGTERM, err
     _, alive = psutil.wait_procs(workers, timeout=30)
     assert alive == []
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
 
     # The workers of the resumed run start from the checkpoint's parameters.
     assert main(["train", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
@@ -235,7 +236,7 @@ def test_non_finite_loss_names_its_step_and_keeps_last_good_checkpoint(images, t
     assert "at epoch 1, step 2: lower --lr" in messages[0]
     assert "the last good checkpoint (epoch 1, step 1) is kept in RUN" in messages[0]
 
-    kept = checkpoint.load(run_dir)
+    kept = resumption.load(run_dir)
     assert kept.position == Position(epoch=0, step=1, steps_done=1)
     assert all(torch.isfinite(t).all() for t in kept.model.values() if t.is_floating_point())
     # Resuming it replays the same divergence at the same step: its RNG and state are exact.
@@ -275,7 +276,7 @@ def test_the_model_file_is_the_last_checkpoints_model_without_a_second_gather(
     run_dir = tmp_path / "run"
     assert main(train_args(images, run_dir, 0.0)) == 0
     assert len(saves) == 2 and len(gathers) == 2  # one per checkpoint, none more at the end
-    kept = checkpoint.load(run_dir)
+    kept = resumption.load(run_dir)
     assert max_abs_difference(final_parameters(run_dir), kept.model) == 0.0
 
 
@@ -333,14 +334,14 @@ def test_resume_continues_a_finished_run_when_given_more_epochs(uninterrupted, t
     metrics = json.loads((run_dir / METRICS).read_text())
     assert [r["epoch"] for r in metrics["epochs"]] == [1, 2, 3]
     assert metrics["config"]["epochs"] == 3
-    assert checkpoint.load(run_dir).position == Position(3, 0, 3 * STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(3, 0, 3 * STEPS_PER_EPOCH)
     assert max_abs_difference(final_parameters(run_dir), final_parameters(source)) > 0
 
 
 def test_checkpoint_every_n_steps_is_resumable_inside_an_epoch(images, tmp_path, capsys):
     run_dir = tmp_path / "run"
     child = Held(tmp_path, train_args(images, run_dir, 0.0, "--checkpoint-every", "2"))
-    saved = checkpoint.load(run_dir)
+    saved = resumption.load(run_dir)
     assert saved.position == Position(epoch=0, step=2, steps_done=2)
     assert saved.progress.steps == 2 and saved.progress.global_samples == 8
     child.process.kill()
@@ -355,7 +356,7 @@ def test_resume_with_more_max_steps_continues_inside_the_cut_epoch(images, tmp_p
                                                                    uninterrupted, capsys):
     run_dir = tmp_path / "run"
     assert main(train_args(images, run_dir, 0.0, "--max-steps", str(STEPS_PER_EPOCH + 1))) == 0
-    cut = checkpoint.load(run_dir)
+    cut = resumption.load(run_dir)
     assert cut.position == Position(1, 1, STEPS_PER_EPOCH + 1)
     assert [r["epoch"] for r in cut.metrics["epochs"]] == [1]  # epoch 2 is not finished
     assert main(["train", "--resume", str(run_dir), "--max-steps", "6"]) == 0, \

@@ -30,8 +30,8 @@ from conftest import REPO, hybriddl_env
 from emulated import hosts_launcher
 from held_run import Held
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
-from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Position
+from hybriddl.run import resumption
+from hybriddl.run.resumption import Position
 from hybriddl.cli import main
 from hybriddl.rundir import METRICS, MODEL
 
@@ -110,7 +110,7 @@ def stopped_on_two_hosts(images, tmp_path_factory) -> Path:
     held.release()
     code, err = held.finish()
     assert code != 0, err
-    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    assert resumption.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
     return run_dir
 
 
@@ -138,14 +138,14 @@ def test_sigusr1_to_mpirun_stops_every_rank_at_one_step_with_a_checkpoint(images
     with hosts_launcher(2) as launcher:  # two emulated hosts where this machine allows
         held, processes = held_ranks(tmp_path, images, run_dir, [*launcher.argv, "-np", "2"],
                                      pause_at=STEPS_PER_EPOCH + 1, where="step")
-        assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+        assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
         held.process.send_signal(signal.SIGUSR1)
         held.release()
         code, err = held.finish()
         assert_all_gone(processes)  # before the emulated hosts' teardown could end them
     assert code != 0
     assert f"hybriddl train --resume {run_dir}" in err
-    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    assert resumption.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
 
     resume_under_mpirun(run_dir)
     assert_same_model(run_dir, uninterrupted)
@@ -164,7 +164,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_after_the_same_step(images, tmp_pa
     code, err = held.finish()
     assert code != 0
     assert f"hybriddl train --resume {run_dir}" in err
-    assert checkpoint.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
+    assert resumption.load(run_dir).position == Position(1, 1, STEPS_PER_EPOCH + 1)
     assert_all_gone(processes)
 
 
@@ -178,7 +178,7 @@ def test_sigterm_to_mpirun_keeps_the_last_checkpoint_and_leaves_no_rank(images, 
     code, _ = held.finish()
     assert code != 0
     assert_all_gone(processes)
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
 
     resume_under_mpirun(run_dir)
     assert_same_model(run_dir, uninterrupted)

@@ -184,7 +184,7 @@ def test_the_gpu_step_leaves_its_loss_on_the_device():
 def test_a_checkpoint_of_a_device_is_staged_in_host_memory_and_its_buffers_reused():
     """The model and momentum of a GPU are copied to (pinned) host buffers for the writer,
     not to a second copy on the GPU; buffers are reused from one checkpoint to the next."""
-    from hybriddl.run.checkpoint import blank, stage
+    from hybriddl.run.checkpointer import blank, stage
 
     weights = torch.arange(6.0).view(2, 3)
     state = {"model": {"w": Elsewhere(weights)}, "optimizer": {"state": {0: {

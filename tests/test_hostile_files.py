@@ -8,8 +8,8 @@ import pytest
 import torch
 from sample_data import CIFAR_FOLDER, write_cifar10, write_imagefolder
 
-from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Checkpoint, EpochProgress, Position
+from hybriddl.run import resumption
+from hybriddl.run.resumption import Checkpoint, EpochProgress, Position
 from hybriddl.rundir import CHECKPOINT
 from hybriddl.errors import UsageError
 
@@ -133,7 +133,7 @@ def test_a_truncated_checkpoint_without_an_older_one_says_so(tmp_path):
     run_dir.mkdir()
     cut_short(small_checkpoint(run_dir / CHECKPOINT, epoch=2))
     with pytest.raises(UsageError, match="cut short.*no other checkpoint is kept there"):
-        checkpoint.load(run_dir)
+        resumption.load(run_dir)
 
 
 # --------------------------------------------------------------------------- the helper
@@ -141,7 +141,7 @@ def test_a_truncated_checkpoint_without_an_older_one_says_so(tmp_path):
 def test_load_state_dict_file_reads_a_state_dict_and_refuses_the_rest(tmp_path):
     good = tmp_path / "good.pt"
     torch.save({"conv.weight": torch.ones(2, 3)}, good)
-    assert torch.equal(checkpoint.load_state_dict_file(good)["conv.weight"], torch.ones(2, 3))
+    assert torch.equal(resumption.load_state_dict_file(good)["conv.weight"], torch.ones(2, 3))
     marker = tmp_path / "ran"
     cases = {"hostile": (hostile_file(tmp_path / "hostile.pt", marker, "torch_zip_open"),
                          "is refused"),
@@ -153,7 +153,7 @@ def test_load_state_dict_file_reads_a_state_dict_and_refuses_the_rest(tmp_path):
     torch.save([torch.ones(1)], tmp_path / "list.pt")
     for name, (path, words) in cases.items():
         with pytest.raises(UsageError) as refused:
-            checkpoint.load_state_dict_file(path)
+            resumption.load_state_dict_file(path)
         message = str(refused.value)
         assert str(path) in message and words in message and "\n" not in message, (name, message)
     assert not marker.exists()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sample_data import write_tinted_classes
-from hybriddl.run import checkpoint
+from hybriddl.run import resumption
 from hybriddl.cli import main
 from hybriddl.rundir import CHECKPOINT, MODEL
 
@@ -40,12 +40,12 @@ def test_starts_then_continues_then_leaves_a_finished_run_alone(images, tmp_path
     assert main(args(images, "--epochs", "2", "--run-dir", str(reference))) == 0
 
     run_dir = tmp_path / "run"
-    assert checkpoint.run_state(run_dir) == checkpoint.FRESH
+    assert resumption.run_state(run_dir) == resumption.FRESH
     assert main(args(images, "--epochs", "1", "--resume-if-exists", str(run_dir))) == 0
-    assert checkpoint.run_state(run_dir) == checkpoint.FINISHED
+    assert resumption.run_state(run_dir) == resumption.FINISHED
     # What a run killed just after epoch 1's checkpoint leaves: a checkpoint, no model.
     (run_dir / MODEL).unlink()
-    assert checkpoint.run_state(run_dir) == checkpoint.RESUMABLE
+    assert resumption.run_state(run_dir) == resumption.RESUMABLE
     assert main(args(images, "--epochs", "2", "--resume-if-exists", str(run_dir))) == 0
     finished = parameters(run_dir)
     for name, value in parameters(reference).items():
@@ -64,7 +64,7 @@ def test_a_newer_checkpoint_than_the_model_is_resumable(tmp_path):
     (tmp_path / CHECKPOINT).write_bytes(b"new")
     model_time = (tmp_path / MODEL).stat().st_mtime_ns
     os.utime(tmp_path / CHECKPOINT, ns=(model_time + 10**9, model_time + 10**9))
-    assert checkpoint.run_state(tmp_path) == checkpoint.RESUMABLE
+    assert resumption.run_state(tmp_path) == resumption.RESUMABLE
 
 
 def test_naming_another_run_directory_too_is_refused(images, tmp_path, capsys):

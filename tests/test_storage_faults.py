@@ -18,8 +18,8 @@ import pytest
 
 from held_run import Held
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
-from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Position
+from hybriddl.run import resumption
+from hybriddl.run.resumption import Position
 from hybriddl.rundir import CHECKPOINT
 from hybriddl.files import PARTIAL_GLOB
 
@@ -124,7 +124,7 @@ def test_disk_full_during_checkpoint_write_is_one_line_and_keeps_the_previous(
     assert "MB free there" in line, line
     assert f"the last good checkpoint (epoch 2, step 0) is kept in {run_dir}" in line, line
     assert (run_dir / CHECKPOINT).read_bytes() == before
-    assert checkpoint.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
+    assert resumption.load(run_dir).position == Position(1, 0, STEPS_PER_EPOCH)
     assert list(run_dir.glob(PARTIAL_GLOB)) == []
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from held_fixtures import images  # noqa: F401  (fixture)
 from hybriddl.cli import main
-from hybriddl.run import checkpoint
-from hybriddl.run.checkpoint import Position
+from hybriddl.run import resumption
+from hybriddl.run.resumption import Position
 from hybriddl.rundir import METRICS, MODEL
 
 pytestmark = pytest.mark.slow
@@ -84,12 +84,12 @@ def test_stop_at_target_ends_the_run_there_checkpointed_and_finished(images, eve
     # The same steps as the run that went on: the same accuracies up to the target.
     assert [e["accuracy"] for e in target["evaluations"]] == \
         [e["accuracy"] for e in every_step["evaluations"][:step]]
-    assert checkpoint.load(run_dir).position.steps_done == step
+    assert resumption.load(run_dir).position.steps_done == step
     assert (run_dir / MODEL).is_file()
-    assert checkpoint.run_state(run_dir) == checkpoint.FINISHED
+    assert resumption.run_state(run_dir) == resumption.FINISHED
     # Resumed as it is, it has nothing left to do: no step more.
     assert main(["train", "--resume", str(run_dir)]) == 0
-    assert checkpoint.load(run_dir).position.steps_done == step
+    assert resumption.load(run_dir).position.steps_done == step
     assert len(target_of(run_dir)["evaluations"]) == step
 
 
@@ -100,7 +100,7 @@ def test_a_run_cut_short_and_resumed_reaches_the_target_on_one_clock(images, eve
     flags = ["--eval-every", "1", "--target-accuracy", str(accuracy)]
     assert main(train_args(images, run_dir, *flags, "--max-steps", "1")) == 0
     cut = target_of(run_dir)
-    assert checkpoint.load(run_dir).position == Position(0, 1, 1)
+    assert resumption.load(run_dir).position == Position(0, 1, 1)
     assert main(["train", "--resume", str(run_dir), "--max-steps", "6"]) == 0
     target = target_of(run_dir)
     assert [e["step"] for e in target["evaluations"]] == list(range(1, 7))

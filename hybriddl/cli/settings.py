@@ -15,7 +15,7 @@ from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, EXACT, Compression, parse_compression
 from hybriddl.hosts.scheme import BUCKETED
-from hybriddl.run import checkpoint
+from hybriddl.run import resumption
 from hybriddl.run.settings import TrainConfig
 from hybriddl.strategies import STRATEGIES, StrategyOptions
 from hybriddl.strategies.base import CoreWorkersStrategy
@@ -86,10 +86,10 @@ def resume_if_exists(args: argparse.Namespace) -> bool:
     if args.resume is not None or args.run_dir not in (None, run_dir):
         raise UsageError(f"--resume-if-exists {run_dir} names the run directory already: leave "
                          "--resume and --run-dir out")
-    state = checkpoint.run_state(run_dir)
-    if state == checkpoint.FINISHED:
+    state = resumption.run_state(run_dir)
+    if state == resumption.FINISHED:
         return False
-    if state == checkpoint.RESUMABLE:
+    if state == resumption.RESUMABLE:
         args.resume, args.run_dir = run_dir, None
     else:
         args.run_dir = run_dir
@@ -103,8 +103,8 @@ def training_config(args: argparse.Namespace):
         if args.run_dir is not None and args.run_dir != args.resume:
             raise UsageError(f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed "
                              "run continues in its own directory; leave --run-dir out")
-        resume = checkpoint.load(args.resume)
-        settings = checkpoint.resumed_settings(resume, settings, args.resume)
+        resume = resumption.load(args.resume)
+        settings = resumption.resumed_settings(resume, settings, args.resume)
     else:
         settings.setdefault("strategy", AUTO)
     options = StrategyOptions(**settings.pop("strategy_options"))

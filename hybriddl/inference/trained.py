@@ -11,8 +11,7 @@ from torch import nn
 
 from hybriddl.data import BatchTransform
 from hybriddl.errors import UsageError
-from hybriddl.run.checkpoint import CHECKPOINT
-from hybriddl.rundir import MODEL, load_metrics
+from hybriddl.rundir import CHECKPOINT, MODEL, load_metrics
 from hybriddl.run.weights import read_state_dict
 from hybriddl.usecases import build_model
 

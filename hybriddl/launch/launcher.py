@@ -152,10 +152,10 @@ def checkpoint_steps(run_dir: Path) -> int:
     """Optimizer steps in the run directory's checkpoint (0 when it has none)."""
     if not (run_dir / CHECKPOINT).is_file():
         return 0
-    from hybriddl.run import checkpoint  # torch: only once there is a checkpoint to read
+    from hybriddl.run import resumption  # torch: only once there is a checkpoint to read
 
     try:
-        return checkpoint.load(run_dir).position.steps_done
+        return resumption.load(run_dir).position.steps_done
     except UsageError:
         return 0
 

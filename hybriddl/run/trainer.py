@@ -23,7 +23,8 @@ from hybriddl import failpoints
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_bounds
-from hybriddl.run import checkpoint as ckpt
+from hybriddl.run import resumption
+from hybriddl.run.checkpointer import Checkpointer
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hosts.compression import EXACT, parse_compression
 from hybriddl.hosts.replicas import ReplicaCheck
@@ -76,17 +77,17 @@ class PreparedRun:
     strategy: LocalStrategy
     run_dir: Path
     strategy_choice: dict | None = None  # auto: the profile and figures behind the strategy
-    resume: ckpt.Checkpoint | None = None
+    resume: resumption.Checkpoint | None = None
     start_weights: dict | None = None  # --weights: name, file, sha256, the head replaced
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
-            resume: ckpt.Checkpoint | None = None, hosts_count: int = 1,
+            resume: resumption.Checkpoint | None = None, hosts_count: int = 1,
             stop: StopRequest | None = None) -> PreparedRun:
     """Validate the whole configuration and load the data before any file is written.
 
     With `resume`, the run goes on in config.run_dir from that checkpoint (see
-    checkpoint.resumed_settings for how its settings and the flags given combine).
+    resumption.resumed_settings for how its settings and the flags given combine).
     `hosts_count` hosts share each global batch: auto profiles this host's share of it.
     A `stop` requested while a data cache is built ends the build, resumable.
     """
@@ -97,7 +98,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         check_new_run_dir(run_dir)
     else:
         remove_partial_writes(run_dir)  # what a kill -9 during a write left
-    ckpt.check_run_storage(run_dir, config.model, config.classes)
+    resumption.check_run_storage(run_dir, config.model, config.classes)
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
@@ -129,7 +130,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         # The run stays "auto" (a resume picks again); the host's weight is the pick's.
         config = replace(config, throughput=picked.throughput)
     if resume is not None:
-        ckpt.check_same_data(resume, datamod.describe(split))
+        resumption.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
     return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
 
@@ -198,7 +199,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         if not figures_only:  # every validation, on the run's clock; kept in every checkpoint
             metrics["target"] = target.record
         optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
-        keeper = monitoring.enter_context(ckpt.Checkpointer(
+        keeper = monitoring.enter_context(Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
             config.checkpoint_every, layout=scheme, writes=not figures_only))
         if prepared.resume:
@@ -476,7 +477,7 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     return metrics
 
 
-def saved_compression(resume: ckpt.Checkpoint) -> str:
+def saved_compression(resume: resumption.Checkpoint) -> str:
     """The compression a checkpoint's last steps ran with: the one its hosts settled at
     the latest start (--compression auto is "auto" in its config), else the one asked."""
     starts = [resume.metrics.get("config", {}), *resume.metrics.get("resumes", [])]
@@ -488,7 +489,7 @@ def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
     """What a checkpoint of this run records besides its state."""
     config = asdict(prepared.config)
     return {"config": config, "strategy": prepared.strategy.describe(),
-            "identity": ckpt.run_identity(config, datamod.describe(prepared.split)),
+            "identity": resumption.run_identity(config, datamod.describe(prepared.split)),
             "profile": metrics["config"].get("profile")}
 
 

@@ -15,7 +15,7 @@ import torchvision
 from torch import nn
 
 from hybriddl.errors import UsageError
-from hybriddl.run.checkpoint import load_state_dict_file
+from hybriddl.run.resumption import load_state_dict_file
 
 
 def read_state_dict(path: str | Path, flag: str = "--weights") -> dict[str, torch.Tensor]:
