@@ -505,6 +505,10 @@ def main(argv=None) -> int:
                       str(args.batch_size), "--channels-last"] if args.host_step else [])
             stop_at = None if reference else result["target"]["accuracy"]
             run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
+            # The code each run measured (a file grows over calls, and sessions).
+            run["commit"] = result["commit"]
+            if result.get("code_changed_since_commit"):
+                run["code_changed_since_commit"] = result["code_changed_since_commit"]
             result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],
                               r["seed"]) != (hosts, contender, seed)] + [run]
             if run.get("host_step") and not result["speedup"]:

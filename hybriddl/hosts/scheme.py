@@ -50,6 +50,9 @@ class WireScheme:
     # (WHOLE_GRADIENT) whether --overlap may send the trailing gradients' part of its step
     # during backward (`early_positions`, `split_phases`).
     in_phases = False
+    # Why --compression auto never picks it: the time-to-accuracy table (results/) that shows
+    # it missing the target more often than exact; None where none does.
+    misses_target: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> WireScheme | None:

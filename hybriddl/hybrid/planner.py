@@ -430,7 +430,8 @@ def settle(rows: list[Prediction], host_parallel: str = "auto", compression: str
                 and compression in ("auto", s.compression)
                 and (s.host_parallel == "data" or dtype in (None, s.feature_dtype)))
 
-    options = [row for row in rows if allowed(row)]
+    options = [row for row in rows if allowed(row) and not (
+        compression == "auto" and compression_object(row.scheme.compression).misses_target)]
     if not options:
         raise UsageError(f"no scheme fits --host-parallel {host_parallel} --compression "
                          f"{compression}" + (f" --feature-dtype {feature_dtype}" if feature_dtype
@@ -461,7 +462,9 @@ def advise(rows: list[Prediction], chosen: Prediction,
     if compression == "auto" or not chosen.scheme.exact:
         return None
     exact = min((r for r in rows if r.scheme.exact), key=lambda r: r.step_seconds)
-    inexact = [r for r in rows if not r.scheme.exact]
+    # Never a scheme the time-to-accuracy tables show missing the target (`misses_target`).
+    inexact = [r for r in rows if not r.scheme.exact
+               and not compression_object(r.scheme.compression).misses_target]
     if not inexact:
         return None
     fastest = min(inexact, key=lambda r: r.step_seconds)
