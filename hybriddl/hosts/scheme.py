@@ -11,6 +11,7 @@ where hosts run it in phases), which applies on one host too.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 # Torch-free, so that the display and the command line may name these words without it.
 # "auto" is the planner's to settle; EXACT, the default, sends the gradients as they are.
@@ -31,7 +32,7 @@ def gradient_elements(model_or_shapes) -> int:
     return sum(math.prod(s) for s in gradient_shapes(model_or_shapes))
 
 
-class WireScheme:
+class WireScheme(ABC):
     """One way gradients look on the wire. A subclass sets the class attributes and, where
     its text has parameters (`powersgd:R`), overrides `parse` and `planned`."""
 
@@ -73,9 +74,10 @@ class WireScheme:
         """The variants the planner weighs beside the other schemes'."""
         return [cls.shared()]
 
+    @abstractmethod
     def wire_bytes(self, model_or_shapes) -> int:
-        """Bytes one host hands to the allreduce per step, before the ring's 2(H-1)/H."""
-        raise NotImplementedError
+        """Bytes one host hands to the allreduce per step, before the ring's 2(H-1)/H:
+        every scheme answers it (a class that does not cannot be made)."""
 
     def early_wire_bytes(self, model_or_shapes) -> int:
         """Of `wire_bytes`, what leaves during backward with --overlap where the exchange
@@ -94,8 +96,10 @@ class WireScheme:
         return None
 
     def measure_seconds(self, gradients) -> float:
-        """Seconds of one step of its own compute on `gradients` as stand-ins."""
-        raise NotImplementedError(f"{type(self).__name__} has nothing to measure")
+        """Seconds of one step of its own compute on `gradients` as stand-ins; asked only
+        where `measured_key` gives a key (a scheme with compute of its own to time)."""
+        raise TypeError(f"{type(self).__name__} has no compute of its own to measure: its "
+                        "measured_key is None, so the planner never asks")
 
     def state_dict(self, allreduce) -> dict:
         """What a checkpoint keeps of it: a stateless scheme's name."""
