@@ -1,6 +1,6 @@
 """Two ranks averaging with PowerSGD, as tests/test_compression.py starts them:
 
-    mpirun -np 2 python tests/compression_ranks.py OUT.json [--overlap]
+    mpirun -np 2 python tests/compression_ranks.py OUT.json [--overlap] [--rounds 2]
 
 Each rank computes the gradient of its uneven part (5 and 3 of 8 samples) of a small
 convolution + linear model, averages it through `hosts.averaging` with powersgd:2, and takes
@@ -8,7 +8,8 @@ an SGD step; rank 0 also trains the same steps alone on the whole batches (Singl
 writes the digests of both ranks' parameters, the allreduces each step made, the bytes each
 step handed to MPI with what the compression says it sends, and the largest difference from
 the one-host run. With --overlap the classifier's factors leave during backward, in an
-allreduce of their own.
+allreduce of their own. With --rounds 2 (powersgd:2:rounds=2) each step is two allreduces,
+P with the biases then Q, whatever --overlap says.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def train(hosts, model, batches, rows, hooks: bool = False) -> None:
                 p -= LR * p.grad
 
 
-def main(out: str, overlap: bool = False) -> None:
+def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
     model, batches = model_and_data()
     alone = copy.deepcopy(model)
-    hosts = connect(compression=PowerSGD(2), overlap=overlap)
+    hosts = connect(compression=PowerSGD(2, rounds=rounds), overlap=overlap)
     calls, sent, made = [], [], []
     iallreduce, average = hosts._iallreduce, hosts._average
     sent_before = [hosts.traffic.bytes_sent]
@@ -82,11 +83,14 @@ def main(out: str, overlap: bool = False) -> None:
                                      for p in model.parameters())).hexdigest()
     digests = hosts.allgather(digest)
     if hosts.rank == 0:
-        train(SingleHost(compression=PowerSGD(2)), alone, batches, (0, BATCH))
+        train(SingleHost(compression=PowerSGD(2, rounds=rounds)), alone, batches, (0, BATCH))
         difference = max(float((a - b).abs().max())
                          for a, b in zip(model.parameters(), alone.parameters()))
         # Q (in x 2) one step, P (out x 2) the next, with the biases dense.
+        # Two rounds: P with the biases, then Q, every step.
         q_step, p_step = 2 * (27 + 288) + 8 + 5, 2 * (8 + 5) + 8 + 5
+        if rounds == 2:
+            q_step = p_step = 2 * (27 + 288) + 2 * (8 + 5) + 8 + 5
         result = {"steps": STEPS, "digests": digests, "allreduces_per_step": calls,
                   "sent_in_backward": hosts.traffic.buckets_sent_in_backward,
                   "bytes_per_step": sent,
@@ -99,4 +103,5 @@ def main(out: str, overlap: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], overlap="--overlap" in sys.argv[2:])
+    main(sys.argv[1], overlap="--overlap" in sys.argv[2:],
+         rounds=2 if "--rounds" in sys.argv[2:] else 1)

@@ -67,22 +67,40 @@ def test_every_scheme_says_what_it_sends_for_the_planner():
     assert parse_compression("auto") == AUTO
 
 
-def test_a_rank_r_approximation_errs_less_as_r_grows():
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_rank_r_approximation_errs_less_as_r_grows(rounds):
     """The same gradient step after step (warm start): the approximations of a higher rank
     stay closer to it, error feedback included."""
     gradient = decaying_matrix(32, 48)
     errors = []
     for rank in (1, 2, 4, 8):
-        compression = PowerSGD(rank)
+        compression = PowerSGD(rank, rounds=rounds)
         steps = [compression.aggregate([gradient], alone)[0] for _ in range(12)]
         errors.append(sum(float((a - gradient).norm() / gradient.norm()) for a in steps[2:]))
     assert errors == sorted(errors, reverse=True) and errors[-1] < 0.25 * errors[0], errors
 
 
-def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients():
+def test_two_rounds_approximate_the_gradient_of_this_step_one_round_last_steps():
+    """Two rounds (Vogels et al.'s Algorithm 1) take the subspace from this step's M; one
+    round projects it on last step's factor. On gradients that change every step (as SGD's
+    do) the approximation of two rounds holds far more of each step's gradient."""
+    held = {}
+    for rounds in (1, 2):
+        compression = PowerSGD(2, rounds=rounds)
+        shares = []
+        for step in range(30):
+            gradient = decaying_matrix(64, 48, seed=step)
+            approximation = compression.aggregate([gradient], alone)[0]
+            shares.append(float((approximation * gradient).sum() / gradient.norm() ** 2))
+        held[rounds] = sum(shares[10:]) / 20
+    assert held[2] > 2 * held[1] and held[2] > 0.15, held
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(rounds):
     """What is applied lags the true gradients by exactly the error buffer, which stays
     bounded: nothing is lost, only delayed."""
-    compression = PowerSGD(1)
+    compression = PowerSGD(1, rounds=rounds)
     generator = torch.Generator().manual_seed(1)
     base = [decaying_matrix(16, 72).reshape(16, 8, 3, 3), torch.ones(16),
             decaying_matrix(10, 40, seed=2)]
@@ -120,6 +138,26 @@ def test_one_allreduce_per_step_carries_factors_and_dense_tensors():
     q_step, p_step = 2 * (72 + 40) + dense, 2 * (16 + 10) + dense
     assert calls == [q_step, p_step, q_step, p_step]
     assert compression.wire_bytes([g.shape for g in gradients]) == 4 * (q_step + p_step) // 2
+
+
+def test_two_rounds_send_p_with_the_dense_tensors_then_q():
+    compression = parse_compression("powersgd:2:rounds=2")
+    assert (compression.rounds, compression.allreduces_per_step, compression.in_phases) == (
+        2, 2, False)
+    gradients = small_gradients()
+    calls = []
+
+    def allreduce(tensor):
+        calls.append(tensor.numel())
+        return tensor.clone()
+
+    for _ in range(2):
+        compression.aggregate(gradients, allreduce)
+    dense = 16 + 3 * 2
+    p_round, q_round = 2 * (16 + 10) + dense, 2 * (72 + 40)
+    assert calls == [p_round, q_round, p_round, q_round]
+    assert compression.wire_bytes([g.shape for g in gradients]) == 4 * (p_round + q_round)
+    assert compression.early_wire_bytes([g.shape for g in gradients]) == 0
 
 
 def test_a_rank_at_or_above_a_layers_size_sends_it_dense_said_once():
@@ -208,10 +246,11 @@ def test_what_leaves_first_is_alexnets_classifier_about_half_the_factors():
     assert PowerSGD(2).setup([(64, 64)]) == [] and not PowerSGD(2).phases > 1
 
 
-def test_a_gpus_batched_products_apply_what_a_cpus_row_chunks_do():
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_gpus_batched_products_apply_what_a_cpus_row_chunks_do(rounds):
     """The two ways hosts/powersgd.py computes a step (a CPU's row chunks, a GPU's batched
     products, run here on the CPU) train the same steps to float rounding."""
-    chunks, batched = PowerSGD(2), PowerSGD(2)
+    chunks, batched = PowerSGD(2, rounds=rounds), PowerSGD(2, rounds=rounds)
     batched.cpu_chunks = False
     for step in range(6):
         gradients = small_gradients(seed=step) + [decaying_matrix(64, 96, seed=step)]
@@ -259,7 +298,8 @@ def run_hosts(compressions, contributions, steps, ring):
     return outputs
 
 
-def test_two_hosts_apply_what_one_host_applies_to_their_sum_the_same_bits_on_both():
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_two_hosts_apply_what_one_host_applies_to_their_sum_the_same_bits_on_both(rounds):
     steps, shares = 6, (5, 3)  # uneven batches: host h contributes n_h/N g_h
     contributions = []
     for step in range(steps):
@@ -267,30 +307,32 @@ def test_two_hosts_apply_what_one_host_applies_to_their_sum_the_same_bits_on_bot
                     for h, n in enumerate(shares)]
         contributions.append(per_host)
     ring = Ring(2)
-    two = run_hosts([PowerSGD(2), PowerSGD(2)], contributions, steps, ring)
-    one = PowerSGD(2)
+    two = run_hosts([PowerSGD(2, rounds=rounds), PowerSGD(2, rounds=rounds)], contributions,
+                    steps, ring)
+    one = PowerSGD(2, rounds=rounds)
     for step in range(steps):
         summed = [a + b for a, b in zip(*contributions[step])]
         for got, want, other in zip(two[0][step], one.aggregate(summed, alone), two[1][step]):
             assert torch.equal(got, other)  # every host applies the same update
             assert torch.allclose(got, want, atol=1e-5), step
-    assert ring.calls == steps
+    assert ring.calls == steps * rounds
 
 
-def test_a_restored_state_continues_as_if_never_stopped():
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_restored_state_continues_as_if_never_stopped(rounds):
     gradients = [[g * (step + 1) for g in small_gradients(seed=step)] for step in range(6)]
-    straight = PowerSGD(2)
+    straight = PowerSGD(2, rounds=rounds)
     expected = [straight.aggregate(g, alone) for g in gradients]
-    first = PowerSGD(2)
+    first = PowerSGD(2, rounds=rounds)
     for g in gradients[:3]:
         first.aggregate(g, alone)
     state = first.state_dict(alone)
-    resumed = PowerSGD(2)
+    resumed = PowerSGD(2, rounds=rounds)
     resumed.load_state_dict(state)
     for g, want in zip(gradients[3:], expected[3:]):
         for got, w in zip(resumed.aggregate(g, alone), want):
             assert torch.equal(got, w)
-    with pytest.raises(ValueError, match="powersgd:2's, not powersgd:4's"):
+    with pytest.raises(ValueError, match=f"{straight.name}'s, not powersgd:4's"):
         PowerSGD(4).load_state_dict(state)
 
 
@@ -388,7 +430,9 @@ def test_a_checkpoint_names_the_scheme_that_ran_whatever_settled_it():
     ("powersgd:2:start=-1", "--compression powersgd:2:start=-1: give the first compressed step "
                             "as a whole number of at least 0"),
     ("powersgd:2:from=5", "--compression powersgd:2:from=5: after the rank, give only the first "
-                          "compressed step, e.g. powersgd:2:start=100"),
+                          "compressed step (powersgd:2:start=100) or the rounds per step "
+                          "(powersgd:2:rounds=2)"),
+    ("powersgd:2:rounds=3", "--compression powersgd:2:rounds=3: give 1 round per step"),
     ("powersgd:2:start=", "--compression powersgd:2:start=: after the rank, give only the first "
                           "compressed step"),
 ])
@@ -502,20 +546,22 @@ def mpirun(ranks: int, args: list[str], timeout: float = 300) -> subprocess.Comp
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
-@pytest.mark.parametrize("overlap", [False, True])
-def test_two_ranks_average_with_powersgd_to_the_same_bits(tmp_path, overlap):
+@pytest.mark.parametrize("overlap, rounds", [(False, 1), (True, 1), (True, 2)])
+def test_two_ranks_average_with_powersgd_to_the_same_bits(tmp_path, overlap, rounds):
     """tests/compression_ranks.py: both ranks' parameters after powersgd steps, the
     allreduces each step made, and the one-host result of the same global batches. With
     --overlap, the classifier's factors leave during backward in an allreduce of their own,
-    and nothing else changes."""
+    and nothing else changes. Two rounds: P then Q, after backward, --overlap or not."""
     out = tmp_path / "ranks.json"
     done = mpirun(2, [str(REPO / "tests" / "compression_ranks.py"), str(out),
-                      *(["--overlap"] if overlap else [])], timeout=120)
+                      *(["--overlap"] if overlap else []),
+                      *(["--rounds", "2"] if rounds == 2 else [])], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["digests"][0] == result["digests"][1]
-    assert result["allreduces_per_step"] == [2 if overlap else 1] * result["steps"]
-    assert result["sent_in_backward"] == (result["steps"] if overlap else 0)
+    split = overlap and rounds == 1
+    assert result["allreduces_per_step"] == [2 if split or rounds == 2 else 1] * result["steps"]
+    assert result["sent_in_backward"] == (result["steps"] if split else 0)
     assert result["max_difference_from_one_host"] < 1e-5
     assert result["bytes_per_step"] == result["wire_bytes_by_step"]
 
@@ -548,8 +594,8 @@ def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, mo
     assert metrics["config"]["hosts"]["compression"] == "powersgd:2"
 
 
-@pytest.mark.parametrize("rank", [1, 2, 4])
-def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank):
+@pytest.mark.parametrize("rank, rounds", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank, rounds):
     """At the first step every gradient behind a zero head is exactly zero: its factor
     must not stay zero for ever (rank 1's normalisation kept it so; QR at rank >= 2 not)."""
     torch.manual_seed(0)
@@ -557,7 +603,7 @@ def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank):
                           nn.Linear(16, 10))
     nn.init.zeros_(model[4].weight)
     nn.init.zeros_(model[4].bias)  # as torchvision's ViT initialises its head
-    compression = PowerSGD(rank)
+    compression = PowerSGD(rank, rounds=rounds)
     matrices = [p for p in model.parameters() if p.dim() == 2]
     assert all(compression.compresses(p.shape) for p in matrices)
     before = [p.detach().clone() for p in matrices]

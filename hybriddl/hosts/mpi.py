@@ -809,6 +809,14 @@ class MPIHosts(Hosts):
                 self._send_phase(phase)
             self._wait(self._requests, "averaging gradients")
             totals = [_back_to(received, wire) for wire, _, received in self._phases_sent]
+            # A round that depends on the sums so far (PowerSGD's Q after its P).
+            while (wire := self.compression.next_round(totals)) is not None:
+                host_wire = _to_host(wire.detach())
+                received = _host_empty(host_wire.shape, host_wire.dtype, wire.device)
+                self._requests = self._iallreduce(host_wire, received)
+                self.traffic.sent(host_wire.nbytes)
+                self._wait(self._requests, "averaging gradients")
+                totals.append(_back_to(received, wire))
             gradients = [p.grad for p in self._compressed]
             # The approximations are written into the gradients where they can be.
             for gradient, approximation in zip(

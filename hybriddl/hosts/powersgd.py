@@ -1,8 +1,15 @@
 """PowerSGD: each gradient matrix sent as rank-R factors (Vogels, Karimireddy & Jaggi,
-NeurIPS 2019), as epfml/powersgd computes it, with one allreduce per step.
+NeurIPS 2019), in one allreduce per step (`powersgd:R`) or, as the paper's Algorithm 1,
+epfml/powersgd and torch's powerSGD_hook compute it, in two (`powersgd:R:rounds=2`).
 
-A gradient of shape out x in (a convolution's out x in*k*k) is approximated by P Q^T,
-P out x R and Q in x R: R*(out+in) floats instead of out*in. The algorithm alternates,
+Two rounds: P_h = M Q (Q: last step's, the warm start), summed and orthogonalised; then
+Q_h = M^T P, summed; the approximation is P Q^T, its subspace taken from this step's M.
+That learns as torch's hook does (AlexNet on MNIST, results/time_to_accuracy-mnist-*):
+one round, below, projects this step's M on last step's factor, which on SGD's noisy
+gradients holds little of each step's gradient, and it missed the target there.
+
+One round: a gradient of shape out x in (a convolution's out x in*k*k) is approximated
+by P Q^T, P out x R and Q in x R: R*(out+in) floats instead of out*in. It alternates,
 one step computing Q = M^T P from last step's P, the next P = M Q from last step's Q
 (M: this host's gradient plus its error), so each step sends ONE of the two factors of
 every matrix, batched with the dense tensors (biases, small matrices) in one allreduce,
@@ -86,16 +93,18 @@ class PowerSGD(WireScheme):
     name = "powersgd"  # an instance's: powersgd:R[:start=N]
     syntax = "powersgd:R"
     help = ("powersgd:R sends rank-R factors of each gradient matrix with error feedback, also "
-            "on one host (inexact, opt-in), powersgd:R:start=N after N steps averaged exactly")
-    syntax_note = ("R: PowerSGD's rank, e.g. powersgd:2; powersgd:2:start=100 averages the "
-                   "first 100 steps exactly")
+            "on one host (inexact, opt-in), one factor a step; powersgd:R:rounds=2 both, in "
+            "two allreduces, as Vogels et al. (learns faster); powersgd:R:start=N after N "
+            "steps averaged exactly")
+    syntax_note = ("R: PowerSGD's rank, e.g. powersgd:2; powersgd:2:rounds=2 sends P then Q "
+                   "each step; powersgd:2:start=100 averages the first 100 steps exactly")
     exact = False
     kind = WHOLE_GRADIENT
     allreduces_per_step = 1
     in_phases = True
     cpu_chunks = True  # on a CPU, local_factor's row chunks (False: a GPU's batched products)
 
-    def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0):
+    def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0, rounds: int = 1):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise UsageError(f"--compression powersgd:{rank}: give a rank of at least 1, "
                              "e.g. powersgd:2")
@@ -103,12 +112,24 @@ class PowerSGD(WireScheme):
             raise UsageError(f"--compression powersgd:{rank}:start={start}: give the first "
                              "compressed step as a whole number of at least 0, e.g. "
                              f"powersgd:{rank}:start=100")
+        if rounds not in (1, 2):
+            raise UsageError(f"--compression powersgd:{rank}:rounds={rounds}: give 1 round "
+                             f"per step (one factor, alternating) or 2 (P then Q, as "
+                             f"Vogels et al. and torch's hook), e.g. powersgd:{rank}:rounds=2")
         self.rank = rank
         self.seed = seed
+        # 1: one allreduce per step, P one step and Q the next, each projecting this step's
+        # M on last step's factor. 2: Vogels et al.'s Algorithm 1, as epfml/powersgd and
+        # torch's powerSGD_hook: P = M Q summed, orthogonalised, then Q = M^T P summed, the
+        # subspace taken from this step's M, in two allreduces that wait for one another.
+        self.rounds = rounds
+        self.allreduces_per_step = rounds
+        self.in_phases = rounds == 1
         # Steps before `start` are averaged exactly (DDP's start_powerSGD_iter): the first
         # steps' gradients change fast, which a warm-started rank-R factor tracks worst.
         self.start = start
-        self.name = f"powersgd:{rank}" + (f":start={start}" if start else "")
+        self.name = (f"powersgd:{rank}" + (f":start={start}" if start else "")
+                     + (f":rounds={rounds}" if rounds != 1 else ""))
         self.step = 0  # from `start`: even steps compute and send Q, odd ones P
         self._shapes: list[tuple[int, ...]] | None = None
         self._groups: list[_Group] = []
@@ -125,38 +146,41 @@ class PowerSGD(WireScheme):
 
     @property
     def misses_target(self) -> str | None:
-        if self.rank > MISSES_TARGET_UP_TO_RANK:
+        if self.rank > MISSES_TARGET_UP_TO_RANK or self.rounds != 1:
             return None
-        return (f"rank {self.rank} <= {MISSES_TARGET_UP_TO_RANK} missed the time-to-accuracy "
-                "target more often than exact (results/time_to_accuracy-mnist-SimpleBig-"
-                "1gbit.json)")
+        return (f"one round at rank {self.rank} <= {MISSES_TARGET_UP_TO_RANK} missed the "
+                "time-to-accuracy target more often than exact (results/time_to_accuracy-"
+                "mnist-SimpleBig-1gbit.json)")
 
     # ------------------------------------------------------------------ the registry's questions
     @classmethod
     def parse(cls, text: str) -> PowerSGD | None:
-        """`powersgd:R` or `powersgd:R:start=N`."""
+        """`powersgd:R`, then any of `:start=N` and `:rounds=2`."""
         scheme, _, rest = text.partition(":")
         if scheme != cls.name:
             return None
-        rank, _, option = rest.partition(":")
+        rank, *options = rest.split(":")
         if not rank.strip().lstrip("-").isdigit():
             raise UsageError(f"--compression {text}: give PowerSGD's rank as a whole number, "
                              "e.g. powersgd:2")
-        start = 0
-        if option:
+        settings = {"start": 0, "rounds": 1}
+        for option in options:
             key, equals, value = option.partition("=")
-            if key.strip() != "start" or not equals or not value.strip().lstrip("-").isdigit():
+            if key.strip() not in settings or not equals or not value.strip().lstrip("-").isdigit():
                 raise UsageError(f"--compression {text}: after the rank, give only the first "
-                                 f"compressed step, e.g. powersgd:{rank.strip()}:start=100")
-            start = int(value)
-        return cls(int(rank), start=start)
+                                 f"compressed step (powersgd:{rank.strip()}:start=100) or the "
+                                 f"rounds per step (powersgd:{rank.strip()}:rounds=2)")
+            settings[key.strip()] = int(value)
+        return cls(int(rank), start=settings["start"], rounds=settings["rounds"])
 
     @classmethod
     def planned(cls) -> list[PowerSGD]:
-        return [cls(rank) for rank in PLANNED_RANKS]
+        return [cls(rank, rounds=rounds) for rounds in (1, 2) for rank in PLANNED_RANKS]
 
     def early_wire_bytes(self, model_or_shapes) -> int:
         """The first phase's factors (`first_phase`), which --overlap sends during backward."""
+        if not self.in_phases:
+            return 0
         shapes = gradient_shapes(model_or_shapes)
         first = self.first_phase(self.early_positions(shapes), shapes) if shapes else []
         return self.wire_bytes(shapes, first) if first else 0
@@ -178,14 +202,14 @@ class PowerSGD(WireScheme):
         return seconds, True
 
     def measured_key(self, scope: str) -> str:
-        return f"{scope}:{self.rank}"
+        return f"{scope}:{self.rank}" + (f":rounds={self.rounds}" if self.rounds != 1 else "")
 
     def measure_seconds(self, gradients: Sequence[torch.Tensor]) -> float:
         """Seconds of one step of `aggregate` with the allreduce left out, on `gradients` as
         stand-ins (their values do not change the work), after its set-up, on a fresh
         object of the same rank; a step sends one factor, the next the other, at the same
         cost."""
-        fresh = PowerSGD(self.rank, self.seed)
+        fresh = PowerSGD(self.rank, self.seed, rounds=self.rounds)
         fresh.setup([g.shape for g in gradients])
         started = time.perf_counter()
         fresh.aggregate(gradients, lambda wire: wire)
@@ -201,9 +225,10 @@ class PowerSGD(WireScheme):
         return self.rank < min(rows, cols) and self.rank * (rows + cols) < rows * cols
 
     def wire_bytes(self, model_or_shapes, positions: Iterable[int] | None = None) -> int:
-        """Bytes one host hands to the allreduce per step: the dense tensors plus, for each
-        compressed matrix, P (out*R) one step and Q (in*R) the next, counted as their mean;
-        of the gradients at `positions` only, where given."""
+        """Bytes one host hands to the allreduces of a step: the dense tensors plus, for
+        each compressed matrix, in one round P (out*R) one step and Q (in*R) the next,
+        counted as their mean, in two rounds both; of the gradients at `positions` only,
+        where given."""
         floats = 0.0
         shapes = gradient_shapes(model_or_shapes)
         if positions is not None:
@@ -211,7 +236,7 @@ class PowerSGD(WireScheme):
         for shape in shapes:
             if self.compresses(shape):
                 rows, cols = matrix_shape(shape)
-                floats += self.rank * (rows + cols) / 2
+                floats += self.rank * (rows + cols) * self.rounds / 2
             else:
                 floats += math.prod(shape)
         return math.ceil(floats) * 4
@@ -276,6 +301,8 @@ class PowerSGD(WireScheme):
         for wire in wires:
             totals.append(total[offset:offset + wire.numel()])
             offset += wire.numel()
+        while (wire := self.next_round(totals)) is not None:
+            totals.append(allreduce(wire))
         return self.finish_step(totals, out)
 
     # ------------------------------------------------------------------ a step in phases
@@ -343,8 +370,9 @@ class PowerSGD(WireScheme):
         self._exact_step = self.step < self.start
         self._sends_q = (self.step - self.start) % 2 == 0
         self._local: dict[int, torch.Tensor] = {}
-        if self._exact_step:
-            return
+        self._round = 0
+        if self._exact_step or self.rounds == 2:
+            return  # two rounds: P = M Q from last step's Q as it was summed
         for group in self._groups:
             if self._sends_q:
                 group.p.copy_(orthogonal(group.p))
@@ -370,7 +398,17 @@ class PowerSGD(WireScheme):
         for group in self._groups:
             if not self._in_phase(id(group), phase):
                 continue
-            if in_chunks:
+            if self.rounds == 2 and in_chunks:
+                # M = this step's gradient + what earlier approximations left out; P_h = M Q.
+                mine = torch.stack([
+                    absorb_and_project(group.error[j],
+                                       gradients[i].reshape(group.shape).to(device), group.q[j])
+                    for j, i in enumerate(group.indices)])
+            elif self.rounds == 2:
+                for j, i in enumerate(group.indices):
+                    group.error[j].add_(gradients[i].reshape(group.shape).to(device))
+                mine = torch.bmm(group.error, group.q)
+            elif in_chunks:
                 mine = torch.stack([
                     local_factor(group.error[j], gradients[i].reshape(group.shape).to(device),
                                  group.p[j] if self._sends_q else group.q[j], self._sends_q)
@@ -394,10 +432,37 @@ class PowerSGD(WireScheme):
                   if self._in_phase(i, phase)]
         return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
+    def next_round(self, totals: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """After the step's allreduces so far (`totals`, summed over hosts, in order), this
+        host's wire for one more that depends on them, or None where the step has all it
+        needs (`finish_step`). Two rounds: after P, P orthogonalised and Q_h = M^T P (this
+        host's error left as M - P Q_h^T, its part outside span(P))."""
+        if self.rounds == 1 or self._exact_step or self._round > 0:
+            return None
+        self._round = 1
+        device = self._device()
+        in_chunks = device.type == "cpu" and self.cpu_chunks
+        offset, parts = 0, []
+        for group in self._groups:
+            mine = self._local[id(group)]
+            summed = totals[0][offset:offset + mine.numel()].view(mine.shape)
+            offset += mine.numel()
+            group.p.copy_(orthogonal(summed))
+            if in_chunks:
+                mine = torch.stack([local_factor(group.error[j], None, group.p[j], True)
+                                    for j in range(len(group.indices))])
+            else:
+                mine = torch.bmm(group.p.transpose(1, 2), group.error).transpose(1, 2)
+                group.error.baddbmm_(group.p, mine.transpose(1, 2), alpha=-1)
+            self._local[id(group)] = mine
+            parts.append(mine.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, device=device)
+
     def finish_step(self, totals: Sequence[torch.Tensor],
                     out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The approximations from each phase's wire summed over hosts (`totals`, in phase
-        order), written into `out` where they can be (see `aggregate`)."""
+        order; with two rounds, P's and the dense tensors' then Q's), written into `out`
+        where they can be (see `aggregate`)."""
         device = self._device()
         shapes = self._shapes
         outputs: list[torch.Tensor | None] = list(out) if out is not None else [None] * len(shapes)
@@ -414,6 +479,8 @@ class PowerSGD(WireScheme):
                 outputs[i] = self._place(outputs[i], summed.view(shapes[i]))
             self.step += 1
             return outputs
+        if self.rounds == 2:
+            return self._finish_two_rounds(totals, outputs, take)
         for phase in range(len(totals)):
             for group in self._groups:
                 if not self._in_phase(id(group), phase):
@@ -431,6 +498,27 @@ class PowerSGD(WireScheme):
                 if self._in_phase(i, phase):
                     summed = take(phase, math.prod(shapes[i])).view(shapes[i])
                     outputs[i] = self._place(outputs[i], summed)
+        self._local = {}
+        self.step += 1
+        return outputs
+
+    def _finish_two_rounds(self, totals, outputs, take) -> list[torch.Tensor]:
+        """P Q^T from the summed Q (the second round), the dense tensors from the first."""
+        device = self._device()
+        for group in self._groups:
+            take(0, group.p.numel())  # the summed P, orthogonalised into group.p already
+        for i in self._dense:
+            outputs[i] = self._place(outputs[i], take(0, math.prod(self._shapes[i]))
+                                     .view(self._shapes[i]))
+        for group in self._groups:
+            mine = self._local[id(group)]
+            group.q.copy_(take(1, mine.numel()).view(mine.shape))
+            for j, i in enumerate(group.indices):
+                target = outputs[i]
+                if not _writable(target, device):
+                    target = torch.empty(self._shapes[i], device=device)
+                outer_products(group.p[j], group.q[j], target.view(group.shape))
+                outputs[i] = target
         self._local = {}
         self.step += 1
         return outputs
@@ -533,17 +621,35 @@ def _row_chunks(rows: int, cols: int):
         yield start, min(start + step, rows)
 
 
-def local_factor(error: torch.Tensor, gradient: torch.Tensor, factor: torch.Tensor,
+def absorb_and_project(error: torch.Tensor, gradient: torch.Tensor,
+                       q: torch.Tensor) -> torch.Tensor:
+    """On a CPU, in row chunks: M = error + gradient, into `error`; returns P_h = M Q
+    (out x R), the first round of two (Q as last step summed it, not orthonormal: P is
+    orthogonalised once summed)."""
+    rows, cols = error.shape
+    columns = [q[:, r].contiguous() for r in range(q.shape[1])]
+    mine = torch.empty((len(columns), rows), dtype=error.dtype)
+    for start, stop in _row_chunks(rows, cols):
+        chunk = error[start:stop].add_(gradient[start:stop])
+        for r, q_r in enumerate(columns):
+            torch.mv(chunk, q_r, out=mine[r, start:stop])
+    return mine.T
+
+
+def local_factor(error: torch.Tensor, gradient: torch.Tensor | None, factor: torch.Tensor,
                  sends_q: bool) -> torch.Tensor:
     """One host's part of one matrix on a CPU, its error buffer updated in place:
-    M = error + gradient; sending Q, returns Q_h = M^T P (in x R) and leaves M - P Q_h^T;
+    M = error + gradient (the error alone where `gradient` is None: already added);
+    sending Q, returns Q_h = M^T P (in x R) and leaves M - P Q_h^T;
     sending P, returns P_h = M Q (out x R) and leaves M - P_h Q^T (P or Q orthonormal)."""
     rows, cols = error.shape
     columns = [factor[:, r].contiguous() for r in range(factor.shape[1])]
     if sends_q:
         mine = torch.zeros((len(columns), cols), dtype=error.dtype)
         for start, stop in _row_chunks(rows, cols):
-            chunk = error[start:stop].add_(gradient[start:stop])
+            chunk = error[start:stop]
+            if gradient is not None:
+                chunk.add_(gradient[start:stop])
             for r, p_r in enumerate(columns):
                 mine[r].addmv_(chunk.T, p_r[start:stop])
         # The error needs the whole Q_h: a second pass.
