@@ -56,7 +56,7 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
     alone = copy.deepcopy(model)
     hosts = connect(compression=PowerSGD(2, rounds=rounds), overlap=overlap)
     calls, sent, made = [], [], []
-    iallreduce, average = hosts._iallreduce, hosts._average
+    iallreduce, average = hosts.iallreduce, hosts._average
     sent_before = [hosts.traffic.bytes_sent]
 
     def counted(wire, received):
@@ -76,7 +76,7 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
         sent_before[0] = hosts.traffic.bytes_sent  # the set-up's own exchanges not counted
 
     attached = hosts.attach
-    hosts._iallreduce, hosts._average, hosts.attach = counted, counting, attach
+    hosts.iallreduce, hosts._average, hosts.attach = counted, counting, attach
     start = sum(SHARES[:hosts.rank])
     train(hosts, model, batches, (start, start + SHARES[hosts.rank]), hooks=overlap)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()

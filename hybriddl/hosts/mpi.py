@@ -5,7 +5,7 @@ MPI is initialised only when `MPIHosts` is created (hybriddl.hosts.cluster.conne
 under mpirun), never at import: `hybriddl info` and the worker processes that
 strategies spawn must not start an MPI runtime.
 
-Every wait on another host goes through `MPIHosts._wait`, which polls non-blocking
+Every wait on another host goes through `MPIHosts.wait`, which polls non-blocking
 requests while a heartbeat (hybriddl.hosts.heartbeat, on connections of its own) listens
 to every other host, so a host that dies, hangs or loses its link turns into an error
 naming it within seconds instead of a hang, however long a transfer takes; a host whose
@@ -15,7 +15,6 @@ heartbeat is heard but which does not come to an exchange meets the deadline
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import math
@@ -34,13 +33,13 @@ from torch import nn
 from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Exchange, Hosts
 from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
-from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES, GradientBuckets
+from hybriddl.hosts.averaging import Averager, averager_for, back_to, host_empty, to_host
+from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
 from hybriddl import failpoints
 from hybriddl.emulation.hosts import time_scale
 from hybriddl.machine.affinity import take_cores
 from hybriddl.machine.naming import host_name
-from hybriddl.hosts.scheme import WHOLE_GRADIENT
 from hybriddl.hosts.traffic import TrafficMeter
 from hybriddl.hosts.wire import HALF_DTYPES, as_bits
 
@@ -192,7 +191,7 @@ class RunningExchange(Exchange):
 
     def result(self) -> torch.Tensor:
         self._hosts._driver().drop(self._requests)
-        self._hosts._wait(self._requests, self._what)
+        self._hosts.wait(self._requests, self._what)
         return self._finish()
 
 
@@ -227,7 +226,7 @@ class MPIHosts(Hosts):
         self.names[self.rank] = host_name()
         self.heartbeat: Heartbeat | None = None
         self._deadline_armed = False
-        # Exchanges entered since attach(): the heartbeat tells the others (see _wait).
+        # Exchanges entered since attach(): the heartbeat tells the others (see wait).
         self._exchanges = 0
         self.initial_parameters: str | None = None  # how broadcast_parameters made them equal
         if failpoints.fires("stall-start", self.rank):
@@ -246,23 +245,10 @@ class MPIHosts(Hosts):
         self.cores_by_rank = [cores for _, cores, _ in everyone]
         self.notes = _unique(note for _, _, notes in everyone for note in notes)
         self.overlap_by_rank: list[bool] = [False] * self.size
-        self.buckets: GradientBuckets | None = None
-        self.overlapping = False  # hooks attached: buckets leave during backward
+        self.averager: Averager | None = None  # attach() lays it out
+        self.overlapping = False  # hooks attached: gradients leave during backward
         self._hooks: list = []
         self._progress: ProgressThread | None = None
-        self._requests: list = []
-        self._received: dict[int, torch.Tensor] = {}  # bucket index -> its allreduce's result
-        self._next_to_post = 0
-        self._pending: list[set[int]] = []
-        self._scale = 1.0
-        # A whole-gradient compression in phases (PowerSGD with --overlap): the positions
-        # of each phase in self._compressed, the first phase's parameters not yet written
-        # in this backward, and each phase's exchange once sent (wire, host copy, sum, requests).
-        self._phase_positions: list[list[int]] = []
-        self._early_pending: set[int] = set()
-        self._phases_sent: list[tuple] = []
-        self._step_begun = False
-        self._armed = False
         self._closed = False
 
     def _roll_call(self, what: str) -> None:
@@ -325,9 +311,9 @@ class MPIHosts(Hosts):
             "ranks_per_machine": self.ranks_per_machine, "cores": self.cores_by_rank,
             "balance": self.balance, "weights": self.weights,
             "compression": self.compression.name, "overlap": self.overlap_by_rank,
-            "fusion_buckets": len(self.buckets.buckets) if self.buckets else None,
+            "fusion_buckets": len(self.averager.buckets.buckets) if self.averager else None,
             "fusion_bucket_bytes": self.bucket_bytes,
-            "gradient_bytes_per_step": self._gradient_bytes() if self.buckets else None,
+            "gradient_bytes_per_step": self.averager.wire_bytes() if self.averager else None,
             "thread_level": self.thread_level,
             "initial_parameters": self.initial_parameters,
             "heartbeat": {"interval_seconds": self.heartbeat.interval,
@@ -339,7 +325,7 @@ class MPIHosts(Hosts):
         }
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, requests: list, what: str) -> None:
+    def wait(self, requests: list, what: str) -> None:
         """Complete `requests`, or raise HostFailure naming who failed, or the deadline.
 
         Liveness comes from the heartbeat, not from how long a transfer takes: at 50 Mbit/s
@@ -416,10 +402,10 @@ class MPIHosts(Hosts):
     def _allgather_on(self, comm, value) -> list:
         payload = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
         sizes = np.zeros(comm.Get_size(), dtype=np.int64)
-        self._wait([comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)],
+        self.wait([comm.Iallgather(np.array([payload.size], dtype=np.int64), sizes)],
                    "exchanging settings")
         gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
-        self._wait([comm.Iallgatherv(payload, [gathered, sizes])], "exchanging settings")
+        self.wait([comm.Iallgatherv(payload, [gathered, sizes])], "exchanging settings")
         self.traffic.sent(8 + payload.size)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [pickle.loads(gathered[offsets[i]:offsets[i + 1]].tobytes())
@@ -431,27 +417,27 @@ class MPIHosts(Hosts):
     def broadcast_object(self, value):
         payload = pickle.dumps(value) if self.rank == 0 else b""
         size = np.array([len(payload)], dtype=np.int64)
-        self._wait([self.comm.Ibcast(size, root=0)], "receiving rank 0's settings")
+        self.wait([self.comm.Ibcast(size, root=0)], "receiving rank 0's settings")
         buffer = np.frombuffer(payload, dtype=np.uint8).copy() if self.rank == 0 else \
             np.empty(int(size[0]), dtype=np.uint8)
-        self._wait([self.comm.Ibcast(buffer, root=0)], "receiving rank 0's settings")
+        self.wait([self.comm.Ibcast(buffer, root=0)], "receiving rank 0's settings")
         if self.rank == 0:
             self.traffic.sent(8 + buffer.size)
         return pickle.loads(buffer.tobytes())
 
     def barrier(self) -> None:
-        self._wait([self.comm.Ibarrier()], "waiting for every host")
+        self.wait([self.comm.Ibarrier()], "waiting for every host")
 
     def any_true(self, flag: bool) -> bool:
         value = np.array([1 if flag else 0], dtype=np.int32)
-        self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, value, self.MPI.MAX)],
+        self.wait([self.comm.Iallreduce(self.MPI.IN_PLACE, value, self.MPI.MAX)],
                    "agreeing whether to stop")
         self.traffic.sent(value.nbytes)
         return bool(value[0])
 
     def mean_over_hosts(self, total: float, samples: int) -> float:
         sums = np.array([total, samples], dtype=np.float64)
-        self._wait([self.comm.Iallreduce(self.MPI.IN_PLACE, sums, self.MPI.SUM)],
+        self.wait([self.comm.Iallreduce(self.MPI.IN_PLACE, sums, self.MPI.SUM)],
                    "averaging the loss")
         self.traffic.sent(sums.nbytes)
         return float(sums[0] / max(sums[1], 1))
@@ -482,9 +468,9 @@ class MPIHosts(Hosts):
         staged = []
         for tensor in tensors:
             data = tensor.detach()
-            staged.append((data, _to_host(data)))
+            staged.append((data, to_host(data)))
         requests = [self.comm.Ibcast(host.numpy(), root=0) for _, host in staged]
-        self._wait(requests, what)
+        self.wait(requests, what)
         for data, host in staged:
             if host is not data:
                 data.copy_(host)
@@ -502,7 +488,7 @@ class MPIHosts(Hosts):
         self.barrier()
         started = time.perf_counter()
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self._wait([self.comm.Isend(send, dest=right, tag=LINK_PROBE_TAG),
+        self.wait([self.comm.Isend(send, dest=right, tag=LINK_PROBE_TAG),
                     self.comm.Irecv(receive, source=left, tag=LINK_PROBE_TAG)],
                    "measuring the link to the next host")
         mine = nbytes / max(time.perf_counter() - started, 1e-9) * self.time_scale
@@ -513,7 +499,7 @@ class MPIHosts(Hosts):
     def link_latency(self, rounds: int = LATENCY_PROBE_ROUNDS) -> float:
         """Seconds one small message takes to the next host, the slowest host's: `rounds`
         ring exchanges of 8 bytes (each host sends to the next and receives from the
-        previous, through `_wait` as every exchange of a step), the median after one
+        previous, through `wait` as every exchange of a step), the median after one
         unmeasured round. What the planner charges each round of a ring collective
         (hybrid/planner.py). On emulated hosts slowed down by D, in emulated time."""
         send, receive = np.ones(1, dtype=np.int64), np.empty(1, dtype=np.int64)
@@ -522,7 +508,7 @@ class MPIHosts(Hosts):
         seconds = []
         for _ in range(rounds + 1):
             started = time.perf_counter()
-            self._wait([self.comm.Isend(send, dest=right, tag=LATENCY_PROBE_TAG),
+            self.wait([self.comm.Isend(send, dest=right, tag=LATENCY_PROBE_TAG),
                         self.comm.Irecv(receive, source=left, tag=LATENCY_PROBE_TAG)],
                        "measuring the latency to the next host")
             seconds.append(time.perf_counter() - started)
@@ -532,18 +518,18 @@ class MPIHosts(Hosts):
 
     # ------------------------------------------------------------------ tensors
     def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        given, tensor = tensor, _to_host(tensor.detach())
+        given, tensor = tensor, to_host(tensor.detach())
         row = _row_elements(tensor)
-        out = _host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device)
+        out = host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device)
         sizes = [c * row for c in counts]
-        self._wait([self.comm.Iallgatherv(_as_mpi(tensor), [_as_mpi(out), sizes])],
+        self.wait([self.comm.Iallgatherv(_as_mpi(tensor), [_as_mpi(out), sizes])],
                    "exchanging classifier inputs")
         self.traffic.sent(tensor.nbytes)
-        return _back_to(out, given)
+        return back_to(out, given)
 
     def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         requests, summed, _ = self._post_rows_sum(tensor, counts)
-        self._wait(requests, ROWS_SUM)
+        self.wait(requests, ROWS_SUM)
         return summed()
 
     def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -552,14 +538,14 @@ class MPIHosts(Hosts):
         return self.reduce_scatter_rows(tensor, counts)
 
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        given, tensor = tensor, _to_host(tensor.detach())
-        out = _host_empty(tensor.shape, tensor.dtype, given.device)
+        given, tensor = tensor, to_host(tensor.detach())
+        out = host_empty(tensor.shape, tensor.dtype, given.device)
         # Out of place, through libnbc's ring (set in _initialise): every host ends with
         # the same bits, so the classifier's replicated layers stay identical.
-        self._wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
+        self.wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
                    "summing a classifier layer's partial outputs")
         self.traffic.sent(tensor.nbytes)
-        return _back_to(out, given)
+        return back_to(out, given)
 
     def start_reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> Exchange:
         """reduce_scatter_rows started now; the progress thread moves it while this host
@@ -579,10 +565,10 @@ class MPIHosts(Hosts):
         at 1 Gbit/s and S = 74, AlexNet's features' gradient (emulated ms): 2 hosts, 2.4 MB,
         29.6 with libnbc's and 10.5 with this (bound 9.4); 4 hosts, 4.7 MB, 108.9 against
         41.3 (results/bench_rows_exchange.json)."""
-        given, tensor = tensor, _to_host(tensor.detach())
+        given, tensor = tensor, to_host(tensor.detach())
         row, mine = _row_elements(tensor), counts[self.rank]
         starts = [sum(counts[:j]) for j in range(self.size)]
-        copies = _host_empty((self.size, mine, *tensor.shape[1:]), tensor.dtype, given.device)
+        copies = host_empty((self.size, mine, *tensor.shape[1:]), tensor.dtype, given.device)
         send, receive = ((as_bits(tensor), as_bits(copies)) if tensor.dtype in HALF_DTYPES
                          else (_as_mpi(tensor), _as_mpi(copies)))
         others = [j != self.rank for j in range(self.size)]
@@ -602,7 +588,7 @@ class MPIHosts(Hosts):
             total = copies[0].clone()
             for copy in copies[1:]:
                 total.add_(copy)
-            return _back_to(total, given)
+            return back_to(total, given)
 
         return requests, summed, (tensor, copies)
 
@@ -613,126 +599,85 @@ class MPIHosts(Hosts):
         return self._progress
 
     def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        given, tensor = tensor, _to_host(tensor.detach())
+        given, tensor = tensor, to_host(tensor.detach())
         row = _row_elements(tensor)
-        out = _host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device) \
+        out = host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device) \
             if self.rank == 0 else None
         target = [_as_mpi(out), [c * row for c in counts]] if out is not None else None
-        self._wait([self.comm.Igatherv(_as_mpi(tensor), target, root=0)],
+        self.wait([self.comm.Igatherv(_as_mpi(tensor), target, root=0)],
                    "gathering the classifier's slices")
         if self.rank != 0:
             self.traffic.sent(tensor.nbytes)
-        return None if out is None else _back_to(out, given)
+        return None if out is None else back_to(out, given)
 
     # ------------------------------------------------------------------ gradients
     def use_compression(self, compression) -> None:
-        if self.buckets is not None:
+        if self.averager is not None:
             raise RuntimeError("use_compression before attach(model)")
         super().use_compression(compression)
         self._wire_type, self._sum = compression.mpi_sum(self.MPI)
 
     def attach(self, model: nn.Module, gradient_hooks: bool = False,
                overlap: bool | None = None, bucket_bytes: int | None = None) -> None:
-        """Lay out the fusion buckets (at most `bucket_bytes` each where it is below
-        --fusion-mib); with --overlap (or `overlap`) and a strategy whose backward writes
-        each gradient once, send each bucket as soon as backward has filled it. A
-        compression of the whole gradient (PowerSGD) reads the buckets once backward is
-        done and sends its factors in one allreduce."""
+        """Lay out the averaging of `model`'s gradients (hosts/averaging.py, of the kind the
+        scheme declares): fusion buckets of at most `bucket_bytes` where it is below
+        --fusion-mib; with --overlap (or `overlap`) and a strategy whose backward writes
+        each gradient once, what can leave during backward leaves as soon as it is
+        written. A compression of the whole gradient (PowerSGD) reads the buckets once
+        backward is done and sends its factors."""
         self._deadline_armed = True  # training starts: every wait now has --host-timeout
         self._exchanges = 0  # every host counts its exchanges from here (the deadline's)
-        whole = self.compression.kind == WHOLE_GRADIENT
-        # The buckets hold the gradients themselves where the compression is of the whole.
-        self.buckets = GradientBuckets(model, Compression.none if whole else self.compression,
-                                       min(self.bucket_bytes, bucket_bytes or self.bucket_bytes))
-        signatures = self.allgather((self.compression.name, self.buckets.signature()))
+        asked = self.overlap if overlap is None else overlap
+        averager = averager_for(self, self.compression, model,
+                                min(self.bucket_bytes, bucket_bytes or self.bucket_bytes),
+                                asked, self.notes)
+        signatures = self.allgather((self.compression.name, averager.buckets.signature()))
         if any(s != signatures[0] for s in signatures):
             raise UsageError("hosts lay out gradients differently (different models, library "
                              "versions or --compression): give every host the same options")
-        self.buckets.install_views()
-        self._pending = [set() for _ in self.buckets.buckets]
-        self._received = {}
-        asked = self.overlap if overlap is None else overlap
-        if whole:
-            self._setup_whole_gradient(model, phases=asked)
-        early = self._phase_positions[0] if len(self._phase_positions) > 1 else []
-        self.overlapping = asked and gradient_hooks and (bool(early) or not whole)
-        if asked and whole and not early:
+        averager.buckets.install_views()
+        self.averager = averager
+        self._compressed = averager.parameters  # for checkpoints (Hosts.compression_state)
+        early = averager.early_hooks()
+        self.overlapping = asked and gradient_hooks and bool(early)
+        if asked and not early:
             self.notes.append(f"--overlap: --compression {self.compression.name} sends the "
-                              "step's factors in one allreduce once backward is done, so "
-                              "nothing leaves during backward")
+                              "step's factors once backward is done, so nothing leaves "
+                              "during backward")
         elif self.overlap and not gradient_hooks:
             self.notes.append(f"--overlap: rank {self.rank}'s strategy computes gradients "
                               "outside one backward pass, so it sends them after the step")
-        everyone = self.allgather((self.overlapping, self.notes, self._phase_positions))
-        if any(phases != self._phase_positions for _, _, phases in everyone):
+        phases = averager.phase_positions
+        everyone = self.allgather((self.overlapping, self.notes, phases))
+        if any(theirs != phases for _, _, theirs in everyone):
             raise UsageError("hosts split the compressed exchange differently (--overlap on "
                              "some hosts only?): give every host the same options")
         self.overlap_by_rank = [overlapping for overlapping, _, _ in everyone]
         self.notes = _unique(note for _, notes, _ in everyone for note in notes)
         if self.overlapping:
             self._progress = ProgressThread(self.MPI)
-            if whole:
-                for i in early:
-                    self._hooks.append(self._compressed[i].register_post_accumulate_grad_hook(
-                        self._early_gradient_ready))
-                return
-            for bucket in self.buckets.buckets:
-                for p in bucket.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
+            for parameter, ready in early:
+                self._hooks.append(parameter.register_post_accumulate_grad_hook(ready))
+
+    @property
+    def progress(self) -> ProgressThread | None:
+        """The thread that drives requests while this host computes, where one runs."""
+        return self._progress
 
     def _arm(self, share) -> None:
-        if self.buckets is None:
+        if self.averager is None:
             raise RuntimeError("attach(model) before averaging its gradients")
         # Each host sends n_h/N * g_h, so the sum is the mean over the global batch.
-        self._scale = share.samples / share.global_samples
-        self._requests = []
-        self._next_to_post = 0
-        self._pending = [{id(p) for p in b.params} for b in self.buckets.buckets] \
-            if self.buckets else []
-        if self._progress:
-            self._progress.track(self._requests)
-        if len(self._phase_positions) > 1:
-            self._early_pending = {id(self._compressed[i]) for i in self._phase_positions[0]}
-        self._phases_sent = []
-        self._step_begun = False
-        self._armed = True
+        self.averager.arm(share.samples / share.global_samples)
 
-    def _gradient_ready(self, param: nn.Parameter) -> None:
-        if not self._armed:
-            return
-        index = self.buckets.bucket_of[id(param)]
-        if id(param) not in self._pending[index]:
-            raise TrainingError("a parameter's gradient was written twice in one backward "
-                                "pass; this strategy must not offer overlap hooks")
-        self._pending[index].discard(id(param))
-        with self._progress.lock:
-            self._post_ready_buckets()
+    def _average(self, share) -> None:
+        self.averager.average()
 
-    def _post_ready_buckets(self) -> None:
-        # Collectives must start in the same order on every host, whichever strategy it
-        # runs and whether it overlaps: buckets leave strictly in index order.
-        buckets = self.buckets.buckets
-        while self._next_to_post < len(buckets) and not self._pending[self._next_to_post]:
-            self._post(buckets[self._next_to_post])
-            self._next_to_post += 1
-            self.traffic.buckets_sent_in_backward += 1
-            self._progress.wake()
+    def _disarm(self) -> None:
+        if self.averager is not None:
+            self.averager.armed = False
 
-    def _post(self, bucket) -> None:
-        self.buckets.gather(bucket)
-        if self._scale != 1.0:
-            bucket.flat.mul_(self._scale)
-        self.compression.compress(bucket.flat, bucket.wire)
-        # Out of place: measured on 4 emulated hosts at 1 Gbit/s, Open MPI's in-place
-        # Iallreduce sent 2S from two hosts and S from the others (2.8x slower); with a
-        # receive buffer every host sends 2(H-1)/H*S, as a ring allreduce does.
-        received = self._received.get(bucket.index)
-        if received is None:
-            received = self._received[bucket.index] = torch.empty_like(bucket.wire)
-        self._requests.extend(self._iallreduce(bucket.wire, received))
-        self.traffic.sent(bucket.wire.nbytes)
-
-    def _iallreduce(self, wire: torch.Tensor, received: torch.Tensor) -> list:
+    def iallreduce(self, wire: torch.Tensor, received: torch.Tensor) -> list:
         """Requests that sum `wire` over hosts into `received` (CPU tensors), in pieces.
 
         Several pieces in flight: libnbc's ring waits for every step of one allreduce
@@ -750,110 +695,8 @@ class MPIHosts(Hosts):
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
 
-    # ------------------------------------------------------------------ whole-gradient compression
-    def _setup_whole_gradient(self, model: nn.Module, phases: bool = False) -> None:
-        """The compression works on the gradients where they are (`.grad`, a bucket's view
-        on the CPU, the device's own on a GPU: only the factors cross to host memory), in
-        the model's parameter order, as SingleHost gives them: the same state whatever the
-        host count. With `phases` (--overlap) and a compression that splits its step
-        (PowerSGD), the gradients backward writes first (the classifier's) leave in an
-        allreduce of their own while backward goes on; the rest after it."""
-        self._compressed = [p for p in model.parameters() if p.requires_grad]
-        names = {id(p): name for name, p in model.named_parameters()}
-        self.notes.extend(self.compression.setup(
-            [p.shape for p in self._compressed], [names[id(p)] for p in self._compressed],
-            self._compressed[0].device if self._compressed else "cpu"))
-        everything = list(range(len(self._compressed)))
-        early = (self.compression.split_phases(self.compression.early_positions())
-                 if phases and self.compression.in_phases else [])
-        self._phase_positions = ([early, [i for i in everything if i not in set(early)]]
-                                 if early else [everything])
-
-    def _early_gradient_ready(self, param: nn.Parameter) -> None:
-        """A gradient of the first phase is written; the last one sends the phase."""
-        if not self._armed or id(param) not in self._early_pending:
-            return
-        self._early_pending.discard(id(param))
-        if not self._early_pending and not self._phases_sent:
-            self._send_phase(0)
-            self.traffic.buckets_sent_in_backward += 1
-
-    def _send_phase(self, phase: int) -> None:
-        """This host's part of one phase: its gradients scaled by n_h/N, the compression's
-        wire for them, and that wire's allreduce started (driven by the progress thread
-        while backward runs)."""
-        if not self._step_begun:
-            self.compression.begin_step([p.shape for p in self._compressed])
-            self._step_begun = True
-        for i in self._phase_positions[phase]:
-            p = self._compressed[i]
-            if p.grad is None:  # a host with no samples this step: a zero gradient
-                p.grad = torch.zeros_like(p)
-            if self._scale != 1.0:
-                p.grad.mul_(self._scale)
-        wire = self.compression.local_wire([p.grad for p in self._compressed], phase)
-        host_wire = _to_host(wire.detach())
-        received = _host_empty(host_wire.shape, host_wire.dtype, wire.device)
-        with self._progress.lock if self._progress else contextlib.nullcontext():
-            self._requests.extend(self._iallreduce(host_wire, received))
-            if self._progress:
-                self._progress.wake()
-        self._phases_sent.append((wire, host_wire, received))
-        self.traffic.sent(host_wire.nbytes)
-
-    def _average_whole_gradient(self, share) -> None:
-        try:
-            if self._progress:
-                self._progress.release()
-            for phase in range(len(self._phases_sent), len(self._phase_positions)):
-                self._send_phase(phase)
-            self._wait(self._requests, "averaging gradients")
-            totals = [_back_to(received, wire) for wire, _, received in self._phases_sent]
-            # A round that depends on the sums so far (PowerSGD's Q after its P).
-            while (wire := self.compression.next_round(totals)) is not None:
-                host_wire = _to_host(wire.detach())
-                received = _host_empty(host_wire.shape, host_wire.dtype, wire.device)
-                self._requests = self._iallreduce(host_wire, received)
-                self.traffic.sent(host_wire.nbytes)
-                self._wait(self._requests, "averaging gradients")
-                totals.append(_back_to(received, wire))
-            gradients = [p.grad for p in self._compressed]
-            # The approximations are written into the gradients where they can be.
-            for gradient, approximation in zip(
-                    gradients, self.compression.finish_step(totals, out=gradients)):
-                if approximation is not gradient:
-                    gradient.copy_(approximation)
-        finally:
-            self._armed = False
-            self._phases_sent = []
-
-    def _gradient_bytes(self) -> int:
-        """Bytes one gradient exchange hands to MPI."""
-        if self.compression.kind == WHOLE_GRADIENT:
-            return self.compression.wire_bytes([p.shape for p in self._compressed])
-        return self.buckets.wire_bytes
-
     def _typed(self, array: np.ndarray):
         return array if self._wire_type is None else [array, self._wire_type]
-
-    def _average(self, share) -> None:
-        if self.compression.kind == WHOLE_GRADIENT:
-            return self._average_whole_gradient(share)
-        if self._progress:
-            self._progress.release()
-        for bucket in self.buckets.buckets[self._next_to_post:]:
-            self._post(bucket)
-        self._next_to_post = len(self.buckets.buckets)
-        try:
-            self._wait(self._requests, "averaging gradients")
-        finally:
-            self._armed = False
-        for bucket in self.buckets.buckets:
-            bucket.flat.copy_(self._received[bucket.index])  # the sum, back in its own dtype
-            self.buckets.scatter(bucket)
-
-    def _disarm(self) -> None:
-        self._armed = False
 
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
@@ -913,32 +756,8 @@ def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor as the array MPI reads or writes in place."""
     if tensor.device.type != "cpu":  # the Open MPI wheel is not CUDA-aware
         raise RuntimeError(f"MPI reads host memory only: a tensor on {tensor.device} goes "
-                           "through _to_host first")
+                           "through to_host first")
     return tensor.numpy()
-
-
-def _host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty CPU tensor MPI fills for a tensor of `device`: pinned for a GPU, which
-    copies from or into it by DMA, without a staging copy (hybrid/parallel.py's
-    `to_host` does the same for the features)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` contiguous in host memory, where MPI reads it: itself on the CPU, a copy
-    from any other device (the Open MPI wheel is not CUDA-aware), made before MPI starts."""
-    if tensor.device.type == "cpu":
-        return tensor.contiguous()
-    return _host_empty(tensor.shape, tensor.dtype, tensor.device).copy_(tensor)
-
-
-def _back_to(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
-    """What MPI wrote into `host`, on the device of `given` (the tensor it came for): from a
-    GPU, copied on that device's current stream without waiting (the caching host allocator
-    keeps the pinned buffer until the copy is done)."""
-    if given.device.type == "cpu":
-        return host
-    return given.new_empty(host.shape).copy_(host, non_blocking=True)
 
 
 def parameters_digest(model: nn.Module) -> str:

@@ -1,0 +1,292 @@
+"""The averaging engine: how one step's gradients become their mean over the hosts, in the
+way the wire scheme declares (`kind`, hosts/scheme.py), on a transport that moves bytes.
+
+`BucketedAverager`: the fusion buckets (hosts/fusion.py), each turned into the scheme's wire
+(`compress`) and summed by MPI as the scheme says, leaving during backward with --overlap
+as backward fills them. `WholeGradientAverager`: the step's whole gradient through the
+scheme at once (PowerSGD): its wire in one or two phases (with --overlap the trailing
+gradients' part leaves during backward), then the rounds that depend on the sums so far
+(`next_round`), then the approximation written into the gradients.
+
+The transport (hosts/mpi.py's `MPIHosts`) answers `iallreduce(wire, received)` (requests
+summing a CPU tensor over hosts), `wait(requests, what)` (every wait, with its heartbeat
+and deadline), `traffic` and `progress` (the thread that drives requests while backward
+runs, or None). Hosts keep transport and membership; this module keeps the arithmetic of
+a step's exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hybriddl.errors import TrainingError
+from hybriddl.hosts.compression import Compression
+from hybriddl.hosts.fusion import GradientBuckets
+from hybriddl.hosts.scheme import BUCKETED, WHOLE_GRADIENT
+
+
+def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty CPU tensor MPI fills for a tensor of `device`: pinned for a GPU, which
+    copies from or into it by DMA, without a staging copy (hybrid/parallel.py's
+    `to_host` does the same for the features)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` contiguous in host memory, where MPI reads it: itself on the CPU, a copy
+    from any other device (the Open MPI wheel is not CUDA-aware), made before MPI starts."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    return host_empty(tensor.shape, tensor.dtype, tensor.device).copy_(tensor)
+
+
+def back_to(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """What MPI wrote into `host`, on the device of `given` (the tensor it came for): from a
+    GPU, copied on that device's current stream without waiting (the caching host allocator
+    keeps the pinned buffer until the copy is done)."""
+    if given.device.type == "cpu":
+        return host
+    return given.new_empty(host.shape).copy_(host, non_blocking=True)
+
+
+class Averager:
+    """One step's averaging of a model's gradients over the hosts (see the module)."""
+
+    def __init__(self, hosts, compression, buckets: GradientBuckets):
+        self.hosts = hosts
+        self.compression = compression
+        self.buckets = buckets
+        self._scale = 1.0
+        self._requests: list = []
+        self.armed = False
+        # The gradients the scheme takes whole (WHOLE_GRADIENT), in parameter order.
+        self.parameters: list[nn.Parameter] = []
+
+    # Where a step's gradients are ready to leave during backward: (parameter, callback)
+    # pairs for post-accumulate hooks; [] where nothing can leave before the step's end.
+    def early_hooks(self) -> list[tuple[nn.Parameter, Callable]]:
+        return []
+
+    @property
+    def phase_positions(self) -> list[list[int]]:
+        """How the exchange is split (every host must split it alike); [] for buckets."""
+        return []
+
+    def arm(self, scale: float) -> None:
+        """A step begins: each host will send `scale` (n_h/N) of its gradient."""
+        self._scale = scale
+        self._requests = []
+        progress = self.hosts.progress
+        if progress:
+            progress.track(self._requests)
+        self.armed = True
+
+    def average(self) -> None:
+        raise NotImplementedError
+
+    def wire_bytes(self) -> int:
+        """Bytes one gradient exchange hands to MPI."""
+        raise NotImplementedError
+
+    def _send(self, wire: torch.Tensor, received: torch.Tensor) -> None:
+        self._requests.extend(self.hosts.iallreduce(wire, received))
+        self.hosts.traffic.sent(wire.nbytes)
+
+
+class BucketedAverager(Averager):
+    """Fusion buckets, each the scheme's wire, sent in index order (during backward where
+    hooks say a bucket is full), summed by MPI into a receive buffer of their own."""
+
+    def __init__(self, hosts, compression, buckets: GradientBuckets):
+        super().__init__(hosts, compression, buckets)
+        self._received: dict[int, torch.Tensor] = {}  # bucket index -> its allreduce's result
+        self._next_to_post = 0
+        self._pending: list[set[int]] = [set() for _ in buckets.buckets]
+
+    def early_hooks(self) -> list[tuple[nn.Parameter, Callable]]:
+        return [(p, self._gradient_ready) for bucket in self.buckets.buckets for p in bucket.params]
+
+    def arm(self, scale: float) -> None:
+        super().arm(scale)
+        self._next_to_post = 0
+        self._pending = [{id(p) for p in b.params} for b in self.buckets.buckets]
+
+    def _gradient_ready(self, param: nn.Parameter) -> None:
+        if not self.armed:
+            return
+        index = self.buckets.bucket_of[id(param)]
+        if id(param) not in self._pending[index]:
+            raise TrainingError("a parameter's gradient was written twice in one backward "
+                                "pass; this strategy must not offer overlap hooks")
+        self._pending[index].discard(id(param))
+        progress = self.hosts.progress
+        with progress.lock:
+            self._post_ready_buckets(progress)
+
+    def _post_ready_buckets(self, progress) -> None:
+        # Collectives must start in the same order on every host, whichever strategy it
+        # runs and whether it overlaps: buckets leave strictly in index order.
+        buckets = self.buckets.buckets
+        while self._next_to_post < len(buckets) and not self._pending[self._next_to_post]:
+            self._post(buckets[self._next_to_post])
+            self._next_to_post += 1
+            self.hosts.traffic.buckets_sent_in_backward += 1
+            progress.wake()
+
+    def _post(self, bucket) -> None:
+        self.buckets.gather(bucket)
+        if self._scale != 1.0:
+            bucket.flat.mul_(self._scale)
+        self.compression.compress(bucket.flat, bucket.wire)
+        # Out of place: measured on 4 emulated hosts at 1 Gbit/s, Open MPI's in-place
+        # Iallreduce sent 2S from two hosts and S from the others (2.8x slower); with a
+        # receive buffer every host sends 2(H-1)/H*S, as a ring allreduce does.
+        received = self._received.get(bucket.index)
+        if received is None:
+            received = self._received[bucket.index] = torch.empty_like(bucket.wire)
+        self._send(bucket.wire, received)
+
+    def average(self) -> None:
+        progress = self.hosts.progress
+        if progress:
+            progress.release()
+        for bucket in self.buckets.buckets[self._next_to_post:]:
+            self._post(bucket)
+        self._next_to_post = len(self.buckets.buckets)
+        try:
+            self.hosts.wait(self._requests, "averaging gradients")
+        finally:
+            self.armed = False
+        for bucket in self.buckets.buckets:
+            bucket.flat.copy_(self._received[bucket.index])  # the sum, back in its own dtype
+            self.buckets.scatter(bucket)
+
+    def wire_bytes(self) -> int:
+        return self.buckets.wire_bytes
+
+
+class WholeGradientAverager(Averager):
+    """The whole gradient through the scheme (PowerSGD), where it is (`.grad`, a bucket's
+    view on the CPU, the device's own on a GPU: only the wire crosses to host memory), in
+    the model's parameter order, as SingleHost gives it: the same state whatever the host
+    count. With `phases` (--overlap) and a scheme that splits its step, the gradients
+    backward writes first (the classifier's) leave in an allreduce of their own while
+    backward goes on; the rest after it."""
+
+    def __init__(self, hosts, compression, buckets: GradientBuckets, model: nn.Module,
+                 phases: bool, notes: list[str]):
+        super().__init__(hosts, compression, buckets)
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        names = {id(p): name for name, p in model.named_parameters()}
+        notes.extend(compression.setup(
+            [p.shape for p in self.parameters], [names[id(p)] for p in self.parameters],
+            self.parameters[0].device if self.parameters else "cpu"))
+        everything = list(range(len(self.parameters)))
+        early = (compression.split_phases(compression.early_positions())
+                 if phases and compression.in_phases else [])
+        self._phase_positions = ([early, [i for i in everything if i not in set(early)]]
+                                 if early else [everything])
+        self._early_pending: set[int] = set()
+        # Each phase's exchange once sent: (wire, its host copy, the sum).
+        self._phases_sent: list[tuple] = []
+        self._step_begun = False
+
+    @property
+    def phase_positions(self) -> list[list[int]]:
+        return self._phase_positions
+
+    def early_hooks(self) -> list[tuple[nn.Parameter, Callable]]:
+        if len(self._phase_positions) < 2:
+            return []
+        return [(self.parameters[i], self._early_gradient_ready) for i in self._phase_positions[0]]
+
+    def arm(self, scale: float) -> None:
+        super().arm(scale)
+        if len(self._phase_positions) > 1:
+            self._early_pending = {id(self.parameters[i]) for i in self._phase_positions[0]}
+        self._phases_sent = []
+        self._step_begun = False
+
+    def _early_gradient_ready(self, param: nn.Parameter) -> None:
+        """A gradient of the first phase is written; the last one sends the phase."""
+        if not self.armed or id(param) not in self._early_pending:
+            return
+        self._early_pending.discard(id(param))
+        if not self._early_pending and not self._phases_sent:
+            self._send_phase(0)
+            self.hosts.traffic.buckets_sent_in_backward += 1
+
+    def _send_phase(self, phase: int) -> None:
+        """This host's part of one phase: its gradients scaled by n_h/N, the scheme's wire
+        for them, and that wire's allreduce started (driven by the progress thread while
+        backward runs)."""
+        if not self._step_begun:
+            self.compression.begin_step([p.shape for p in self.parameters])
+            self._step_begun = True
+        for i in self._phase_positions[phase]:
+            p = self.parameters[i]
+            if p.grad is None:  # a host with no samples this step: a zero gradient
+                p.grad = torch.zeros_like(p)
+            if self._scale != 1.0:
+                p.grad.mul_(self._scale)
+        wire = self.compression.local_wire([p.grad for p in self.parameters], phase)
+        progress = self.hosts.progress
+        with progress.lock if progress else contextlib.nullcontext():
+            self._phases_sent.append(self._start(wire))
+            if progress:
+                progress.wake()
+
+    def _start(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`wire`'s allreduce started from host memory: (wire, the host copy MPI reads,
+        the buffer its sum arrives in), each kept until the sum is taken."""
+        host_wire = to_host(wire.detach())
+        received = host_empty(host_wire.shape, host_wire.dtype, wire.device)
+        self._send(host_wire, received)
+        return wire, host_wire, received
+
+    def average(self) -> None:
+        try:
+            progress = self.hosts.progress
+            if progress:
+                progress.release()
+            for phase in range(len(self._phases_sent), len(self._phase_positions)):
+                self._send_phase(phase)
+            self.hosts.wait(self._requests, "averaging gradients")
+            totals = [back_to(received, wire) for wire, _, received in self._phases_sent]
+            # A round that depends on the sums so far (PowerSGD's Q after its P).
+            while (wire := self.compression.next_round(totals)) is not None:
+                self._requests = []
+                _, _kept, received = self._start(wire)  # _kept: MPI reads it
+                self.hosts.wait(self._requests, "averaging gradients")
+                totals.append(back_to(received, wire))
+            gradients = [p.grad for p in self.parameters]
+            # The approximations are written into the gradients where they can be.
+            for gradient, approximation in zip(
+                    gradients, self.compression.finish_step(totals, out=gradients)):
+                if approximation is not gradient:
+                    gradient.copy_(approximation)
+        finally:
+            self.armed = False
+            self._phases_sent = []
+
+    def wire_bytes(self) -> int:
+        return self.compression.wire_bytes([p.shape for p in self.parameters])
+
+
+def averager_for(hosts, compression, model: nn.Module, bucket_bytes: int, phases: bool,
+                 notes: list[str]) -> Averager:
+    """The averager of the scheme's declared kind for `model`. The buckets hold the
+    gradients themselves (their views), also where the scheme takes the whole gradient."""
+    if compression.kind == BUCKETED:
+        return BucketedAverager(hosts, compression,
+                                GradientBuckets(model, compression, bucket_bytes))
+    if compression.kind == WHOLE_GRADIENT:
+        return WholeGradientAverager(
+            hosts, compression, GradientBuckets(model, Compression.none, bucket_bytes),
+            model, phases, notes)
+    raise ValueError(f"--compression {compression.name} declares averaging of kind "
+                     f"{compression.kind!r}, which hosts/averaging.py does not know")
