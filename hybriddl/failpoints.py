@@ -9,7 +9,10 @@ free when it is unset (one dictionary lookup where a point sits).
 - `stall-exchange=R@N`: host R stops entering exchanges after its step N, while its
   heartbeat goes on beating: a host alive that no longer takes part;
 - `drift=R@N`: after step N, host R adds one unit in the last place to the first element
-  of its first parameter: hosts no longer hold the same model.
+  of its first parameter: hosts no longer hold the same model;
+- `busy=R@N:SECONDS`: after step N, host R spends SECONDS in one C call that holds
+  Python's GIL (libc's sleep through ctypes.PyDLL): no thread of it runs meanwhile, as in a
+  long call of a library that keeps the GIL.
 
 Several are separated by commas. `hybriddl emulate` and `hybriddl launch` pass the variable
 to every host (mpirun -x), SLURM's srun passes the job's environment. docs/faults.md says
@@ -29,7 +32,8 @@ VARIABLE = "HYBRIDDL_FAILPOINTS"
 # name -> (pattern of its value, an example)
 POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
           "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
-          "drift": (r"(\d+)@(\d+)", "drift=1@2")}
+          "drift": (r"(\d+)@(\d+)", "drift=1@2"),
+          "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30")}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Failpoint:
     name: str
     rank: int
     step: int | None = None
+    seconds: int | None = None  # busy's
 
 
 def parse(text: str) -> dict[str, Failpoint]:
@@ -52,7 +57,7 @@ def parse(text: str) -> dict[str, Failpoint]:
         if match is None:
             raise UsageError(f"{VARIABLE}: {item!r}: give it as {example}")
         numbers = [int(g) for g in match.groups()]
-        points[name] = Failpoint(name, numbers[0], numbers[1] if len(numbers) > 1 else None)
+        points[name] = Failpoint(name, *numbers)
     return points
 
 
@@ -72,6 +77,19 @@ def fires(name: str, rank: int, step: int | None = None) -> bool:
     point = active().get(name)
     return point is not None and point.rank == rank and (point.step is None
                                                          or point.step == step)
+
+
+def seconds(name: str) -> int | None:
+    """The seconds a failpoint of this process gives (busy's), None where it gives none."""
+    point = active().get(name)
+    return point.seconds if point is not None else None
+
+
+def hold_the_gil(seconds: int) -> None:
+    """Sleep `seconds` in libc, called with the GIL held (ctypes.PyDLL keeps it): every
+    other thread of this process waits, the heartbeat's among them."""
+    import ctypes
+    ctypes.PyDLL(None).sleep(ctypes.c_uint(seconds))
 
 
 def stall_for_ever() -> None:

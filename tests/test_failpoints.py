@@ -19,12 +19,13 @@ TRAIN = ["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-siz
 
 
 def test_failpoints_parse_what_the_docs_name_and_refuse_the_rest():
-    points = failpoints.parse("stall-exchange=1@3, drift=0@2,stall-start=1")
+    points = failpoints.parse("stall-exchange=1@3, drift=0@2,stall-start=1,busy=1@2:30")
+    assert points["busy"] == failpoints.Failpoint("busy", 1, 2, 30)
     assert points["stall-exchange"] == failpoints.Failpoint("stall-exchange", 1, 3)
     assert points["drift"] == failpoints.Failpoint("drift", 0, 2)
     assert points["stall-start"] == failpoints.Failpoint("stall-start", 1, None)
     assert failpoints.parse("") == {}
-    for bad in ("explode=1@2", "drift=1", "stall-exchange=one@2"):
+    for bad in ("explode=1@2", "drift=1", "stall-exchange=one@2", "busy=1@2", "busy=1@2:1.5"):
         with pytest.raises(UsageError) as refused:
             failpoints.parse(bad)
         assert len(str(refused.value).splitlines()) == 1

@@ -40,8 +40,9 @@ def two_ranks(*args: str, faults: str = "", timeout: float = 240) -> subprocess.
 
 pytestmark = [pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}"),
               pytest.mark.mpi, pytest.mark.slow]
-# tests/two_at_once.py: the roll call's test mostly waits (20 s for a rank that never
-# comes), asserts a bound with room and checks only the ranks it started.
+# tests/two_at_once.py: the roll call's test and the busy rank's mostly wait (20 s for a
+# rank that never comes, 30 s for one holding the GIL), assert bounds with room and check
+# only the ranks they started.
 
 
 @pytest.mark.parametrize("compression", ["none", "powersgd:2"])
@@ -82,6 +83,20 @@ def test_a_host_that_never_starts_is_named_by_the_first_exchange(images, tmp_pat
     assert re.search(r"no answer from rank 1 for 20 s while starting the heartbeat between "
                      r"hosts", output), output[-3000:]
     assert time.monotonic() - started < 90
+
+
+@pytest.mark.beside
+def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
+    """No thread of rank 1 runs for 30 s (twice the 15 s of silence that names a host
+    lost): its beats come from a process of its own (hosts/beater.py), so rank 0 waits
+    for it within --host-timeout's 120 s, and the run ends as if nothing happened."""
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
+                     faults="busy=1@1:30")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert time.monotonic() - started > 30  # it was held
+    assert "lost" not in output and "silent" not in output, output[-3000:]
 
 
 def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_same(

@@ -9,6 +9,7 @@ A host lost on emulated hosts: tests/test_heartbeat_hosts.py.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import threading
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import hybriddl.hosts.heartbeat as heartbeat_module
+from hybriddl.hosts.beater import BeatSender, parent_stopped
 from hybriddl.hosts.heartbeat import Heartbeat, beat_addresses
 
 # ---------------------------------------------------------------------- in one process
@@ -28,8 +30,11 @@ class Ranks:
     """`count` Heartbeats in one process, each built on a thread of its own (as ranks
     build theirs at once), exchanging their addresses through a plain allgather."""
 
-    def __init__(self, count: int, interval: float = 0.1, silence: float = 1.0):
+    def __init__(self, count: int, interval: float = 0.1, silence: float = 1.0,
+                 senders: bool = False):
         self.values: list = [None] * count
+        # With `senders`, each rank's beats leave from a process of its own (hosts/beater.py).
+        self.senders = [BeatSender.start(interval) if senders else None for _ in range(count)]
         self._barrier = threading.Barrier(count)
         self.beats: list[Heartbeat | None] = [None] * count
         threads = [threading.Thread(target=self._start, args=(r, count, interval, silence))
@@ -48,7 +53,8 @@ class Ranks:
             self._barrier.wait()
             return gathered
         self.beats[rank] = Heartbeat(allgather, rank, count, interval=interval,
-                                     silence=silence, addresses=["127.0.0.1"])
+                                     silence=silence, addresses=["127.0.0.1"],
+                                     sender=self.senders[rank])
 
     def close(self) -> None:
         for beat in self.beats:
@@ -163,6 +169,41 @@ def test_a_peer_whose_last_beat_is_old_is_not_behind_but_left_to_the_silence():
         assert ranks.beats[0].lost() == {}  # not yet: 5 s of silence
     finally:
         ranks.close()
+
+
+@timed
+def test_a_rank_whose_thread_was_held_names_no_peer_when_it_runs_again():
+    """A rank stopped (SIGSTOP) or holding the GIL for longer than the silence hears nothing
+    meanwhile: its peers' beats wait in its sockets. Silence counts only while it listened,
+    so neither during the hold nor once its thread runs again does it name a healthy peer."""
+    ranks = Ranks(2, silence=1.0)
+    try:
+        wait_until(lambda: ranks.beats[0]._progress, 5)
+        with ranks.beats[0]._lock:  # its thread waits here at its next poll, as held
+            time.sleep(2.0)  # twice the silence
+            assert ranks.beats[0].lost() == {}
+        time.sleep(0.5)  # polls that read the waiting beats
+        assert ranks.beats[0].lost() == {}
+    finally:
+        ranks.close()
+
+
+@timed
+def test_beats_from_a_process_of_the_ranks_own_go_on_while_its_thread_is_held():
+    """hosts/beater.py: a rank whose threads cannot run (the GIL held in one long call)
+    still beats, and is not named lost by its peers; its own thread keeps reading them."""
+    ranks = Ranks(2, silence=1.0, senders=True)
+    try:
+        ranks.beats[1].report(3, inside=False)
+        wait_until(lambda: ranks.beats[0]._progress.get(1) == 6, 5)  # the state it reported
+        with ranks.beats[1]._lock:  # rank 1's thread held for three silences
+            time.sleep(3.0)
+            assert ranks.beats[0].lost() == {}
+        assert all(sender.running for sender in ranks.senders)
+    finally:
+        ranks.close()
+    assert not any(sender.running for sender in ranks.senders)  # ended with the heartbeat
+    assert not parent_stopped(os.getpid())
 
 
 def test_beats_use_the_interfaces_mpi_is_told_to_use_else_every_address_loopback_last():

@@ -3,8 +3,9 @@ however long a transfer between them takes.
 
 A host stopped by SIGSTOP, or one whose network link went down, sends nothing and closes
 nothing: the others' collectives simply never complete. So every rank sends every other
-rank an 8-byte beat every `interval` seconds from a thread of its own, and notes when it
-last heard from each peer. A peer silent for `silence` seconds is lost, whatever the
+rank an 8-byte beat every `interval` seconds, from a small process of its own where it
+could start one before MPI (hosts/beater.py: a rank holding the GIL still beats, a stopped
+one does not), else from a thread, and notes when it last heard from each peer. A peer silent for `silence` seconds is lost, whatever the
 training is doing; a peer whose process ended closes its connection and is lost at once.
 
 The beats travel on TCP connections of their own, one per pair of ranks, not through MPI.
@@ -37,6 +38,8 @@ import time
 from collections.abc import Callable
 
 import psutil
+
+from hybriddl.hosts.beater import BeatSender
 
 INTERVAL_SECONDS = 2.0
 # Long enough that a rank busy in a long step, a checkpoint write or a swap storm still
@@ -99,8 +102,11 @@ class Heartbeat:
 
     def __init__(self, allgather: Callable[[object], list], rank: int, size: int,
                  interval: float = INTERVAL_SECONDS, silence: float = SILENCE_SECONDS,
-                 addresses: list[str] | None = None):
+                 addresses: list[str] | None = None, sender: BeatSender | None = None):
         self.rank, self.interval, self.silence = rank, interval, silence
+        # Where beats leave from a process of the rank's own (hosts/beater.py), so that a
+        # rank holding the GIL still beats; None: from this thread.
+        self.sender = sender
         self.peers = [r for r in range(size) if r != rank]
         self._token = os.urandom(8)
         self._listener = socket.create_server(("0.0.0.0", 0), backlog=max(size, 8))
@@ -167,6 +173,8 @@ class Heartbeat:
             _no_delay(connection)
             with self._lock:
                 self._connections[peer] = connection
+            if self.sender:
+                self.sender.add(peer, connection)
             return
         self._failed[peer] = (f"no heartbeat connection to its port {port} at "
                               f"{'; '.join(errors)}: the hosts must reach each other over TCP "
@@ -212,7 +220,9 @@ class Heartbeat:
             try:  # answered once registered: the peer counts on the connection from then on
                 connection.sendall(HELLO.pack(token, self.rank, peer))
             except OSError:
-                pass  # the peer tries its next address, or is named silent
+                continue  # the peer tries its next address, or is named silent
+            if self.sender:
+                self.sender.add(peer, connection)
 
     # ------------------------------------------------------------------ beating
     def _run(self) -> None:
@@ -248,7 +258,7 @@ class Heartbeat:
                     raise ConnectionAbortedError("closed")
                 self._heard[peer] = now
                 self._read_beats(peer, self._inbox.get(peer, b"") + data)
-            if beat and not self._outbox.get(peer):
+            if beat and not self._outbox.get(peer) and not self.sender:
                 # One beat in flight per peer: a peer that reads nothing gets no pile of them.
                 self._outbox[peer] = BEAT.pack(self._state)
             if self._outbox.get(peer):
@@ -285,6 +295,8 @@ class Heartbeat:
         """What this rank's next beats say: `exchanges` entered so far, and whether it
         waits inside one now."""
         self._state = 2 * exchanges + int(inside)
+        if self.sender:
+            self.sender.report(self._state)
 
     # ------------------------------------------------------------------ asking
     def lost(self) -> dict[int, str]:
@@ -312,6 +324,8 @@ class Heartbeat:
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         """Say BYE to every peer (so that none takes this rank's end for a failure) and stop."""
+        if self.sender:
+            self.sender.close()  # its last beat whole before the BYE
         self._stopping.set()
         self._thread.join(timeout=5)
         with self._lock:

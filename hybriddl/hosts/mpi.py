@@ -35,6 +35,7 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.averaging import Averager, averager_for, back_to, host_empty, to_host
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hosts.beater import BeatSender
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
 from hybriddl import failpoints
 from hybriddl.emulation.hosts import time_scale
@@ -95,6 +96,15 @@ def _initialise():
         # Overlap hooks may run on autograd's device threads, not just the main thread.
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     return MPI
+
+
+def _beat_sender(interval: float) -> BeatSender | None:
+    """The beats' own process (hosts/beater.py), started where MPI has not started yet;
+    None where it has (the heartbeat's thread then beats)."""
+    started = sys.modules.get("mpi4py.MPI")
+    if started is not None and started.Is_initialized():
+        return None
+    return BeatSender.start(interval)
 
 
 class HostFailure(TrainingError):
@@ -210,6 +220,8 @@ class MPIHosts(Hosts):
         # emulated seconds would read as a lost host.
         self.time_scale = time_scale()
         timeout *= self.time_scale
+        # Before MPI starts (no fork after it): the process that sends this rank's beats.
+        sender = _beat_sender(INTERVAL_SECONDS * self.time_scale)
         self.MPI = MPI = _initialise()
         self.comm = MPI.COMM_WORLD
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
@@ -234,7 +246,7 @@ class MPIHosts(Hosts):
         # No heartbeat exists before its own set-up: every host answers within the deadline
         # or is named, rather than the others waiting for ever.
         self._roll_call("starting the heartbeat between hosts")
-        self.heartbeat = self._start_heartbeat()
+        self.heartbeat = self._start_heartbeat(sender)
         # Before training, hosts may spend minutes on a data cache or on tuning: while the
         # heartbeat hears them, set-up waits need no deadline (attach() arms it).
         self._deadline_armed = self.heartbeat is None
@@ -281,15 +293,17 @@ class MPIHosts(Hosts):
             time.sleep(0.001)
         self.MPI.Request.Waitall(sent)
 
-    def _start_heartbeat(self) -> Heartbeat | None:
+    def _start_heartbeat(self, sender: BeatSender | None) -> Heartbeat | None:
         if self.size == 1:
+            if sender:
+                sender.close()
             return None
         # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
         interval = INTERVAL_SECONDS * self.time_scale
         silence = min(SILENCE_SECONDS * self.time_scale, max(self.timeout, 3 * interval))
         try:
             return Heartbeat(self.allgather, self.rank, self.size, interval=interval,
-                             silence=silence)
+                             silence=silence, sender=sender)
         except OSError as exc:
             raise HostFailure(f"rank {self.rank} cannot listen for the other hosts' heartbeat "
                               f"({exc.strerror or exc})") from None

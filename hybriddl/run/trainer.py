@@ -348,6 +348,8 @@ def inject_faults(rank: int, steps_done: int, model) -> None:
         with torch.no_grad():
             first = next(model.parameters()).view(-1)[:1]
             first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
+    if failpoints.fires("busy", rank, steps_done):
+        failpoints.hold_the_gil(failpoints.seconds("busy"))
     if failpoints.fires("stall-exchange", rank, steps_done):
         failpoints.stall_for_ever()  # the heartbeat's thread goes on beating
 
