@@ -111,6 +111,17 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     assert epoch["val_accuracy"] == epoch_of(sequential)[1]["val_accuracy"]
 
 
+def test_two_hosts_with_channels_last_weights_match_sequential(images, sequential, tmp_path):
+    """A channels_last weight's gradient is a contiguous view of its fusion bucket on hosts
+    (hosts/fusion.py): its update must pair them element by element (torch's fused SGD
+    pairs memory order: step.py's unfuse_where_layouts_differ)."""
+    run_dir = tmp_path / "run"
+    done = mpirun((2, [*TRAIN, "--channels-last", "--data", str(images), "--run-dir",
+                       str(run_dir)]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_same_model(run_dir, sequential)
+
+
 def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,
                                                                      tmp_path, launcher):
     """8 = 3 + 3 + 2, and the last batch of 2 leaves rank 2 with no sample at all."""
