@@ -224,9 +224,14 @@ def test_the_advice_line_appears_only_at_twice_the_speed():
     assert advise(rows, rows[1], "powersgd:4") is None
 
 
-def test_auto_never_takes_nor_advises_a_scheme_shown_missing_the_target():
-    """powersgd:2 missed the time-to-accuracy target more often than exact (rank 1 is
-    lossier): predicted fastest, auto takes the next, and no line advises it."""
+def test_auto_never_takes_nor_advises_a_scheme_shown_missing_the_target(monkeypatch):
+    """Where powersgd:2 missed the time-to-accuracy target more often than exact (rank 1 is
+    lossier): predicted fastest, auto takes the next, and no line advises it. (No table
+    shows a miss today: the evidence is set here.)"""
+    import hybriddl.hosts.powersgd as powersgd
+
+    monkeypatch.setattr(powersgd, "MISSES_TARGET_UP_TO_RANK", 2)
+    compression_object.cache_clear()
     exact = row(Scheme("data"), 1.0)
     rows = [exact, row(Scheme("data", "powersgd:1"), 0.05), row(Scheme("data", "powersgd:2"), 0.1),
             row(Scheme("data", "powersgd:4"), 0.2)]
