@@ -199,7 +199,8 @@ def test_powersgd_is_measured_only_where_it_decides(alexnet):
 
     plan = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT), HostCosts(1e-9, 2e-9, 1e-10, 1e-10),
                      compression="auto", measure=measure)
-    assert asked and len(asked) == len(set(asked)) <= 6
+    # Each variant (2 scopes x PowerSGD's planned ranks and rounds) measured once at most.
+    assert asked and len(asked) == len(set(asked)) <= 2 * len(PowerSGD.planned())
     assert "powersgd" not in plan.chosen.compression
     measured = [row for row in plan.record()["rows"] if row["compression_cost"] == "measured"
                 and "powersgd" in row["compression"]]
