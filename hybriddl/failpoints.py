@@ -10,6 +10,8 @@ free when it is unset (one dictionary lookup where a point sits).
   heartbeat goes on beating: a host alive that no longer takes part;
 - `drift=R@N`: after step N, host R adds one unit in the last place to the first element
   of its first parameter: hosts no longer hold the same model;
+- `stall-inside=R@N`: after step N, host R enters its next exchange (its beats say so) and
+  never drives it: an exchange every host is inside in which nothing moves;
 - `busy=R@N:SECONDS`: after step N, host R spends SECONDS in one C call that holds
   Python's GIL (libc's sleep through ctypes.PyDLL): no thread of it runs meanwhile, as in a
   long call of a library that keeps the GIL.
@@ -33,7 +35,8 @@ VARIABLE = "HYBRIDDL_FAILPOINTS"
 POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
           "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
           "drift": (r"(\d+)@(\d+)", "drift=1@2"),
-          "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30")}
+          "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30"),
+          "stall-inside": (r"(\d+)@(\d+)", "stall-inside=1@2")}
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,18 @@ def fires(name: str, rank: int, step: int | None = None) -> bool:
     point = active().get(name)
     return point is not None and point.rank == rank and (point.step is None
                                                          or point.step == step)
+
+
+_ARMED: set[str] = set()
+
+
+def arm(name: str) -> None:
+    """Let failpoint `name` fire where it sits (a point in another layer, armed at a step)."""
+    _ARMED.add(name)
+
+
+def armed(name: str) -> bool:
+    return name in _ARMED
 
 
 def seconds(name: str) -> int | None:

@@ -134,6 +134,8 @@ CASES = {
     "target_accuracy_nan": (flags("--target-accuracy", "nan"), "--target-accuracy nan"),
     "stop_at_target_without_a_target": (flags("--stop-at-target"), "--target-accuracy A"),
     "eval_every_zero": (flags("--eval-every", "0"), "--eval-every 0"),
+    "progress_timeout_zero": (flags("--progress-timeout", "0"), "--progress-timeout 0"),
+    "progress_timeout_negative": (flags("--progress-timeout", "-5"), "--progress-timeout -5"),
     "target_with_measure_only": (flags("--measure-only", "--target-accuracy", "0.9"),
                                  "--measure-only runs no validation"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),

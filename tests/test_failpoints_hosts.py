@@ -99,11 +99,22 @@ def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
     assert "lost" not in output and "silent" not in output, output[-3000:]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(images, tmp_path_factory) -> Path:
+    """The run nothing interrupts, which the runs resumed after a fault must equal."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    assert two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir)).returncode == 0
+    return run_dir
+
+
+def assert_resumes_to(run_dir: Path, uninterrupted: Path) -> None:
+    assert two_ranks("train", "--resume", str(run_dir)).returncode == 0
+    got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted / MODEL)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
+
+
 def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_same(
-        images, tmp_path):
-    uninterrupted = tmp_path / "uninterrupted"
-    assert two_ranks(*TRAIN, "--data", str(images), "--run-dir",
-                     str(uninterrupted)).returncode == 0
+        images, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     started = time.monotonic()
     done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
@@ -114,6 +125,24 @@ def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_
     assert re.search(r"rank 1 on host \S+ runs \(its heartbeat is heard\) but has not come to "
                      r"this exchange", output), output[-3000:]
     assert time.monotonic() - started < 90
-    assert two_ranks("train", "--resume", str(run_dir)).returncode == 0
-    got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted / MODEL)
-    assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
+    assert_resumes_to(run_dir, uninterrupted)
+
+
+def test_an_exchange_every_host_is_inside_and_nothing_moves_stops_at_the_progress_timeout(
+        images, tmp_path, uninterrupted):
+    """Rank 1 enters the exchange after step 2 (its beats say so) and never drives it: both
+    hosts alive, inside the same exchange, nothing completes. Rank 0 names the exchange and
+    each host's state after --progress-timeout; the last checkpoint resumes the run."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--checkpoint-every", "1", "--progress-timeout", "5",
+                     faults="stall-inside=1@2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert re.search(r"nothing of exchange (\d+) \(averaging gradients\) completed for [5-9] s "
+                     r"while every host is alive and inside it \(rank 0 on host \S+: inside "
+                     r"exchange \1; rank 1 on host \S+: inside exchange \1 .*\): likely a "
+                     r"collective the hosts entered differently", output), output[-3000:]
+    assert time.monotonic() - started < 90
+    assert_resumes_to(run_dir, uninterrupted)

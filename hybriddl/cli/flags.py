@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_TIMEOUT_SECONDS
+from hybriddl.hosts.base import BALANCE_POLICIES, DEFAULT_PROGRESS_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from hybriddl.hosts.compression import compression_help
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import SILENCE_SECONDS
@@ -125,6 +125,12 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
                             "in progress is never cut short, however slow the link: a host that "
                             f"died, hung or lost its link is named after {SILENCE_SECONDS:.0f} s "
                             "of heartbeat silence")
+    group.add_argument("--progress-timeout", type=float,
+                       help="stop when every host is alive and inside the same exchange and no "
+                            "part of it completed for this many seconds (default: "
+                            f"{DEFAULT_PROGRESS_SECONDS:.0f}; a part is at most 8 MiB): a "
+                            "collective the hosts entered differently, or a data path that "
+                            "drops packets while the heartbeat's passes")
 
 
 def add_seed_flag(parser: argparse.ArgumentParser, settings: type) -> None:

@@ -116,6 +116,7 @@ def training_config(args: argparse.Namespace):
 # The across-hosts flags, which do something only when there are other hosts.
 HOSTS_FLAGS = {"overlap": "--overlap", "fp16_allreduce": "--fp16-allreduce",
                "fusion_mib": "--fusion-mib", "host_timeout": "--host-timeout",
+               "progress_timeout": "--progress-timeout",
                "balance": "--balance", "throughput": "--throughput",
                "check_every": "--check-every", "strict_equal": "--strict-equal"}
 
@@ -131,6 +132,11 @@ def hosts_options(args: argparse.Namespace) -> dict:
         options["bucket_bytes"] = int(args.fusion_mib * 2**20)
     if args.host_timeout is not None:
         options["timeout"] = args.host_timeout
+    if args.progress_timeout is not None:
+        if not args.progress_timeout > 0:
+            raise UsageError(f"--progress-timeout {args.progress_timeout:g}: give a positive "
+                             "number of seconds")
+        options["progress_timeout"] = args.progress_timeout
     return options
 
 

@@ -19,6 +19,10 @@ from hybriddl.hosts.traffic import TrafficMeter, interface_bytes_sent
 
 BALANCE_POLICIES = ("throughput", "even")
 DEFAULT_TIMEOUT_SECONDS = 120.0
+# An exchange every host is inside, none of whose requests completes for this long, is
+# stuck (hosts/mpi.py MPIHosts.wait): a request is one piece of at most 8 MiB, which takes
+# 6.7 s at 10 Mbit/s.
+DEFAULT_PROGRESS_SECONDS = 60.0
 
 
 def host_weights(balance: str | None, throughputs: list[float | None]) -> tuple[list[float], str, str | None]:

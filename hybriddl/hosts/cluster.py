@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Hosts
+from hybriddl.hosts.base import DEFAULT_PROGRESS_SECONDS, DEFAULT_TIMEOUT_SECONDS, Hosts
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 
@@ -23,7 +23,8 @@ def launched_by_mpirun(environ=os.environ) -> bool:
 
 def connect(*, overlap: bool = False, compression=Compression.none,
             bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            timeout: float = DEFAULT_TIMEOUT_SECONDS) -> Hosts:
+            timeout: float = DEFAULT_TIMEOUT_SECONDS,
+            progress_timeout: float = DEFAULT_PROGRESS_SECONDS) -> Hosts:
     """The hosts of this run. MPI is initialised only when a launcher started us.
 
     Without mpirun nothing touches MPI, so `hybriddl train` on one machine (and the
@@ -34,7 +35,7 @@ def connect(*, overlap: bool = False, compression=Compression.none,
     from hybriddl.hosts.mpi import MPIHosts
 
     return MPIHosts(overlap=overlap, compression=compression, bucket_bytes=bucket_bytes,
-                    timeout=timeout)
+                    timeout=timeout, progress_timeout=progress_timeout)
 
 
 class SingleHost(Hosts):

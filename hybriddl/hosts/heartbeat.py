@@ -321,6 +321,28 @@ class Heartbeat:
                       if state // 2 < exchanges and not state % 2 and peer not in self._left
                       and listened - self._heard.get(peer, listened) <= recent)
 
+    def inside_with(self, exchanges: int) -> bool:
+        """Whether every peer is heard and inside exchange number `exchanges` too (its last
+        beat, within RECENT_BEATS intervals, says so): all hosts alive and in the same one."""
+        listened, recent = self._listened_until, RECENT_BEATS * self.interval
+        return all(self._progress.get(peer) == 2 * exchanges + 1 and peer not in self._left
+                   and listened - self._heard.get(peer, -recent) <= recent
+                   for peer in self.peers)
+
+    def states(self) -> dict[int, str]:
+        """Each peer's state as its last beat said: where it is, for a line about a stall."""
+        listened = self._listened_until
+        said = {}
+        for peer in self.peers:
+            state = self._progress.get(peer)
+            heard = listened - self._heard.get(peer, listened)
+            if state is None:
+                said[peer] = "beats only (no exchange reported yet)"
+            else:
+                where = "inside" if state % 2 else "after"
+                said[peer] = f"{where} exchange {state // 2} ({heard:.0f} s ago)"
+        return said
+
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         """Say BYE to every peer (so that none takes this rank's end for a failure) and stop."""

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybriddl.hosts.base import DEFAULT_TIMEOUT_SECONDS, Exchange, Hosts
+from hybriddl.hosts.base import (DEFAULT_PROGRESS_SECONDS, DEFAULT_TIMEOUT_SECONDS, Exchange,
+                                 Hosts)
 from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.averaging import Averager, averager_for, back_to, host_empty, to_host
@@ -210,16 +211,22 @@ class MPIHosts(Hosts):
 
     def __init__(self, *, overlap: bool = False, compression=Compression.none,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout: float = DEFAULT_TIMEOUT_SECONDS):
+                 timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                 progress_timeout: float = DEFAULT_PROGRESS_SECONDS):
         if bucket_bytes < 1:
             raise UsageError(f"--fusion-mib gives {bucket_bytes} bytes: give a positive size")
         if not timeout > 0:
             raise UsageError(f"--host-timeout {timeout}: give a positive number of seconds")
+        if not progress_timeout > 0:
+            raise UsageError(f"--progress-timeout {progress_timeout}: give a positive number "
+                             "of seconds")
         # On emulated hosts slowed down by D (hybriddl emulate), every wait on another host
         # lasts D times longer in wall time: deadlines follow, or a broadcast that takes 15
         # emulated seconds would read as a lost host.
         self.time_scale = time_scale()
         timeout *= self.time_scale
+        # The deadline of an exchange every host is inside and in which nothing completes.
+        self.progress_timeout = progress_timeout * self.time_scale
         # Before MPI starts (no fork after it): the process that sends this rank's beats.
         sender = _beat_sender(INTERVAL_SECONDS * self.time_scale)
         self.MPI = MPI = _initialise()
@@ -350,20 +357,28 @@ class MPIHosts(Hosts):
         """
         Request = self.MPI.Request
         heartbeat = self.heartbeat if self.heartbeat and self.heartbeat.running else None
-        started = time.monotonic()
+        started = progressed = time.monotonic()
         self._exchanges += 1
         if heartbeat:
             heartbeat.report(self._exchanges, inside=True)
+        if failpoints.armed("stall-inside"):
+            failpoints.stall_for_ever()  # inside, its beats say so; it never drives MPI
         listen = 0.0  # when to ask the heartbeat next: not at every poll, which drives MPI
         try:
-            while not Request.Testall(requests):
+            # Testsome: each request that completes (a piece of at most 8 MiB) is progress.
+            while (done := Request.Testsome(requests)) is not None:
                 now = time.monotonic()
+                if done:
+                    progressed = now
                 late = self._deadline_armed and now - started > self.timeout
                 if heartbeat and now >= listen:
                     if lost := heartbeat.lost():
                         raise self._lost(lost, what)
                     if late and (behind := heartbeat.behind(self._exchanges)):
                         raise self._not_coming(behind, what)
+                    if (self._deadline_armed and now - progressed > self.progress_timeout
+                            and heartbeat.inside_with(self._exchanges)):
+                        raise self._stuck(heartbeat, what, now - progressed)
                     listen = now + 0.1
                 if late and not heartbeat:
                     raise HostFailure(
@@ -376,6 +391,17 @@ class MPIHosts(Hosts):
         finally:
             if heartbeat:
                 heartbeat.report(self._exchanges, inside=False)
+
+    def _stuck(self, heartbeat, what: str, seconds: float) -> HostFailure:
+        states = "; ".join(f"rank {r} on host {self.names[r]}: {state}"
+                           for r, state in heartbeat.states().items())
+        return HostFailure(
+            f"nothing of exchange {self._exchanges} ({what}) completed for {seconds:.0f} s "
+            f"while every host is alive and inside it (rank {self.rank} on host "
+            f"{self.names[self.rank]}: inside exchange {self._exchanges}; {states}): likely "
+            "a collective the hosts entered differently, or a data path that drops packets "
+            "while the heartbeat's passes (check btl_tcp_if_include); the last checkpoint "
+            "resumes the run (see --progress-timeout)")
 
     def _not_coming(self, behind: list[int], what: str) -> HostFailure:
         who = ", ".join(f"rank {r} on host {self.names[r]}" for r in behind)
