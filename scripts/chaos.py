@@ -55,7 +55,7 @@ DISK_MB = 48  # room for the run (two ~10 MB checkpoints, model.pt) and little m
 DEADLINE_SECONDS = 600
 
 
-def train_args(run_dir: Path, steps: int, image_size: int) -> list[str]:
+def train_args(run_dir: Path, steps: int, image_size: int, compression: str = "none") -> list[str]:
     """squeezenet1_1 with the default dropout; `image_size` from `image_size_for`. The
     embedded set has 20 steps an epoch: --max-steps ends the run. At the use case's
     learning rate (1e-3) this net's training amplifies the float rounding of another host
@@ -66,7 +66,8 @@ def train_args(run_dir: Path, steps: int, image_size: int) -> list[str]:
             "--batch-size", "24", "--lr", "3e-4",
             "--epochs", "100", "--max-steps", str(steps), "--strategy", "sequential",
             "--checkpoint-every",
-            str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir)]
+            str(CHECKPOINT_EVERY), "--monitor-interval", "0", "--run-dir", str(run_dir),
+            *(["--compression", compression] if compression != "none" else [])]
 
 
 def image_size_for(kinds: list[str]) -> int:
@@ -78,9 +79,9 @@ def image_size_for(kinds: list[str]) -> int:
     return 32 if set(kinds) & HOST_LOSING else 64
 
 
-def launch_args(run_dir: Path, steps: int, image_size: int) -> list[str]:
+def launch_args(run_dir: Path, steps: int, image_size: int, compression: str) -> list[str]:
     return ["--min-hosts", "2", "--restarts", "8", "--retry-delay", "2", "--",
-            *train_args(run_dir, steps, image_size)]
+            *train_args(run_dir, steps, image_size, compression)]
 
 
 class CheckpointWatch:
@@ -189,10 +190,11 @@ class ChaosRun:
     """The launcher on the emulated hosts, and the faults applied to it."""
 
     def __init__(self, cluster: EmulatedHosts, run_dir: Path, disk: Path | None, steps: int,
-                 image_size: int, rng: random.Random, log):
+                 image_size: int, rng: random.Random, log, compression: str = "none"):
         self.cluster, self.run_dir, self.disk, self.steps = cluster, run_dir, disk, steps
         self.rng, self.log = rng, log
-        self.argv, self.env = launch_on(cluster, launch_args(run_dir, steps, image_size))
+        self.argv, self.env = launch_on(cluster, launch_args(run_dir, steps, image_size,
+                                                             compression))
         self.process: subprocess.Popen | None = None
         self.seen_pids: set[int] = set()
         self.exit_codes: list[int] = []
@@ -327,8 +329,11 @@ def leftovers(before_shm: set[str], owner_pid: int, scratch: Path) -> list[str]:
     return left
 
 
-def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None) -> dict:
-    """Run the uninterrupted run, then the chaos run; returns the results (see module doc)."""
+def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None,
+          compression: str = "none") -> dict:
+    """Run the uninterrupted run, then the chaos run; returns the results (see module doc).
+    `compression`: the runs' --compression (a compressed run's factors and error buffers
+    cross every resume, on any host count)."""
     rng = random.Random(seed)
     plan = schedule(rng, kinds, steps)
     image_size = image_size_for(kinds)
@@ -347,7 +352,7 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
         with EmulatedHosts(hosts=HOSTS) as cluster:
             # The uninterrupted run: the same launch on the same hosts, no fault.
             reference = ChaosRun(cluster, scratch / "reference", None, steps, image_size, rng,
-                                 log)
+                                 log, compression)
             started = time.monotonic()
             reference.start()
             if reference.finish() != 0:
@@ -355,7 +360,7 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
             reference_seconds = time.monotonic() - started
 
             run_dir = disk / "run"
-            run = ChaosRun(cluster, run_dir, disk, steps, image_size, rng, log)
+            run = ChaosRun(cluster, run_dir, disk, steps, image_size, rng, log, compression)
             watch = CheckpointWatch(run_dir)
             faults = []
             started = time.monotonic()
@@ -404,7 +409,8 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None)
                 "checkpoints_written": watch.writes,
                 "seconds": {"uninterrupted": round(reference_seconds, 2),
                             "chaos": round(chaos_seconds, 2)},
-                "train_args": train_args(Path("RUN_DIR"), steps, image_size),
+                "train_args": train_args(Path("RUN_DIR"), steps, image_size, compression),
+                "compression": compression,
             }
     finally:
         log.close()
@@ -450,6 +456,8 @@ def main() -> int:
                         help=f"comma-separated, each once (default: {','.join(FAULTS)})")
     parser.add_argument("--output", default=str(REPO / "results" / "chaos.json"))
     parser.add_argument("--log", help="the launchers' output (default: discarded)")
+    parser.add_argument("--compression", default="none",
+                        help="the runs' --compression, e.g. powersgd:2 (default: none, exact)")
     args = parser.parse_args()
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
     if os.geteuid() != 0:
@@ -467,7 +475,8 @@ def main() -> int:
     # A stop (Ctrl-C, kill, a background job's SIGINT ignored) still tears everything down.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler)
-    result = chaos(args.seed, args.steps, kinds, Path(args.log) if args.log else None)
+    result = chaos(args.seed, args.steps, kinds, Path(args.log) if args.log else None,
+                   args.compression)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     for fault in result["faults"]:
