@@ -385,8 +385,11 @@ def mlperf_table(data: dict) -> str:
                      f"{'–' if epochs is None else f'{epochs:g}'} | {final} |")
     lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
                                           f"{r['seed']}")
-    if data.get("note"):  # written by hand beside the cells: what is missing, and why
-        lines += ["", f"Note: {data['note']}"]
+    invalid = data.get("invalidated_runs")
+    if invalid:  # runs kept for the record, out of every row above
+        named = ", ".join(f"{r['contender']} at {r['hosts']} hosts seed {r['seed']}"
+                          for r in invalid["runs"])
+        lines += ["", f"Set apart ({len(invalid['runs'])} runs: {named}): {invalid['why']}"]
     return "\n".join(lines)
 
 
@@ -417,7 +420,8 @@ A --stop-at-target`; the clock runs through every validation, as in MLPerf); its
 drops the fastest and the slowest run and averages the rest, in emulated seconds (wall /
 S). A run that misses the target within the epoch cap counts as the slowest; more than one
 miss, no score. `exact` is hybriddl's exact scheme as the planner picks it; `powersgd:R`
-is hybriddl's PowerSGD at rank R (not exact); `ddp-powersgd:R` is PyTorch DDP with torch's
+is hybriddl's PowerSGD at rank R (not exact), one factor a step, `:rounds=2` both factors
+in two allreduces as the paper and torch's hook; `ddp-powersgd:R` is PyTorch DDP with torch's
 powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs go to the
 cap: they fix the target and their final accuracy is the cap's."""
 
