@@ -322,6 +322,32 @@ def test_bench_powersgd_times_both_ways_side_by_side_and_names_the_cpu(tmp_path)
         bench_powersgd.parse_args(["--rounds", "0"])
 
 
+def test_powersgd_cost_times_every_contender_side_by_side_and_names_the_device(tmp_path):
+    """scripts/powersgd_cost.py, issue 54's GPU measurement, checked on the CPU (a process of
+    its own: it holds a gloo group of one)."""
+    import json
+
+    from hybriddl.usecases import build_model
+
+    out = tmp_path / "cost.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "powersgd_cost.py"),
+                           "--device", "cpu", "--models", "squeezenet1_1", "--image-size", "32",
+                           "--batch-size", "4", "--repeats", "2", "--output", str(out)],
+                          capture_output=True, text=True, env=hybriddl_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and "gpu_name" not in result and result["cpu_model"]
+    assert isinstance(result["git_status_porcelain"], list)
+    [model] = result["models"]
+    seconds = model["seconds"]
+    assert {"hybriddl powersgd:2", "hybriddl powersgd:2:rounds=2", "gradient to host and back",
+            "ddp powerSGD_hook:2 minus allreduce_hook"} <= seconds.keys()
+    assert all(seconds[k]["median"] > 0 for k in seconds
+               if k != "ddp powerSGD_hook:2 minus allreduce_hook")
+    assert model["gradient_bytes"] == 4 * sum(
+        p.numel() for p in build_model("squeezenet1_1", 10).parameters())
+
+
 def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(monkeypatch,
                                                                            tmp_path):
     """The prediction is the chosen row of the run's plan, the measurement the median of the
