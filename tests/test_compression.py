@@ -122,17 +122,23 @@ def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(rounds)
     assert lags[-1] / sum(float(t.norm()) for t in true) < 0.1
 
 
-def test_one_allreduce_per_step_carries_factors_and_dense_tensors():
-    compression = PowerSGD(2)
-    gradients = small_gradients()
+def allreduces_of(compression, gradients, steps: int) -> list[int]:
+    """The size of every allreduce `steps` steps of `compression` hand over (one host)."""
     calls = []
 
     def allreduce(tensor):
         calls.append(tensor.numel())
         return tensor.clone()
 
-    for _ in range(4):
+    for _ in range(steps):
         compression.aggregate(gradients, allreduce)
+    return calls
+
+
+def test_one_allreduce_per_step_carries_factors_and_dense_tensors():
+    compression = PowerSGD(2)
+    gradients = small_gradients()
+    calls = allreduces_of(compression, gradients, 4)
     # Q (in x R) then P (out x R) of the two matrices, with the bias and the small matrix.
     dense = 16 + 3 * 2
     q_step, p_step = 2 * (72 + 40) + dense, 2 * (16 + 10) + dense
@@ -145,14 +151,7 @@ def test_two_rounds_send_p_with_the_dense_tensors_then_q():
     assert (compression.rounds, compression.allreduces_per_step, compression.in_phases) == (
         2, 2, False)
     gradients = small_gradients()
-    calls = []
-
-    def allreduce(tensor):
-        calls.append(tensor.numel())
-        return tensor.clone()
-
-    for _ in range(2):
-        compression.aggregate(gradients, allreduce)
+    calls = allreduces_of(compression, gradients, 2)
     dense = 16 + 3 * 2
     p_round, q_round = 2 * (16 + 10) + dense, 2 * (72 + 40)
     assert calls == [p_round, q_round, p_round, q_round]

@@ -113,18 +113,24 @@ def assert_resumes_to(run_dir: Path, uninterrupted: Path) -> None:
     assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
 
 
+def stopped_by(images, run_dir: Path, deadline: str, fault: str) -> str:
+    """A run with a checkpoint every step, `deadline` (a flag) at 5 s and `fault`: it must
+    stop (exit 1) within 90 s; its output."""
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--checkpoint-every", "1", deadline, "5", faults=fault)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert time.monotonic() - started < 90
+    return output
+
+
 def test_a_host_alive_that_stops_exchanging_is_named_and_the_resumed_run_is_the_same(
         images, tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    started = time.monotonic()
-    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
-                     "--checkpoint-every", "1", "--host-timeout", "5",
-                     faults="stall-exchange=1@2")
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output[-3000:]
+    output = stopped_by(images, run_dir, "--host-timeout", "stall-exchange=1@2")
     assert re.search(r"rank 1 on host \S+ runs \(its heartbeat is heard\) but has not come to "
                      r"this exchange", output), output[-3000:]
-    assert time.monotonic() - started < 90
     assert_resumes_to(run_dir, uninterrupted)
 
 
@@ -134,15 +140,9 @@ def test_an_exchange_every_host_is_inside_and_nothing_moves_stops_at_the_progres
     hosts alive, inside the same exchange, nothing completes. Rank 0 names the exchange and
     each host's state after --progress-timeout; the last checkpoint resumes the run."""
     run_dir = tmp_path / "run"
-    started = time.monotonic()
-    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
-                     "--checkpoint-every", "1", "--progress-timeout", "5",
-                     faults="stall-inside=1@2")
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output[-3000:]
+    output = stopped_by(images, run_dir, "--progress-timeout", "stall-inside=1@2")
     assert re.search(r"nothing of exchange (\d+) \(averaging gradients\) completed for [5-9] s "
                      r"while every host is alive and inside it \(rank 0 on host \S+: inside "
                      r"exchange \1; rank 1 on host \S+: inside exchange \1 .*\): likely a "
                      r"collective the hosts entered differently", output), output[-3000:]
-    assert time.monotonic() - started < 90
     assert_resumes_to(run_dir, uninterrupted)
