@@ -206,6 +206,24 @@ def test_beats_from_a_process_of_the_ranks_own_go_on_while_its_thread_is_held():
     assert not parent_stopped(os.getpid())
 
 
+def test_the_beats_process_tells_a_stopped_rank_from_a_running_one():
+    """hosts/beater.py beats only while its rank is not stopped (SIGSTOP: state T)."""
+    import signal
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not parent_stopped(sleeper.pid)
+        sleeper.send_signal(signal.SIGSTOP)
+        wait_until(lambda: parent_stopped(sleeper.pid), 5)
+        sleeper.send_signal(signal.SIGCONT)
+        wait_until(lambda: not parent_stopped(sleeper.pid), 5)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not parent_stopped(sleeper.pid)  # gone: not stopped
+
+
 def test_beats_use_the_interfaces_mpi_is_told_to_use_else_every_address_loopback_last():
     interfaces = {"lo": ["127.0.0.1"], "eth0": ["198.18.0.2"], "docker0": ["172.17.0.1"]}
     assert beat_addresses("198.18.0.0/24", interfaces) == ["198.18.0.2"]
