@@ -206,6 +206,18 @@ def test_beats_from_a_process_of_the_ranks_own_go_on_while_its_thread_is_held():
     assert not parent_stopped(os.getpid())
 
 
+@timed
+def test_where_the_beats_process_ends_the_heartbeats_thread_beats_again():
+    ranks = Ranks(2, silence=1.0, senders=True)
+    try:
+        ranks.senders[1]._process.kill()
+        ranks.senders[1]._process.wait()
+        time.sleep(2.0)  # twice the silence
+        assert ranks.beats[0].lost() == {} and ranks.beats[1].sender is None
+    finally:
+        ranks.close()
+
+
 def test_the_beats_process_tells_a_stopped_rank_from_a_running_one():
     """hosts/beater.py beats only while its rank is not stopped (SIGSTOP: state T)."""
     import signal

@@ -233,6 +233,8 @@ class Heartbeat:
                 self.cpu_seconds = time.thread_time() - started
                 # Taken before reading: whatever arrived before `now` is read below.
                 now = time.monotonic()
+                if self.sender and not self.sender.running:
+                    self.sender = None  # the beats' process ended: this thread beats again
                 self._accept()
                 beat = now >= next_beat
                 with self._lock:
