@@ -111,15 +111,23 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     assert epoch["val_accuracy"] == epoch_of(sequential)[1]["val_accuracy"]
 
 
-def test_two_hosts_with_channels_last_weights_match_sequential(images, sequential, tmp_path):
-    """A channels_last weight's gradient is a contiguous view of its fusion bucket on hosts
-    (hosts/fusion.py): its update must pair them element by element (torch's fused SGD
-    pairs memory order: step.py's unfuse_where_layouts_differ)."""
+@pytest.mark.parametrize("layouts", ["both channels_last", "rank 0 only"])
+def test_two_hosts_with_channels_last_weights_match_sequential(images, sequential, tmp_path,
+                                                              layouts):
+    """A channels_last weight's gradient lives in its fusion bucket (hosts/fusion.py) laid
+    out as the weight, so autograd writes it without a copy and torch's fused SGD (which
+    pairs elements in memory order) updates it right. Hosts whose local strategies hold
+    the weights in other formats sum their buckets in logical order (contiguous slots,
+    and step.py's unfuse_where_layouts_differ)."""
     run_dir = tmp_path / "run"
-    done = mpirun((2, [*TRAIN, "--channels-last", "--data", str(images), "--run-dir",
-                       str(run_dir)]))
+    args = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
+    apps = [(2, [*args, "--channels-last"])] if layouts == "both channels_last" else \
+        [(1, [*args, "--channels-last"]), (1, args)]
+    done = mpirun(*apps)
     assert done.returncode == 0, done.stdout + done.stderr
     assert_same_model(run_dir, sequential)
+    if layouts == "both channels_last":
+        assert "gradient layout contract" not in done.stderr
 
 
 def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,

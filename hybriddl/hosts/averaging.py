@@ -278,15 +278,17 @@ class WholeGradientAverager(Averager):
 
 
 def averager_for(hosts, compression, model: nn.Module, bucket_bytes: int, phases: bool,
-                 notes: list[str]) -> Averager:
+                 notes: list[str], follow_layout: bool = True) -> Averager:
     """The averager of the scheme's declared kind for `model`. The buckets hold the
-    gradients themselves (their views), also where the scheme takes the whole gradient."""
+    gradients themselves (their views), also where the scheme takes the whole gradient;
+    `follow_layout`: see GradientBuckets."""
     if compression.kind == BUCKETED:
         return BucketedAverager(hosts, compression,
-                                GradientBuckets(model, compression, bucket_bytes))
+                                GradientBuckets(model, compression, bucket_bytes, follow_layout))
     if compression.kind == WHOLE_GRADIENT:
         return WholeGradientAverager(
-            hosts, compression, GradientBuckets(model, Compression.none, bucket_bytes),
+            hosts, compression,
+            GradientBuckets(model, Compression.none, bucket_bytes, follow_layout),
             model, phases, notes)
     raise ValueError(f"--compression {compression.name} declares averaging of kind "
                      f"{compression.kind!r}, which hosts/averaging.py does not know")

@@ -668,13 +668,18 @@ class MPIHosts(Hosts):
         self._deadline_armed = True  # training starts: every wait now has --host-timeout
         self._exchanges = 0  # every host counts its exchanges from here (the deadline's)
         asked = self.overlap if overlap is None else overlap
-        averager = averager_for(self, self.compression, model,
-                                min(self.bucket_bytes, bucket_bytes or self.bucket_bytes),
-                                asked, self.notes)
-        signatures = self.allgather((self.compression.name, averager.buckets.signature()))
-        if any(s != signatures[0] for s in signatures):
+        cap = min(self.bucket_bytes, bucket_bytes or self.bucket_bytes)
+        averager = averager_for(self, self.compression, model, cap, asked, self.notes)
+        signatures = self.allgather((self.compression.name, averager.buckets.signature(),
+                                     averager.buckets.layouts()))
+        if any(s[:2] != signatures[0][:2] for s in signatures):
             raise UsageError("hosts lay out gradients differently (different models, library "
                              "versions or --compression): give every host the same options")
+        if any(s[2] != signatures[0][2] for s in signatures):
+            # Hosts hold their weights in other memory formats (their local strategies
+            # differ): the buckets are summed in the parameters' logical order.
+            averager = averager_for(self, self.compression, model, cap, asked, [],
+                                    follow_layout=False)
         averager.buckets.install_views()
         self.averager = averager
         self._compressed = averager.parameters  # for checkpoints (Hosts.compression_state)
