@@ -182,3 +182,18 @@ def test_an_aborting_rank_gives_up_on_a_pipe_nobody_reads():
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_the_progress_deadline_grows_on_a_link_too_slow_for_its_parts():
+    """--progress-timeout bounds an exchange every host is inside with no part completing;
+    on a link that needs longer to carry PROGRESS_PARTS parts, the parts' time bounds it."""
+    from hybriddl.hosts.mpi import MPIHosts, PIECE_BYTES, PROGRESS_PARTS
+
+    hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: only the arithmetic
+    hosts.progress_timeout, hosts.link_bytes_per_second = 60.0, None
+    assert hosts.progress_deadline() == 60.0  # not measured: the flag's
+    hosts.link_bytes_per_second = 125e6  # 1 Gbit/s: parts take a fraction of a second
+    assert hosts.progress_deadline() == 60.0
+    hosts.link_bytes_per_second = 125e3  # 1 Mbit/s
+    assert hosts.progress_deadline() == pytest.approx(PROGRESS_PARTS * PIECE_BYTES / 125e3)
+    assert hosts.progress_deadline() > 250

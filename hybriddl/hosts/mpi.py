@@ -48,6 +48,9 @@ from hybriddl.hosts.wire import HALF_DTYPES, as_bits
 PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 # Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
 PIECE_BYTES = 8 * 2**20
+# An exchange's parts in flight at once a slow link must carry before the progress deadline
+# (`MPIHosts.progress_deadline`): at 1 Mbit/s, 4 x 8 MiB take 268 s.
+PROGRESS_PARTS = 4
 # The link measurement at start: large enough that latency is a small part of it.
 LINK_PROBE_BYTES = 8 * 2**20
 LINK_PROBE_TAG = 7301
@@ -376,7 +379,7 @@ class MPIHosts(Hosts):
                         raise self._lost(lost, what)
                     if late and (behind := heartbeat.behind(self._exchanges)):
                         raise self._not_coming(behind, what)
-                    if (self._deadline_armed and now - progressed > self.progress_timeout
+                    if (self._deadline_armed and now - progressed > self.progress_deadline()
                             and heartbeat.inside_with(self._exchanges)):
                         raise self._stuck(heartbeat, what, now - progressed)
                     listen = now + 0.1
@@ -391,6 +394,14 @@ class MPIHosts(Hosts):
         finally:
             if heartbeat:
                 heartbeat.report(self._exchanges, inside=False)
+
+    def progress_deadline(self) -> float:
+        """Seconds an exchange every host is inside may go without a part completing:
+        --progress-timeout, or where the link measured at start is slower, the time
+        PROGRESS_PARTS parts (8 MiB each) take on it: a slow link is not a stall."""
+        rate = self.link_bytes_per_second
+        parts = PROGRESS_PARTS * PIECE_BYTES / rate if rate else 0.0
+        return max(self.progress_timeout, parts)
 
     def _stuck(self, heartbeat, what: str, seconds: float) -> HostFailure:
         states = "; ".join(f"rank {r} on host {self.names[r]}: {state}"
