@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -193,6 +194,49 @@ def test_a_host_cut_off_the_network_is_named_after_the_silence_a_short_host_time
                                             "--host-timeout", "5")
     assert re.search(r"lost rank 1 on host h1 \(silent for [5-9] s\)", text), text[-3000:]
     assert code == 1 and named < 15 and exited < 15, (named, exited)
+
+# MPI's TCP transport listens on these ports (a range below the kernel's ephemeral ports,
+# where the heartbeat's and PRRTE's own connections are): dropping them cuts the data path
+# alone.
+MPI_PORTS = ["--mca", "btl_tcp_port_min_v4", "20480", "--mca", "btl_tcp_port_range_v4", "64"]
+DATA_PORTS = "20480:20543"
+
+
+@emulated
+@pytest.mark.skipif(not shutil.which("iptables"), reason="dropping MPI's packets alone needs "
+                    "iptables (Debian's iptables package; .ci/run installs it)")
+def test_a_data_path_that_drops_every_packet_while_beats_flow_stops_at_the_progress_timeout(
+        tmp_path):
+    """Host 1's firewall drops every packet to or from MPI's ports while the heartbeat's
+    connections pass: both hosts alive, inside the same exchange, nothing of it completes.
+    The run stops after --progress-timeout (5 s) with the line naming the exchange and both
+    hosts' states, exit 1, instead of waiting until TCP gives up (minutes)."""
+    run_dir = tmp_path / "run"
+    with hosts_launcher(2) as launcher:
+        mpirun = subprocess.Popen([*launcher.argv, *MPI_PORTS, "-np", "2", sys.executable, "-m",
+                                   "hybriddl", *TRAIN, "--progress-timeout", "5", "--run-dir",
+                                   str(run_dir)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, env=hybriddl_env())
+        output = Output(mpirun)
+        try:
+            poll(lambda: (run_dir / CHECKPOINT).exists(), "checkpoint", 120, mpirun, output)
+            for port in ("--dport", "--sport"):
+                subprocess.run(["ip", "netns", "exec", launcher.cluster.namespaces[1],
+                                "iptables", "-A", "OUTPUT", "-p", "tcp", port, DATA_PORTS,
+                                "-j", "DROP"], check=True, capture_output=True)
+            dropped = time.monotonic()
+            code = mpirun.wait(timeout=120)
+            ended = time.monotonic() - dropped
+        finally:
+            if mpirun.poll() is None:
+                mpirun.kill()
+                mpirun.wait()
+        text = output.text
+    assert re.search(r"nothing of exchange (\d+) \([^)]*\) completed for [5-9] s while every "
+                     r"host is alive and inside it \(rank \d on host h\d: inside exchange \1; "
+                     r"rank \d on host h\d: inside exchange \1 ", text), text[-3000:]
+    assert code == 1 and ended < 45, (code, ended)
+
 
 # resnet18's gradient (3 classes) is 44.7 MB: a ring allreduce between 2 hosts sends it
 # once per host, 10 s at 36 Mbit/s, more than the 6 s of heartbeat silence that
