@@ -79,7 +79,7 @@ def image_size_for(kinds: list[str]) -> int:
     return 32 if set(kinds) & HOST_LOSING else 64
 
 
-def launch_args(run_dir: Path, steps: int, image_size: int, compression: str) -> list[str]:
+def launch_args(run_dir: Path, steps: int, image_size: int, compression: str = "none") -> list[str]:
     return ["--min-hosts", "2", "--restarts", "8", "--retry-delay", "2", "--",
             *train_args(run_dir, steps, image_size, compression)]
 
