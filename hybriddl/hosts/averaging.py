@@ -18,6 +18,7 @@ a step's exchange.
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -53,7 +54,7 @@ def back_to(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
     return given.new_empty(host.shape).copy_(host, non_blocking=True)
 
 
-class Averager:
+class Averager(ABC):
     """One step's averaging of a model's gradients over the hosts (see the module)."""
 
     def __init__(self, hosts, compression, buckets: GradientBuckets):
@@ -85,12 +86,13 @@ class Averager:
             progress.track(self._requests)
         self.armed = True
 
+    @abstractmethod
     def average(self) -> None:
-        raise NotImplementedError
+        """The step's gradients become their mean over the hosts (in `.grad`)."""
 
+    @abstractmethod
     def wire_bytes(self) -> int:
         """Bytes one gradient exchange hands to MPI."""
-        raise NotImplementedError
 
     def _send(self, wire: torch.Tensor, received: torch.Tensor) -> None:
         self._requests.extend(self.hosts.iallreduce(wire, received))

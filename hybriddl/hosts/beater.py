@@ -35,6 +35,7 @@ BEAT = struct.Struct("!q")  # hosts/heartbeat.py's: the state a beat says
 STATE, CONNECTION, END = b"S", b"C", b"E"
 PEER = struct.Struct("!q")
 POLL_SECONDS = 0.05
+HAND_SECONDS = 2.0  # the most a connection waits to be handed over (`BeatSender.add`)
 STOPPED_STATES = ("T", "t")  # stopped by a signal, stopped by a tracer
 LAUNCHER_VARIABLES = ("OMPI_", "PMIX_", "PRTE_", "SLURM_")
 
@@ -67,8 +68,17 @@ class BeatSender:
         return cls(process, ours)
 
     def add(self, peer: int, connection: socket.socket) -> None:
-        """Beat to `peer` on `connection` (the child holds its own descriptor of it)."""
-        socket.send_fds(self._control, [CONNECTION + PEER.pack(peer)], [connection.fileno()])
+        """Beat to `peer` on `connection` (the child holds its own descriptor of it). A child
+        that does not take it within HAND_SECONDS is ended: the heartbeat's thread then
+        beats itself (Heartbeat._run)."""
+        self._control.settimeout(HAND_SECONDS)
+        try:
+            socket.send_fds(self._control, [CONNECTION + PEER.pack(peer)],
+                            [connection.fileno()])
+        except OSError:
+            self._process.kill()
+        finally:
+            self._control.settimeout(None)
 
     def report(self, state: int) -> None:
         try:
