@@ -10,6 +10,7 @@ after 3 steps, 3.5e-6 of its largest value). Without CUDA each such test says wh
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import subprocess
 import sys
@@ -497,15 +498,28 @@ def test_the_pipelines_stages_overlap_on_one_gpu():
     assert overlap > 0, timeline
 
 
+def gpu_mpirun() -> Path:
+    beside = Path(sys.executable).parent / "mpirun"  # the venv's (pip's Open MPI), else PATH's
+    found = beside if beside.exists() else shutil.which("mpirun")
+    if found is None:
+        pytest.skip(f"no mpirun at {beside} or on PATH")
+    return Path(found)
+
+
+def two_ranks(mpirun: Path, args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([str(mpirun), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
+                           "btl_tcp_if_include", "lo", "-np", "2", sys.executable, "-m",
+                           "hybriddl", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path):
-    beside = Path(sys.executable).parent / "mpirun"  # the venv's (pip's Open MPI), else PATH's
-    mpirun = beside if beside.exists() else shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip(f"no mpirun at {beside} or on PATH")
+@pytest.mark.parametrize("host_parallel", ["auto", "hybrid"])
+def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path, host_parallel):
+    mpirun = gpu_mpirun()
     train_args = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",
                   "--max-steps", "3", "--epochs", "1", "--strategy", "gpu", "--devices", "cuda:0"]
     env = {**hybriddl_env(), "NVIDIA_TF32_OVERRIDE": "0"}
@@ -513,15 +527,47 @@ def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path):
                           str(tmp_path / "one")], capture_output=True, text=True, env=env,
                          timeout=600)
     assert one.returncode == 0, one.stderr
-    two = subprocess.run([str(mpirun), "--oversubscribe", "--mca", "btl", "tcp,self", "--mca",
-                          "btl_tcp_if_include", "lo", "-np", "2", sys.executable, "-m",
-                          "hybriddl", *train_args, "--run-dir", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    two = two_ranks(mpirun, [*train_args, "--host-parallel", host_parallel,
+                             "--run-dir", str(tmp_path / "two")], env)
     assert two.returncode == 0, two.stdout + two.stderr
     got, want = torch.load(tmp_path / "two" / MODEL), torch.load(tmp_path / "one" / MODEL)
     # model.pt holds CPU tensors whichever device trained it and however many hosts did.
     assert {str(t.device) for t in [*got.values(), *want.values()]} == {"cpu"}
     assert_close([got[k] for k in want], list(want.values()), GPU_VS_CPU)
+    config = json.loads((tmp_path / "two" / "metrics.json").read_text())["config"]
+    assert config["host_parallel"]["asked"] == host_parallel, config["host_parallel"]
+    if host_parallel == "hybrid":
+        assert config["host_parallel"]["scheme"] == "hybrid", config["host_parallel"]
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_ranks_on_cuda_with_powersgd_resumed_end_as_uninterrupted(tmp_path):
+    """Two ranks sharing the GPU, `--compression powersgd:2`: stopped after 4 steps and
+    resumed to 6, they end where 6 uninterrupted steps end (the checkpoint keeps the
+    hosts' summed errors and the factors, on the CPU)."""
+    mpirun = gpu_mpirun()
+    env = {**hybriddl_env(), "NVIDIA_TF32_OVERRIDE": "0"}
+    args = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",
+            "--epochs", "2", "--strategy", "gpu", "--devices", "cuda:0",
+            "--compression", "powersgd:2"]
+    straight = two_ranks(mpirun, [*args, "--max-steps", "6", "--run-dir",
+                                  str(tmp_path / "straight")], env)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    cut = two_ranks(mpirun, [*args, "--max-steps", "4", "--run-dir", str(tmp_path / "cut")],
+                    env)
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    resumed = two_ranks(mpirun, ["train", "--resume", str(tmp_path / "cut"), "--max-steps",
+                                 "6"], env)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    got = torch.load(tmp_path / "cut" / MODEL)
+    want = torch.load(tmp_path / "straight" / MODEL)
+    assert_close([got[k] for k in want], list(want.values()), GPU_VS_CPU)
+    metrics = json.loads((tmp_path / "cut" / "metrics.json").read_text())
+    assert metrics["config"]["compression"] == "powersgd:2"
+    assert len(metrics["resumes"]) == 1, metrics["resumes"]
 
 
 @needs_cuda
