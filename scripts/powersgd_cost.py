@@ -153,6 +153,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     batches = args.batch_size * (len(args.models) if len(args.batch_size) == 1 else 1)
+    if device.type == "cuda" and device.index is None:  # NCCL wants the device's index
+        device = torch.device("cuda", torch.cuda.current_device())
     # A world of one, its store in this process: no port to take.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             store=dist.HashStore(),
