@@ -127,7 +127,10 @@ def benchmark_page(page: Page, data: dict) -> str:
              f"- **CPU**: {p['cpu_model']}, {p['cores']} cores",
              *([f"- **GPU**: {data['gpu_name']}"] if data.get("gpu_name") else []),
              f"- **torch**: {p['torch']}",
-             f"- **commit**: `{p['commit']}`",
+             f"- **commit**: `{p['commit']}`"
+             + (f" with changes (`git status --porcelain` there: "
+                f"{', '.join(repr(line) for line in data['git_status_porcelain'])})"
+                if data.get("git_status_porcelain") else ""),
              f"- **JSON**: [`{page.json}`](../../{page.json})"]
     for run in data.get("earlier_runs", []):  # cells kept from runs before (--append)
         lines.append(f"- **with cells of**: `{run.get('command')}` (commit `{run.get('commit')}`, "
