@@ -37,6 +37,7 @@ import gpu_check
 import gpu_tests
 import main_job
 import planner_check
+import powersgd_cost
 import scaling_e2e
 from pages import Page, chart_digest, measured_date, provenance
 
@@ -84,6 +85,7 @@ PAGES: list[Page] = [
     *bench_local.PAGES,
     *bench_gpu.PAGES,
     *bench_powersgd.PAGES,
+    *powersgd_cost.PAGES,
     *bench_rows_exchange.PAGES,
     *planner_check.PAGES,
     *gpu_tests.PAGES,
