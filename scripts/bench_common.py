@@ -1,7 +1,7 @@
-"""What every benchmark script shares: the header its results JSON starts with, and the
-spread of a measurement.
+"""What every benchmark script shares: the header its results JSON starts with, the
+spread of a measurement, and the one way a benchmark runs a cell on emulated hosts.
 
-    from bench_common import results_header, spread
+    from bench_common import emulate, host_options, results_header, spread
 
 Scripts are run as `python scripts/NAME.py` (Python puts scripts/ first on the path), so
 this imports without any path set-up; tests load scripts with tests/conftest.py, which
@@ -11,11 +11,15 @@ puts scripts/ on the path the same way.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shlex
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,3 +51,55 @@ def spread(values: list[float], digits: int | None = None) -> dict:
     """The median, lowest and highest of a measurement's repeats (rounded to `digits`)."""
     figures = {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return figures if digits is None else {k: round(v, digits) for k, v in figures.items()}
+
+
+# ------------------------------------------------------------------ a cell on emulated hosts
+
+@dataclass
+class Emulated:
+    """One `hybriddl emulate` run of a benchmark cell."""
+
+    command: list[str]  # as a user types it: `hybriddl emulate ... -- COMMAND`
+    returncode: int
+    output: str  # its stdout, then its stderr
+    report: dict | None  # emulate's --report (None when the run failed)
+    wall_seconds: float
+
+    @property
+    def dilation(self) -> float:
+        """Wall seconds per emulated second: S x D (D alone in reports before --speedup)."""
+        return self.report.get("dilation", self.report.get("time_scale", 1.0))
+
+    def shown(self) -> str:
+        return shlex.join(self.command)
+
+    def tail(self, lines: int = 5, keep=None) -> list[str]:
+        """The output's last lines (those `keep` selects, where it selects any)."""
+        every = self.output.strip().splitlines()
+        kept = [line for line in every if keep(line)] if keep else []
+        return kept[-lines:] or every[-lines:]
+
+
+def host_options(hosts: int, cores_per_host: int = 1, *, bandwidth: str | None = None,
+                 ranks_per_host: int | None = None, speed: Sequence[str] = ()) -> list[str]:
+    """`hybriddl emulate`'s flags for H hosts of C cores (R ranks each), their link and
+    speed (`--speedup S`, `--host-step ...`, `--time-scale D`)."""
+    return ["--hosts", str(hosts), "--cores-per-host", str(cores_per_host),
+            *(["--ranks-per-host", str(ranks_per_host)] if ranks_per_host else []),
+            *(["--bandwidth", bandwidth] if bandwidth else []), *speed]
+
+
+def emulate(options: Sequence[str], command: Sequence[str], report: Path,
+            timeout: float | None = None) -> Emulated:
+    """Run `command` (`hybriddl train ...`, or any command) on the emulated hosts `options`
+    describe, from this checkout's code, and read emulate's --report (`report`, replaced)."""
+    shown = ["hybriddl", "emulate", *options, "--report", str(report), "--", *command]
+    report.unlink(missing_ok=True)
+    started = time.time()
+    done = subprocess.run([sys.executable, "-m", "hybriddl", *shown[1:]], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    ran = done.returncode == 0 and report.exists()
+    return Emulated(shown, done.returncode, (done.stdout or "") + (done.stderr or ""),
+                    json.loads(report.read_text()) if ran else None,
+                    round(time.time() - started, 1))

@@ -60,6 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import emulate, host_options
 from pages import Page
 
 PORT = 5202
@@ -201,26 +202,21 @@ def link_worker(folder: Path, size: int) -> None:
 
 
 # ---------------------------------------------------------------- runs
-def emulate(options: list[str], command: list[str], scratch: Path) -> dict:
+def emulated_report(options: list[str], command: list[str], scratch: Path) -> dict:
     """One `hybriddl emulate` run; its --report."""
-    report = scratch / "report.json"
-    report.unlink(missing_ok=True)
-    done = subprocess.run([sys.executable, "-m", "hybriddl", "emulate", *options, "--report",
-                           str(report), "--", *command], capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"emulate {shlex.join(options)} failed:\n{done.stderr[-3000:]}\n"
-                         f"{done.stdout[-3000:]}")
-    return json.loads(report.read_text())
+    run = emulate(options, command, scratch / "report.json", timeout=600)
+    if run.returncode != 0 or run.report is None:
+        raise SystemExit(f"emulate {shlex.join(options)} failed:\n{run.output[-6000:]}")
+    return run.report
 
 
 def train(args, scale: float, hosts: int, cores: int, steps: int, scratch: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"run-{hosts}-{scale:g}-", dir=scratch)) / "run"
-    report = emulate(["--hosts", str(hosts), "--cores-per-host", str(cores),
-                      "--time-scale", str(scale)],
-                     ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
-                      str(args.image_size), "--max-steps", str(steps), "--strategy",
-                      "sequential", "--dropout", "0", "--run-dir", str(run_dir)], scratch)
+    report = emulated_report(
+        host_options(hosts, cores, speed=["--time-scale", str(scale)]),
+        ["hybriddl", "train", "--usecase", args.usecase, "--image-size", str(args.image_size),
+         "--max-steps", str(steps), "--strategy", "sequential", "--dropout", "0", "--run-dir",
+         str(run_dir)], scratch)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {"report": report, "step_seconds": metrics["epochs"][0]["per_step"]["seconds"]}
 
@@ -280,10 +276,10 @@ def link_rows(args, scratch: Path, cores: int, bandwidth: str, scales: list[floa
         for scale in scales:
             for name in ("sender.json", "receiver.json"):
                 (scratch / name).unlink(missing_ok=True)
-            emulate(["--hosts", "2", "--cores-per-host", str(cores), "--time-scale", str(scale),
-                     "--bandwidth", bandwidth, *latency],
-                    [sys.executable, str(Path(__file__).resolve()), "--output", "-",
-                     "--link-worker", f"{scratch},{size}"], scratch)
+            emulated_report(host_options(2, cores, bandwidth=bandwidth,
+                                         speed=["--time-scale", str(scale), *latency]),
+                            [sys.executable, str(Path(__file__).resolve()), "--output", "-",
+                             "--link-worker", f"{scratch},{size}"], scratch)
             sender = json.loads((scratch / "sender.json").read_text())
             receiver = json.loads((scratch / "receiver.json").read_text())
             run = {"seconds": receiver["seconds"],
@@ -337,7 +333,7 @@ def each_on_its_own(args, hosts: int, options: list[str],
     run per host, no MPI between them; (d), (f)): the report and each host's wall step
     seconds, the first --warmup left out."""
     prefix = Path(tempfile.mkdtemp(prefix="alone-", dir=scratch)) / "run"
-    report = emulate(["--hosts", str(hosts), *options], [
+    report = emulated_report(["--hosts", str(hosts), *options], [
         sys.executable, str(Path(__file__).resolve()), "--output", "-", "--alone-worker",
         str(prefix), "--", "hybriddl", "train", "--usecase", args.usecase, "--image-size",
         str(args.image_size), "--max-steps", str(args.steps), "--strategy", "sequential",
@@ -409,10 +405,10 @@ def exchange_check(args, scratch: Path) -> dict:
         for name, cores, mca in cases:
             output = scratch / "exchange.json"
             output.unlink(missing_ok=True)
-            report = emulate(["--hosts", "2", "--cores-per-host", str(cores), "--bandwidth",
-                              bandwidth, *mca],
-                             [sys.executable, str(Path(__file__).resolve()), "--output", "-",
-                              "--exchange-worker", f"{output},{args.exchange_steps}"], scratch)
+            report = emulated_report(host_options(2, cores, bandwidth=bandwidth, speed=mca),
+                                     [sys.executable, str(Path(__file__).resolve()), "--output",
+                                      "-", "--exchange-worker",
+                                      f"{output},{args.exchange_steps}"], scratch)
             scales[name] = report["time_scale"]
             runs[name].append(json.loads(output.read_text())[2:])  # the first two warm up
             print(f"(e) {name} D={scales[name]:g}: {statistics.median(runs[name][-1]):.4f} s",

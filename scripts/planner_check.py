@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import results_header
+from bench_common import emulate, host_options, results_header
 from pages import Page
 from hybriddl.files import atomic_write_json
 
-REPO = Path(__file__).resolve().parents[1]
 HOSTS = 2
 # (host parallel, compression): the exact hybrid, and what --compression auto settles on.
 SCHEMES = {"hybrid": ("hybrid", "none"), "auto": ("auto", "auto")}
@@ -62,18 +59,15 @@ def run(speedup: float, scheme: str, args: argparse.Namespace, scratch: Path) ->
              "--max-steps", str(args.warmup + args.steps), "--strategy", "sequential",
              "--host-parallel", host_parallel, "--compression", compression,
              "--monitor-interval", "0", "--measure-only", "--run-dir", str(run_dir)]
-    command = ["hybriddl", "emulate", "--hosts", str(HOSTS), "--cores-per-host", "1",
-               "--bandwidth", args.bandwidth, "--speedup", f"{speedup:g}",
-               "--report", str(report), "--", *train]
-    print(f"planner_check: S = {speedup:g}, {scheme}: {shlex.join(command)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "hybriddl", *command[1:]],
-                          capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode != 0:
-        sys.exit(f"planner_check: the run failed ({done.returncode}): "
-                 f"{shlex.join(command)}\n{(done.stdout + done.stderr)[-2000:]}")
+    print(f"planner_check: S = {speedup:g}, {scheme}", flush=True)
+    ran = emulate(host_options(HOSTS, bandwidth=args.bandwidth,
+                               speed=["--speedup", f"{speedup:g}"]), train, report)
+    if ran.returncode != 0:
+        sys.exit(f"planner_check: the run failed ({ran.returncode}): "
+                 f"{ran.shown()}\n{ran.output[-2000:]}")
+    command = ran.command
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    dilation = json.loads(report.read_text())["dilation"]
+    dilation = ran.dilation
     plan = metrics["config"]["plan"]
     chosen = next(row for row in plan["rows"] if row["scheme"] == plan["chosen"]["scheme"])
     per_step = metrics["epochs"][0]["per_step"]

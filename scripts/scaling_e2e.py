@@ -54,13 +54,11 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_common import results_header
+from bench_common import emulate, host_options, results_header
 from time_to_accuracy import accuracy_at_equal_epochs, accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.files import atomic_write_json
@@ -196,12 +194,6 @@ def speed_flags(args) -> list[str]:
     return [] if args.speedup is None else ["--speedup", repr(args.speedup)]
 
 
-def dilation_of(emulation: dict) -> float:
-    """Wall seconds per emulated second from an emulate report: S x D (D alone before
-    --speedup existed)."""
-    return emulation.get("dilation", emulation.get("time_scale", 1.0))
-
-
 def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[str], int]:
     """(hybriddl train arguments, ranks per host) of one contender."""
     case = get_usecase(args.usecase)
@@ -237,20 +229,14 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
                       args.usecase, "--image-size", str(args.image_size), "--batch-size",
                       str(case.batch_size * hosts), "--warmup", str(args.warmup),
                       "--steps", str(args.steps), *wire_flags(contender, args.powersgd_rank)])
-    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
-               "--cores-per-host", str(args.cores_per_host), "--bandwidth", bandwidth,
-               *speed_flags(args), "--report", str(report), "--", "sh", "-c",
-               f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode != 0:
-        lines = (done.stdout + done.stderr).strip().splitlines()
+    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
+                               speed=speed_flags(args)),
+                  ["sh", "-c", f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"'], report)
+    if ran.returncode != 0:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-                "failed": done.returncode, "output_tail": lines[-5:]}
+                "failed": ran.returncode, "output_tail": ran.tail()}
     rank0 = json.loads((result_dir / "rank0.json").read_text())
-    emulation = json.loads(report.read_text())
-    scale = dilation_of(emulation)
+    emulation, scale = ran.report, ran.dilation
     emulated = [s / scale for s in rank0["step_seconds"]]
     global_batch = case.batch_size * hosts
     return {
@@ -269,8 +255,7 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
         "median_nic_bytes_per_step": rank0["nic_bytes_sent"] / rank0["timed_steps"],
         "host_parallel": None, "strategy": rank0["strategy"],
         "memory": {"peak_rss_bytes": rank0["peak_rss_bytes"]},
-        "wall_seconds": round(time.time() - started, 1),
-        "command": shlex.join(["hybriddl", *command[3:]]),
+        "wall_seconds": ran.wall_seconds, "command": ran.shown(),
     }
 
 
@@ -284,21 +269,15 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     shutil.rmtree(run_dir, ignore_errors=True)
     report.unlink(missing_ok=True)
     train, ranks = train_args(args, contender, hosts, run_dir)
-    command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
-               "--cores-per-host", str(args.cores_per_host), "--ranks-per-host", str(ranks),
-               "--bandwidth", bandwidth, *speed_flags(args), "--report", str(report), "--",
-               "hybriddl", *train]
-    started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode != 0:
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        tail = [line for line in lines if "hybriddl:" in line or "rror" in line][-5:] or lines[-5:]
+    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
+                               ranks_per_host=ranks, speed=speed_flags(args)),
+                  ["hybriddl", *train], report)
+    if ran.returncode != 0:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-                "failed": done.returncode, "output_tail": tail}
+                "failed": ran.returncode,
+                "output_tail": ran.tail(keep=lambda line: "hybriddl:" in line or "rror" in line)}
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    emulation = json.loads(report.read_text())
-    scale = dilation_of(emulation)
+    emulation, scale = ran.report, ran.dilation
     epoch = metrics["epochs"][0]
     seconds = epoch["per_step"]["seconds"][args.warmup:]
     nic = epoch["per_step"].get("nic_bytes_sent", [])[args.warmup:]
@@ -319,8 +298,7 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
         "host_parallel": metrics["config"].get("host_parallel"),
         "strategy": metrics["config"]["strategy"],
         "memory": metrics.get("memory"),
-        "wall_seconds": round(time.time() - started, 1),
-        "command": shlex.join(["hybriddl", *command[3:]]),
+        "wall_seconds": ran.wall_seconds, "command": ran.shown(),
     }
     return record
 

@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import results_header
+from bench_common import emulate, host_options, results_header
 from hybriddl.emulation.hosts import bits_per_second
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
-REPO = Path(__file__).resolve().parents[1]
 HOSTS = 2
 
 
@@ -67,16 +63,12 @@ def main(argv=None) -> int:
                  "--epochs", "1", "--max-steps", str(args.warmup + args.steps),
                  "--monitor-interval", "0", "--strategy", "intraop", "--workers", "1",
                  "--channels-last", "--host-parallel", "data", "--run-dir", str(run_dir)]
-        command = [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(HOSTS),
-                   "--cores-per-host", "1", "--speedup", repr(args.speedup),
-                   *([] if unlimited else ["--bandwidth", args.bandwidth]),
-                   "--report", str(report), "--", *train]
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
-        if done.returncode != 0:
-            sys.exit(f"the run failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        ran = emulate(host_options(HOSTS, bandwidth=None if unlimited else args.bandwidth,
+                                   speed=["--speedup", repr(args.speedup)]), train, report)
+        if ran.returncode != 0:
+            sys.exit(f"the run failed ({ran.returncode}):\n{ran.output[-2000:]}")
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        emulation = json.loads(report.read_text())
+        emulation = ran.report
     dilation = emulation["dilation"]
     per_step = metrics["epochs"][0]["per_step"]
     timed = slice(args.warmup, None)
@@ -111,7 +103,7 @@ def main(argv=None) -> int:
         "wall_link_bits_per_second": None if unlimited else wall_rate,
         "warmup": args.warmup, "timed_steps": args.steps,
         **results_header("speedup_overhead.py", argv),
-        "run_command": shlex.join(["hybriddl", *command[3:]]),
+        "run_command": ran.shown(),
         "steps_rank0": steps, "median_rank0": median, "by_rank": by_rank,
         # The headline: the least-waiting host's overhead per step (wall), what the
         # emulation counts of it (emulated), and the bound on an emulated step.

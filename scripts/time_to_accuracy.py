@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_common import results_header
+from bench_common import emulate, host_options, results_header
 from pages import Page, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
@@ -167,13 +164,6 @@ def summarise(runs: list[dict], target: float, bandwidth: str,
 
 # ------------------------------------------------------------------------ one run
 
-def emulate_command(args, hosts: int, report: Path, speed: list[str],
-                    command: list[str]) -> list[str]:
-    return [sys.executable, "-m", "hybriddl", "emulate", "--hosts", str(hosts),
-            "--cores-per-host", str(args.cores_per_host), "--bandwidth", args.bandwidth,
-            *speed, "--report", str(report), "--", *command]
-
-
 def goal_flags(args, seed: int, stop_at: float | None) -> list[str]:
     """What every contender trains: the data, sizes, batch, learning rate, seed, epoch
     cap, validation and target."""
@@ -210,18 +200,14 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
                    "auto", "--compression", compression, "--monitor-interval", "0",
                    "--run-dir", str(run_dir)]
         result = run_dir / "metrics.json"
-    full = emulate_command(args, hosts, report, speed, command)
-    started = time.time()
-    done = subprocess.run(full, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=args.bandwidth,
+                               speed=speed), command, report)
     record = {"hosts": hosts, "contender": contender, "seed": seed,
               "model": args.model or get_usecase(args.usecase).model,
-              "wall_seconds": round(time.time() - started, 1),
-              "command": shlex.join(["hybriddl", *full[3:]])}
-    if done.returncode != 0:
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        return {**record, "failed": done.returncode, "output_tail": lines[-8:]}
-    emulation = json.loads(report.read_text())
+              "wall_seconds": ran.wall_seconds, "command": ran.shown()}
+    if ran.returncode != 0:
+        return {**record, "failed": ran.returncode, "output_tail": ran.tail(8)}
+    emulation = ran.report
     measured = json.loads(result.read_text())
     target = measured["target"]
     record.update({

@@ -250,6 +250,7 @@ def test_digits_imagefolder_refuses_a_folder_that_holds_files(tmp_path):
 
 def test_scaling_runs_a_cell_of_a_later_round_in_a_fresh_run_directory(monkeypatch, tmp_path):
     """train refuses a run directory that exists: round 2 must not find round 1's."""
+    import bench_common
     import scaling_e2e
 
     args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1", "--rounds", "2",
@@ -263,7 +264,7 @@ def test_scaling_runs_a_cell_of_a_later_round_in_a_fresh_run_directory(monkeypat
         run_dir.mkdir()  # what a train run leaves behind
         return subprocess.CompletedProcess(command, 2, "", "hybriddl: stop")
 
-    monkeypatch.setattr(scaling_e2e.subprocess, "run", run)
+    monkeypatch.setattr(bench_common.subprocess, "run", run)
     for _ in range(2):
         cell = scaling_e2e.run_cell(args, "hybrid", 2, "1gbit", tmp_path)
         assert cell["failed"] == 2
@@ -388,6 +389,7 @@ def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(mon
     steps after the warm-up in emulated seconds (wall / dilation)."""
     import json
 
+    import bench_common
     import planner_check
 
     real_run = subprocess.run
@@ -412,7 +414,7 @@ def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(mon
             {"config": {"plan": plan}, "epochs": [{"per_step": per_step}]}))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(planner_check.subprocess, "run", run)
+    monkeypatch.setattr(bench_common.subprocess, "run", run)  # every benchmark's cell runner
     output = tmp_path / "check.json"
     assert planner_check.main(["--speedup", "200", "--schemes", "hybrid", "--warmup", "1",
                                "--steps", "3", "--output", str(output)]) == 0
@@ -438,3 +440,32 @@ def test_fidelity_summary_judges_hosts_at_once_under_a_quota_against_one_alone()
     # 4 hosts at D = 2 taking 4.0 s where one alone takes 1.6: 25 % slower than D accounts for.
     assert not quota["within"] and quota["error"] == pytest.approx(0.25)
     assert emulation_fidelity.parse_args(["--output", "x"]).checks == list("abcdef")
+
+
+@pytest.mark.root
+@pytest.mark.emulated
+@pytest.mark.mpi
+def test_the_benchmarks_cell_runner_runs_a_command_on_emulated_hosts(tmp_path):
+    """bench_common.emulate, through which every benchmark runs its hosts: the command runs
+    on each host, from this checkout, and the report comes back (a failure: its output)."""
+    import bench_common
+    from emulated import can_emulate
+
+    if not can_emulate():
+        pytest.skip("emulated hosts need root, ip, tc and unshare")
+    marks = tmp_path / "ran"
+    marks.mkdir()
+    ran = bench_common.emulate(
+        bench_common.host_options(2, bandwidth="1gbit"),
+        [sys.executable, "-c", "import os, pathlib, hybriddl; pathlib.Path("
+         f"{str(marks)!r}, os.environ['OMPI_COMM_WORLD_RANK']).write_text("
+         "str(pathlib.Path(hybriddl.__file__).parents[1]))"], tmp_path / "report.json")
+    assert ran.returncode == 0, ran.output[-3000:]
+    assert ran.report["emulated_hosts"] == 2 and ran.report["bandwidth"] == "1gbit"
+    assert ran.dilation == 1 and ran.wall_seconds > 0
+    assert {p.name: p.read_text() for p in marks.iterdir()} == {"0": str(REPO), "1": str(REPO)}
+    assert ran.shown().startswith("hybriddl emulate --hosts 2 --cores-per-host 1 --bandwidth "
+                                  "1gbit --report ")
+    failed = bench_common.emulate(bench_common.host_options(1), ["false"],
+                                  tmp_path / "report.json")
+    assert failed.returncode != 0 and failed.report is None

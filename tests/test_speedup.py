@@ -179,12 +179,16 @@ def test_an_exchange_after_compute_takes_its_bytes_over_the_rate_at_a_high_speed
 
 
 def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_host_step():
+    import bench_common
     import scaling_e2e
 
     args = scaling_e2e.parse_args(["--output", "x.json", "--speedup", "20"])
     assert scaling_e2e.speed_flags(args) == ["--speedup", "20.0"]
-    assert scaling_e2e.dilation_of({"speedup": 20, "time_scale": 2, "dilation": 40}) == 40
-    assert scaling_e2e.dilation_of({"time_scale": 2}) == 2  # reports from before --speedup
+    def ran(report: dict) -> bench_common.Emulated:
+        return bench_common.Emulated(["hybriddl", "emulate"], 0, "", report, 1.0)
+
+    assert ran({"speedup": 20, "time_scale": 2, "dilation": 40}).dilation == 40
+    assert ran({"time_scale": 2}).dilation == 2  # reports from before --speedup
     cell = {"contender": "data", "bandwidth": "1gbit", "median_nic_bytes_per_step": None,
             "host_parallel": None}
     cells = [{**cell, "hosts": 1, "speedup": 20.0, "images_per_second": 100.0,
