@@ -25,12 +25,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from conftest import hybriddl_env
 from emulated import can_emulate, hosts_launcher
 from hybriddl.emulation import EmulatedHosts
 from hybriddl.emulation.hosts import PREFIX, _namespaces
-from hybriddl.rundir import CHECKPOINT, METRICS
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
 
 EMULATED = [
     pytest.mark.skipif(not can_emulate(), reason="losing a host is tested on emulated hosts, "
@@ -210,20 +211,24 @@ def test_a_data_path_that_drops_every_packet_while_beats_flow_stops_at_the_progr
     """Host 1's firewall drops every packet to or from MPI's ports while the heartbeat's
     connections pass: both hosts alive, inside the same exchange, nothing of it completes.
     The run stops after --progress-timeout (5 s) with the line naming the exchange and both
-    hosts' states, exit 1, instead of waiting until TCP gives up (minutes)."""
-    run_dir = tmp_path / "run"
+    hosts' states, exit 1, instead of waiting until TCP gives up (minutes). With the data
+    path back, the run resumed from what it left ends where a run nothing interrupted ends,
+    two steps after its last checkpoint."""
+    from hybriddl.run import resumption
+
+    run_dir, straight = tmp_path / "run", tmp_path / "straight"
     with hosts_launcher(2) as launcher:
-        mpirun = subprocess.Popen([*launcher.argv, *MPI_PORTS, "-np", "2", sys.executable, "-m",
-                                   "hybriddl", *TRAIN, "--progress-timeout", "5", "--run-dir",
+        ranks = [*launcher.argv, *MPI_PORTS, "-np", "2", sys.executable, "-m", "hybriddl"]
+        mpirun = subprocess.Popen([*ranks, *TRAIN, "--progress-timeout", "5", "--run-dir",
                                    str(run_dir)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, env=hybriddl_env())
         output = Output(mpirun)
+        host_1 = ["ip", "netns", "exec", launcher.cluster.namespaces[1], "iptables"]
         try:
             poll(lambda: (run_dir / CHECKPOINT).exists(), "checkpoint", 120, mpirun, output)
             for port in ("--dport", "--sport"):
-                subprocess.run(["ip", "netns", "exec", launcher.cluster.namespaces[1],
-                                "iptables", "-A", "OUTPUT", "-p", "tcp", port, DATA_PORTS,
-                                "-j", "DROP"], check=True, capture_output=True)
+                subprocess.run([*host_1, "-A", "OUTPUT", "-p", "tcp", port, DATA_PORTS, "-j",
+                                "DROP"], check=True, capture_output=True)
             dropped = time.monotonic()
             code = mpirun.wait(timeout=120)
             ended = time.monotonic() - dropped
@@ -232,6 +237,15 @@ def test_a_data_path_that_drops_every_packet_while_beats_flow_stops_at_the_progr
                 mpirun.kill()
                 mpirun.wait()
         text = output.text
+        subprocess.run([*host_1, "-F", "OUTPUT"], check=True, capture_output=True)
+        steps = str(resumption.load(run_dir).position.steps_done + 2)
+        for args in (["train", "--resume", str(run_dir), "--max-steps", steps],
+                     [*TRAIN, "--max-steps", steps, "--run-dir", str(straight)]):
+            done = subprocess.run([*ranks, *args], capture_output=True, text=True,
+                                  env=hybriddl_env(), timeout=180)
+            assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    got, want = torch.load(run_dir / MODEL), torch.load(straight / MODEL)
+    assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
     assert re.search(r"nothing of exchange (\d+) \([^)]*\) completed for [5-9] s while every "
                      r"host is alive and inside it \(rank \d on host h\d: inside exchange \1; "
                      r"rank \d on host h\d: inside exchange \1 ", text), text[-3000:]
