@@ -445,6 +445,7 @@ def test_fidelity_summary_judges_hosts_at_once_under_a_quota_against_one_alone()
 @pytest.mark.root
 @pytest.mark.emulated
 @pytest.mark.mpi
+@pytest.mark.beside  # times nothing, checks only what it started (tests/two_at_once.py)
 def test_the_benchmarks_cell_runner_runs_a_command_on_emulated_hosts(tmp_path):
     """bench_common.emulate, through which every benchmark runs its hosts: the command runs
     on each host, from this checkout, and the report comes back (a failure: its output)."""
