@@ -12,6 +12,9 @@ free when it is unset (one dictionary lookup where a point sits).
   of its first parameter: hosts no longer hold the same model;
 - `stall-inside=R@N`: after step N, host R enters its next exchange (its beats say so) and
   never drives it: an exchange every host is inside in which nothing moves;
+- `stall-ahead=R@N`: after step N, host R says it entered the exchange after its next one
+  and never drives either: hosts inside different exchanges (a collective they entered
+  differently), in which nothing moves;
 - `busy=R@N:SECONDS`: after step N, host R spends SECONDS in one C call that holds
   Python's GIL (libc's sleep through ctypes.PyDLL): no thread of it runs meanwhile, as in a
   long call of a library that keeps the GIL.
@@ -36,7 +39,8 @@ POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
           "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
           "drift": (r"(\d+)@(\d+)", "drift=1@2"),
           "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30"),
-          "stall-inside": (r"(\d+)@(\d+)", "stall-inside=1@2")}
+          "stall-inside": (r"(\d+)@(\d+)", "stall-inside=1@2"),
+          "stall-ahead": (r"(\d+)@(\d+)", "stall-ahead=1@2")}
 
 
 @dataclass(frozen=True)

@@ -146,3 +146,21 @@ def test_an_exchange_every_host_is_inside_and_nothing_moves_stops_at_the_progres
                      r"exchange \1; rank 1 on host \S+: inside exchange \1 .*\): likely a "
                      r"collective the hosts entered differently", output), output[-3000:]
     assert_resumes_to(run_dir, uninterrupted)
+
+
+def test_hosts_inside_different_exchanges_and_nothing_moves_stop_at_the_progress_timeout(
+        images, tmp_path, uninterrupted):
+    """Rank 1 says it entered the exchange after rank 0's (as a host that skipped a
+    collective) and drives neither: rank 0, behind, inside an exchange nothing of which
+    completes while every other host is inside a later one, names both after
+    --progress-timeout; the last checkpoint resumes the run."""
+    run_dir = tmp_path / "run"
+    output = stopped_by(images, run_dir, "--progress-timeout", "stall-ahead=1@2")
+    assert re.search(r"nothing of exchange (\d+) \(averaging gradients\) completed for [5-9] s "
+                     r"while every host is alive and inside it or a later one \(rank 0 on host "
+                     r"\S+: inside exchange (\d+); rank 1 on host \S+: inside exchange (\d+) .*"
+                     r"\): likely hosts that entered different collectives", output), \
+        output[-3000:]
+    found = re.search(r"inside exchange (\d+); rank 1 on host \S+: inside exchange (\d+)", output)
+    assert int(found.group(2)) == int(found.group(1)) + 1, found.group(0)
+    assert_resumes_to(run_dir, uninterrupted)

@@ -331,6 +331,16 @@ class Heartbeat:
                    and listened - self._heard.get(peer, -recent) <= recent
                    for peer in self.peers)
 
+    def inside_from(self, exchanges: int) -> bool:
+        """Whether every peer is heard and inside exchange number `exchanges` or a later one:
+        all hosts alive, none of them behind this exchange (a peer inside a later one has
+        sent all it had for this one)."""
+        listened, recent = self._listened_until, RECENT_BEATS * self.interval
+        return all((state := self._progress.get(peer)) is not None and state % 2
+                   and state // 2 >= exchanges and peer not in self._left
+                   and listened - self._heard.get(peer, -recent) <= recent
+                   for peer in self.peers)
+
     def states(self) -> dict[int, str]:
         """Each peer's state as its last beat said: where it is, for a line about a stall."""
         listened = self._listened_until

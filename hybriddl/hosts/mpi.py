@@ -364,7 +364,9 @@ class MPIHosts(Hosts):
         self._exchanges += 1
         if heartbeat:
             heartbeat.report(self._exchanges, inside=True)
-        if failpoints.armed("stall-inside"):
+        if failpoints.armed("stall-ahead") and heartbeat:
+            heartbeat.report(self._exchanges + 1, inside=True)  # one exchange ahead
+        if failpoints.armed("stall-inside") or failpoints.armed("stall-ahead"):
             failpoints.stall_for_ever()  # inside, its beats say so; it never drives MPI
         listen = 0.0  # when to ask the heartbeat next: not at every poll, which drives MPI
         try:
@@ -380,7 +382,7 @@ class MPIHosts(Hosts):
                     if late and (behind := heartbeat.behind(self._exchanges)):
                         raise self._not_coming(behind, what)
                     if (self._deadline_armed and now - progressed > self.progress_deadline()
-                            and heartbeat.inside_with(self._exchanges)):
+                            and heartbeat.inside_from(self._exchanges)):
                         raise self._stuck(heartbeat, what, now - progressed)
                     listen = now + 0.1
                 if late and not heartbeat:
@@ -404,15 +406,21 @@ class MPIHosts(Hosts):
         return max(self.progress_timeout, parts)
 
     def _stuck(self, heartbeat, what: str, seconds: float) -> HostFailure:
+        """Nothing of this exchange completed for `seconds` while every other host is alive
+        and inside it, or inside a later one: it has sent all it had for this one."""
         states = "; ".join(f"rank {r} on host {self.names[r]}: {state}"
                            for r, state in heartbeat.states().items())
+        where, cause = (("inside it", "a collective the hosts entered differently, or a data "
+                         "path that drops packets while the heartbeat's passes (check "
+                         "btl_tcp_if_include)")
+                        if heartbeat.inside_with(self._exchanges) else
+                        ("inside it or a later one", "hosts that entered different "
+                         "collectives (a host skipped one, or ran one the others did not)"))
         return HostFailure(
             f"nothing of exchange {self._exchanges} ({what}) completed for {seconds:.0f} s "
-            f"while every host is alive and inside it (rank {self.rank} on host "
+            f"while every host is alive and {where} (rank {self.rank} on host "
             f"{self.names[self.rank]}: inside exchange {self._exchanges}; {states}): likely "
-            "a collective the hosts entered differently, or a data path that drops packets "
-            "while the heartbeat's passes (check btl_tcp_if_include); the last checkpoint "
-            "resumes the run (see --progress-timeout)")
+            f"{cause}; the last checkpoint resumes the run (see --progress-timeout)")
 
     def _not_coming(self, behind: list[int], what: str) -> HostFailure:
         who = ", ".join(f"rank {r} on host {self.names[r]}" for r in behind)

@@ -350,8 +350,9 @@ def inject_faults(rank: int, steps_done: int, model) -> None:
             first.copy_(torch.nextafter(first, torch.full_like(first, math.inf)))
     if failpoints.fires("busy", rank, steps_done):
         failpoints.hold_the_gil(failpoints.seconds("busy"))
-    if failpoints.fires("stall-inside", rank, steps_done):
-        failpoints.arm("stall-inside")  # MPIHosts.wait: the next exchange, entered, stalls
+    for stall in ("stall-inside", "stall-ahead"):
+        if failpoints.fires(stall, rank, steps_done):
+            failpoints.arm(stall)  # MPIHosts.wait: the next exchange (or the one after) stalls
     if failpoints.fires("stall-exchange", rank, steps_done):
         failpoints.stall_for_ever()  # the heartbeat's thread goes on beating
 
