@@ -26,8 +26,9 @@ checkout differs from it, `git status --porcelain`.
         results/powersgd_cost-gpu.json --output results/powersgd_cost-restated.json
 
 `--restate CPU GPU` measures nothing: it takes the fast-host tables
-(results/scaling_fast-*.json) and, for every cell where hybriddl's `data-powersgd` and DDP +
-PowerSGD ran at the same hosts, link and S, restates both steps with each side's
+(results/scaling_fast-*.json) and, for every cell of GPU-speed hosts (a host step of at most
+25 ms) where hybriddl's `data-powersgd` and DDP + PowerSGD ran at the same hosts, link and
+S, restates both steps with each side's
 compression time taken from the GPU: step - (CPU seconds) / S + (GPU seconds), then the
 peer ratio (DDP's step over hybriddl's, as images/s) before and after.
 """
@@ -57,6 +58,9 @@ HOOK_START = 2  # torch's least start_powerSGD_iter with error feedback
 OURS, PEER = "hybriddl powersgd:2", "ddp powerSGD_hook:2 minus allreduce_hook"
 USECASE_MODEL = {"SimpleBig": "alexnet", "ComplexSmall": "vgg16"}
 TABLES = "results/scaling_fast-*.json"
+# The cells that stand for GPU hosts: a host step of AlexNet's 10 ms or VGG16's 18-20 ms
+# (the tables' slower hosts, 95-105 ms, are CPU servers: their compression stays on the CPU).
+GPU_HOST_STEP_SECONDS = 0.025
 
 
 def synchronize(device: torch.device) -> None:
@@ -172,7 +176,8 @@ def restate(cpu: dict, gpu: dict, tables: list[Path]) -> list[dict]:
                  for r in table["summary"]}
         for (bandwidth, speedup, hosts, contender), ours in sorted(cells.items()):
             peer = cells.get((bandwidth, speedup, hosts, "ddp-powersgd"))
-            if contender != "data-powersgd" or peer is None:
+            if (contender != "data-powersgd" or peer is None
+                    or ours["host_step_seconds"] > GPU_HOST_STEP_SECONDS):
                 continue
             row = {"usecase": table["usecase"], "model": model, "table": str(path),
                    "table_cpu_model": table["cpu_model"], "bandwidth": bandwidth,

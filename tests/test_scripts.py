@@ -352,8 +352,8 @@ def test_powersgd_cost_times_every_contender_side_by_side_and_names_the_device(t
 
 def test_powersgd_cost_restates_each_side_with_its_gpu_compression_seconds(tmp_path):
     """Each side's step loses its CPU compression seconds divided by the cell's S and gains
-    the GPU's; a cell without its DDP peer beside it, or of a model not measured, is left
-    out."""
+    the GPU's; a cell without its DDP peer beside it, of a model not measured, or of hosts
+    slower than a GPU is left out."""
     import json
 
     import powersgd_cost
@@ -368,9 +368,11 @@ def test_powersgd_cost_restates_each_side_with_its_gpu_compression_seconds(tmp_p
                 "step_seconds_median": step}
 
     table = tmp_path / "scaling_fast-SimpleBig-1gbit.json"
+    slow = {"host_step_seconds": 0.1, "speedup": 1.0}  # a CPU server's step: not restated
     table.write_text(json.dumps({"usecase": "SimpleBig", "cpu_model": "a CPU", "summary": [
         cell("data-powersgd", 2, 0.012), cell("ddp-powersgd", 2, 0.024),
-        cell("data-powersgd", 4, 0.013)]}))  # no peer at 4 hosts
+        cell("data-powersgd", 4, 0.013),  # no peer at 4 hosts
+        {**cell("data-powersgd", 2, 0.1), **slow}, {**cell("ddp-powersgd", 2, 0.2), **slow}]}))
     other = tmp_path / "scaling_fast-ComplexSmall-1gbit.json"  # vgg16: not measured
     other.write_text(json.dumps({"usecase": "ComplexSmall", "cpu_model": "a CPU", "summary": [
         cell("data-powersgd", 2, 0.02), cell("ddp-powersgd", 2, 0.03)]}))
