@@ -262,10 +262,33 @@ def main_restate(args) -> int:
     return 0
 
 
+def restated_headline(page: Page, data: dict) -> str | None:
+    """The README's line under its throughput table: what the peer ratio becomes where
+    PowerSGD's compute is the GPU's."""
+    by_model: dict[str, list[dict]] = {}
+    for row in data["rows"]:
+        by_model.setdefault(row["model"], []).append(row)
+    if not by_model:
+        return None
+    parts = []
+    for model, rows in sorted(by_model.items()):
+        low, high = (f(r["ratio_restated"] for r in rows) for f in (min, max))
+        was = (f(r["ratio_emulated"] for r in rows) for f in (min, max))
+        ratio = f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
+        before = "–".join(dict.fromkeys(f"{x:.2f}" for x in was))
+        ours, peer = rows[0]["ours"]["compression_gpu"], rows[0]["peer"]["compression_gpu"]
+        parts.append(f"{model} {ratio}× (from {before}×; its compression {ours * 1e3:.1f} ms "
+                     f"a step there, the hook's {peer * 1e3:.1f} ms)")
+    return (f"On GPU hosts, with PowerSGD's compute measured on an {data['gpu_name']} in "
+            f"place of this CPU's divided by S, hybriddl's PowerSGD against DDP + PowerSGD "
+            f"at the hosts' speed is: {'; '.join(parts)} "
+            f"([restated](docs/benchmarks/{page.name}.md)).")
+
+
 PAGES = [
     Page("powersgd_cost-restated", "PowerSGD's compute taken from the GPU: the fast-host peer "
          "ratio restated", "results/powersgd_cost-restated.json", restated_table,
-         restated_setting, RESTATED_NOTES),
+         restated_setting, RESTATED_NOTES, headline=restated_headline),
 ]
 
 

@@ -225,6 +225,10 @@ def headline_block() -> str:
                   "| MB per host per step | exact? |", "|---|---|---|---|---:|---|"]
         lines += [f"| [{r['workload']}](docs/benchmarks/{r['page']}.md) | {r['speed']} | "
                   f"{r['ours']} | {r['ddp']} | {r['mb']} | {r['exact']} |" for r in rows]
+        for page in powersgd_cost.PAGES:  # the same ratios with the GPU's compression
+            data, _ = load_quotable(REPO / page.json)
+            if data is not None and (line := page.headline(page, data)):
+                lines += ["", line]
         chart = BENCHMARKS / f"{rows[-1]['page']}.png"
         if chart.exists():  # which scheme wins where, at every host speed measured
             lines += ["", f"![Which scheme wins where: {rows[-1]['workload']}]"
