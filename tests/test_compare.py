@@ -121,6 +121,7 @@ def test_step_meter_refuses_a_result_before_the_last_timed_step():
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_comparison_json_contract(comparison):
     assert comparison["emulated_hosts"] == H
     assert comparison["bandwidth"] == SLOW and comparison["latency"] is None
@@ -150,6 +151,7 @@ def test_comparison_json_contract(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
     hybrid = contender(comparison, "hybrid")
     gradient = hybrid["gradient_bytes"]
@@ -162,6 +164,7 @@ def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_flat_mpis_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
     """2(P-1)/P S per host: the ring's intra-host edge (shared memory) is not counted;
     were it on the NIC, each host would send twice that. (flat-mpi's allreduce at 4 ranks
@@ -180,6 +183,7 @@ def test_flat_mpis_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_no_host_counts_intra_host_traffic(comparison):
     """Every rank of every flat contender hands 2(P-1)/P S to its allreduce; a host's NIC
     carries only what one rank of it sends across, not what its K ranks send in all.
@@ -196,6 +200,7 @@ def test_no_host_counts_intra_host_traffic(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_compressed_peers_send_what_they_compress(comparison):
     """fp16 halves the bytes on every host's NIC, for DDP's hook as for Horovod's model; DDP's
     PowerSGD sends its factors in every timed step, its settings beside its figures."""
@@ -218,6 +223,7 @@ def test_compressed_peers_send_what_they_compress(comparison):
 @pytest.mark.emulated
 @pytest.mark.mpi
 @pytest.mark.slow
+@pytest.mark.beside
 def test_bandwidth_limits_the_hybrids_step(comparison):
     hybrid = contender(comparison, "hybrid")
     assert hybrid["seconds_per_step"] >= max(hybrid["host_nic_bytes_per_step"]) * 8 / 100e6

@@ -567,6 +567,8 @@ def test_two_ranks_average_with_powersgd_to_the_same_bits(tmp_path, overlap, rou
 
 @pytest.mark.mpi
 @pytest.mark.slow
+# Equality of what its own ranks leave, nothing timed: beside other tests (two_at_once.py).
+@pytest.mark.beside
 @pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
 # squeezenet averages its whole gradient; AlexNet's classifier splits across the hosts
 # (exact) while its convolutions' gradients go through PowerSGD.
