@@ -203,19 +203,18 @@ def restated_table(data: dict) -> str:
              "(ms) | DDP + PowerSGD step, emulated → restated (ms) | hybriddl's compression, "
              "CPU/S → GPU (ms) | DDP hook's, CPU/S → GPU (ms) | × DDP + PowerSGD, emulated → "
              "restated |", "|---|---|---:|---:|---|---|---|---|---|"]
+    def ms(side: dict, before: str, after: str) -> str:
+        return f"{side[before] * 1e3:.1f} → {side[after] * 1e3:.1f}"
+
     for r in data["rows"]:
-        ours, peer = r["ours"], r["peer"]
-
-        def ms(side: dict, a: str, b: str) -> str:
-            return f"{side[a] * 1e3:.1f} → {side[b] * 1e3:.1f}"
-
-        lines.append(f"| {r['usecase']} ({r['model']}) | {r['bandwidth']} | {r['speedup']:g} "
-                     f"({r['host_step_seconds'] * 1e3:.1f} ms) | {r['hosts']} | "
-                     f"{ms(ours, 'step_seconds_emulated', 'step_seconds_restated')} | "
-                     f"{ms(peer, 'step_seconds_emulated', 'step_seconds_restated')} | "
-                     f"{ms(ours, 'compression_cpu_over_s', 'compression_gpu')} | "
-                     f"{ms(peer, 'compression_cpu_over_s', 'compression_gpu')} | "
-                     f"{r['ratio_emulated']:.2f} → **{r['ratio_restated']:.2f}** |")
+        cells = [f"{r['usecase']} ({r['model']})", r["bandwidth"],
+                 f"{r['speedup']:g} ({r['host_step_seconds'] * 1e3:.1f} ms)", str(r["hosts"])]
+        cells += [ms(r[side], f"{what}_emulated", f"{what}_restated")
+                  for side in ("ours", "peer") for what in ("step_seconds",)]
+        cells += [ms(r[side], "compression_cpu_over_s", "compression_gpu")
+                  for side in ("ours", "peer")]
+        cells.append(f"{r['ratio_emulated']:.2f} → **{r['ratio_restated']:.2f}**")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
