@@ -276,11 +276,14 @@ def restated_headline(page: Page, data: dict) -> str | None:
         ratio = f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
         before = "–".join(dict.fromkeys(f"{x:.2f}" for x in was))
         ours, peer = rows[0]["ours"]["compression_gpu"], rows[0]["peer"]["compression_gpu"]
-        parts.append(f"{model} {ratio}× (from {before}×; its compression {ours * 1e3:.1f} ms "
-                     f"a step there, the hook's {peer * 1e3:.1f} ms)")
+        speeds = ", ".join(dict.fromkeys(f"S = {r['speedup']:g} ({r['host_step_seconds'] * 1e3:.0f}"
+                                         f" ms host step, {r['bandwidth']})" for r in rows))
+        parts.append(f"{model} at {speeds}: {ratio}× (from {before}×; its compression "
+                     f"{ours * 1e3:.1f} ms a step there, the hook's {peer * 1e3:.1f} ms)")
     return (f"On GPU hosts, with PowerSGD's compute measured on an {data['gpu_name']} in "
-            f"place of this CPU's divided by S, hybriddl's PowerSGD against DDP + PowerSGD "
-            f"at the hosts' speed is: {'; '.join(parts)} "
+            f"place of this CPU's divided by S (restated arithmetically from the cells above "
+            f"and the measured compression times, not run end to end), hybriddl's PowerSGD "
+            f"against DDP + PowerSGD is: {'; '.join(parts)} "
             f"([restated](docs/benchmarks/{page.name}.md)).")
 
 
