@@ -326,18 +326,20 @@ class Heartbeat:
     def inside_with(self, exchanges: int) -> bool:
         """Whether every peer is heard and inside exchange number `exchanges` too (its last
         beat, within RECENT_BEATS intervals, says so): all hosts alive and in the same one."""
-        listened, recent = self._listened_until, RECENT_BEATS * self.interval
-        return all(self._progress.get(peer) == 2 * exchanges + 1 and peer not in self._left
-                   and listened - self._heard.get(peer, -recent) <= recent
-                   for peer in self.peers)
+        return self._every_peer_heard(lambda state: state == 2 * exchanges + 1)
 
     def inside_from(self, exchanges: int) -> bool:
         """Whether every peer is heard and inside exchange number `exchanges` or a later one:
         all hosts alive, none of them behind this exchange (a peer inside a later one has
         sent all it had for this one)."""
+        return self._every_peer_heard(lambda state: state % 2 == 1 and state // 2 >= exchanges)
+
+    def _every_peer_heard(self, saying) -> bool:
+        """Whether every peer still in the run was heard within RECENT_BEATS intervals and its
+        last beat's state is one `saying` accepts."""
         listened, recent = self._listened_until, RECENT_BEATS * self.interval
-        return all((state := self._progress.get(peer)) is not None and state % 2
-                   and state // 2 >= exchanges and peer not in self._left
+        return all((state := self._progress.get(peer)) is not None and saying(state)
+                   and peer not in self._left
                    and listened - self._heard.get(peer, -recent) <= recent
                    for peer in self.peers)
 
