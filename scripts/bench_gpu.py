@@ -23,7 +23,11 @@ over rounds. Then `--train-steps` steps (default 200, over as many epochs as the
 the embedded set's epoch is 75 steps for SimpleBig, 30 for ComplexSmall) of `hybriddl
 train --strategy gpu` (the fastest hybriddl numerics) give the data wait at the GPU's
 rate: the share of the training time the step waited for the next batch; the record
-names the steps and epochs it ran.
+names the steps and epochs it ran. Then `--loader-rounds` rounds (default 3) alternate
+that training run with plain PyTorch trained from a real loader on the same images and
+steps (torch's DataLoader, `--loader-workers` workers, pinned memory, non_blocking copies,
+the same preprocessing on the device): hybriddl's steady images/s (after the first epoch)
+over the peer's, median and spread over rounds.
 
 Writes results/bench_gpu-<usecase>.json (gpu_name, torch, commit, command, date,
 cpu_model, rows) once the rows are measured, before the training run, and again with the
@@ -74,6 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=200,
                         help="steps of `hybriddl train` for the data wait, over as many "
                         "epochs as they take (0: none)")
+    parser.add_argument("--loader-rounds", type=int, default=3,
+                        help="rounds of `hybriddl train` against plain PyTorch with a "
+                        "DataLoader (pinned memory, non_blocking) on the same images and "
+                        "--train-steps steps, alternating (0: none)")
+    parser.add_argument("--loader-workers", type=int, default=4,
+                        help="the DataLoader's worker processes")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--output", help="default: results/bench_gpu-<usecase>.json")
     return parser.parse_args(argv)
@@ -253,7 +263,95 @@ def train_data_wait(usecase: str, image_size: int, batch_size: int, variant: str
     wait = sum(e["data_wait_seconds"] for e in epochs)
     return {"command": shlex.join(["hybriddl", *command[3:]]), "steps": sum(e["steps"] for e in epochs),
             "epochs": len(epochs), "images_per_second": sum(e["samples"] for e in epochs) / seconds,
+            "steady_images_per_second": steady_rate(epochs),
             "seconds": seconds, "data_wait_seconds": wait, "data_wait_share": wait / seconds}
+
+
+def steady_rate(epochs: list[dict]) -> float:
+    """Images/s over the epochs after the first (its start-up, cache and warm-up set apart),
+    over all of them when there is one."""
+    steady = epochs[1:] or epochs
+    return sum(e["samples"] for e in steady) / sum(e["seconds"] for e in steady)
+
+
+def loader_peer(usecase: str, model_name: str, image_size: int, batch_size: int, variant: str,
+                steps: int, device: str, workers: int) -> dict:
+    """Plain PyTorch training from a real loader on the images `hybriddl train` reads (the
+    use case's embedded set): torch's DataLoader, shuffled, `workers` worker processes,
+    pinned memory; each uint8 batch copied with non_blocking and scaled, flipped and
+    normalised on the device (the same preprocessing); torchvision's model with nn.Dropout,
+    the variant's numerics and the fused SGD of the other peers. `steps` steps over as
+    many epochs as they take; images/s over the epochs after the first, as steady_rate."""
+    import torchvision
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from hybriddl.data.loading import load_data
+    from hybriddl.usecases import RGB_MEAN, RGB_STD
+
+    case, numerics, target = get_usecase(usecase), NUMERICS[variant], torch.device(device)
+    split = load_data("synthetic", variant=case.dataset, image_size=image_size)
+    loader = DataLoader(TensorDataset(split.train.images, split.train.labels),
+                        batch_size=batch_size, shuffle=True, drop_last=True,
+                        num_workers=workers, pin_memory=target.type == "cuda",
+                        persistent_workers=workers > 0)
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(model_name, num_classes=len(split.classes)).to(target)
+    prepare_model(model, numerics)
+    optimizer = make_optimizer(model.parameters(), case.lr, case.momentum)
+    mean = torch.tensor(RGB_MEAN, device=target).view(1, 3, 1, 1)
+    std = torch.tensor(RGB_STD, device=target).view(1, 3, 1, 1)
+    epochs, done = [], 0
+    while done < steps:
+        synchronize(target)
+        started, samples, ran = time.perf_counter(), 0, 0
+        for images, labels in loader:
+            images = images.to(target, non_blocking=True)
+            labels = labels.to(target, non_blocking=True)
+            images = torch.nn.functional.interpolate(images.float(), size=(image_size,) * 2,
+                                                     mode="bilinear", antialias=True)
+            flips = torch.rand(len(images), device=target) < 0.5
+            images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
+            x = (images.div_(255.0) - mean) / std
+            optimizer.zero_grad(set_to_none=True)
+            criterion(run_forward(model, x, numerics), labels).backward()
+            optimizer.step()
+            samples, ran, done = samples + len(labels), ran + 1, done + 1
+            if done == steps:
+                break
+        synchronize(target)
+        epochs.append({"steps": ran, "samples": samples,
+                       "seconds": time.perf_counter() - started})
+    return {"steps": done, "epochs": len(epochs), "workers": workers,
+            "images_per_second": sum(e["samples"] for e in epochs) / sum(
+                e["seconds"] for e in epochs),
+            "steady_images_per_second": steady_rate(epochs), "epoch_records": epochs}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loader_rounds(case, model_name: str, image_size: int, batch_size: int, variant: str,
+                  args) -> dict:
+    """`hybriddl train` and the loader peer on the same images and steps, alternating for
+    --loader-rounds rounds (train, peer, train, peer, ...): each round's ratio of steady
+    images/s (hybriddl's over the peer's), the median and spread over rounds."""
+    rounds = []
+    for number in range(args.loader_rounds):
+        ours = train_data_wait(case.name, image_size, batch_size, variant, args.train_steps,
+                               args.device)
+        peer = loader_peer(case.name, model_name, image_size, batch_size, variant,
+                           args.train_steps, args.device, args.loader_workers)
+        rounds.append({"hybriddl": ours, "pytorch_loader": peer,
+                       "ratio": ours["steady_images_per_second"] /
+                       peer["steady_images_per_second"]})
+        print(f"loader round {number + 1}: hybriddl {ours['steady_images_per_second']:.0f} "
+              f"img/s, pytorch with a DataLoader {peer['steady_images_per_second']:.0f} img/s",
+              file=sys.stderr)
+    ratios = [r["ratio"] for r in rounds]
+    return {"variant": variant, "steps": args.train_steps, "workers": args.loader_workers,
+            "rounds": rounds, "ratio": statistics.median(ratios), "spread": spread(ratios)}
 
 
 # ---------------------------------------------------------------- its page in docs/benchmarks
@@ -279,6 +377,20 @@ def bench_gpu_table(data: dict) -> str:
         command = "hybriddl " + t["command"].removeprefix("-m ").removeprefix("hybriddl ")
         lines += ["", f"`{command}`: {t['images_per_second']:.0f} img/s over "
                       f"{t['steps']} steps, data wait {t['data_wait_share']:.1%} of the time."]
+    peer = data.get("loader_peer")
+    if peer and "failed" not in peer:
+        ours = [r["hybriddl"]["steady_images_per_second"] for r in peer["rounds"]]
+        theirs = [r["pytorch_loader"]["steady_images_per_second"] for r in peer["rounds"]]
+        lines += ["", f"Real training, the same images and {peer['steps']} steps, "
+                      f"{len(peer['rounds'])} alternating rounds, images/s after the first "
+                      f"epoch: `hybriddl train` ({peer['variant']}) {statistics.median(ours):.0f}"
+                      f", plain PyTorch with a DataLoader ({peer['workers']} workers, pinned "
+                      f"memory, non_blocking) {statistics.median(theirs):.0f}: "
+                      f"**{peer['ratio']:.2f}×** (rounds {peer['spread']['min']:.2f}–"
+                      f"{peer['spread']['max']:.2f})."]
+    elif peer:
+        lines += ["", f"Real training against PyTorch with a DataLoader: failed "
+                      f"({peer['failed']})."]
     return "\n".join(lines)
 
 
@@ -369,6 +481,20 @@ def measure_and_write(args, device: torch.device, gpu_name: str, case, model_nam
         return 1
     print(f"bench_gpu: {output} written again with the data wait of "
           f"{result['train']['steps']} training steps")
+    if not args.loader_rounds:
+        return 0
+    try:
+        result["loader_peer"] = loader_rounds(case, model_name, image_size, batch_size,
+                                              fastest["variant"], args)
+    except RuntimeError as exc:
+        result["loader_peer"] = {"failed": str(exc)}
+    atomic_write_json(output, result)
+    if "failed" in result["loader_peer"]:
+        print(f"bench_gpu: the loader rounds failed ({result['loader_peer']['failed']}); the "
+              f"rows and the data wait are kept in {output}", file=sys.stderr)
+        return 1
+    print(f"bench_gpu: {output} written again: hybriddl train at "
+          f"{result['loader_peer']['ratio']:.2f}x PyTorch with a DataLoader (steady images/s)")
     return 0
 
 

@@ -174,3 +174,47 @@ def test_gpu_tests_records_each_outcome_from_the_report(gpu_tests, tmp_path):
     record = json.loads(output.read_text())
     assert (record["passed"], record["skipped"], record["failed"]) == (1, 1, 0)
     assert "failure" not in record and record["exit_code"] == 0
+
+
+def test_the_loader_peer_trains_the_embedded_images_from_a_dataloader(bench_gpu):
+    """The real-loader peer on the CPU (standing in for the GPU): the steps asked, over
+    epochs of the embedded set, its images/s after the first epoch."""
+    record = bench_gpu.loader_peer("SimpleBig", "alexnet", 64, 160, "fp32", 5, "cpu", 0)
+    # SimpleBig's embedded set: 800 training images a class, 3 classes: 15 batches of 160.
+    assert record["steps"] == 5 and record["epochs"] == 1
+    assert [e["steps"] for e in record["epoch_records"]] == [5]
+    assert record["epoch_records"][0]["samples"] == 800
+    assert record["steady_images_per_second"] == record["images_per_second"] > 0
+
+
+def test_loader_rounds_alternate_and_take_the_median_ratio(bench_gpu, monkeypatch):
+    order = []
+    ours, theirs = iter([100.0, 90.0, 120.0]), iter([100.0, 100.0, 100.0])
+
+    def fake_train(*args):
+        order.append("hybriddl")
+        return {"steady_images_per_second": next(ours)}
+
+    def fake_peer(*args):
+        order.append("pytorch")
+        return {"steady_images_per_second": next(theirs)}
+
+    monkeypatch.setattr(bench_gpu, "train_data_wait", fake_train)
+    monkeypatch.setattr(bench_gpu, "loader_peer", fake_peer)
+    from hybriddl.usecases import get_usecase
+    args = bench_gpu.parse_args(["--loader-rounds", "3", "--train-steps", "50"])
+    record = bench_gpu.loader_rounds(get_usecase("SimpleBig"), "alexnet", 224, 32, "fp32", args)
+    assert order == ["hybriddl", "pytorch"] * 3
+    assert record["ratio"] == 1.0 and record["spread"]["min"] == 0.9
+    assert record["spread"]["max"] == 1.2 and record["steps"] == 50
+    line = bench_gpu.bench_gpu_table({"rows": [], "loader_peer": {
+        **record, "rounds": [{"hybriddl": {"steady_images_per_second": 100.0},
+                              "pytorch_loader": {"steady_images_per_second": 100.0}}]}})
+    assert "plain PyTorch with a DataLoader (4 workers" in line and "**1.00×**" in line
+
+
+def test_steady_rate_sets_the_first_epoch_apart(bench_gpu):
+    epochs = [{"samples": 100, "seconds": 10.0}, {"samples": 300, "seconds": 1.0},
+              {"samples": 300, "seconds": 2.0}]
+    assert bench_gpu.steady_rate(epochs) == 200.0
+    assert bench_gpu.steady_rate(epochs[:1]) == 10.0
