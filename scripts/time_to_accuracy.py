@@ -11,7 +11,8 @@ seeds within the epoch cap (those reference runs go to the cap, validated every
 --eval-every steps). It goes in the results file, and a later call reads it from there.
 
 Contenders: `exact` (hybriddl, the exact scheme the planner picks: `--host-parallel auto
---compression none`), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
+--compression none`), `auto` (whatever the planner picks, inexact too: `--compression
+auto`, each run's pick recorded), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
 scheme), `ddp-powersgd:R` (PyTorch DDP with torch's powerSGD_hook at rank R, one process
 per core, trained to the same target: hybriddl.cli.compare_ddp --epochs). Every run has
 the same global batch, learning rate, seed list and data; hosts stand for faster ones at
@@ -45,7 +46,7 @@ from hybriddl.usecases import get_usecase
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
-EXACT, DDP_PREFIX = "exact", "ddp-powersgd:"
+EXACT, AUTO, DDP_PREFIX = "exact", "auto", "ddp-powersgd:"
 # hybriddl's local strategy on every host: PyTorch's intra-op threads on the host's cores
 # (the fastest local strategy at small sizes; every strategy trains the same steps).
 LOCAL = ["--strategy", "intraop", "--channels-last"]
@@ -93,9 +94,9 @@ def parse_cell(text: str) -> tuple[int, str]:
     hosts, _, contender = text.partition(":")
     if not hosts.isdigit() or int(hosts) < 1 or not contender:
         raise ValueError(f"--cells {text}: give HOSTS:CONTENDER, e.g. 2:powersgd:2")
-    if not (contender == EXACT or contender.startswith(("powersgd:", DDP_PREFIX))):
-        raise ValueError(f"--cells {text}: the contender is exact, powersgd:R[:start=N] or "
-                         "ddp-powersgd:R")
+    if not (contender in (EXACT, AUTO) or contender.startswith(("powersgd:", DDP_PREFIX))):
+        raise ValueError(f"--cells {text}: the contender is exact, auto, powersgd:R[:start=N] "
+                         "or ddp-powersgd:R")
     return int(hosts), contender
 
 
@@ -145,7 +146,11 @@ def summarise(runs: list[dict], target: float, bandwidth: str,
         rows.append({
             "model": mine[0]["model"], "hosts": hosts, "bandwidth": bandwidth,
             "host_step_seconds": host_step_seconds, "contender": contender,
-            "exact": contender == EXACT, "seeds": len(mine),
+            "exact": contender == EXACT or (contender == AUTO and all(
+                r.get("plan_chosen", {}).get("exact") for r in mine)),
+            **({"picked": sorted({r["plan_chosen"]["scheme"] for r in mine
+                                  if r.get("plan_chosen")})} if contender == AUTO else {}),
+            "seeds": len(mine),
             "reached": sum(e is not None for e in reaching),
             **score, "median_epochs_to_target": statistics.median(epochs) if epochs else None,
             "seconds_by_seed": {str(r["seed"]): (e["emulated_seconds"] if e else None)
@@ -219,6 +224,9 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
         "train_loss": [e["train_loss"] for e in measured["epochs"]],
     })
     config = measured.get("config", {})
+    chosen = (config.get("plan") or {}).get("chosen")
+    if chosen:  # what the planner settled (under auto: the scheme it picked)
+        record["plan_chosen"] = {"scheme": chosen["scheme"], "exact": chosen["exact"]}
     if config.get("host_parallel"):
         record["host_parallel"] = config["host_parallel"]["scheme"]
         record["compression"] = (config.get("hosts") or {}).get("compression")
@@ -350,6 +358,13 @@ EARLIER_PAGES = [
 
 # ------------------------------------------------------------------------ its pages
 
+def contender_text(row: dict) -> str:
+    """A cell's contender as tables show it; `auto` with the scheme(s) the planner picked."""
+    if row.get("picked"):
+        return f"{row['contender']} (picked: {' / '.join(row['picked'])})"
+    return row["contender"]
+
+
 def score_text(row: dict) -> str:
     if row["score_seconds"] is None:
         return f"none ({row['why']})"
@@ -370,7 +385,7 @@ def mlperf_table(data: dict) -> str:
         final = ("–" if row["final_accuracy_mean"] is None else
                  f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f})")
         epochs = row["median_epochs_to_target"]
-        lines.append(f"| {row['hosts']} | {row['contender']} | "
+        lines.append(f"| {row['hosts']} | {contender_text(row)} | "
                      f"{'yes' if row['exact'] else '**no**'} | {row['seeds']} | "
                      f"{row['reached']} of {row['seeds']} | {score_text(row)} | "
                      f"{ratio_text(row['ratio_to_one_host'])} | "
@@ -391,12 +406,21 @@ def not_finished(data: dict, run_name) -> list[str]:
             if "failed" in r]
 
 
+def host_speed(data: dict) -> str:
+    """The hosts' speed where no host step was asked: their own (S = 1: emulated seconds
+    are wall seconds) or the file's --speedup."""
+    if not data.get("speedup"):
+        return (f"hosts of {data['cores_per_host']} core(s) here at their own speed (S = 1), "
+                "side by side")
+    return f"S = {data['speedup']:g}"
+
+
 def mlperf_setting(data: dict) -> str:
     target = data.get("target") or {}
     step = data.get("host_step_seconds")
     speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (S = "
              f"{data['speedup']:.3g}, one host's step measured here / that step), side by "
-             "side" if step else f"S = {data.get('speedup') or 1:g}")
+             "side" if step else host_speed(data))
     return (f"{data['usecase']} on real images (`{data['data']}`: MNIST, "
             "scripts/digits_imagefolder.py), "
             f"{data['image_size']} px, global batch {data['global_batch']} at every host count, "
@@ -430,18 +454,20 @@ def readme_lead(data: dict, page: str) -> list[str]:
     peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
     step = data.get("host_step_seconds")
     speed = f"each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})" if step \
-        else f"S = {data.get('speedup') or 1:g}"
+        else host_speed(data)
     setting = (f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px) on real "
                f"images (MNIST), {data['bandwidth']} links, hosts {speed}")
     if ours and one and one["score_seconds"]:
         best = min(ours, key=lambda r: r["score_seconds"])
         claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
-                 f"{best['contender']} reaches validation accuracy {target:g} in "
+                 f"{contender_text(best)} reaches validation accuracy {target:g} in "
                  f"{ratio_text(best['ratio_to_one_host'])}× one host's time")
         peer = next((p for p in peers if p["hosts"] == best["hosts"]), None)
-        claim += (f", DDP + PowerSGD ({peer['contender']}) in "
-                  f"{ratio_text(peer['ratio_to_one_host'])}×" if peer else
-                  ", DDP + PowerSGD not measured yet")
+        if peer:
+            claim += (f", DDP + PowerSGD ({peer['contender']}) in "
+                      f"{ratio_text(peer['ratio_to_one_host'])}×")
+        elif not best["exact"]:
+            claim += ", DDP + PowerSGD not measured yet"
     else:
         claim = (f"**Time to accuracy**: {setting}: the target (validation accuracy "
                  f"{target:g}) is fixed; the cells on more hosts are not all measured yet")
@@ -452,7 +478,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
              "|---:|---|---|---:|---:|---:|---|"]
     for row in rows:
         spread = row["final_accuracy_spread"]
-        lines.append(f"| {row['hosts']} | {row['contender']} | "
+        lines.append(f"| {row['hosts']} | {contender_text(row)} | "
                      f"{'yes' if row['exact'] else '**no**'} | {row['reached']}/{row['seeds']} "
                      f"| {score_text(row)} | {ratio_text(row['ratio_to_one_host'])} | "
                      f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f}) |")

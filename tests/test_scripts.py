@@ -230,6 +230,25 @@ def test_time_to_accuracy_summary_has_a_row_per_cell_with_its_misses_and_ratio()
             "final_accuracy_spread"} <= set(two)
 
 
+def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactness():
+    import time_to_accuracy
+
+    def run(seed, picked, exact):
+        return {"hosts": 2, "contender": "auto", "seed": seed, "model": "alexnet",
+                "plan_chosen": {"scheme": picked, "exact": exact},
+                "evaluations": [{"epochs": 1, "accuracy": 0.95, "emulated_seconds": 1.0}]}
+
+    inexact = "hybrid + powersgd:1:rounds=2 + bf16 features"
+    rows = time_to_accuracy.summarise([run(1, inexact, False), run(2, "hybrid", True)],
+                                      0.9, "1gbit", 0.01)
+    assert rows[0]["picked"] == ["hybrid", inexact] and rows[0]["exact"] is False
+    assert time_to_accuracy.contender_text(rows[0]) == f"auto (picked: hybrid / {inexact})"
+    all_exact = time_to_accuracy.summarise([run(1, "hybrid", True)], 0.9, "1gbit", 0.01)
+    assert all_exact[0]["exact"] is True
+    table = time_to_accuracy.mlperf_table({"summary": rows, "runs": []})
+    assert f"| 2 | auto (picked: hybrid / {inexact}) | **no** |" in table
+
+
 @pytest.mark.parametrize("cell", ["0:exact", "two:exact", "2:", "2:topk:3"])
 def test_time_to_accuracy_refuses_a_cell_it_cannot_run(cell):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "time_to_accuracy.py"),
