@@ -210,6 +210,31 @@ def test_a_cpus_row_chunks_compute_the_whole_matrix_products(monkeypatch, sends_
     assert torch.equal(out, p[:, :1] * q[:, 0] + p[:, 1:] * q[:, 1])  # elementwise, same bits
 
 
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_a_gpus_whole_matrix_outer_products_are_a_cpus_row_chunks_bit_for_bit(monkeypatch, rank):
+    """On a GPU P Q^T is R whole-matrix operations (one kernel each), on a CPU the same
+    operations row chunk by row chunk: the same bits, so a GPU host and CPU hosts apply one
+    update (here 8 chunks of 3 rows)."""
+    import hybriddl.hosts.powersgd as powersgd
+
+    monkeypatch.setattr(powersgd, "CHUNK_ELEMENTS", 3 * 40)
+    generator = torch.Generator().manual_seed(5)
+    p, q = torch.randn(22, rank, generator=generator), torch.randn(40, rank, generator=generator)
+    chunks, whole = torch.empty(22, 40), torch.empty(22, 40)
+    powersgd.outer_products(p, q, chunks)
+    launches, multiply = [], torch.mul
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return multiply(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mul", counted)
+    powersgd.outer_products(p, q, whole, in_chunks=False)
+    monkeypatch.undo()
+    assert torch.equal(whole, chunks)
+    assert len(launches) == rank  # one multiplication per outer product, not per chunk
+
+
 @pytest.mark.parametrize("scheme", ["powersgd:2", "powersgd:2:start=2"])
 def test_a_step_in_two_phases_applies_the_same_bits_as_one_allreduce(scheme):
     """--overlap's split (hosts/mpi.py): the gradients backward writes first (the trailing

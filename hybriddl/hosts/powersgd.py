@@ -392,7 +392,7 @@ class PowerSGD(WireScheme):
         # (sending Q), with matrix-vector products, where whole-matrix products with R
         # columns take about twice as long (scripts/bench_powersgd.py). A GPU's batched
         # products are the fast way there.
-        in_chunks = device.type == "cpu" and self.cpu_chunks
+        in_chunks = self._in_chunks(device)
         parts = []
         for group in self._groups:
             if not self._in_phase(id(group), phase):
@@ -440,7 +440,7 @@ class PowerSGD(WireScheme):
             return None
         self._round = 1
         device = self._device()
-        in_chunks = device.type == "cpu" and self.cpu_chunks
+        in_chunks = self._in_chunks(device)
         offset, parts = 0, []
         for group in self._groups:
             mine = self._local[id(group)]
@@ -491,7 +491,8 @@ class PowerSGD(WireScheme):
                     target = outputs[i]
                     if not _writable(target, device):
                         target = torch.empty(shapes[i], device=device)
-                    outer_products(group.p[j], group.q[j], target.view(group.shape))
+                    outer_products(group.p[j], group.q[j], target.view(group.shape),
+                                   self._in_chunks(device))
                     outputs[i] = target
             for i in self._dense:
                 if self._in_phase(i, phase):
@@ -516,11 +517,17 @@ class PowerSGD(WireScheme):
                 target = outputs[i]
                 if not _writable(target, device):
                     target = torch.empty(self._shapes[i], device=device)
-                outer_products(group.p[j], group.q[j], target.view(group.shape))
+                outer_products(group.p[j], group.q[j], target.view(group.shape),
+                               self._in_chunks(device))
                 outputs[i] = target
         self._local = {}
         self.step += 1
         return outputs
+
+    def _in_chunks(self, device: torch.device) -> bool:
+        """Whether this step's products go through row chunks in cache (a CPU's way) or
+        whole batched products and whole-matrix operations (a GPU's)."""
+        return device.type == "cpu" and self.cpu_chunks
 
     def _key(self, i: int):
         """Where position i's phase is kept: its group's (a compressed matrix) or its own."""
@@ -614,8 +621,8 @@ def _chunk_rows(cols: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(cols, 1))
 
 
-def _row_chunks(rows: int, cols: int):
-    step = _chunk_rows(cols)
+def _row_chunks(rows: int, cols: int, step: int | None = None):
+    step = step or _chunk_rows(cols)
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
@@ -667,18 +674,22 @@ def local_factor(error: torch.Tensor, gradient: torch.Tensor | None, factor: tor
     return mine.T
 
 
-def outer_products(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def outer_products(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
+                   in_chunks: bool = True) -> torch.Tensor:
     """out = P Q^T (P out x R, Q in x R), a sum of R outer products, each operation
     elementwise: the same bits on every host (a matrix product's may depend on its kernel,
-    a fused multiply-add on the CPU), chunk by chunk in cache: one pass over `out`."""
+    a fused multiply-add on the CPU). `in_chunks` (a CPU): chunk by chunk in cache, one
+    pass over `out`; else (a GPU) each operation on the whole matrix, one kernel each,
+    where row chunks of cache size cost 2R-1 launches a chunk (AlexNet's 4096 x 9216
+    layer: 146 chunks). Either way each element is the same sum in the same order."""
     rows, cols = out.shape
     columns_p = [p[:, r:r + 1].contiguous() for r in range(p.shape[1])]
     columns_q = [q[:, r].unsqueeze(0).contiguous() for r in range(q.shape[1])]
     if len(columns_p) == 1:
         return torch.mul(columns_p[0], columns_q[0], out=out)
-    scratch = torch.empty((min(rows, _chunk_rows(cols)), cols),
-                          dtype=out.dtype, device=out.device)
-    for start, stop in _row_chunks(rows, cols):
+    chunk = _chunk_rows(cols) if in_chunks else rows
+    scratch = torch.empty((min(rows, chunk), cols), dtype=out.dtype, device=out.device)
+    for start, stop in _row_chunks(rows, cols, chunk):
         part = out[start:stop]
         torch.mul(columns_p[0][start:stop], columns_q[0], out=part)
         extra = scratch[:stop - start]
