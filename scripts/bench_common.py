@@ -89,6 +89,19 @@ def host_options(hosts: int, cores_per_host: int = 1, *, bandwidth: str | None =
             *(["--bandwidth", bandwidth] if bandwidth else []), *speed]
 
 
+def ddp_command(hosts: int, cores_per_host: int, result_dir: Path,
+                flags: Sequence[str]) -> list[str]:
+    """PyTorch DDP on the emulated hosts as a user runs it on CPU hosts: one process per
+    core, gloo over each host's NIC (hybriddl.cli.compare_ddp, started once per host by
+    emulate's mpirun, its host index the rank's), writing result_dir/rank<R>.json; `flags`:
+    the workload, steps or epochs, and the hook (--powersgd-rank R, --fp16-allreduce)."""
+    ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
+                      str(hosts * cores_per_host), "--hosts", str(hosts), "--master-addr",
+                      "198.18.0.1", "--interface", "eth0", "--result-dir", str(result_dir),
+                      *flags])
+    return ["sh", "-c", f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
+
+
 def emulate(options: Sequence[str], command: Sequence[str], report: Path,
             timeout: float | None = None) -> Emulated:
     """Run `command` (`hybriddl train ...`, or any command) on the emulated hosts `options`

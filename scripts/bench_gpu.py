@@ -159,16 +159,20 @@ def pytorch_row(model_name, classes, x, y, device, variant, args, compile=False)
                          optimizer=make_optimizer(model.parameters(), 0.001, 0.9),
                          x=x.to(device), y=y.to(device))
 
-        def step():
-            state["optimizer"].zero_grad(set_to_none=True)
-            criterion(run_forward(state["model"], state["x"], numerics), state["y"]).backward()
-            state["optimizer"].step()
-
-        return timed(device, step, args.warmup, args.steps)
+        return timed(device, lambda: plain_step(state, state["x"], state["y"], numerics),
+                     args.warmup, args.steps)
 
     row = Row("pytorch", variant + ("-compile" if compile else ""), 0.5, visit)
     row.state = state
     return row
+
+
+def plain_step(state: dict, x: torch.Tensor, y: torch.Tensor, numerics: StrategyOptions) -> None:
+    """The plain PyTorch peers' training step (state's model and optimizer), the textbook
+    loop's."""
+    state["optimizer"].zero_grad(set_to_none=True)
+    criterion(run_forward(state["model"], x, numerics), y).backward()
+    state["optimizer"].step()
 
 
 def pipeline_row(model_name, classes, x, y, device, args) -> Row:
@@ -297,7 +301,8 @@ def loader_peer(usecase: str, model_name: str, image_size: int, batch_size: int,
     torch.manual_seed(0)
     model = torchvision.models.get_model(model_name, num_classes=len(split.classes)).to(target)
     prepare_model(model, numerics)
-    optimizer = make_optimizer(model.parameters(), case.lr, case.momentum)
+    state = {"model": model,
+             "optimizer": make_optimizer(model.parameters(), case.lr, case.momentum)}
     mean = torch.tensor(RGB_MEAN, device=target).view(1, 3, 1, 1)
     std = torch.tensor(RGB_STD, device=target).view(1, 3, 1, 1)
     epochs, done = [], 0
@@ -311,10 +316,7 @@ def loader_peer(usecase: str, model_name: str, image_size: int, batch_size: int,
                                                      mode="bilinear", antialias=True)
             flips = torch.rand(len(images), device=target) < 0.5
             images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
-            x = (images.div_(255.0) - mean) / std
-            optimizer.zero_grad(set_to_none=True)
-            criterion(run_forward(model, x, numerics), labels).backward()
-            optimizer.step()
+            plain_step(state, (images.div_(255.0) - mean) / std, labels, numerics)
             samples, ran, done = samples + len(labels), ran + 1, done + 1
             if done == steps:
                 break

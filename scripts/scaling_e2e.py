@@ -51,14 +51,13 @@ import argparse
 import json
 import os
 import re
-import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import emulate, host_options, results_header
+from bench_common import ddp_command, emulate, host_options, results_header
 from time_to_accuracy import accuracy_at_equal_epochs, accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.files import atomic_write_json
@@ -222,16 +221,12 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
     result_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
     shutil.rmtree(result_dir, ignore_errors=True)  # an earlier round's
     report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
-    processes = hosts * args.cores_per_host
-    ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
-                      str(processes), "--hosts", str(hosts), "--master-addr", "198.18.0.1",
-                      "--interface", "eth0", "--result-dir", str(result_dir), "--usecase",
-                      args.usecase, "--image-size", str(args.image_size), "--batch-size",
-                      str(case.batch_size * hosts), "--warmup", str(args.warmup),
-                      "--steps", str(args.steps), *wire_flags(contender, args.powersgd_rank)])
+    command = ddp_command(hosts, args.cores_per_host, result_dir, [
+        "--usecase", args.usecase, "--image-size", str(args.image_size), "--batch-size",
+        str(case.batch_size * hosts), "--warmup", str(args.warmup), "--steps", str(args.steps),
+        *wire_flags(contender, args.powersgd_rank)])
     ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
-                               speed=speed_flags(args)),
-                  ["sh", "-c", f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"'], report)
+                               speed=speed_flags(args)), command, report)
     if ran.returncode != 0:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": ran.returncode, "output_tail": ran.tail()}

@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import emulate, host_options, results_header
+from bench_common import ddp_command, emulate, host_options, results_header
 from pages import Page, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
@@ -190,13 +189,8 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
     shutil.rmtree(run_dir, ignore_errors=True)
     report.unlink(missing_ok=True)
     if contender.startswith(DDP_PREFIX):
-        processes = hosts * args.cores_per_host
-        ddp = shlex.join([sys.executable, "-m", "hybriddl.cli.compare_ddp", "--processes",
-                          str(processes), "--hosts", str(hosts), "--master-addr",
-                          "198.18.0.1", "--interface", "eth0", "--result-dir", str(run_dir),
-                          "--powersgd-rank", contender[len(DDP_PREFIX):],
-                          *goal_flags(args, seed, stop_at)])
-        command = ["sh", "-c", f'exec {ddp} --host-index "$OMPI_COMM_WORLD_RANK"']
+        command = ddp_command(hosts, args.cores_per_host, run_dir, [
+            "--powersgd-rank", contender[len(DDP_PREFIX):], *goal_flags(args, seed, stop_at)])
         result = run_dir / "rank0.json"
     else:
         compression = "none" if contender == EXACT else contender

@@ -184,6 +184,20 @@ def test_scaling_drops_a_skipped_cell_that_a_later_run_measured():
     assert kept[0]["hosts"] == 8
 
 
+def test_the_ddp_cell_command_starts_one_peer_per_host_with_every_core_a_process(tmp_path):
+    import shlex
+
+    import bench_common
+
+    kind, script, line = bench_common.ddp_command(2, 3, tmp_path, ["--steps", "4"])
+    words = shlex.split(line)
+    assert (kind, script, words[0]) == ("sh", "-c", "exec")
+    assert words[words.index("-m") + 1] == "hybriddl.cli.compare_ddp"
+    assert words[words.index("--processes") + 1] == "6" and words[words.index("--hosts") + 1] == "2"
+    assert words[words.index("--result-dir") + 1] == str(tmp_path)
+    assert words[-4:] == ["--steps", "4", "--host-index", "$OMPI_COMM_WORLD_RANK"]
+
+
 def test_time_to_accuracy_scores_as_mlperf_dropping_the_fastest_and_the_slowest():
     from time_to_accuracy import mlperf_score
 
