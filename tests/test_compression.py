@@ -211,10 +211,10 @@ def test_a_cpus_row_chunks_compute_the_whole_matrix_products(monkeypatch, sends_
 
 
 @pytest.mark.parametrize("rank", [1, 2, 4])
-def test_a_gpus_whole_matrix_outer_products_are_a_cpus_row_chunks_bit_for_bit(monkeypatch, rank):
-    """On a GPU P Q^T is R whole-matrix operations (one kernel each), on a CPU the same
-    operations row chunk by row chunk: the same bits, so a GPU host and CPU hosts apply one
-    update (here 8 chunks of 3 rows)."""
+def test_a_gpus_large_chunk_outer_products_are_a_cpus_row_chunks_bit_for_bit(monkeypatch, rank):
+    """On a GPU P Q^T is R operations (one kernel each) per chunk of up to 2^24 elements, on
+    a CPU the same operations per cache-sized row chunk: the same bits, so a GPU host and
+    CPU hosts apply one update (here 8 chunks of 3 rows on the CPU)."""
     import hybriddl.hosts.powersgd as powersgd
 
     monkeypatch.setattr(powersgd, "CHUNK_ELEMENTS", 3 * 40)
@@ -230,9 +230,13 @@ def test_a_gpus_whole_matrix_outer_products_are_a_cpus_row_chunks_bit_for_bit(mo
 
     monkeypatch.setattr(torch, "mul", counted)
     powersgd.outer_products(p, q, whole, in_chunks=False)
-    monkeypatch.undo()
-    assert torch.equal(whole, chunks)
     assert len(launches) == rank  # one multiplication per outer product, not per chunk
+    monkeypatch.setattr(powersgd, "DEVICE_CHUNK_ELEMENTS", 10 * 40)  # a GPU's chunks bounded
+    bounded = torch.empty(22, 40)
+    powersgd.outer_products(p, q, bounded, in_chunks=False)
+    monkeypatch.undo()
+    assert len(launches) == rank + (3 * rank if rank > 1 else 1)  # 10, 10 and 2 rows
+    assert torch.equal(whole, chunks) and torch.equal(bounded, chunks)
 
 
 @pytest.mark.parametrize("scheme", ["powersgd:2", "powersgd:2:start=2"])

@@ -617,8 +617,13 @@ def fresh_direction(shape: tuple[int, ...], device: torch.device) -> torch.Tenso
 CHUNK_ELEMENTS = 2**18
 
 
-def _chunk_rows(cols: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(cols, 1))
+# On a GPU: chunks that bound the scratch of P Q^T (64 MB; VGG16's largest layer would need
+# 411 MB whole) while each operation stays one large kernel.
+DEVICE_CHUNK_ELEMENTS = 2**24
+
+
+def _chunk_rows(cols: int, elements: int | None = None) -> int:
+    return max(1, (elements or CHUNK_ELEMENTS) // max(cols, 1))
 
 
 def _row_chunks(rows: int, cols: int, step: int | None = None):
@@ -679,15 +684,16 @@ def outer_products(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
     """out = P Q^T (P out x R, Q in x R), a sum of R outer products, each operation
     elementwise: the same bits on every host (a matrix product's may depend on its kernel,
     a fused multiply-add on the CPU). `in_chunks` (a CPU): chunk by chunk in cache, one
-    pass over `out`; else (a GPU) each operation on the whole matrix, one kernel each,
-    where row chunks of cache size cost 2R-1 launches a chunk (AlexNet's 4096 x 9216
-    layer: 146 chunks). Either way each element is the same sum in the same order."""
+    pass over `out`; else (a GPU) in chunks of up to DEVICE_CHUNK_ELEMENTS, one kernel
+    per operation each, where row chunks of cache size cost 2R-1 launches a chunk
+    (AlexNet's 4096 x 9216 layer: 146 chunks; now 3). Either way each element is the same
+    sum in the same order."""
     rows, cols = out.shape
     columns_p = [p[:, r:r + 1].contiguous() for r in range(p.shape[1])]
     columns_q = [q[:, r].unsqueeze(0).contiguous() for r in range(q.shape[1])]
     if len(columns_p) == 1:
         return torch.mul(columns_p[0], columns_q[0], out=out)
-    chunk = _chunk_rows(cols) if in_chunks else rows
+    chunk = _chunk_rows(cols, CHUNK_ELEMENTS if in_chunks else DEVICE_CHUNK_ELEMENTS)
     scratch = torch.empty((min(rows, chunk), cols), dtype=out.dtype, device=out.device)
     for start, stop in _row_chunks(rows, cols, chunk):
         part = out[start:stop]
