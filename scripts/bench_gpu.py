@@ -469,36 +469,31 @@ def measure_and_write(args, device: torch.device, gpu_name: str, case, model_nam
     atomic_write_json(output, result)
     print(f"bench_gpu: {output} written; fastest hybriddl row {fastest['variant']}: "
           f"{fastest['vs_fastest_peer']:.2f}x the fastest PyTorch peer")
-    if not args.train_steps:
-        return 0
-    try:
-        result["train"] = train_data_wait(case.name, image_size, batch_size, fastest["variant"],
-                                          args.train_steps, args.device)
-    except RuntimeError as exc:
-        result["train"] = {"failed": str(exc)}
-    atomic_write_json(output, result)
-    if "failed" in result["train"]:
-        print(f"bench_gpu: the data-wait run failed ({result['train']['failed']}); the rows "
-              f"are kept in {output}", file=sys.stderr)
-        return 1
-    print(f"bench_gpu: {output} written again with the data wait of "
-          f"{result['train']['steps']} training steps")
-    if not args.loader_rounds:
-        return 0
-    try:
-        result["loader_peer"] = loader_rounds(case, model_name, image_size, batch_size,
-                                              fastest["variant"], args)
-    except RuntimeError as exc:
-        result["loader_peer"] = {"failed": str(exc)}
-    atomic_write_json(output, result)
-    if "failed" in result["loader_peer"]:
-        print(f"bench_gpu: the loader rounds failed ({result['loader_peer']['failed']}); the "
-              f"rows and the data wait are kept in {output}", file=sys.stderr)
-        return 1
-    print(f"bench_gpu: {output} written again: hybriddl train at "
-          f"{result['loader_peer']['ratio']:.2f}x PyTorch with a DataLoader (steady images/s)")
+    # Then the training run's data wait, then the rounds against a real loader: each kept
+    # as it ends, a failure one line that keeps what came before.
+    variant = fastest["variant"]
+    stages = [("train", "the data-wait run", "the rows", args.train_steps,
+               lambda: train_data_wait(case.name, image_size, batch_size, variant,
+                                       args.train_steps, args.device)),
+              ("loader_peer", "the loader rounds", "the rows and the data wait",
+               args.train_steps and args.loader_rounds,
+               lambda: loader_rounds(case, model_name, image_size, batch_size, variant, args))]
+    for key, what, kept, wanted, stage in stages:
+        if not wanted:
+            return 0
+        try:
+            result[key] = stage()
+        except RuntimeError as exc:
+            result[key] = {"failed": str(exc)}
+        atomic_write_json(output, result)
+        if "failed" in result[key]:
+            print(f"bench_gpu: {what} failed ({result[key]['failed']}); {kept} are kept "
+                  f"in {output}", file=sys.stderr)
+            return 1
+        print(f"bench_gpu: {output} written again with {what}")
+    print(f"bench_gpu: hybriddl train at {result['loader_peer']['ratio']:.2f}x PyTorch with a "
+          "DataLoader (steady images/s)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
