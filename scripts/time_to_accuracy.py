@@ -386,11 +386,61 @@ def mlperf_table(data: dict) -> str:
                      f"{'–' if epochs is None else f'{epochs:g}'} | {final} |")
     lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
                                           f"{r['seed']}")
+    by_epoch = equal_epochs_table(data)
+    if by_epoch:
+        lines += ["", "Validation accuracy at the end of each epoch, mean over the cell's "
+                      "seeds (points against one host exact's mean at the same epoch; "
+                      "[k of n]: only k of its n runs ran that epoch, the others had "
+                      "stopped at the target):", "", by_epoch]
     invalid = data.get("invalidated_runs")
     if invalid:  # runs kept for the record, out of every row above
         named = ", ".join(f"{r['contender']} at {r['hosts']} hosts seed {r['seed']}"
                           for r in invalid["runs"])
         lines += ["", f"Set apart ({len(invalid['runs'])} runs: {named}): {invalid['why']}"]
+    return "\n".join(lines)
+
+
+def accuracy_by_epoch(runs: list[dict]) -> dict[int, list[float]]:
+    """Each whole epoch's validation accuracies, one per run that validated at its end."""
+    by_epoch: dict[int, list[float]] = {}
+    for run in runs:
+        for e in run.get("evaluations") or []:
+            if float(e["epochs"]).is_integer():
+                by_epoch.setdefault(int(e["epochs"]), []).append(e["accuracy"])
+    return by_epoch
+
+
+def equal_epochs_table(data: dict) -> str:
+    """Each cell's validation accuracy at the end of each epoch, mean over the seeds that
+    ran it, and the points it differs from one host exact's mean at the same epoch. A run
+    stopped at the target runs no later epoch: where fewer seeds than the cell's ran an
+    epoch (marked), that mean is of the runs not yet at the target."""
+    done = [r for r in data["runs"] if "failed" not in r]
+    cells = sorted({(r["hosts"], r["contender"]) for r in done})
+    by_cell = {cell: accuracy_by_epoch([r for r in done if (r["hosts"], r["contender"]) == cell])
+               for cell in cells}
+    seeds = {cell: sum((r["hosts"], r["contender"]) == cell for r in done) for cell in cells}
+    reference = by_cell.get((1, EXACT), {})
+    epochs = sorted({e for accuracies in by_cell.values() for e in accuracies})
+    if not epochs:
+        return ""
+    lines = ["| hosts | contender | " + " | ".join(f"epoch {e}" for e in epochs) + " |",
+             "|---:|---|" + "---|" * len(epochs)]
+    for cell in cells:
+        texts = []
+        for e in epochs:
+            accuracies = by_cell[cell].get(e)
+            if not accuracies:
+                texts.append("–")
+                continue
+            mean = statistics.fmean(accuracies)
+            text = f"{mean:.3f}"
+            if cell != (1, EXACT) and reference.get(e):
+                text += f" ({100 * (mean - statistics.fmean(reference[e])):+.1f})"
+            if len(accuracies) < seeds[cell]:
+                text += f" [{len(accuracies)} of {seeds[cell]}]"
+            texts.append(text)
+        lines.append(f"| {cell[0]} | {cell[1]} | " + " | ".join(texts) + " |")
     return "\n".join(lines)
 
 

@@ -244,6 +244,24 @@ def test_time_to_accuracy_summary_has_a_row_per_cell_with_its_misses_and_ratio()
             "final_accuracy_spread"} <= set(two)
 
 
+def test_time_to_accuracy_compares_cells_at_equal_epochs_and_marks_runs_that_stopped():
+    import time_to_accuracy
+
+    def run(hosts, contender, seed, accuracies):
+        return {"hosts": hosts, "contender": contender, "seed": seed,
+                "evaluations": [{"epochs": float(e + 1), "accuracy": a}
+                                for e, a in enumerate(accuracies)]}
+
+    runs = [run(1, "exact", 1, [0.2, 0.4, 0.6]), run(1, "exact", 2, [0.4, 0.6, 0.8]),
+            run(2, "powersgd:2", 1, [0.4, 0.9]), run(2, "powersgd:2", 2, [0.3, 0.7, 0.75]),
+            {"hosts": 2, "contender": "powersgd:2", "seed": 3, "failed": 1}]
+    lines = time_to_accuracy.equal_epochs_table({"runs": runs}).splitlines()
+    assert lines[0] == "| hosts | contender | epoch 1 | epoch 2 | epoch 3 |"
+    assert lines[2] == "| 1 | exact | 0.300 | 0.500 | 0.700 |"
+    # Seed 1 stopped at the target after epoch 2: epoch 3 is seed 2's alone, marked so.
+    assert lines[3] == "| 2 | powersgd:2 | 0.350 (+5.0) | 0.800 (+30.0) | 0.750 (+5.0) [1 of 2] |"
+
+
 def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactness():
     import time_to_accuracy
 
