@@ -392,12 +392,17 @@ def mlperf_table(data: dict) -> str:
                       "seeds (points against one host exact's mean at the same epoch; "
                       "[k of n]: only k of its n runs ran that epoch, the others had "
                       "stopped at the target):", "", by_epoch]
-    invalid = data.get("invalidated_runs")
-    if invalid:  # runs kept for the record, out of every row above
+    for group in set_apart(data):  # runs kept for the record, out of every row above
         named = ", ".join(f"{r['contender']} at {r['hosts']} hosts seed {r['seed']}"
-                          for r in invalid["runs"])
-        lines += ["", f"Set apart ({len(invalid['runs'])} runs: {named}): {invalid['why']}"]
+                          for r in group["runs"])
+        lines += ["", f"Set apart ({len(group['runs'])} runs: {named}): {group['why']}"]
     return "\n".join(lines)
+
+
+def set_apart(data: dict) -> list[dict]:
+    """The file's groups of runs set apart, each {"why", "runs"} (one group, or a list)."""
+    invalid = data.get("invalidated_runs") or []
+    return [invalid] if isinstance(invalid, dict) else invalid
 
 
 def accuracy_by_epoch(runs: list[dict]) -> dict[int, list[float]]:
@@ -461,11 +466,13 @@ def host_speed(data: dict) -> str:
 
 def mlperf_setting(data: dict) -> str:
     target = data.get("target") or {}
+    void = (f"**Its one-host reference is void**: {data['reference_void']} "
+            if data.get("reference_void") else "")
     step = data.get("host_step_seconds")
     speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (S = "
              f"{data['speedup']:.3g}, one host's step measured here / that step), side by "
              "side" if step else host_speed(data))
-    return (f"{data['usecase']} on real images (`{data['data']}`: MNIST, "
+    return (f"{void}{data['usecase']} on real images (`{data['data']}`: MNIST, "
             "scripts/digits_imagefolder.py), "
             f"{data['image_size']} px, global batch {data['global_batch']} at every host count, "
             f"SGD lr {data['lr']:g} momentum 0.9, at most {data['epoch_cap']} epochs, "
@@ -490,7 +497,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
     """The README's time-to-accuracy lines: one claim sentence, generated from the cells
     measured, and a table of them."""
     rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
-    if not rows or target is None:
+    if not rows or target is None or data.get("reference_void"):
         return []
     one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
     scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
