@@ -461,7 +461,7 @@ def host_speed(data: dict) -> str:
     if not data.get("speedup"):
         return (f"hosts of {data['cores_per_host']} core(s) here at their own speed (S = 1), "
                 "side by side")
-    return f"S = {data['speedup']:g}"
+    return f"hosts each S times as fast as a core here (S = {data['speedup']:.3g})"
 
 
 def mlperf_setting(data: dict) -> str:
@@ -504,10 +504,10 @@ def readme_lead(data: dict, page: str) -> list[str]:
     ours = [r for r in scored if not r["contender"].startswith(DDP_PREFIX)]
     peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
     step = data.get("host_step_seconds")
-    speed = f"each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})" if step \
-        else host_speed(data)
+    speed = (f"hosts each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})"
+             if step else host_speed(data))
     setting = (f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px) on real "
-               f"images (MNIST), {data['bandwidth']} links, hosts {speed}")
+               f"images (MNIST), {data['bandwidth']} links, {speed}")
     if ours and one and one["score_seconds"]:
         best = min(ours, key=lambda r: r["score_seconds"])
         claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
