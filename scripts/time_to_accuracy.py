@@ -79,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                            "10ms), once, at the first run")
     parser.add_argument("--target", type=float, help="the target accuracy, where it is not "
                         "fixed yet by the reference (1:exact) in --output")
+    parser.add_argument("--interleave", action="store_true",
+                        help="where the target is fixed already (in --output, or --target): "
+                        "every cell, the one-host reference too, seed by seed (1:exact s1, "
+                        "2:... s1, 1:exact s2, ...), each stopped at the target, so that a "
+                        "drift in this machine's speed falls on every cell alike")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     try:
@@ -592,6 +597,11 @@ def main(argv=None) -> int:
         # that a change in this machine's speed falls on every cell alike.
         order = [(cell, seed) for cell in cells if cell == (1, EXACT) for seed in args.seeds]
         order += [(cell, seed) for seed in args.seeds for cell in cells if cell != (1, EXACT)]
+        if args.interleave:
+            if result["target"] is None:
+                raise SystemExit("time_to_accuracy: --interleave needs a fixed target: run the "
+                                 "reference cell 1:exact first (or give --target)")
+            order = [(cell, seed) for seed in args.seeds for cell in cells]
         for (hosts, contender), seed in order:
             reference = (hosts, contender) == (1, EXACT)
             if not reference and result["target"] is None:
@@ -606,7 +616,7 @@ def main(argv=None) -> int:
                      ["--host-step", args.host_step, "--usecase", args.usecase,
                       "--image-size", str(args.image_size), "--batch-size",
                       str(args.batch_size), "--channels-last"] if args.host_step else [])
-            stop_at = None if reference else result["target"]["accuracy"]
+            stop_at = None if reference and not args.interleave else result["target"]["accuracy"]
             run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
             # The code each run measured (a file grows over calls, and sessions).
             run["commit"] = result["commit"]

@@ -262,6 +262,32 @@ def test_time_to_accuracy_compares_cells_at_equal_epochs_and_marks_runs_that_sto
     assert lines[3] == "| 2 | powersgd:2 | 0.350 (+5.0) | 0.800 (+30.0) | 0.750 (+5.0) [1 of 2] |"
 
 
+def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target_is_fixed(
+        monkeypatch, tmp_path):
+    import time_to_accuracy
+
+    ran = []
+
+    def fake_run(args, hosts, contender, seed, speed, stop_at, scratch):
+        ran.append((hosts, contender, seed, stop_at))
+        return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
+                "evaluations": [{"step": 1, "epochs": 1.0, "accuracy": 0.6,
+                                 "emulated_seconds": float(hosts), "wall_seconds": 1.0}]}
+
+    monkeypatch.setattr(time_to_accuracy, "run_once", fake_run)
+    common = ["--data", "x", "--image-size", "64", "--lr", "0.01", "--epochs", "1", "--seeds",
+              "1", "2", "--cells", "2:exact", "1:exact", "--output", str(tmp_path / "a.json")]
+    assert time_to_accuracy.main([*common, "--target", "0.5", "--interleave"]) == 0
+    # Seed by seed, the reference first in each, and it stops at the target too.
+    assert ran == [(1, "exact", 1, 0.5), (2, "exact", 1, 0.5), (1, "exact", 2, 0.5),
+                   (2, "exact", 2, 0.5)]
+    ran.clear()
+    common[-1] = str(tmp_path / "b.json")
+    with pytest.raises(SystemExit, match="--interleave needs a fixed target"):
+        time_to_accuracy.main([*common, "--interleave"])
+    assert ran == []
+
+
 def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactness():
     import time_to_accuracy
 
