@@ -258,14 +258,16 @@ def plan_table(plan: dict) -> Table:
 
 def show_plan(plan: dict | None) -> None:
     """The plan's table and, where an inexact scheme is predicted much faster than the
-    exact one the run takes, the one line that names it; alone, nothing (no exchange)."""
+    exact one the run takes, the one line that names it, and where one host alone is
+    predicted faster, the line that says so; alone, nothing (no exchange)."""
     if not plan or not plan.get("rows"):
         return
     console.print(plan_table(plan))
     console.print(f"exchange: [bold]{plan['chosen']['scheme']}[/] "
                   f"({'exact' if plan['chosen']['exact'] else 'not exact'})", highlight=False)
-    if plan.get("advice"):
-        console.print(f"[yellow]hint:[/] {plan['advice']}", highlight=False, soft_wrap=True)
+    for line in (plan.get("advice"), plan.get("alone")):
+        if line:
+            console.print(f"[yellow]hint:[/] {line}", highlight=False, soft_wrap=True)
 
 
 def accuracy(value: float | None) -> str:

@@ -541,7 +541,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
     elif one and (measured := [r for r in rows if r["hosts"] > 1]):
         # No cell on more hosts has a score: what each reached, and its epochs' speed.
         parts = [f"{contender_text(r)} on {r['hosts']} hosts in {r['reached']} of "
-                 f"{r['seeds']}, an epoch in {ratio_text(r['epoch_ratio_to_one_host'])}× one "
+                 f"{r['seeds']}, an epoch in {ratio_text(r.get('epoch_ratio_to_one_host'))}× one "
                  "host's time" for r in measured]
         claim = (f"**Time to accuracy**: {setting}: validation accuracy {target:g} reached by "
                  f"one host exact in {one['reached']} of {one['seeds']} seeds, by "

@@ -253,6 +253,25 @@ def test_the_time_to_accuracy_table_rules_out_one_round_at_rank_2_and_below_only
     assert "time_to_accuracy-mnist-SimpleBig-1gbit.json" in PowerSGD(2).misses_target
     assert PowerSGD(2, rounds=2).misses_target is None and PowerSGD(4).misses_target is None
 
+def test_a_plan_says_when_one_host_alone_is_predicted_faster(alexnet):
+    """AlexNet's 228 MB a step over 1 Gbit/s against 10 ms of compute a share: the
+    exact plan is slower than one host computing the whole batch (2 x 10 ms), and the plan
+    says so; with a 10 ms share on a 1 Tbit/s link it is faster, and no line."""
+    from hybriddl.display import console, show_plan
+    from hybriddl.hybrid.planner import one_host_plan
+
+    slow = make_plan(alexnet, 2, 32, 0.01, Link(GIGABIT))
+    assert slow.alone and "2 hosts are predicted slower than one of them alone" in slow.alone
+    assert "0.020 s for the global batch on one host" in slow.alone
+    assert slow.record()["alone"] == slow.alone
+    fast = make_plan(alexnet, 2, 32, 0.01, Link(1000 * GIGABIT))
+    assert fast.alone is None and fast.record()["alone"] is None
+    assert one_host_plan().alone is None
+    with console.capture() as shown:
+        show_plan(slow.record())
+    assert "hint: 2 hosts are predicted slower than one of them alone" in shown.get()
+
+
 def test_one_host_plans_no_exchange():
     plan = make_plan(shapes_of("alexnet"), 1, 32, 1.0, Link(GIGABIT))
     assert plan.rows == [] and plan.chosen.compression == "none" and "none" in plan.reason

@@ -328,7 +328,8 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
 
 @dataclass
 class Plan:
-    """Every scheme's prediction, the one settled and why, and the advice line (or None)."""
+    """Every scheme's prediction, the one settled and why, the advice line (or None), and
+    the line that says one host alone is predicted faster (or None)."""
 
     hosts: int
     rows: list[Prediction]
@@ -336,6 +337,7 @@ class Plan:
     reason: str
     advice: str | None = None
     inputs: dict = field(default_factory=dict)
+    alone: str | None = None
 
     def record(self) -> dict:
         """The plan as metrics.json's config keeps it."""
@@ -343,7 +345,7 @@ class Plan:
                 "rows": [row.record() for row in self.rows],
                 "chosen": {**asdict(self.chosen), "scheme": self.chosen.label,
                            "exact": self.chosen.exact, "flags": self.chosen.flags},
-                "reason": self.reason, "advice": self.advice,
+                "reason": self.reason, "advice": self.advice, "alone": self.alone,
                 "overlap": f"hybrid's, and PowerSGD's first phase with --overlap, at most "
                            f"{OVERLAP_SHARE:.0%} of the compute (hybriddl/hybrid/planner.py)"}
 
@@ -399,7 +401,23 @@ def make_plan(shapes: ModelShapes, hosts: int, global_batch: int, compute_second
                # metrics.json's name for it since PowerSGD was the one scheme measured
                "powersgd_measured": dict(costs.measured)}}
     return Plan(hosts, rows, chosen.scheme, reason, advice_line(*advised) if advised else None,
-                inputs)
+                inputs, alone_line(chosen, hosts, compute_seconds))
+
+
+def alone_line(chosen: Prediction, hosts: int, compute_seconds: float) -> str | None:
+    """Where the settled scheme's step is predicted slower than one of the hosts computing
+    the whole global batch alone (its share's compute times the host count, no exchange),
+    the line that says so; None elsewhere. Measured where it fired: AlexNet at 64 px on
+    hosts of a 10 ms step over 1 Gbit/s, auto's pick (data + powersgd:1:rounds=2) took 2.1x
+    one host's time an epoch (results/time_to_accuracy-mnist-SimpleBig-1gbit-10ms.json)."""
+    alone = compute_seconds * hosts
+    if chosen.step_seconds <= alone:
+        return None
+    return (f"{hosts} hosts are predicted slower than one of them alone: "
+            f"{chosen.step_seconds:.3f} s a step with {chosen.scheme.label} against "
+            f"{alone:.3f} s for the global batch on one host (its share's compute x {hosts}); "
+            "the exchange costs more than the compute it shares out: fewer hosts, a faster "
+            "link, or a larger batch per host")
 
 
 def _asked_scheme(host_parallel, compression, feature_dtype, splittable) -> list[Scheme]:
