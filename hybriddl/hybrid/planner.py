@@ -408,8 +408,8 @@ def alone_line(chosen: Prediction, hosts: int, compute_seconds: float) -> str | 
     """Where the settled scheme's step is predicted slower than one of the hosts computing
     the whole global batch alone (its share's compute times the host count, no exchange),
     the line that says so; None elsewhere. Measured where it fired: AlexNet at 64 px on
-    hosts of a 10 ms step over 1 Gbit/s, auto's pick (data + powersgd:1:rounds=2) took 2.1x
-    one host's time an epoch (results/time_to_accuracy-mnist-SimpleBig-1gbit-10ms.json)."""
+    hosts of a 10 ms step over 1 Gbit/s, auto's pick then (data + powersgd:1:rounds=2) took
+    2.3x one host's time an epoch (results/time_to_accuracy-mnist-SimpleBig-1gbit-10ms.json)."""
     alone = compute_seconds * hosts
     if chosen.step_seconds <= alone:
         return None
