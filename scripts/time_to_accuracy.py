@@ -512,6 +512,21 @@ powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs
 cap: they fix the target and their final accuracy is the cap's."""
 
 
+def interleaved_ratios(data: dict) -> dict[int, list[float]]:
+    """Per host count, each seed's epoch time over one host's in the same seed, from the
+    file's `interleaved_check` runs (run seed by seed, so that a drift of the machine's
+    speed falls on both)."""
+    per = {}
+    for run in (data.get("interleaved_check") or {}).get("runs", []):
+        last = run["evaluations"][-1]
+        per[(run["hosts"], run["seed"])] = last["emulated_seconds"] / last["epochs"]
+    ratios: dict[int, list[float]] = {}
+    for (hosts, seed), seconds in sorted(per.items()):
+        if hosts > 1 and (1, seed) in per:
+            ratios.setdefault(hosts, []).append(seconds / per[(1, seed)])
+    return ratios
+
+
 def readme_lead(data: dict, page: str) -> list[str]:
     """The README's time-to-accuracy lines: one claim sentence, generated from the cells
     measured, and a table of them."""
@@ -540,9 +555,13 @@ def readme_lead(data: dict, page: str) -> list[str]:
             claim += ", DDP + PowerSGD not measured yet"
     elif one and (measured := [r for r in rows if r["hosts"] > 1]):
         # No cell on more hosts has a score: what each reached, and its epochs' speed.
+        check = interleaved_ratios(data)
         parts = [f"{contender_text(r)} on {r['hosts']} hosts in {r['reached']} of "
                  f"{r['seeds']}, an epoch in {ratio_text(r.get('epoch_ratio_to_one_host'))}× one "
-                 "host's time" for r in measured]
+                 "host's time" + (f" ({ratio_text(min(check[r['hosts']]))}–"
+                                  f"{ratio_text(max(check[r['hosts']]))}× in seeds run "
+                                  "interleaved)" if r["hosts"] in check else "")
+                 for r in measured]
         claim = (f"**Time to accuracy**: {setting}: validation accuracy {target:g} reached by "
                  f"one host exact in {one['reached']} of {one['seeds']} seeds, by "
                  + "; ".join(parts) + "; MLPerf's score, the fastest and slowest run dropped, "

@@ -288,6 +288,21 @@ def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target
     assert ran == []
 
 
+def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
+    import time_to_accuracy
+
+    def run(hosts, seed, seconds, epochs):
+        return {"hosts": hosts, "seed": seed,
+                "evaluations": [{"epochs": epochs, "emulated_seconds": seconds}]}
+
+    data = {"interleaved_check": {"runs": [run(1, 6, 600.0, 6.0), run(2, 6, 300.0, 5.0),
+                                           run(1, 7, 400.0, 5.0), run(2, 7, 240.0, 6.0),
+                                           run(2, 8, 100.0, 1.0)]}}
+    # Seed 6: 60 s against 100 s an epoch; seed 7: 40 against 80; seed 8 has no one-host run.
+    assert time_to_accuracy.interleaved_ratios(data) == {2: [0.6, 0.5]}
+    assert time_to_accuracy.interleaved_ratios({}) == {}
+
+
 def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactness():
     import time_to_accuracy
 
