@@ -113,10 +113,10 @@ def mlperf_score(seconds: list[float | None]) -> dict:
     runs, missed = len(seconds), sum(s is None for s in seconds)
     ordered = sorted(seconds, key=lambda s: math.inf if s is None else s)
     kept = ordered[1:-1]
+    if missed > 1:  # settled whatever further runs do
+        return {"score_seconds": None, "why": f"{missed} of {runs} runs missed the target"}
     if runs < 3:
         return {"score_seconds": None, "why": f"{runs} runs: MLPerf's score needs at least 3"}
-    if missed > 1:
-        return {"score_seconds": None, "why": f"{missed} of {runs} runs missed the target"}
     return {"score_seconds": statistics.fmean(kept),
             "dropped": [ordered[0], ordered[-1]], "kept": kept}
 

@@ -487,6 +487,7 @@ class PowerSGD(WireScheme):
             return outputs
         if self.rounds == 2:
             return self._finish_two_rounds(totals, outputs, take)
+        in_chunks = self._in_chunks(device)
         for phase in range(len(totals)):
             for group in self._groups:
                 if not self._in_phase(id(group), phase):
@@ -499,7 +500,7 @@ class PowerSGD(WireScheme):
                     if not _writable(target, device):
                         target = torch.empty(shapes[i], device=device)
                     outer_products(group.p[j], group.q[j], target.view(group.shape),
-                                   self._in_chunks(device))
+                                   in_chunks)
                     outputs[i] = target
             for i in self._dense:
                 if self._in_phase(i, phase):
@@ -512,6 +513,7 @@ class PowerSGD(WireScheme):
     def _finish_two_rounds(self, totals, outputs, take) -> list[torch.Tensor]:
         """P Q^T from the summed Q (the second round), the dense tensors from the first."""
         device = self._device()
+        in_chunks = self._in_chunks(device)
         for group in self._groups:
             take(0, group.p.numel())  # the summed P, orthogonalised into group.p already
         for i in self._dense:
@@ -524,8 +526,7 @@ class PowerSGD(WireScheme):
                 target = outputs[i]
                 if not _writable(target, device):
                     target = torch.empty(self._shapes[i], device=device)
-                outer_products(group.p[j], group.q[j], target.view(group.shape),
-                               self._in_chunks(device))
+                outer_products(group.p[j], group.q[j], target.view(group.shape), in_chunks)
                 outputs[i] = target
         self._local = {}
         self.step += 1
