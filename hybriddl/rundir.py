@@ -38,6 +38,30 @@ def check_storage(run_dir: Path, needed_bytes: int) -> None:
                          "written); free some space or choose another --run-dir")
 
 
+# The head of a torchvision classifier grows with the class count, unknown before the
+# data are read; torchvision's default of 1000 bounds the estimate for the usual cases.
+ESTIMATE_CLASSES = 1000
+
+
+def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None) -> None:
+    """Before data loading and tuning: RUN_DIR writable, room for two checkpoints.
+
+    A checkpoint holds the model and its SGD momentum (2x the parameter bytes); at the
+    peak the last one is kept while the next is written, so two. The model is built on
+    PyTorch's meta device: sizes only, no memory, no random numbers drawn.
+    """
+    import torch  # here: the commands that only start processes load no torch
+
+    from hybriddl.usecases import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_name, classes or ESTIMATE_CLASSES)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    existing = Path(run_dir) / CHECKPOINT
+    held = existing.stat().st_size if existing.is_file() else 0  # a resumed run's, replaced
+    check_storage(run_dir, max(0, 2 * 2 * state_bytes - held))
+
+
 def default_run_dir(usecase: str, root: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / f"{usecase}-{stamp}"

@@ -72,7 +72,7 @@ def child(args: argparse.Namespace) -> None:
                                  strategy=args.strategy, run_dir=args.run_dir,
                                  strategy_options=StrategyOptions(workers=args.workers),
                                  monitor_interval=0)
-    prepared = trainer.prepare(config)
+    prepared = trainer.prepare(config.resolved())
     case_steps = -(-len(prepared.split.train) // prepared.config.batch_size)
     prepared.config.max_steps = case_steps + EPOCH_2_STEPS
     trainer.run(prepared, Clock())

@@ -201,11 +201,12 @@ IGNORED = {
 
 def ignored(argv: list[str], hosts: int) -> list[str]:
     from hybriddl.cli import build_parser
-    from hybriddl.cli.settings import ignored_flags, training_config
+    from hybriddl.cli.settings import train_flags
+    from hybriddl.run.settings import settled_config
 
-    args = build_parser().parse_args(["train", *argv])
-    config, _ = training_config(args)
-    return ignored_flags(args, config, hosts)
+    flags = train_flags(build_parser().parse_args(["train", *argv]))
+    _, _, idle = settled_config(flags.given, flags.resume)
+    return [*idle, *(flags.alone if hosts == 1 else ())]
 
 
 @pytest.mark.parametrize("case", list(IGNORED))

@@ -489,9 +489,11 @@ def test_a_bad_scheme_is_one_line_and_exit_2(scheme, says, cli_here, tmp_path):
 
 def test_fp16_allreduce_is_compression_fp16_and_refuses_another(cli_here, tmp_path):
     from hybriddl.cli import build_parser
-    from hybriddl.cli.settings import training_config
+    from hybriddl.cli.settings import train_flags
+    from hybriddl.run.settings import settled_config
 
-    config, _ = training_config(build_parser().parse_args(["train", "--fp16-allreduce"]))
+    flags = train_flags(build_parser().parse_args(["train", "--fp16-allreduce"]))
+    config, _, _ = settled_config(flags.given)
     assert config.compression == "fp16"
     done = cli_here("train", "--fp16-allreduce", "--compression", "powersgd:2",
                     "--run-dir", str(tmp_path / "run"))
@@ -500,13 +502,12 @@ def test_fp16_allreduce_is_compression_fp16_and_refuses_another(cli_here, tmp_pa
 
 def test_on_one_host_fp16_is_said_to_do_nothing_and_powersgd_applies():
     from hybriddl.cli import build_parser
-    from hybriddl.cli.settings import ignored_flags, training_config
+    from hybriddl.cli.settings import train_flags
 
     lines = {}
     for scheme in ("fp16", "powersgd:2"):
-        args = build_parser().parse_args(["train", "--compression", scheme])
-        config, _ = training_config(args)
-        lines[scheme] = ignored_flags(args, config, hosts_count=1)
+        flags = train_flags(build_parser().parse_args(["train", "--compression", scheme]))
+        lines[scheme] = list(flags.alone)  # the lines shown on a single host
     assert lines == {"fp16": ["--compression fp16 does nothing on a single host: it acts when "
                               "mpirun starts one rank on each of several hosts"],
                      "powersgd:2": []}

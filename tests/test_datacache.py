@@ -361,7 +361,7 @@ def test_an_imagefolder_bigger_than_the_old_memory_limit_trains(tmp_path, monkey
                                  epochs=1, max_steps=2, strategy="sequential",
                                  strategy_options=StrategyOptions(), monitor_interval=0,
                                  run_dir=str(tmp_path / "run"), val_fraction=0.25)
-    prepared = trainer.prepare(config)
+    prepared = trainer.prepare(config.resolved())
     assert isinstance(prepared.split.train, reading.StreamedImageSet)
     metrics = trainer.run(prepared)
     assert [e["steps"] for e in metrics["epochs"]] == [2]

@@ -210,7 +210,7 @@ def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_pat
     config = TrainConfig(strategy="gpu", strategy_options=StrategyOptions(devices=("cpu",)),
                          model="resnet18", image_size=32, batch_size=8, max_steps=2,
                          run_dir=str(tmp_path / "run"))
-    prepared = trainer.prepare(config)
+    prepared = trainer.prepare(config.resolved())
     queued = 0.5  # seconds of work a stand-in device still has when the last step returns
     prepared.strategy.synchronize = lambda: time.sleep(queued)
     steps = []

@@ -62,8 +62,11 @@ def test_samples_cover_the_run_in_well_formed_csvs(tmp_path):
     # Every sampled interval together spans the run: no gap, no overlap.
     assert sum(float(row["interval_s"]) for row in pidstat) == pytest.approx(elapsed[-1], abs=0.01)
     assert elapsed[-1] >= duration - 0.01
+    # The sampler thread counts itself, but in the tail's sample, taken once it has
+    # stopped (a tail longer than a tenth of an interval: on a loaded machine).
+    assert all(int(row["threads"]) >= 2 for row in pidstat[:-1])
     for row in pidstat:
-        assert float(row["rss_mib"]) > 1 and int(row["threads"]) >= 2 and int(row["processes"]) >= 1
+        assert float(row["rss_mib"]) > 1 and int(row["threads"]) >= 1 and int(row["processes"]) >= 1
         assert float(row["cpu_total_pct"]) == pytest.approx(
             float(row["cpu_user_pct"]) + float(row["cpu_system_pct"]), abs=0.11)
 
@@ -201,7 +204,7 @@ def test_training_that_fails_still_stops_its_monitor(tmp_path):
 
     config = TrainConfig(strategy="sequential", model="resnet18", image_size=32, batch_size=8, max_steps=3,
                                  run_dir=str(tmp_path / "run"), monitor_interval=0.05)
-    prepared = trainer.prepare(config)
+    prepared = trainer.prepare(config.resolved())
     with pytest.raises(RuntimeError, match="a step failed"):
         trainer.run(prepared, FailingObserver())
     assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]

@@ -19,8 +19,7 @@ from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
 from hybriddl.hosts.heartbeat import SILENCE_SECONDS
 from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.hybrid.planner import FEATURE_DTYPES
-from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions
-from hybriddl.strategies.base import CoreWorkersStrategy
+from hybriddl.strategies import PRECISIONS, STRATEGIES, Pipeline, StrategyOptions, with_workers
 from hybriddl.tuning import tuner
 
 
@@ -28,11 +27,6 @@ def default_of(settings: type, name: str):
     """A settings dataclass's default for one of its fields, for a help text."""
     field = next(f for f in fields(settings) if f.name == name)
     return field.default if field.default is not MISSING else field.default_factory()
-
-
-def with_workers() -> str:
-    """The strategies that have local workers (`--workers`), from the registry."""
-    return ", ".join(name for name, cls in STRATEGIES.items() if issubclass(cls, CoreWorkersStrategy))
 
 
 def add_data_flags(parser: argparse.ArgumentParser, *, cache: bool = True) -> None:

@@ -1,25 +1,20 @@
-"""The flags become settings, once: `train`'s into a TrainConfig (hybriddl.run.settings), with
---resume the checkpoint's settings under the flags given; the across-hosts flags into
-`connect`'s keywords; compare's into a CompareConfig and its contenders' into
-MeasureSettings; and a line for each flag that does nothing in this run. Flags left out
-(None) take the settings' own defaults.
+"""The flags become settings, once: `train`'s into TrainFlags (the fields typed, the run to
+resume, `connect`'s keywords; hybriddl.run.settings.settled_config makes them the run's
+TrainConfig, under a resumed checkpoint's settings); compare's into a CompareConfig and its
+contenders' into MeasureSettings. Flags left out (None) take the settings' own defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
-from hybriddl.cli.flags import with_workers
 from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, EXACT, Compression, parse_compression
 from hybriddl.hosts.scheme import BUCKETED
 from hybriddl.run import resumption
 from hybriddl.run.settings import TrainConfig
-from hybriddl.strategies import STRATEGIES, StrategyOptions
-from hybriddl.strategies.base import CoreWorkersStrategy
-from hybriddl.tuning.tuner import AUTO
 
 def typed(args: argparse.Namespace, settings: type) -> dict:
     """The fields of a settings dataclass that were typed: the flags of the same names
@@ -50,12 +45,11 @@ def given_settings(args: argparse.Namespace) -> dict:
 
 
 def typed_compression(args: argparse.Namespace) -> str | None:
-    """--compression as typed (checked), --fp16-allreduce being --compression fp16; None
-    when neither was typed."""
+    """--compression as typed (its parse checks it), --fp16-allreduce being --compression
+    fp16; None when neither was typed."""
     text = getattr(args, "compression", None)
     if text is not None:
         text = text.strip()
-        parse_compression(text)  # an unknown scheme or rank: one line, exit 2
     if getattr(args, "fp16_allreduce", False):
         fp16 = Compression.fp16.name
         if text not in (None, fp16):
@@ -78,39 +72,66 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
     return CompareConfig(**{**given, "settings": measure_settings(args)})
 
 
-def resume_if_exists(args: argparse.Namespace) -> bool:
-    """Turn --resume-if-exists into --resume or --run-dir; False if its run already finished."""
-    run_dir = args.resume_if_exists
-    if run_dir is None:
-        return True
-    if args.resume is not None or args.run_dir not in (None, run_dir):
-        raise UsageError(f"--resume-if-exists {run_dir} names the run directory already: leave "
-                         "--resume and --run-dir out")
-    state = resumption.run_state(run_dir)
-    if state == resumption.FINISHED:
-        return False
-    if state == resumption.RESUMABLE:
-        args.resume, args.run_dir = run_dir, None
-    else:
-        args.run_dir = run_dir
-    return True
+@dataclass(frozen=True)
+class TrainFlags:
+    """`train`'s command line, read once: what cmd_train needs before the hosts connect
+    (`finished`, `connect`) and after (`given` and `resume` become the run's TrainConfig
+    in hybriddl.run.settings.settled_config; the rest says which flags do nothing here)."""
+
+    finished: bool  # --resume-if-exists names a run that has finished: nothing to do
+    given: dict  # the TrainConfig fields typed; strategy_options: the options typed
+    resume: str | None  # the run directory the run continues (--resume, --resume-if-exists)
+    run_dir: str | None  # where the run writes, where known before it starts
+    connect: dict  # hosts.cluster.connect's keywords
+    alone: tuple[str, ...]  # a line for each flag typed that does nothing on a single host
 
 
-def training_config(args: argparse.Namespace):
-    """The run's TrainConfig, and with --resume the checkpoint it continues from."""
-    settings, resume = given_settings(args), None
-    if args.resume is not None:
-        if args.run_dir is not None and args.run_dir != args.resume:
-            raise UsageError(f"--run-dir {args.run_dir} and --resume {args.resume}: a resumed "
-                             "run continues in its own directory; leave --run-dir out")
-        resume = resumption.load(args.resume)
-        settings = resumption.resumed_settings(resume, settings, args.resume)
-    else:
-        settings.setdefault("strategy", AUTO)
-    options = StrategyOptions(**settings.pop("strategy_options"))
-    known = {f.name for f in fields(TrainConfig)}
-    settings = {name: value for name, value in settings.items() if name in known}
-    return TrainConfig(**settings, strategy_options=options), resume
+def train_flags(args: argparse.Namespace) -> TrainFlags:
+    """Every `train` flag checked and turned into settings, once (a bad one: UsageError)."""
+    if args.measure_only and args.resume_if_exists:
+        raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
+                         "nothing to resume: leave one of them out")
+    if args.measure_only and (args.target_accuracy is not None or args.eval_every is not None
+                              or args.stop_at_target):
+        raise UsageError("--measure-only runs no validation, so --target-accuracy, "
+                         "--eval-every and --stop-at-target would time nothing: leave one "
+                         "side out")
+    # The flags' own reading first, then what reads files or parses (the scheme).
+    given = given_settings(args)
+    connect = connect_options(args)
+    host_flags = tuple(flag for name, flag in HOSTS_FLAGS.items()
+                       if getattr(args, name) not in (None, False))
+    run_dir, resume, finished = args.run_dir, args.resume, False
+    if args.resume_if_exists is not None:
+        # For job schedulers: --resume RUN_DIR with a checkpoint there, a new run in RUN_DIR
+        # without, nothing where its run finished.
+        if resume is not None or run_dir not in (None, args.resume_if_exists):
+            raise UsageError(f"--resume-if-exists {args.resume_if_exists} names the run "
+                             "directory already: leave --resume and --run-dir out")
+        state = resumption.run_state(args.resume_if_exists)
+        finished = state == resumption.FINISHED
+        if state == resumption.RESUMABLE:
+            resume, run_dir = args.resume_if_exists, None
+        else:
+            run_dir = args.resume_if_exists
+    if resume is not None and run_dir is not None and run_dir != resume:
+        raise UsageError(f"--run-dir {run_dir} and --resume {resume}: a resumed run "
+                         "continues in its own directory; leave --run-dir out")
+    given.pop("run_dir", None)
+    if run_dir is not None:
+        given["run_dir"] = run_dir
+    typed = given.get("compression")
+    scheme = parse_compression(typed or EXACT)  # an unknown scheme or rank: one line, exit 2
+    # auto is settled by the trainer (use_compression), from the planner.
+    connect["compression"] = Compression.none if scheme == AUTO_COMPRESSION else scheme
+    # A whole-gradient scheme applies alone too (the same steps as on H hosts); an inexact
+    # bucketed one has nothing to send (--fp16-allreduce, its other name, is said above).
+    idle_scheme = (args.compression is not None and getattr(scheme, "kind", None) == BUCKETED
+                   and not scheme.exact)
+    alone = tuple(f"{flag} does nothing on a single host: it acts when mpirun starts one "
+                  "rank on each of several hosts"
+                  for flag in (*host_flags, *([f"--compression {scheme.name}"] * idle_scheme)))
+    return TrainFlags(finished, given, resume, run_dir or resume, connect, alone)
 
 
 # The across-hosts flags, which do something only when there are other hosts.
@@ -125,9 +146,14 @@ def hosts_options(args: argparse.Namespace) -> dict:
     """`hosts.cluster.connect`'s keywords from the across-hosts flags; those left out are
     connect's defaults."""
     compression = parse_compression(typed_compression(args) or EXACT)
-    options = {"overlap": args.overlap,
-               # auto is settled by the trainer (use_compression), from the planner.
-               "compression": Compression.none if compression == AUTO_COMPRESSION else compression}
+    # auto is settled by the trainer (use_compression), from the planner.
+    return {**connect_options(args),
+            "compression": Compression.none if compression == AUTO_COMPRESSION else compression}
+
+
+def connect_options(args: argparse.Namespace) -> dict:
+    """`hosts_options` but the compression (which train settles with its other flags)."""
+    options = {"overlap": args.overlap}
     if args.fusion_mib is not None:
         options["bucket_bytes"] = int(args.fusion_mib * 2**20)
     if args.host_timeout is not None:
@@ -138,24 +164,3 @@ def hosts_options(args: argparse.Namespace) -> dict:
                              "number of seconds")
         options["progress_timeout"] = args.progress_timeout
     return options
-
-
-def ignored_flags(args: argparse.Namespace, config: TrainConfig, hosts_count: int) -> list[str]:
-    """One line for each flag given that does nothing in this run, so none is ignored silently."""
-    lines = []
-    strategy = STRATEGIES.get(config.strategy)
-    if args.workers is not None and strategy and not issubclass(strategy, CoreWorkersStrategy):
-        lines.append(f"--workers {args.workers} does nothing with --strategy {config.strategy}, "
-                     f"which has no local workers (these have: {with_workers()})")
-    if hosts_count == 1:
-        lines += [f"{flag} does nothing on a single host: it acts when mpirun starts one rank "
-                  "on each of several hosts"
-                  for name, flag in HOSTS_FLAGS.items() if getattr(args, name) not in (None, False)]
-        compression = parse_compression(config.compression) \
-            if getattr(args, "compression", None) else None
-        # A whole-gradient scheme applies alone too (the same steps as on H hosts); an
-        # inexact bucketed one has nothing to send.
-        if getattr(compression, "kind", None) == BUCKETED and not compression.exact:
-            lines.append(f"--compression {compression.name} does nothing on a single host: it "
-                         "acts when mpirun starts one rank on each of several hosts")
-    return lines

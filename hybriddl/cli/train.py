@@ -7,11 +7,11 @@ import argparse
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_flags,
                                 add_numerics_flags, add_profile_dir_flag, add_seed_flag,
                                 add_strategy_flags, default_of)
-from hybriddl.cli.settings import hosts_options, ignored_flags, resume_if_exists, training_config
+from hybriddl.cli.settings import train_flags
 from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
-from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
-from hybriddl.run.settings import TrainConfig
+from hybriddl.errors import TrainingError, TrainingInterrupted
+from hybriddl.run.settings import TrainConfig, settled_config
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, get_usecase
 
@@ -104,24 +104,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
     from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
-    from hybriddl.rundir import default_run_dir
     from hybriddl.run.shutdown import StopRequest, stop_every_host
 
-    if args.measure_only and args.resume_if_exists:
-        raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
-                         "nothing to resume: leave one of them out")
     failpoints.active()  # HYBRIDDL_FAILPOINTS: a name it does not know is one line, exit 2
-    if args.measure_only and (args.target_accuracy is not None or args.eval_every is not None
-                              or args.stop_at_target):
-        raise UsageError("--measure-only runs no validation, so --target-accuracy, "
-                         "--eval-every and --stop-at-target would time nothing: leave one "
-                         "side out")
-    if not resume_if_exists(args):
+    flags = train_flags(args)  # every flag checked and settled, here only
+    if flags.finished:
         console.print(f"hybriddl: the run in {args.resume_if_exists} has finished; nothing to do",
                       markup=False, highlight=False, soft_wrap=True)
         return 0
     try:
-        hosts = connect(**hosts_options(args))
+        hosts = connect(**flags.connect)
     except TrainingError as exc:
         if getattr(exc, "hosts", None) is not None:  # started, but not every host answered
             stop_every_host(exc.hosts, exc, show_host_failure)
@@ -131,14 +123,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     steps = StepsSeen(display)  # how far this attempt came, should it fail
     try:
         with stop.handling_signals():
-            config, resume = training_config(args)
-            for line in ignored_flags(args, config, hosts.size):
-                display.warn(line)
-            if hosts.size > 1 and config.run_dir is None:
-                # Every rank names rank 0's run directory (its monitors write there too).
-                config.run_dir = hosts.broadcast_object(
-                    str(default_run_dir(config.usecase)) if hosts.rank == 0 else None)
-            prepared = trainer.prepare(config, display, resume, hosts_count=hosts.size, stop=stop)
+            # A resumed run's checkpoint is read once every host is there: one that cannot
+            # read it is named to the others.
+            config, resume, idle = settled_config(flags.given, flags.resume)
+            for line in [*idle, *(flags.alone if hosts.size == 1 else ())]:
+                display.warn(line)  # a flag that does nothing here is not ignored silently
+            prepared = trainer.prepare(config, display, resume, hosts=hosts, stop=stop)
             for line in data_notes(prepared.split):
                 display.warn(line)
             metrics = trainer.run(prepared, steps, hosts, stop=stop,
@@ -148,12 +138,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted:
         # Every host stopped after the same step: they leave together, nothing to abort.
         display.stop()
-        record_stop(args.run_dir or args.resume, hosts.rank, steps)
+        record_stop(flags.run_dir, hosts.rank, steps)
         hosts.close()
         raise
     except (Exception, KeyboardInterrupt) as exc:
         display.stop()
-        record_failure(args.run_dir or args.resume, hosts.rank, exc, steps)
+        record_failure(flags.run_dir, hosts.rank, exc, steps)
         stop_every_host(hosts, exc, show_host_failure)
         raise
     finally:

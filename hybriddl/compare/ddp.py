@@ -69,7 +69,7 @@ def peer(local_rank: int, first_rank: int, world: int, address: str, interface: 
 
 def measure_ddp(rank: int, world: int, settings: MeasureSettings, interface: str,
                 hook: CommHook = CommHook()) -> dict:
-    config = settings.train_config(Sequential.name).resolved()
+    config = settings.train_config(Sequential.name)
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)
@@ -110,7 +110,7 @@ def train_ddp(rank: int, world: int, settings: MeasureSettings, hook: CommHook,
     """DDP trained as a PyTorch user trains it (torch's own dropout, the comm hook's
     averaging) on the same batches, flips, initial model and validation images as hybriddl
     train, to `goal`; each rank validates its share of the images."""
-    config = settings.train_config(Sequential.name).resolved()
+    config = settings.train_config(Sequential.name)
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size)
     torch.manual_seed(config.seed)
     model = build_model(config.model, len(split.classes), config.dropout)

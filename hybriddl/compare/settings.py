@@ -71,10 +71,11 @@ class MeasureSettings(NamesAUseCase):
         return replace(self, model=model, image_size=image_size, batch_size=batch_size)
 
     def train_config(self, strategy: str, options: StrategyOptions = StrategyOptions()) -> TrainConfig:
-        """The trainer's configuration for one contender's ranks (no run directory is written)."""
+        """The trainer's configuration for one contender's ranks (no run directory is
+        written), resolved."""
         return TrainConfig(usecase=self.usecase, model=self.model, data=self.data,
                            image_size=self.image_size, batch_size=self.batch_size,
-                           seed=self.seed, strategy=strategy, strategy_options=options)
+                           seed=self.seed, strategy=strategy, strategy_options=options).resolved()
 
 
 @dataclass(frozen=True)

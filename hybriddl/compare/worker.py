@@ -29,7 +29,7 @@ def measure_training(settings: MeasureSettings, strategy: str, options: Strategy
     config = replace(settings.train_config(strategy, options), run_dir=str(run_dir),
                      max_steps=steps, epochs=steps, host_parallel=host_parallel,
                      compression=hosts.compression.name)  # as connect was told
-    prepared = trainer.prepare(config, hosts_count=hosts.size)
+    prepared = trainer.prepare(config, hosts=hosts)
     meter = StepMeter(settings.warmup, settings.steps, comm_bytes=lambda: hosts.traffic.bytes_sent)
     # The comparison's output is its figures: no checkpoint (1 GB for VGG16), validation
     # or trained weights, which took a rank's time and its disk between contenders.

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.rundir import CHECKPOINT, MODEL, check_storage
-from hybriddl.usecases import build_model
+from hybriddl.rundir import CHECKPOINT, MODEL
 
 FORMAT = 1
 
@@ -293,24 +292,3 @@ def run_identity(config: dict, data: dict) -> dict:
     return {**{name: config[name] for name in IDENTITY_FLAGS},
             "data": {key: data[key] for key in ("source", *DATA_IDENTITY)}}
 
-
-# --------------------------------------------------------------------------- storage
-
-# The head of a torchvision classifier grows with the class count, unknown before the
-# data are read; torchvision's default of 1000 bounds the estimate for the usual cases.
-ESTIMATE_CLASSES = 1000
-
-
-def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None) -> None:
-    """Before data loading and tuning: RUN_DIR writable, room for two checkpoints.
-
-    A checkpoint holds the model and its SGD momentum (2x the parameter bytes); at the
-    peak the last one is kept while the next is written, so two. The model is built on
-    PyTorch's meta device: sizes only, no memory, no random numbers drawn.
-    """
-    with torch.device("meta"):
-        model = build_model(model_name, classes or ESTIMATE_CLASSES)
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    existing = Path(run_dir) / CHECKPOINT
-    held = existing.stat().st_size if existing.is_file() else 0  # a resumed run's, replaced
-    check_storage(run_dir, max(0, 2 * 2 * state_bytes - held))

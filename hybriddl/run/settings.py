@@ -1,17 +1,19 @@
 """A run's settings, settled before anything starts: `TrainConfig`, the use case's defaults
 filled in and every number checked. The trainer receives a resolved TrainConfig and never
-changes it; the command line's flags become one in hybriddl.cli.settings."""
+changes it. `settled_config` makes one from the settings typed (hybriddl.cli.settings reads
+the command line into them) and, with --resume, the checkpoint's."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import EXACT, parse_compression
 from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.hybrid.planner import FEATURE_DTYPES
-from hybriddl.strategies import StrategyOptions
+from hybriddl.run import resumption
+from hybriddl.strategies import StrategyOptions, idle_workers
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
@@ -109,3 +111,23 @@ class TrainConfig(NamesAUseCase):
             raise UsageError(f"--host-parallel {filled.host_parallel}: choose one of "
                              f"{', '.join(HOST_PARALLEL)}")
         return filled
+
+
+def settled_config(given: dict, resume: str | None = None
+                   ) -> tuple[TrainConfig, resumption.Checkpoint | None, list[str]]:
+    """The run's TrainConfig from the settings typed (`given`: TrainConfig's fields, its
+    strategy_options a dict of the options typed) and, resuming the run in `resume`, its
+    checkpoint's settings under them, resolved; that checkpoint (None for a new run); and a
+    line for each of its settings that does nothing in it (whatever the hosts)."""
+    settings, checkpoint = dict(given), None
+    if resume is not None:
+        checkpoint = resumption.load(resume)
+        settings = resumption.resumed_settings(checkpoint, settings, resume)
+    else:
+        settings.setdefault("strategy", AUTO)
+    options = StrategyOptions(**settings.pop("strategy_options", {}))
+    known = {f.name for f in fields(TrainConfig)}
+    settings = {name: value for name, value in settings.items() if name in known}
+    config = TrainConfig(**settings, strategy_options=options).resolved()
+    idle = idle_workers(config.strategy, options.workers)
+    return config, checkpoint, [idle] if idle else []

@@ -32,7 +32,8 @@ from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
 from hybriddl.monitoring.monitor import Monitor
-from hybriddl.rundir import METRICS, MODEL, check_new_run_dir, default_run_dir
+from hybriddl.rundir import (METRICS, MODEL, check_new_run_dir, check_run_storage,
+                             default_run_dir)
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
@@ -82,23 +83,32 @@ class PreparedRun:
 
 
 def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
-            resume: resumption.Checkpoint | None = None, hosts_count: int = 1,
+            resume: resumption.Checkpoint | None = None, hosts=None,
             stop: StopRequest | None = None) -> PreparedRun:
-    """Validate the whole configuration and load the data before any file is written.
+    """Check the run's settled configuration (`config`, resolved) against its model, data
+    and run directory, and load the data, before any file is written.
 
     With `resume`, the run goes on in config.run_dir from that checkpoint (see
     resumption.resumed_settings for how its settings and the flags given combine).
-    `hosts_count` hosts share each global batch: auto profiles this host's share of it.
-    A `stop` requested while a data cache is built ends the build, resumable.
+    The `hosts` (connected; default: this one alone) share each global batch: auto
+    profiles this host's share of it; without --run-dir every rank names rank 0's new
+    run directory. A `stop` requested while a data cache is built ends the build, resumable.
     """
+    if None in (config.model, config.image_size, config.batch_size, config.epochs, config.lr,
+                config.momentum):
+        raise ValueError("trainer.prepare takes a settled TrainConfig: its resolved()")
     observer = observer or TrainingObserver()
-    config = config.resolved()
+    hosts = hosts or SingleHost()
     run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.usecase)
+    if config.run_dir is None and hosts.size > 1:
+        # Every rank names rank 0's run directory (its monitors write there too).
+        run_dir = Path(hosts.broadcast_object(str(run_dir) if hosts.rank == 0 else None))
+        config = replace(config, run_dir=str(run_dir))
     if resume is None:
         check_new_run_dir(run_dir)
     else:
         remove_partial_writes(run_dir)  # what a kill -9 during a write left
-    resumption.check_run_storage(run_dir, config.model, config.classes)
+    check_run_storage(run_dir, config.model, config.classes)
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
@@ -124,7 +134,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     if auto:
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
-            picked, choice = auto_pick(config, split.train, observer, hosts_count)
+            picked, choice = auto_pick(config, split.train, observer, hosts.size)
         strategy = make_strategy(picked.strategy, picked.strategy_options)
         check_host_parallel(config, model, strategy)
         # The run stays "auto" (a resume picks again); the host's weight is the pick's.

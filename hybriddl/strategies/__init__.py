@@ -9,7 +9,8 @@ tuner's candidates, the equivalence tests, the benchmarks' rows) enumerates STRA
 from __future__ import annotations
 
 from hybriddl.errors import UsageError
-from hybriddl.strategies.base import LocalStrategy, StepStats, check_numerics, criterion
+from hybriddl.strategies.base import (CoreWorkersStrategy, LocalStrategy, StepStats,
+                                      check_numerics, criterion)
 from hybriddl.strategies.flat import Flat
 from hybriddl.strategies.gpu import Gpu
 from hybriddl.strategies.gpu_threads import GpuThreads
@@ -59,6 +60,20 @@ def cpu_strategies() -> list[str]:
     cpu_host = HostResources(cores=2)
     return [name for name, cls in STRATEGIES.items()
             if not cls.needs_gpu and cls.tuning_candidates(cpu_host, 2)]
+
+
+def with_workers() -> str:
+    """The strategies that have local workers (`--workers`), from the registry."""
+    return ", ".join(name for name, cls in STRATEGIES.items() if issubclass(cls, CoreWorkersStrategy))
+
+
+def idle_workers(strategy: str, workers: int | None) -> str | None:
+    """The line that says --workers does nothing with `strategy` (None where it acts)."""
+    cls = STRATEGIES.get(strategy)
+    if workers is None or cls is None or issubclass(cls, CoreWorkersStrategy):
+        return None
+    return (f"--workers {workers} does nothing with --strategy {strategy}, which has no local "
+            f"workers (these have: {with_workers()})")
 
 
 def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
