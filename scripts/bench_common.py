@@ -1,7 +1,8 @@
 """What every benchmark script shares: the header its results JSON starts with, the
-spread of a measurement, and the one way a benchmark runs a cell on emulated hosts.
+spread of a measurement, and the one way a benchmark runs a cell on emulated hosts
+(`emulated_cell`: `hybriddl emulate` with `host_options`, PyTorch DDP's command beside it).
 
-    from bench_common import emulate, host_options, results_header, spread
+    from bench_common import emulated_cell, host_options, results_header, spread
 
 Scripts are run as `python scripts/NAME.py` (Python puts scripts/ first on the path), so
 this imports without any path set-up; tests load scripts with tests/conftest.py, which
@@ -14,6 +15,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,3 +118,16 @@ def emulate(options: Sequence[str], command: Sequence[str], report: Path,
     return Emulated(shown, done.returncode, (done.stdout or "") + (done.stderr or ""),
                     json.loads(report.read_text()) if ran else None,
                     round(time.time() - started, 1))
+
+
+def emulated_cell(options: Sequence[str], command: Sequence[str], run_dir: Path,
+                  result: str = "metrics.json", timeout: float | None = None
+                  ) -> tuple[Emulated, dict | None]:
+    """One benchmark cell on emulated hosts, afresh: its run directory of an earlier round
+    removed (train refuses one that holds files), `command` run under `emulate` (its report
+    beside the run directory), and the JSON the command wrote at run_dir/`result`
+    (metrics.json; DDP's rank0.json), None where the run failed."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    ran = emulate(options, command, run_dir.with_name(f"{run_dir.name}.report.json"), timeout)
+    written = run_dir / result
+    return ran, json.loads(written.read_text()) if ran.returncode == 0 and written.exists() else None

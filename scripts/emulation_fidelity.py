@@ -60,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import emulate, host_options
+from bench_common import emulate, emulated_cell, host_options
 from pages import Page
 
 PORT = 5202
@@ -212,13 +212,14 @@ def emulated_report(options: list[str], command: list[str], scratch: Path) -> di
 
 def train(args, scale: float, hosts: int, cores: int, steps: int, scratch: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"run-{hosts}-{scale:g}-", dir=scratch)) / "run"
-    report = emulated_report(
+    ran, metrics = emulated_cell(
         host_options(hosts, cores, speed=["--time-scale", str(scale)]),
         ["hybriddl", "train", "--usecase", args.usecase, "--image-size", str(args.image_size),
          "--max-steps", str(steps), "--strategy", "sequential", "--dropout", "0", "--run-dir",
-         str(run_dir)], scratch)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    return {"report": report, "step_seconds": metrics["epochs"][0]["per_step"]["seconds"]}
+         str(run_dir)], run_dir, timeout=600)
+    if metrics is None:
+        raise SystemExit(f"{ran.shown()} failed:\n{ran.output[-6000:]}")
+    return {"report": ran.report, "step_seconds": metrics["epochs"][0]["per_step"]["seconds"]}
 
 
 def step_row(steps: list[list[float]], base: float, scale: float) -> dict:

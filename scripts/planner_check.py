@@ -20,14 +20,13 @@ S = 200: the link is then 5 Mbit/s of wall time).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import emulate, host_options, results_header
+from bench_common import emulated_cell, host_options, results_header
 from pages import Page
 from hybriddl.files import atomic_write_json
 
@@ -53,20 +52,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(speedup: float, scheme: str, args: argparse.Namespace, scratch: Path) -> dict:
     host_parallel, compression = SCHEMES[scheme]
     run_dir = scratch / f"{scheme}-S{speedup:g}"
-    report = run_dir.with_suffix(".emulation.json")
     train = ["hybriddl", "train", "--model", "alexnet", "--image-size", "224",
              "--batch-size", "32", "--epochs", "1",
              "--max-steps", str(args.warmup + args.steps), "--strategy", "sequential",
              "--host-parallel", host_parallel, "--compression", compression,
              "--monitor-interval", "0", "--measure-only", "--run-dir", str(run_dir)]
     print(f"planner_check: S = {speedup:g}, {scheme}", flush=True)
-    ran = emulate(host_options(HOSTS, bandwidth=args.bandwidth,
-                               speed=["--speedup", f"{speedup:g}"]), train, report)
-    if ran.returncode != 0:
+    ran, metrics = emulated_cell(host_options(HOSTS, bandwidth=args.bandwidth,
+                                              speed=["--speedup", f"{speedup:g}"]), train, run_dir)
+    if metrics is None:
         sys.exit(f"planner_check: the run failed ({ran.returncode}): "
                  f"{ran.shown()}\n{ran.output[-2000:]}")
     command = ran.command
-    metrics = json.loads((run_dir / "metrics.json").read_text())
     dilation = ran.dilation
     plan = metrics["config"]["plan"]
     chosen = next(row for row in plan["rows"] if row["scheme"] == plan["chosen"]["scheme"])

@@ -51,28 +51,28 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import ddp_command, emulate, host_options, results_header
+from bench_common import ddp_command, emulated_cell, host_options, results_header
 from time_to_accuracy import accuracy_at_equal_epochs, accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
+from hybriddl.compare.compare import wire_flags as compare_wire_flags
+from hybriddl.compare.settings import FLAT_MPI, KNOWN
 from hybriddl.files import atomic_write_json
+from hybriddl.hosts.compression import EXACT
 from hybriddl.usecases import get_usecase
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")
-# The compressed contenders, each (scheme, compression): the scheme's own run with its
-# gradients sent as float16 or PowerSGD's factors. Asked for by name.
-WIRE = {"ddp-fp16": ("ddp", "fp16"), "ddp-powersgd": ("ddp", "powersgd"),
-        "flat-fp16": ("flat", "fp16"),
-        # hybriddl's own PowerSGD (--compression powersgd:R) at the same rank.
-        "hybrid-powersgd": ("hybrid", "powersgd"), "data-powersgd": ("data", "powersgd")}
+# The compressed contenders, (scheme, compression) by name: hybriddl compare's table
+# (hybriddl.compare.settings.KNOWN), whose flat-mpi is this script's flat. Asked for by name.
+WIRE = {name: ("flat" if kind.scheme == FLAT_MPI else kind.scheme, kind.compression)
+        for name, kind in KNOWN.items() if kind.compression != EXACT}
 
 
 def scheme_of(contender: str) -> str:
@@ -80,15 +80,9 @@ def scheme_of(contender: str) -> str:
 
 
 def wire_flags(contender: str, powersgd_rank: int) -> list[str]:
-    """A contender's compression, as its command line says it (DDP's hooks are
-    hybriddl.cli.compare_ddp's flags, hybriddl's compressions `train --compression`)."""
-    scheme, compression = WIRE.get(contender, (contender, None))
-    if compression == "fp16":
-        return ["--fp16-allreduce"]
-    if compression == "powersgd":
-        return (["--powersgd-rank", str(powersgd_rank)] if scheme == "ddp"
-                else ["--compression", f"powersgd:{powersgd_rank}"])
-    return []
+    """A contender's compression, as its command line says it (compare's wire_flags: DDP's
+    hooks are hybriddl.cli.compare_ddp's flags, hybriddl's compressions `train --compression`)."""
+    return compare_wire_flags(KNOWN[contender], powersgd_rank) if contender in WIRE else []
 
 
 # The local strategy of every contender but flat and ddp: PyTorch's intra-op threads, the
@@ -219,18 +213,16 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
     DDP's own allreduce or the contender's comm hook."""
     case = get_usecase(args.usecase)
     result_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
-    shutil.rmtree(result_dir, ignore_errors=True)  # an earlier round's
-    report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
     command = ddp_command(hosts, args.cores_per_host, result_dir, [
         "--usecase", args.usecase, "--image-size", str(args.image_size), "--batch-size",
         str(case.batch_size * hosts), "--warmup", str(args.warmup), "--steps", str(args.steps),
         *wire_flags(contender, args.powersgd_rank)])
-    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
-                               speed=speed_flags(args)), command, report)
-    if ran.returncode != 0:
+    ran, rank0 = emulated_cell(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
+                                            speed=speed_flags(args)),
+                               command, result_dir, "rank0.json")
+    if rank0 is None:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": ran.returncode, "output_tail": ran.tail()}
-    rank0 = json.loads((result_dir / "rank0.json").read_text())
     emulation, scale = ran.report, ran.dilation
     emulated = [s / scale for s in rank0["step_seconds"]]
     global_batch = case.batch_size * hosts
@@ -258,20 +250,14 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     if scheme_of(contender) == "ddp":
         return run_ddp_cell(args, hosts, bandwidth, scratch, contender)
     run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
-    report = scratch / f"{contender}-{hosts}-{bandwidth}.report.json"
-    # The same cell's run of an earlier round: train refuses a run directory that exists
-    # (every hybriddl cell of round 2 exited 2 on it).
-    shutil.rmtree(run_dir, ignore_errors=True)
-    report.unlink(missing_ok=True)
     train, ranks = train_args(args, contender, hosts, run_dir)
-    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
-                               ranks_per_host=ranks, speed=speed_flags(args)),
-                  ["hybriddl", *train], report)
-    if ran.returncode != 0:
+    ran, metrics = emulated_cell(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
+                                              ranks_per_host=ranks, speed=speed_flags(args)),
+                                 ["hybriddl", *train], run_dir)
+    if metrics is None:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": ran.returncode,
                 "output_tail": ran.tail(keep=lambda line: "hybriddl:" in line or "rror" in line)}
-    metrics = json.loads((run_dir / "metrics.json").read_text())
     emulation, scale = ran.report, ran.dilation
     epoch = metrics["epochs"][0]
     seconds = epoch["per_step"]["seconds"][args.warmup:]

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import emulate, host_options, results_header
+from bench_common import emulated_cell, host_options, results_header
 from hybriddl.emulation.hosts import bits_per_second
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
@@ -57,17 +57,17 @@ def main(argv=None) -> int:
     unlimited = args.bandwidth == "none"
     wall_rate = float("inf") if unlimited else bits_per_second(args.bandwidth) / args.speedup
     with tempfile.TemporaryDirectory(prefix="hybriddl-overhead-") as scratch:
-        run_dir, report = Path(scratch) / "run", Path(scratch) / "report.json"
+        run_dir = Path(scratch) / "run"
         train = ["hybriddl", "train", "--usecase", args.usecase, "--image-size",
                  str(args.image_size), "--batch-size", str(case.batch_size * HOSTS),
                  "--epochs", "1", "--max-steps", str(args.warmup + args.steps),
                  "--monitor-interval", "0", "--strategy", "intraop", "--workers", "1",
                  "--channels-last", "--host-parallel", "data", "--run-dir", str(run_dir)]
-        ran = emulate(host_options(HOSTS, bandwidth=None if unlimited else args.bandwidth,
-                                   speed=["--speedup", repr(args.speedup)]), train, report)
-        if ran.returncode != 0:
+        ran, metrics = emulated_cell(
+            host_options(HOSTS, bandwidth=None if unlimited else args.bandwidth,
+                         speed=["--speedup", repr(args.speedup)]), train, run_dir)
+        if metrics is None:
             sys.exit(f"the run failed ({ran.returncode}):\n{ran.output[-2000:]}")
-        metrics = json.loads((run_dir / "metrics.json").read_text())
         emulation = ran.report
     dilation = emulation["dilation"]
     per_step = metrics["epochs"][0]["per_step"]

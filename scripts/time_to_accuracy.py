@@ -32,13 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import ddp_command, emulate, host_options, results_header
+from bench_common import ddp_command, emulated_cell, host_options, results_header
 from pages import Page, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
@@ -196,30 +195,25 @@ def goal_flags(args, seed: int, stop_at: float | None) -> list[str]:
 def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
              stop_at: float | None, scratch: Path) -> dict:
     """One seed of one cell on emulated hosts; its evaluations in emulated seconds."""
-    name = f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
-    run_dir, report = scratch / name, scratch / f"{name}.report.json"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    report.unlink(missing_ok=True)
+    run_dir = scratch / f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
     if contender.startswith(DDP_PREFIX):
         command = ddp_command(hosts, args.cores_per_host, run_dir, [
             "--powersgd-rank", contender[len(DDP_PREFIX):], *goal_flags(args, seed, stop_at)])
-        result = run_dir / "rank0.json"
     else:
         compression = "none" if contender == EXACT else contender
         command = ["hybriddl", "train", *goal_flags(args, seed, stop_at), *LOCAL,
                    "--workers", str(args.cores_per_host), "--overlap", "--host-parallel",
                    "auto", "--compression", compression, "--monitor-interval", "0",
                    "--run-dir", str(run_dir)]
-        result = run_dir / "metrics.json"
-    ran = emulate(host_options(hosts, args.cores_per_host, bandwidth=args.bandwidth,
-                               speed=speed), command, report)
+    ran, measured = emulated_cell(
+        host_options(hosts, args.cores_per_host, bandwidth=args.bandwidth, speed=speed),
+        command, run_dir, "rank0.json" if contender.startswith(DDP_PREFIX) else "metrics.json")
     record = {"hosts": hosts, "contender": contender, "seed": seed,
               "model": args.model or get_usecase(args.usecase).model,
               "wall_seconds": ran.wall_seconds, "command": ran.shown()}
-    if ran.returncode != 0:
+    if measured is None:
         return {**record, "failed": ran.returncode, "output_tail": ran.tail(8)}
     emulation = ran.report
-    measured = json.loads(result.read_text())
     target = measured["target"]
     record.update({
         "speedup": emulation.get("speedup", 1.0), "time_scale": emulation.get("time_scale", 1.0),
