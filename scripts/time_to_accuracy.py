@@ -223,6 +223,14 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
         "stopped_at_target": bool(stop_at is not None and target["reached"]),
         "train_loss": [e["train_loss"] for e in measured["epochs"]],
     })
+    epochs = [e for e in measured["epochs"] if "started_at" in e]
+    if len(epochs) > 1:
+        # Emulated seconds from an epoch's last step to the next one's first: its
+        # validation and checkpoint (a compressed scheme's collective, a split
+        # classifier's gather), on the run's clock like the steps.
+        record["between_epochs_seconds"] = [
+            round((after["started_at"] - before["ended_at"]) / ran.dilation, 4)
+            for before, after in zip(epochs, epochs[1:])]
     config = measured.get("config", {})
     chosen = (config.get("plan") or {}).get("chosen")
     if chosen:  # what the planner settled (under auto: the scheme it picked)

@@ -288,6 +288,28 @@ def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target
     assert ran == []
 
 
+def test_time_to_accuracy_records_the_emulated_seconds_between_epochs(monkeypatch, tmp_path):
+    """A run's record keeps, per pair of epochs, the emulated seconds from one's last step to
+    the next one's first (validation and checkpoint): wall / the run's dilation."""
+    import argparse
+
+    import bench_common
+    import time_to_accuracy
+
+    target = {"reached": False, "evaluations": [
+        {"step": 2, "epochs": 1.0, "accuracy": 0.3, "emulated_seconds": 1.0, "wall_seconds": 25.0}]}
+    epochs = [{"train_loss": 2.0, "started_at": 100.0, "ended_at": 150.0},
+              {"train_loss": 1.5, "started_at": 200.0, "ended_at": 250.0}]
+    ran = bench_common.Emulated(["hybriddl", "emulate"], 0, "", {"dilation": 25.0}, 300.0)
+    monkeypatch.setattr(time_to_accuracy, "emulated_cell",
+                        lambda *a, **k: (ran, {"target": target, "epochs": epochs}))
+    args = argparse.Namespace(usecase="SimpleBig", data="x", image_size=64, batch_size=32,
+                              lr=0.01, epochs=2, model=None, eval_every=None, cores_per_host=1,
+                              bandwidth="1gbit")
+    record = time_to_accuracy.run_once(args, 2, "exact", 1, [], None, tmp_path)
+    assert record["between_epochs_seconds"] == [2.0]  # (200 - 150) s wall / 25
+
+
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
     import time_to_accuracy
 
