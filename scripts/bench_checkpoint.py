@@ -28,6 +28,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench_common import spread
@@ -74,7 +75,7 @@ def child(args: argparse.Namespace) -> None:
                                  monitor_interval=0)
     prepared = trainer.prepare(config.resolved())
     case_steps = -(-len(prepared.split.train) // prepared.config.batch_size)
-    prepared.config.max_steps = case_steps + EPOCH_2_STEPS
+    prepared.config = replace(prepared.config, max_steps=case_steps + EPOCH_2_STEPS)
     trainer.run(prepared, Clock())
     print(json.dumps({
         "pause_seconds": events["epoch_start"][1] - events["epoch_end"][0],

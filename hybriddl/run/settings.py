@@ -6,7 +6,7 @@ the command line into them) and, with --resume, the checkpoint's."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import EXACT, parse_compression
@@ -19,7 +19,7 @@ from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(NamesAUseCase):
     usecase: str = DEFAULT_USECASE
     model: str | None = None  # None: the use case's model
@@ -66,12 +66,12 @@ class TrainConfig(NamesAUseCase):
     def resolved(self) -> TrainConfig:
         """Fill what was left out from the use case, and check every number."""
         case = self.case
-        filled = TrainConfig(**{**asdict(self), "strategy_options": self.strategy_options})
-        filled.model, filled.image_size, filled.batch_size = use_case_workload(
+        model, image_size, batch_size = use_case_workload(
             self.usecase, self.model, self.image_size, self.batch_size)
-        filled.epochs = self.epochs if self.epochs is not None else case.epochs
-        filled.lr = self.lr if self.lr is not None else case.lr
-        filled.momentum = self.momentum if self.momentum is not None else case.momentum
+        filled = replace(self, model=model, image_size=image_size, batch_size=batch_size,
+                         epochs=self.epochs if self.epochs is not None else case.epochs,
+                         lr=self.lr if self.lr is not None else case.lr,
+                         momentum=self.momentum if self.momentum is not None else case.momentum)
         if filled.epochs < 1:
             raise UsageError(f"--epochs {filled.epochs}: give at least 1")
         if self.max_steps is not None and self.max_steps < 1:
