@@ -114,7 +114,7 @@ def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(rounds)
         for total, g in zip(true, noisy):
             total += g
         lags.append(sum(float((a - t).norm()) for a, t in zip(applied, true)))
-    errors = compression.state_dict(alone)["error"]  # one per shape: the conv's, the linear's
+    errors = compression.state_dict()["error"]  # one per shape: the conv's, the linear's
     assert float((applied[0] - true[0]).reshape(16, 72).add(errors[0][0]).abs().max()) < 1e-3
     assert float((applied[2] - true[2]).add(errors[1][0]).abs().max()) < 1e-3
     assert torch.allclose(applied[1], true[1])  # the bias travels dense
@@ -258,8 +258,8 @@ def test_a_step_in_two_phases_applies_the_same_bits_as_one_allreduce(scheme):
         if step < 2 and scheme.endswith("start=2"):  # exact: every gradient, dense
             assert sum(w.numel() for w in wires) == sum(g.numel() for g in want)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
-    assert all(torch.equal(a, b) for a, b in zip(split.state_dict(alone)["error"],
-                                                   whole.state_dict(alone)["error"]))
+    assert all(torch.equal(a, b) for a, b in zip(split.state_dict()["error"],
+                                                   whole.state_dict()["error"]))
 
 
 def test_what_leaves_first_is_alexnets_classifier_about_half_the_factors():
@@ -284,7 +284,7 @@ def test_a_gpus_batched_products_apply_what_a_cpus_row_chunks_do(rounds):
         gradients = small_gradients(seed=step) + [decaying_matrix(64, 96, seed=step)]
         for a, b in zip(chunks.aggregate(gradients, alone), batched.aggregate(gradients, alone)):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), step
-    for a, b in zip(chunks.state_dict(alone)["error"], batched.state_dict(alone)["error"]):
+    for a, b in zip(chunks.state_dict()["error"], batched.state_dict()["error"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -354,7 +354,7 @@ def test_a_restored_state_continues_as_if_never_stopped(rounds):
     first = PowerSGD(2, rounds=rounds)
     for g in gradients[:3]:
         first.aggregate(g, alone)
-    state = first.state_dict(alone)
+    state = first.state_dict()
     resumed = PowerSGD(2, rounds=rounds)
     resumed.load_state_dict(state)
     for g, want in zip(gradients[3:], expected[3:]):
@@ -392,39 +392,86 @@ def test_steps_before_start_are_the_exact_sum_then_powersgd_takes_over():
     for g in gradients[:2]:
         first.aggregate(g, alone)
     resumed = parse_compression("powersgd:2:start=3")
-    resumed.load_state_dict(first.state_dict(alone))
+    resumed.load_state_dict(first.state_dict())
     for g, want in zip(gradients[2:], expected[2:]):
         assert all(torch.equal(got, w) for got, w in zip(resumed.aggregate(g, alone), want))
     with pytest.raises(ValueError, match="powersgd:2:start=3's, not powersgd:2's"):
-        PowerSGD(2).load_state_dict(first.state_dict(alone))
+        PowerSGD(2).load_state_dict(first.state_dict())
 
 
-def test_two_hosts_resumed_from_their_summed_errors_continue_as_uninterrupted():
-    """A checkpoint keeps the hosts' errors summed (any host count may resume it): on
-    resume host 0 holds the sum, the others none, and the updates go on the same."""
+def resumed_two_hosts(resume) -> None:
+    """Two hosts run 3 steps, save each its state (no exchange), and `resume(states)` gives
+    the states and holds_error the resumed hosts load; their next 3 steps must be the
+    uninterrupted run's."""
     steps, cut = 6, 3
     contributions = [[small_gradients(seed=10 * s + h) for h in range(2)] for s in range(steps)]
     straight = run_hosts([PowerSGD(2), PowerSGD(2)], contributions, steps, Ring(2))
     first = [PowerSGD(2), PowerSGD(2)]
     run_hosts(first, contributions[:cut], cut, Ring(2))
-    ring = Ring(2)
-    states = [None, None]
-
-    def save(h):
-        states[h] = first[h].state_dict(ring.of(h))
-
-    threads = [threading.Thread(target=save, args=(h,)) for h in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
     resumed = [PowerSGD(2), PowerSGD(2)]
-    for h in range(2):
-        resumed[h].load_state_dict(states[0], holds_error=h == 0)
+    for host, (state, holds_error) in zip(resumed, resume([h.state_dict() for h in first])):
+        host.load_state_dict(state, holds_error=holds_error)
     after = run_hosts(resumed, contributions[cut:], steps - cut, Ring(2))
     for step in range(steps - cut):
         for got, want in zip(after[0][step], straight[0][cut + step]):
             assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_two_hosts_resumed_from_their_own_errors_continue_as_uninterrupted():
+    """A checkpoint keeps each host's errors apart: on the same host count each takes its
+    own back."""
+    resumed_two_hosts(lambda states: [(state, True) for state in states])
+
+
+def test_two_hosts_resumed_from_their_summed_errors_continue_as_uninterrupted():
+    """On another host count, host 0 holds every host's errors summed, the others none,
+    and the updates go on the same (every step is linear in the errors)."""
+    def summed(states):
+        total = {**states[0], "error": [a + b for a, b in zip(states[0]["error"],
+                                                              states[1]["error"])]}
+        return [(total, True), (total, False)]
+
+    resumed_two_hosts(summed)
+
+
+def test_a_checkpoint_keeps_each_hosts_errors_in_a_file_of_its_own(tmp_path):
+    """Rank 0's checkpoint keeps its errors and says where the others' are; host 1 writes
+    its own file and keeps its newest three; on resume each host reads its own back, and
+    on another host count rank 0 reads them all, summed."""
+    from types import SimpleNamespace
+
+    from hybriddl.run import resumption
+    from hybriddl.run.checkpointer import Checkpointer
+    from hybriddl.run.resumption import ERRORS_APART, compression_for_host, errors_file
+
+    def state(value):
+        return {"name": "powersgd:2", "step": 4, "shapes": [[3, 2]], "p": [torch.ones(1, 3, 2)],
+                "q": [torch.ones(1, 2, 2)], "error": [torch.full((1, 3, 2), value)]}
+
+    def saved_by(rank, steps):
+        keeper = Checkpointer.__new__(Checkpointer)  # only what keep_errors_apart reads
+        keeper.run_dir, keeper.hosts = tmp_path, SimpleNamespace(rank=rank, size=2)
+        keeper.position = resumption.Position(steps_done=steps)
+        return keeper.keep_errors_apart(state(float(rank + 1)))
+
+    for steps in (2, 4, 6, 8):
+        on_rank_0 = saved_by(0, steps)
+        kept = saved_by(1, steps)  # written to its own file, not exchanged
+        assert ERRORS_APART not in kept and torch.equal(kept["error"][0], state(2.0)["error"][0])
+    assert on_rank_0[ERRORS_APART] == {"hosts": 2, "steps_done": 8}
+    assert torch.equal(on_rank_0["error"][0], torch.full((1, 3, 2), 1.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [errors_file(1, s) for s in (4, 6, 8)]
+    checkpoint = SimpleNamespace(compression=on_rank_0)
+    for rank, holds, value in ((0, True, 1.0), (1, True, 2.0)):
+        got, holds_error, line = compression_for_host(checkpoint, tmp_path, rank, 2)
+        assert (holds_error, line) == (holds, None) and ERRORS_APART not in got
+        assert torch.equal(got["error"][0], torch.full((1, 3, 2), value))
+    got, holds_error, _ = compression_for_host(checkpoint, tmp_path, 0, 1)  # one host now
+    assert holds_error and torch.equal(got["error"][0], torch.full((1, 3, 2), 3.0))
+    assert compression_for_host(checkpoint, tmp_path, 1, 3)[1] is False
+    (tmp_path / errors_file(1, 8)).unlink()
+    got, holds_error, line = compression_for_host(checkpoint, tmp_path, 1, 2)
+    assert holds_error is False and "errors of host 1 could not be read" in line
 
 
 def test_a_checkpoint_names_the_scheme_that_ran_whatever_settled_it():
@@ -617,6 +664,12 @@ def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, mo
         assert done.returncode == 0, done.stdout + done.stderr
     epoch = json.loads((straight / METRICS).read_text())["epochs"][0]
     assert epoch["buckets_sent_in_backward"] == len(epoch["per_step"]["seconds"]) > 0
+    # Each host's errors kept apart, not summed over the link: rank 0's in the checkpoint,
+    # rank 1's in its own file beside it.
+    from hybriddl.run.resumption import ERRORS_APART, errors_file
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)["compression"]
+    assert saved[ERRORS_APART] == {"hosts": 2, "steps_done": 2}
+    assert torch.load(cut / errors_file(1, 2), weights_only=True)["steps_done"] == 2
     done = mpirun(2, [*common, "train", "--resume", str(cut), "--max-steps", "3"])
     assert done.returncode == 0, done.stdout + done.stderr
     assert max_difference(straight, cut) < 1e-6

@@ -547,7 +547,7 @@ def test_two_ranks_sharing_one_gpu_train_what_one_process_does(tmp_path, host_pa
 def test_two_ranks_on_cuda_with_powersgd_resumed_end_as_uninterrupted(tmp_path):
     """Two ranks sharing the GPU, `--compression powersgd:2`: stopped after 4 steps and
     resumed to 6, they end where 6 uninterrupted steps end (the checkpoint keeps the
-    hosts' summed errors and the factors, on the CPU)."""
+    factors and each host's errors, apart, on the CPU)."""
     mpirun = gpu_mpirun()
     env = {**hybriddl_env(), "NVIDIA_TF32_OVERRIDE": "0"}
     args = ["train", "--model", "alexnet", "--image-size", "64", "--batch-size", "8",

@@ -209,19 +209,20 @@ class Hosts:
                 gradient.copy_(approximation)
 
     # ------------------------------------------------------------------ compression state
-    def compression_state(self) -> dict | None:
-        """The compression's name and state as a checkpoint keeps them, on rank 0 (None
-        elsewhere): the scheme that ran, whatever settled it (`--compression auto`).
-        Collective: every host calls it at the same step."""
-        state = self.compression.state_dict(self.allreduce_sum) if self._compressed \
+    def compression_state(self) -> dict:
+        """The compression's name and this host's state as a checkpoint keeps them: the
+        scheme that ran, whatever settled it (`--compression auto`). No exchange."""
+        return self.compression.state_dict() if self._compressed \
             else {"name": self.compression.name}
-        return state if self.rank == 0 else None
 
-    def restore_compression(self, saved_name: str, saved: dict | None) -> str | None:
+    def restore_compression(self, saved_name: str, saved: dict | None,
+                            holds_error: bool | None = None) -> str | None:
         """Continue the compression from a checkpoint: `saved_name`, the scheme it was
-        written under, and `saved`, its `compression_state` (after `attach`). A line to show
-        when that scheme is not this run's, or its state does not fit (the compression then
-        starts afresh); None when the run simply goes on."""
+        written under, and `saved`, its `compression_state` (after `attach`), with the
+        errors this host takes where it `holds_error` (default: rank 0, as checkpoints that
+        kept the hosts' errors summed have it). A line to show when that scheme is not this
+        run's, or its state does not fit (the compression then starts afresh); None when
+        the run simply goes on."""
         now = self.compression.name
         if saved:  # the scheme that ran (the config may say auto)
             saved_name = saved.get("name", saved_name)
@@ -234,7 +235,8 @@ class Hosts:
         try:
             if saved is None:
                 raise ValueError("it has none")
-            self.compression.load_state_dict(saved, holds_error=self.rank == 0)
+            self.compression.load_state_dict(
+                saved, holds_error=self.rank == 0 if holds_error is None else holds_error)
         except ValueError as exc:
             return (f"--compression {now}: the checkpoint's state does not fit this run ({exc}); "
                     "its factors and errors start afresh")

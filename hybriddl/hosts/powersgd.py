@@ -24,7 +24,8 @@ factors are summed, so the approximation is of the mean gradient over the global
 Each host's error is the part of its own M outside the shared factor's span; their sum
 is the mean's M minus the approximation, so what is applied depends only on the mean
 gradient: 1 host and H hosts train the same mathematics (to float rounding), and a
-checkpoint keeps the errors summed over hosts (any host count may resume it).
+checkpoint keeps each host's errors apart (no exchange; any host count may resume it, the
+errors summed on one host).
 
 Every host computes the approximation from the same summed factor, the same bits: the
 factor is orthogonalised in float64 (LAPACK's rounding, which depends on the CPU,
@@ -88,7 +89,7 @@ class PowerSGD(WireScheme):
     `aggregate(gradients, allreduce)` returns the approximate sum over hosts of the
     gradients (each host's already weighted n_h/N), `allreduce` being the transport:
     tensor -> its sum over hosts (the same bits everywhere). The state (factors, errors,
-    which factor is next) is `state_dict(allreduce)` / `load_state_dict`.
+    which factor is next) is `state_dict` / `load_state_dict`.
 
     A matrix goes dense, in the same allreduce, where R >= min(out, in) (a rank-R
     approximation would be the matrix) or where R*(out+in) >= out*in (the factors are
@@ -554,26 +555,22 @@ class PowerSGD(WireScheme):
         return self._dense_device
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, allreduce: Callable[[torch.Tensor], torch.Tensor]) -> dict:
-        """The state as a checkpoint keeps it: the factors (the same on every host) and the
-        errors summed over hosts by `allreduce` (one call, collective), on the CPU."""
-        errors = [g.error.reshape(-1) for g in self._groups]
-        summed = allreduce(torch.cat(errors)) if errors else torch.zeros(0)
-        offset, error_sums = 0, []
-        for group in self._groups:
-            error_sums.append(summed[offset:offset + group.error.numel()]
-                              .view(group.error.shape).cpu().clone())
-            offset += group.error.numel()
+    def state_dict(self) -> dict:
+        """The state as a checkpoint keeps it, on the CPU: the factors (the same on every
+        host) and this host's errors. No exchange: each host's errors are its own (a
+        checkpoint keeps them apart, `run/checkpointer.py`), and since every step is linear
+        in them, their sum is what carries on (`load_state_dict`'s `holds_error`)."""
         return {"name": self.name, "step": self.step,
                 "shapes": [list(s) for s in (self._shapes or [])],
                 "p": [g.p.cpu().clone() for g in self._groups],
                 "q": [g.q.cpu().clone() for g in self._groups],
-                "error": error_sums}
+                "error": [g.error.cpu().clone() for g in self._groups]}
 
     def load_state_dict(self, state: dict, holds_error: bool = True) -> None:
-        """Continue from `state_dict`'s record; the host that `holds_error` takes the summed
-        errors, the others start theirs at zero (their sum is what was saved). ValueError
-        when the record is of another scheme or of other gradients."""
+        """Continue from `state_dict`'s record: its errors where `holds_error` (this host's
+        own, or, on another host count, every host's summed on one host), zero where not
+        (the hosts' sum is what carries on). ValueError when the record is of another
+        scheme or of other gradients."""
         if state.get("name") != self.name:
             raise ValueError(f"it is {state.get('name')}'s, not {self.name}'s")
         if not {"shapes", "step", "p", "q", "error"} <= state.keys():

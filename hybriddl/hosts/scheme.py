@@ -101,8 +101,9 @@ class WireScheme(ABC):
         raise TypeError(f"{type(self).__name__} has no compute of its own to measure: its "
                         "measured_key is None, so the planner never asks")
 
-    def state_dict(self, allreduce) -> dict:
-        """What a checkpoint keeps of it: a stateless scheme's name."""
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of it, this host's (no exchange): a stateless scheme's
+        name."""
         return {"name": self.name}
 
     def load_state_dict(self, state: dict, holds_error: bool = True) -> None:

@@ -478,8 +478,11 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
         "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan}
-    if note := hosts.restore_compression(saved_compression(prepared.resume),
-                                         prepared.resume.compression):
+    saved, holds_error, unread = resumption.compression_for_host(
+        prepared.resume, prepared.run_dir, hosts.rank, hosts.size)
+    # A scheme other than the checkpoint's says so alone: it takes none of the errors.
+    if note := hosts.restore_compression(saved_compression(prepared.resume), saved,
+                                         holds_error) or unread:
         resume["compression"] = note
         metrics["config"]["hosts"].setdefault("notes", []).append(note)  # shown at start
     metrics["config"]["compression"] = config.compression
