@@ -165,6 +165,9 @@ def summarise(runs: list[dict], target: float, bandwidth: str,
             "final_accuracy_spread": [min(finals), max(finals)] if finals else None,
             "final_epochs": [r["evaluations"][-1]["epochs"] for r in mine if r["evaluations"]],
             "epoch_seconds": statistics.median(per_epoch) if per_epoch else None,
+            # Validation and checkpoint between epochs (runs recorded before it: None).
+            "between_epochs_seconds": statistics.median(gaps) if (gaps := [
+                g for r in mine for g in r.get("between_epochs_seconds", [])]) else None,
         })
     reference = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
     for row in rows:
@@ -391,8 +394,8 @@ def mlperf_table(data: dict) -> str:
     lines = ["| hosts | contender | exact? | seeds | reached the target | score, emulated s "
              "| × one host's | median epochs to target | last validation accuracy (at the "
              "target or the cap), mean (range) | emulated s per epoch (median) | × one "
-             "host's |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "host's | of which between epochs (validation, checkpoint) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for row in data.get("summary", []):
         spread = row["final_accuracy_spread"]
         final = ("–" if row["final_accuracy_mean"] is None else
@@ -404,7 +407,8 @@ def mlperf_table(data: dict) -> str:
                      f"{ratio_text(row['ratio_to_one_host'])} | "
                      f"{'–' if epochs is None else f'{epochs:g}'} | {final} | "
                      f"{seconds_text(row.get('epoch_seconds'))} | "
-                     f"{ratio_text(row.get('epoch_ratio_to_one_host'))} |")
+                     f"{ratio_text(row.get('epoch_ratio_to_one_host'))} | "
+                     f"{seconds_text(row.get('between_epochs_seconds'))} |")
     lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
                                           f"{r['seed']}")
     by_epoch = equal_epochs_table(data)
