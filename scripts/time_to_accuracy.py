@@ -480,12 +480,23 @@ def not_finished(data: dict, run_name) -> list[str]:
             if "failed" in r]
 
 
+def taking_turns(data: dict) -> dict[int, float]:
+    """Host count -> time scale D of the file's runs where the hosts took turns on this
+    machine's cores (D > 1: every exchange slowed; emulated seconds are wall / D)."""
+    return {r["hosts"]: r["time_scale"] for r in data.get("runs", [])
+            if r.get("time_scale", 1.0) > 1}
+
+
 def host_speed(data: dict) -> str:
     """The hosts' speed where no host step was asked: their own (S = 1: emulated seconds
-    are wall seconds) or the file's --speedup."""
+    are wall seconds) or the file's --speedup; and where they took turns on the cores."""
+    turns = taking_turns(data)
     if not data.get("speedup"):
         return (f"hosts of {data['cores_per_host']} core(s) here at their own speed (S = 1), "
-                "side by side")
+                + (", ".join(f"{hosts} of them taking turns on this machine's cores (D = "
+                             f"{scale:g}, which slows every exchange)"
+                             for hosts, scale in sorted(turns.items())) + ", fewer side by side"
+                   if turns else "side by side"))
     return f"hosts each S times as fast as a core here (S = {data['speedup']:.3g})"
 
 

@@ -202,6 +202,7 @@ def headline_block() -> str:
     the command that reproduces the first. The long form of every page's headline is in
     docs/benchmarks/README.md."""
     lines, cpus, command = [HEADLINE_BEGIN], {"tta": set(), "fast": set()}, None
+    turns = {}  # hosts -> D where a figure above had them take turns on the cores
     for page in expanded(time_to_accuracy.PAGES, []):
         data, _ = load_quotable(REPO / page.json)
         if data is not None and page.name.startswith("time_to_accuracy-mnist"):
@@ -210,6 +211,7 @@ def headline_block() -> str:
                 lines += [*lead, ""]
                 cpus["tta"].add(data["cpu_model"])
                 command = command or data["command"]
+                turns.update(time_to_accuracy.taking_turns(data))
     rows = []
     for page in expanded(scaling_e2e.FAST_PAGES, []):
         data, _ = load_quotable(REPO / page.json)
@@ -243,12 +245,22 @@ def headline_block() -> str:
                                                ("fast", "throughput")) if cpus[key])
         lines.append(f"S: each emulated host stands for one S times faster (its step is one "
                      f"host's step here / S; links run at rate / S; times are emulated, wall "
-                     f"/ S). D: hosts that take turns on this machine's cores (D = 1 here: "
-                     f"side by side). Measured with 2 cores: {measured}. Reproduce the first "
+                     f"/ S). D: hosts that take turns on this machine's cores, which slows "
+                     f"every exchange ({shared_cores(turns)}). Measured with 2 cores: "
+                     f"{measured}. Reproduce the first "
                      f"table: `{command}`. Every figure's long form: "
                      "[docs/benchmarks](docs/benchmarks/README.md).")
     lines.append(HEADLINE_END)
     return "\n".join(lines)
+
+
+def shared_cores(turns: dict[int, float]) -> str:
+    """Where the headline's hosts took turns on the cores (D > 1), and that the rest ran
+    side by side (D = 1)."""
+    if not turns:
+        return "D = 1 here: side by side"
+    return ", ".join(f"D = {scale:g} at {hosts} hosts" for hosts, scale in sorted(turns.items())
+                     ) + "; D = 1, side by side, elsewhere"
 
 
 def headline_lines() -> list[str]:

@@ -310,6 +310,23 @@ def test_time_to_accuracy_records_the_emulated_seconds_between_epochs(monkeypatc
     assert record["between_epochs_seconds"] == [2.0]  # (200 - 150) s wall / 25
 
 
+def test_time_to_accuracy_says_where_hosts_took_turns_on_the_cores():
+    """4 one-core hosts on 2 cores take turns (D = 2): the lead and the README's footnote
+    say so, where 2 hosts ran side by side."""
+    import time_to_accuracy
+    import write_docs
+
+    data = {"cores_per_host": 1, "speedup": None,
+            "runs": [{"hosts": 1, "time_scale": 1.0}, {"hosts": 4, "time_scale": 2.0}]}
+    assert time_to_accuracy.taking_turns(data) == {4: 2.0}
+    assert "4 of them taking turns on this machine's cores (D = 2, which slows every " \
+           "exchange), fewer side by side" in time_to_accuracy.host_speed(data)
+    assert time_to_accuracy.host_speed({**data, "runs": data["runs"][:1]}).endswith(
+        "side by side")
+    assert write_docs.shared_cores({4: 2.0}) == "D = 2 at 4 hosts; D = 1, side by side, elsewhere"
+    assert write_docs.shared_cores({}) == "D = 1 here: side by side"
+
+
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
     import time_to_accuracy
 
