@@ -43,12 +43,14 @@ def check_storage(run_dir: Path, needed_bytes: int) -> None:
 ESTIMATE_CLASSES = 1000
 
 
-def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None) -> None:
+def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None,
+                      held_bytes=None) -> None:
     """Before data loading and tuning: RUN_DIR writable, room for two checkpoints.
 
     A checkpoint holds the model and its SGD momentum (2x the parameter bytes); at the
-    peak the last one is kept while the next is written, so two. The model is built on
-    PyTorch's meta device: sizes only, no memory, no random numbers drawn.
+    peak the last one is kept while the next is written, so two. `held_bytes(model)`:
+    what this host's gradient compression adds there (its error buffers). The model is
+    built on PyTorch's meta device: sizes only, no memory, no random numbers drawn.
     """
     import torch  # here: the commands that only start processes load no torch
 
@@ -59,7 +61,8 @@ def check_run_storage(run_dir: Path, model_name: str, classes: int | None = None
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     existing = Path(run_dir) / CHECKPOINT
     held = existing.stat().st_size if existing.is_file() else 0  # a resumed run's, replaced
-    check_storage(run_dir, max(0, 2 * 2 * state_bytes - held))
+    compression = held_bytes(model) if held_bytes else 0
+    check_storage(run_dir, max(0, 2 * 2 * state_bytes + compression - held))
 
 
 def default_run_dir(usecase: str, root: str = "runs") -> Path:

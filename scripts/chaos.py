@@ -52,6 +52,9 @@ HOSTS = 3
 CHECKPOINT_EVERY = 4
 OUTAGE_SECONDS = 20.0  # SIGSTOP and link down: longer than the heartbeat's 15 s of silence
 DISK_MB = 48  # room for the run (two ~10 MB checkpoints, model.pt) and little more
+# A compressed run's each host also keeps its errors (squeezenet's ~5 MB: rank 0's in its
+# checkpoints, every other host's in three files of its own).
+COMPRESSED_DISK_MB = 96
 DEADLINE_SECONDS = 600
 
 
@@ -346,7 +349,8 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None,
     result: dict = {}
     try:
         if "disk" in kinds:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs",
+            size = DISK_MB if compression in (None, "none") else COMPRESSED_DISK_MB
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}m", "tmpfs",
                             str(disk)], check=True, capture_output=True)
             mounted = True
         with EmulatedHosts(hosts=HOSTS) as cluster:

@@ -231,6 +231,12 @@ class PowerSGD(WireScheme):
         rows, cols = matrix
         return self.rank < min(rows, cols) and self.rank * (rows + cols) < rows * cols
 
+    def held_bytes(self, model_or_shapes) -> int:
+        """This host's error buffers: every compressed matrix in float32 (the factors, the
+        same on every host, are small beside them)."""
+        return 4 * sum(math.prod(shape) for shape in gradient_shapes(model_or_shapes)
+                       if self.compresses(shape))
+
     def wire_bytes(self, model_or_shapes, positions: Iterable[int] | None = None) -> int:
         """Bytes one host hands to the allreduces of a step: the dense tensors plus, for
         each compressed matrix, in one round P (out*R) one step and Q (in*R) the next,

@@ -101,6 +101,11 @@ class WireScheme(ABC):
         raise TypeError(f"{type(self).__name__} has no compute of its own to measure: its "
                         "measured_key is None, so the planner never asks")
 
+    def held_bytes(self, model_or_shapes) -> int:
+        """Bytes of state each host holds from step to step, which its checkpoints keep
+        (a stateless scheme: none)."""
+        return 0
+
     def state_dict(self) -> dict:
         """What a checkpoint keeps of it, this host's (no exchange): a stateless scheme's
         name."""
