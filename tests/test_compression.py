@@ -476,20 +476,19 @@ def test_a_checkpoint_keeps_each_hosts_errors_in_a_file_of_its_own(tmp_path):
 
 def test_the_room_a_run_needs_counts_its_hosts_errors(tmp_path, monkeypatch):
     """A PowerSGD run's errors (each compressed matrix, float32) are counted in the room
-    checked at start: in rank 0's two checkpoints, in three files of its own on another
-    host; none for an exact run."""
+    checked at start (trainer.prepare: in rank 0's two checkpoints, in three files of its
+    own on another host); none for an exact or a stateless scheme."""
     from collections import namedtuple
 
     from hybriddl.errors import UsageError
+    from hybriddl.hosts.compression import held_state_bytes as held_bytes
     from hybriddl.rundir import check_run_storage
-    from hybriddl.run.trainer import held_by_compression
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 30 * 30, 10))
     errors = 4 * sum(p.numel() for p in model.parameters() if p.dim() > 1)
-    assert PowerSGD(2).held_bytes(model) == errors
-    assert held_by_compression("powersgd:2", 0)(model) == 2 * errors
-    assert held_by_compression("powersgd:2", 1)(model) == 3 * errors
-    assert held_by_compression("none", 1)(model) == 0
+    assert PowerSGD(2).held_bytes(model) == held_bytes("powersgd:2", model) == errors
+    assert held_bytes("auto", model) == errors  # the most any planned scheme holds
+    assert held_bytes("none", model) == held_bytes("fp16", model) == 0
     # resnet18's two checkpoints (model and momentum) fit; its errors beside them do not.
     Usage = namedtuple("Usage", "total used free")
     with torch.device("meta"):
@@ -498,10 +497,10 @@ def test_the_room_a_run_needs_counts_its_hosts_errors(tmp_path, monkeypatch):
                     .state_dict().values())
     monkeypatch.setattr("hybriddl.rundir.shutil.disk_usage",
                         lambda path: Usage(10 * state, 0, 4 * state + 1))
-    check_run_storage(tmp_path / "run", "resnet18", 10, held_by_compression("none", 1))
+    check_run_storage(tmp_path / "run", "resnet18", 10, lambda m: held_bytes("none", m))
     with pytest.raises(UsageError, match="free some space"):
         check_run_storage(tmp_path / "run", "resnet18", 10,
-                          held_by_compression("powersgd:2", 1))
+                          lambda m: 3 * held_bytes("powersgd:2", m))
 
 
 def test_a_checkpoint_names_the_scheme_that_ran_whatever_settled_it():

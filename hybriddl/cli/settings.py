@@ -126,11 +126,11 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
     connect["compression"] = Compression.none if scheme == AUTO_COMPRESSION else scheme
     # A whole-gradient scheme applies alone too (the same steps as on H hosts); an inexact
     # bucketed one has nothing to send (--fp16-allreduce, its other name, is said above).
-    idle_scheme = (args.compression is not None and getattr(scheme, "kind", None) == BUCKETED
-                   and not scheme.exact)
+    if (args.compression is not None and getattr(scheme, "kind", None) == BUCKETED
+            and not scheme.exact):
+        host_flags += (f"--compression {scheme.name}",)
     alone = tuple(f"{flag} does nothing on a single host: it acts when mpirun starts one "
-                  "rank on each of several hosts"
-                  for flag in (*host_flags, *([f"--compression {scheme.name}"] * idle_scheme)))
+                  "rank on each of several hosts" for flag in host_flags)
     return TrainFlags(finished, given, resume, run_dir or resume, connect, alone)
 
 

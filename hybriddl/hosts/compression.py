@@ -153,6 +153,15 @@ def planned_compressions() -> list[str]:
     return [scheme.name for cls in REGISTRY.values() for scheme in cls.planned()]
 
 
+def held_state_bytes(text: str, model_or_shapes) -> int:
+    """Bytes of state the compression `text` holds on each host from step to step (auto:
+    the most that any scheme the planner weighs holds)."""
+    scheme = parse_compression(text)
+    schemes = ([parse_compression(name) for name in planned_compressions()]
+               if scheme == AUTO else [scheme])
+    return max(s.held_bytes(model_or_shapes) for s in schemes)
+
+
 def parse_compression(text: str):
     """The compression `--compression TEXT` names, or AUTO (the planner settles it);
     UsageError, one line, for anything else."""

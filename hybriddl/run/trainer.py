@@ -26,8 +26,7 @@ from hybriddl.data.sharding import split_bounds
 from hybriddl.run import resumption
 from hybriddl.run.checkpointer import Checkpointer
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.hosts.compression import (AUTO as AUTO_COMPRESSION, EXACT, parse_compression,
-                                       planned_compressions)
+from hybriddl.hosts.compression import EXACT, held_state_bytes, parse_compression
 from hybriddl.hosts.replicas import ReplicaCheck
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
@@ -109,8 +108,10 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         check_new_run_dir(run_dir)
     else:
         remove_partial_writes(run_dir)  # what a kill -9 during a write left
+    # A compressed run's errors: in rank 0's two checkpoints, in files of its own elsewhere.
+    copies = 2 if hosts.rank == 0 else resumption.ERRORS_KEPT
     check_run_storage(run_dir, config.model, config.classes,
-                      held_by_compression(config.compression, hosts.rank))
+                      lambda model: copies * held_state_bytes(config.compression, model))
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
     split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
@@ -145,17 +146,6 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         resumption.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
     return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
-
-
-def held_by_compression(compression: str, rank: int):
-    """model -> bytes this host's compression state adds to the run directory: its errors
-    in rank 0's two checkpoints, or in the newest files of its own elsewhere
-    (resumption.ERRORS_KEPT); under auto, the most any scheme the planner weighs holds."""
-    scheme = parse_compression(compression)
-    schemes = ([parse_compression(name) for name in planned_compressions()]
-               if scheme == AUTO_COMPRESSION else [scheme])
-    copies = 2 if rank == 0 else resumption.ERRORS_KEPT
-    return lambda model: copies * max(s.held_bytes(model) for s in schemes)
 
 
 def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
