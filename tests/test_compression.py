@@ -114,7 +114,7 @@ def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(rounds)
         for total, g in zip(true, noisy):
             total += g
         lags.append(sum(float((a - t).norm()) for a, t in zip(applied, true)))
-    errors = compression.state_dict()["error"]  # one per shape: the conv's, the linear's
+    errors = compression.checkpoint_state()["error"]  # one per shape: the conv's, the linear's
     assert float((applied[0] - true[0]).reshape(16, 72).add(errors[0][0]).abs().max()) < 1e-3
     assert float((applied[2] - true[2]).add(errors[1][0]).abs().max()) < 1e-3
     assert torch.allclose(applied[1], true[1])  # the bias travels dense
@@ -258,8 +258,8 @@ def test_a_step_in_two_phases_applies_the_same_bits_as_one_allreduce(scheme):
         if step < 2 and scheme.endswith("start=2"):  # exact: every gradient, dense
             assert sum(w.numel() for w in wires) == sum(g.numel() for g in want)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
-    assert all(torch.equal(a, b) for a, b in zip(split.state_dict()["error"],
-                                                   whole.state_dict()["error"]))
+    assert all(torch.equal(a, b) for a, b in zip(split.checkpoint_state()["error"],
+                                                   whole.checkpoint_state()["error"]))
 
 
 def test_what_leaves_first_is_alexnets_classifier_about_half_the_factors():
@@ -284,7 +284,7 @@ def test_a_gpus_batched_products_apply_what_a_cpus_row_chunks_do(rounds):
         gradients = small_gradients(seed=step) + [decaying_matrix(64, 96, seed=step)]
         for a, b in zip(chunks.aggregate(gradients, alone), batched.aggregate(gradients, alone)):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), step
-    for a, b in zip(chunks.state_dict()["error"], batched.state_dict()["error"]):
+    for a, b in zip(chunks.checkpoint_state()["error"], batched.checkpoint_state()["error"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -354,14 +354,14 @@ def test_a_restored_state_continues_as_if_never_stopped(rounds):
     first = PowerSGD(2, rounds=rounds)
     for g in gradients[:3]:
         first.aggregate(g, alone)
-    state = first.state_dict()
+    state = first.checkpoint_state()
     resumed = PowerSGD(2, rounds=rounds)
-    resumed.load_state_dict(state)
+    resumed.load_checkpoint_state(state)
     for g, want in zip(gradients[3:], expected[3:]):
         for got, w in zip(resumed.aggregate(g, alone), want):
             assert torch.equal(got, w)
     with pytest.raises(ValueError, match=f"{straight.name}'s, not powersgd:4's"):
-        PowerSGD(4).load_state_dict(state)
+        PowerSGD(4).load_checkpoint_state(state)
 
 
 def test_steps_before_start_are_the_exact_sum_then_powersgd_takes_over():
@@ -392,11 +392,11 @@ def test_steps_before_start_are_the_exact_sum_then_powersgd_takes_over():
     for g in gradients[:2]:
         first.aggregate(g, alone)
     resumed = parse_compression("powersgd:2:start=3")
-    resumed.load_state_dict(first.state_dict())
+    resumed.load_checkpoint_state(first.checkpoint_state())
     for g, want in zip(gradients[2:], expected[2:]):
         assert all(torch.equal(got, w) for got, w in zip(resumed.aggregate(g, alone), want))
     with pytest.raises(ValueError, match="powersgd:2:start=3's, not powersgd:2's"):
-        PowerSGD(2).load_state_dict(first.state_dict())
+        PowerSGD(2).load_checkpoint_state(first.checkpoint_state())
 
 
 def resumed_two_hosts(resume) -> None:
@@ -409,8 +409,8 @@ def resumed_two_hosts(resume) -> None:
     first = [PowerSGD(2), PowerSGD(2)]
     run_hosts(first, contributions[:cut], cut, Ring(2))
     resumed = [PowerSGD(2), PowerSGD(2)]
-    for host, (state, holds_error) in zip(resumed, resume([h.state_dict() for h in first])):
-        host.load_state_dict(state, holds_error=holds_error)
+    for host, (state, holds_error) in zip(resumed, resume([h.checkpoint_state() for h in first])):
+        host.load_checkpoint_state(state, holds_error=holds_error)
     after = run_hosts(resumed, contributions[cut:], steps - cut, Ring(2))
     for step in range(steps - cut):
         for got, want in zip(after[0][step], straight[0][cut + step]):

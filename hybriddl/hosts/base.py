@@ -212,7 +212,7 @@ class Hosts:
     def compression_state(self) -> dict:
         """The compression's name and this host's state as a checkpoint keeps them: the
         scheme that ran, whatever settled it (`--compression auto`). No exchange."""
-        return self.compression.state_dict() if self._compressed \
+        return self.compression.checkpoint_state() if self._compressed \
             else {"name": self.compression.name}
 
     def restore_compression(self, saved_name: str, saved: dict | None,
@@ -235,7 +235,7 @@ class Hosts:
         try:
             if saved is None:
                 raise ValueError("it has none")
-            self.compression.load_state_dict(
+            self.compression.load_checkpoint_state(
                 saved, holds_error=self.rank == 0 if holds_error is None else holds_error)
         except ValueError as exc:
             return (f"--compression {now}: the checkpoint's state does not fit this run ({exc}); "

@@ -89,7 +89,7 @@ class PowerSGD(WireScheme):
     `aggregate(gradients, allreduce)` returns the approximate sum over hosts of the
     gradients (each host's already weighted n_h/N), `allreduce` being the transport:
     tensor -> its sum over hosts (the same bits everywhere). The state (factors, errors,
-    which factor is next) is `state_dict` / `load_state_dict`.
+    which factor is next) is `checkpoint_state` / `load_checkpoint_state`.
 
     A matrix goes dense, in the same allreduce, where R >= min(out, in) (a rank-R
     approximation would be the matrix) or where R*(out+in) >= out*in (the factors are
@@ -561,19 +561,19 @@ class PowerSGD(WireScheme):
         return self._dense_device
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         """The state as a checkpoint keeps it, on the CPU: the factors (the same on every
         host) and this host's errors. No exchange: each host's errors are its own (a
         checkpoint keeps them apart, `run/checkpointer.py`), and since every step is linear
-        in them, their sum is what carries on (`load_state_dict`'s `holds_error`)."""
+        in them, their sum is what carries on (`load_checkpoint_state`'s `holds_error`)."""
         return {"name": self.name, "step": self.step,
                 "shapes": [list(s) for s in (self._shapes or [])],
                 "p": [g.p.cpu().clone() for g in self._groups],
                 "q": [g.q.cpu().clone() for g in self._groups],
                 "error": [g.error.cpu().clone() for g in self._groups]}
 
-    def load_state_dict(self, state: dict, holds_error: bool = True) -> None:
-        """Continue from `state_dict`'s record: its errors where `holds_error` (this host's
+    def load_checkpoint_state(self, state: dict, holds_error: bool = True) -> None:
+        """Continue from `checkpoint_state`'s record: its errors where `holds_error` (this host's
         own, or, on another host count, every host's summed on one host), zero where not
         (the hosts' sum is what carries on). ValueError when the record is of another
         scheme or of other gradients."""

@@ -106,10 +106,10 @@ class WireScheme(ABC):
         (a stateless scheme: none)."""
         return 0
 
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of it, this host's (no exchange): a stateless scheme's
         name."""
         return {"name": self.name}
 
-    def load_state_dict(self, state: dict, holds_error: bool = True) -> None:
+    def load_checkpoint_state(self, state: dict, holds_error: bool = True) -> None:
         """A stateless scheme continues from its name alone."""
