@@ -521,12 +521,13 @@ MLPERF_NOTES = """\
 How to read it: each cell trains one run per seed to the target (`train --target-accuracy
 A --stop-at-target`; the clock runs through every validation, as in MLPerf); its score
 drops the fastest and the slowest run and averages the rest, in emulated seconds (wall /
-S). A run that misses the target within the epoch cap counts as the slowest; more than one
+(S·D)). A run that misses the target within the epoch cap counts as the slowest; more than one
 miss, no score. `exact` is hybriddl's exact scheme as the planner picks it; `powersgd:R`
 is hybriddl's PowerSGD at rank R (not exact), one factor a step, `:rounds=2` both factors
 in two allreduces as the paper and torch's hook; `ddp-powersgd:R` is PyTorch DDP with torch's
-powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs go to the
-cap: they fix the target and their final accuracy is the cap's."""
+powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs that fix
+the target go to the cap, and their final accuracy is the cap's; under `--interleave` (a
+target given or fixed before) they stop at the target like every cell."""
 
 
 def interleaved_ratios(data: dict) -> dict[int, list[float]]:
