@@ -245,8 +245,8 @@ def headline_block() -> str:
                                                ("fast", "throughput")) if cpus[key])
         lines.append(f"S: each emulated host stands for one S times faster (its step is one "
                      f"host's step here / S; links run at rate / S; times are emulated, wall "
-                     f"/ S). D: hosts that take turns on this machine's cores, which slows "
-                     f"every exchange ({shared_cores(turns)}). Measured with 2 cores: "
+                     f"/ (S·D)). D: hosts that take turns on this machine's cores, which "
+                     f"slows every exchange ({shared_cores(turns)}). Measured with 2 cores: "
                      f"{measured}. Reproduce the first "
                      f"table: `{command}`. Every figure's long form: "
                      "[docs/benchmarks](docs/benchmarks/README.md).")
