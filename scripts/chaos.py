@@ -13,7 +13,8 @@ live there, as on a real head node.
 
 The JSON holds one entry per fault (what, where, at which step, the launcher's steps
 redone and seconds lost), the largest parameter difference against the uninterrupted
-run, the checkpoint bytes written, and the machine, torch version, commit and command.
+run (and, where a fault took a host away, the same run uninterrupted on one host fewer
+against it: `host_count_floor`, what another host count's rounding alone gives), the checkpoint bytes written, and the machine, torch version, commit and command.
 Nothing is left behind: no process, namespace, mount, temporary file or /dev/shm file;
 the run ends by checking it.
 """
@@ -399,23 +400,39 @@ def chaos(seed: int, steps: int, kinds: list[str], log_path: Path | None = None,
                 watch.close()
             chaos_seconds = time.monotonic() - started
             events = [json.loads(line) for line in (run_dir / EVENTS).read_text().splitlines()]
-            _match(faults, events)
-            result = {
-                "seed": seed, "steps": steps, "hosts": HOSTS, "exit_code": code,
-                "launcher_exit_codes": run.exit_codes,
-                "finished": (run_dir / MODEL).exists(),
-                "max_abs_diff": final_difference(run_dir / MODEL,
-                                                 scratch / "reference" / MODEL),
-                "faults": faults, "events": events,
-                "steps_redone": sum(f.get("steps_redone") or 0 for f in faults),
-                "seconds_lost": round(sum(f.get("seconds_lost") or 0 for f in faults), 2),
-                "checkpoint_bytes_written": watch.bytes_written,
-                "checkpoints_written": watch.writes,
-                "seconds": {"uninterrupted": round(reference_seconds, 2),
-                            "chaos": round(chaos_seconds, 2)},
-                "train_args": train_args(Path("RUN_DIR"), steps, image_size, compression),
-                "compression": compression,
-            }
+        floor = None
+        if set(kinds) & HOST_LOSING:
+            # The chaos run trains some steps on fewer hosts, whose sums round in another
+            # order: the same run uninterrupted on HOSTS - 1 hosts measures how far that
+            # alone takes the parameters (the floor of max_abs_diff).
+            with EmulatedHosts(hosts=HOSTS - 1) as fewer:
+                other = ChaosRun(fewer, scratch / "fewer", None, steps, image_size, rng, log,
+                                 compression)
+                other.start()
+                if other.finish() != 0:
+                    raise RuntimeError(f"chaos: the run on {HOSTS - 1} hosts failed; see "
+                                       f"{log.name}")
+            floor = final_difference(scratch / "fewer" / MODEL, scratch / "reference" / MODEL)
+        _match(faults, events)
+        result = {
+            "seed": seed, "steps": steps, "hosts": HOSTS, "exit_code": code,
+            "launcher_exit_codes": run.exit_codes,
+            "finished": (run_dir / MODEL).exists(),
+            "max_abs_diff": final_difference(run_dir / MODEL,
+                                             scratch / "reference" / MODEL),
+            # the uninterrupted run on HOSTS - 1 hosts against it (None: no fault took
+            # a host away)
+            "host_count_floor": floor,
+            "faults": faults, "events": events,
+            "steps_redone": sum(f.get("steps_redone") or 0 for f in faults),
+            "seconds_lost": round(sum(f.get("seconds_lost") or 0 for f in faults), 2),
+            "checkpoint_bytes_written": watch.bytes_written,
+            "checkpoints_written": watch.writes,
+            "seconds": {"uninterrupted": round(reference_seconds, 2),
+                        "chaos": round(chaos_seconds, 2)},
+            "train_args": train_args(Path("RUN_DIR"), steps, image_size, compression),
+            "compression": compression,
+        }
     finally:
         log.close()
         if mounted:
@@ -487,6 +504,9 @@ def main() -> int:
         print(f"{fault['kind']:8} {fault.get('host') or '-':3} after step "
               f"{fault['after_checkpoint_of_step']:3}: {fault.get('cause')}, "
               f"{fault.get('steps_redone')} steps redone, {fault.get('seconds_lost')} s lost")
+    if result["host_count_floor"] is not None:
+        print(f"max |diff| of the uninterrupted run on {HOSTS - 1} hosts against it (the "
+              f"floor another host count sets): {result['host_count_floor']:.3g}")
     print(f"max |diff| against the uninterrupted run: {result['max_abs_diff']:.3g}; "
           f"checkpoints {result['checkpoint_bytes_written'] / 2**20:.1f} MiB; "
           f"left behind: {result['left_behind'] or 'nothing'}; written {args.output}")
