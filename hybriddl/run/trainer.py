@@ -27,10 +27,12 @@ from hybriddl.run import resumption
 from hybriddl.run.checkpointer import Checkpointer
 from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hosts.compression import EXACT, held_state_bytes, parse_compression
+from hybriddl.hosts.scheme import WireScheme
 from hybriddl.hosts.replicas import ReplicaCheck
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
-from hybriddl.hybrid.parallel import HybridParallel, choose, held_bytes, traffic_bytes
+from hybriddl.hybrid.parallel import (DataParallel, HybridParallel, choose, held_bytes,
+                                      traffic_bytes)
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.rundir import (METRICS, MODEL, check_new_run_dir, check_run_storage,
                              default_run_dir)
@@ -148,6 +150,45 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
 
 
+@dataclass(frozen=True)
+class SettledRun:
+    """A run as its hosts train it, settled once before its first step and not changed
+    after: the prepared run (its resolved TrainConfig: the flags and a resumed checkpoint's
+    settings, `run/settings.py`; this host's local strategy, the profile's pick under
+    --strategy auto), the scheme across hosts with the planner's plan (hybrid/parallel.py
+    `choose`: --host-parallel, --compression and --feature-dtype settled where auto) and
+    the wire-scheme object the gradients travel as (hosts/compression.py)."""
+
+    prepared: PreparedRun
+    scheme: DataParallel
+    wire: WireScheme
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.prepared.config
+
+    @property
+    def strategy(self) -> LocalStrategy:
+        return self.prepared.strategy
+
+
+def settle(prepared: PreparedRun, hosts) -> SettledRun:
+    """The hosts agree on the run (the same settings everywhere, each host's share of the
+    global batch) and the planner settles the exchange, the same on every host; the
+    strategy is set up (the planner may time a step on it)."""
+    config = prepared.config
+    hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
+    host_batch = -(-config.batch_size // hosts.size)
+    # The exchange planned per link (hybrid/planner.py): --host-parallel, --compression
+    # and --feature-dtype settled together where they are auto.
+    scheme = choose(config.host_parallel, prepared.model, prepared.strategy, hosts,
+                    config.batch_size, config.image_size,
+                    host_batch / config.throughput if config.throughput else None,
+                    config.compression, config.feature_dtype,
+                    config.strategy_options.accumulate)
+    return SettledRun(prepared, scheme, parse_compression(scheme.compression))
+
+
 def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
     """`--strategy auto` settled: this host's profiled pick (tuned first when no profile fits).
 
@@ -186,16 +227,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring:
-        hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
-        host_batch = -(-config.batch_size // hosts.size)
-        # The exchange planned per link (hybrid/planner.py): --host-parallel, --compression
-        # and --feature-dtype settled together where they are auto.
-        scheme = choose(config.host_parallel, model, strategy, hosts, config.batch_size,
-                        config.image_size,
-                        host_batch / config.throughput if config.throughput else None,
-                        config.compression, config.feature_dtype,
-                        config.strategy_options.accumulate)
-        hosts.use_compression(parse_compression(scheme.compression))
+        settled = settle(prepared, hosts)
+        scheme = settled.scheme
+        hosts.use_compression(settled.wire)
         # Weights from a file (--weights, --resume) travel from rank 0, as before.
         scheme.setup(model, strategy, hosts, built_from_seed=prepared.resume is None
                      and prepared.start_weights is None)
