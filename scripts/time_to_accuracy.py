@@ -514,7 +514,8 @@ def mlperf_setting(data: dict) -> str:
             f"SGD lr {data['lr']:g} momentum 0.9, at most {data['epoch_cap']} epochs, "
             f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}; "
             f"target: validation accuracy {target.get('accuracy', '–')} "
-            f"({target.get('how', 'not fixed yet')})")
+            f"({target.get('how', 'not fixed yet')})"
+            + (f". {data['page_note']}" if data.get("page_note") else ""))
 
 
 MLPERF_NOTES = """\
@@ -549,7 +550,8 @@ def readme_lead(data: dict, page: str) -> list[str]:
     """The README's time-to-accuracy lines: one claim sentence, generated from the cells
     measured, and a table of them."""
     rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
-    if not rows or target is None or data.get("reference_void"):
+    if not rows or target is None or data.get("reference_void") \
+            or all(r["hosts"] == 1 for r in rows):  # one host's schemes: no claim of hosts
         return []
     one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
     scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
