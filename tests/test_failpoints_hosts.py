@@ -99,17 +99,43 @@ def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
     assert "lost" not in output and "silent" not in output, output[-3000:]
 
 
+class Uninterrupted:
+    """The run nothing interrupts, which the runs resumed after a fault must equal. It
+    trains while the first test's faulted run does (which mostly waits for its deadline);
+    `run_dir()` waits for it to end."""
+
+    def __init__(self, images: Path, run_dir: Path):
+        self._run_dir = run_dir
+        self.process = subprocess.Popen(
+            [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
+             "--data", str(images), "--run-dir", str(run_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=hybriddl_env())
+        self.output: str | None = None
+
+    def run_dir(self) -> Path:
+        if self.output is None:
+            self.output, _ = self.process.communicate(timeout=240)
+        assert self.process.returncode == 0, self.output[-3000:]
+        return self._run_dir
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(images, tmp_path_factory) -> Path:
-    """The run nothing interrupts, which the runs resumed after a fault must equal."""
-    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
-    assert two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir)).returncode == 0
-    return run_dir
+def uninterrupted(images, tmp_path_factory):
+    run = Uninterrupted(images, tmp_path_factory.mktemp("uninterrupted") / "run")
+    try:
+        yield run
+    finally:
+        run.close()
 
 
-def assert_resumes_to(run_dir: Path, uninterrupted: Path) -> None:
+def assert_resumes_to(run_dir: Path, uninterrupted: Uninterrupted) -> None:
     assert two_ranks("train", "--resume", str(run_dir)).returncode == 0
-    got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted / MODEL)
+    got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted.run_dir() / MODEL)
     assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
 
 
