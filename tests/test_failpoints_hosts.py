@@ -42,34 +42,8 @@ pytestmark = [pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPI
               pytest.mark.mpi, pytest.mark.slow]
 # tests/two_at_once.py: the roll call's test and the busy rank's mostly wait (20 s for a
 # rank that never comes, 30 s for one holding the GIL), assert bounds with room and check
-# only the ranks they started.
-
-
-@pytest.mark.parametrize("compression", ["none", "powersgd:2"])
-def test_a_drifted_host_is_named_and_given_rank_0s_parameters(images, tmp_path, compression):
-    run_dir = tmp_path / "run"
-    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
-                     "--compression", compression, "--check-every", "1", faults="drift=1@2")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    output = done.stdout + done.stderr
-    assert re.search(r"hosts differ after step 2: rank 1 on host \S+ hold other values than "
-                     r"rank 0, first in features\.0\.weight \(largest difference [0-9.e-]+\); "
-                     r"every host now holds rank 0's", output), output[-3000:]
-    replicas = json.loads((run_dir / METRICS).read_text())["replicas"]
-    assert len(replicas["mismatches"]) == 1  # resynced: every later check found them equal
-    assert replicas["check_every"] == 1 and replicas["checks"] == 3 + 1  # steps, epoch's end
-
-
-def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, tmp_path):
-    run_dir = tmp_path / "run"
-    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
-                     "--check-every", "1", "--checkpoint-every", "1", "--strict-equal",
-                     faults="drift=1@2")
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output[-3000:]
-    assert re.search(r"hosts differ after step 2: .* first in features\.0\.weight .*"
-                     r"--strict-equal stops the run", output), output[-3000:]
-    assert (run_dir / CHECKPOINT).is_file() and not (run_dir / MODEL).exists()
+# only the ranks they started. They come first: the module begins beside other tests, and
+# its tests alone run in one stretch (one wait for the other worker's test, not two).
 
 
 @pytest.mark.beside
@@ -97,6 +71,33 @@ def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
     assert done.returncode == 0, output[-3000:]
     assert time.monotonic() - started > 30  # it was held
     assert "lost" not in output and "silent" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("compression", ["none", "powersgd:2"])
+def test_a_drifted_host_is_named_and_given_rank_0s_parameters(images, tmp_path, compression):
+    run_dir = tmp_path / "run"
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--compression", compression, "--check-every", "1", faults="drift=1@2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert re.search(r"hosts differ after step 2: rank 1 on host \S+ hold other values than "
+                     r"rank 0, first in features\.0\.weight \(largest difference [0-9.e-]+\); "
+                     r"every host now holds rank 0's", output), output[-3000:]
+    replicas = json.loads((run_dir / METRICS).read_text())["replicas"]
+    assert len(replicas["mismatches"]) == 1  # resynced: every later check found them equal
+    assert replicas["check_every"] == 1 and replicas["checks"] == 3 + 1  # steps, epoch's end
+
+
+def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, tmp_path):
+    run_dir = tmp_path / "run"
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--check-every", "1", "--checkpoint-every", "1", "--strict-equal",
+                     faults="drift=1@2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert re.search(r"hosts differ after step 2: .* first in features\.0\.weight .*"
+                     r"--strict-equal stops the run", output), output[-3000:]
+    assert (run_dir / CHECKPOINT).is_file() and not (run_dir / MODEL).exists()
 
 
 class Uninterrupted:
