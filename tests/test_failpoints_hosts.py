@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import hybriddl_env
+from reference_run import ReferenceRun
 from sample_data import write_saturated_classes
 from test_failpoints import TRAIN as TWO_EPOCHS
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
@@ -100,41 +101,18 @@ def test_strict_equal_stops_where_hosts_differ_and_keeps_the_checkpoint(images, 
     assert (run_dir / CHECKPOINT).is_file() and not (run_dir / MODEL).exists()
 
 
-class Uninterrupted:
-    """The run nothing interrupts, which the runs resumed after a fault must equal. It
-    trains while the first test's faulted run does (which mostly waits for its deadline);
-    `run_dir()` waits for it to end."""
-
-    def __init__(self, images: Path, run_dir: Path):
-        self._run_dir = run_dir
-        self.process = subprocess.Popen(
-            [str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl", *TRAIN,
-             "--data", str(images), "--run-dir", str(run_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=hybriddl_env())
-        self.output: str | None = None
-
-    def run_dir(self) -> Path:
-        if self.output is None:
-            self.output, _ = self.process.communicate(timeout=240)
-        assert self.process.returncode == 0, self.output[-3000:]
-        return self._run_dir
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(images, tmp_path_factory):
-    run = Uninterrupted(images, tmp_path_factory.mktemp("uninterrupted") / "run")
-    try:
+    """The run nothing interrupts, which the runs resumed after a fault must equal. It
+    trains while the first test's faulted run does (which mostly waits for its deadline)."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    with ReferenceRun([str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable, "-m", "hybriddl",
+                       *TRAIN, "--data", str(images), "--run-dir", str(run_dir)], run_dir,
+                      timeout=240) as run:
         yield run
-    finally:
-        run.close()
 
 
-def assert_resumes_to(run_dir: Path, uninterrupted: Uninterrupted) -> None:
+def assert_resumes_to(run_dir: Path, uninterrupted: ReferenceRun) -> None:
     assert two_ranks("train", "--resume", str(run_dir)).returncode == 0
     got, want = torch.load(run_dir / MODEL), torch.load(uninterrupted.run_dir() / MODEL)
     assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6

@@ -47,38 +47,16 @@ def images(tmp_path_factory) -> Path:
     return write_saturated_classes(tmp_path_factory.mktemp("images"), seed=1)
 
 
-class Sequential:
-    """One sequential run (no mpirun) of the whole epoch with global batch 8. It trains
-    while the first test's ranks do (nothing here is timed); `path()` waits for it."""
-
-    def __init__(self, images: Path, run_dir: Path):
-        self.run_dir = run_dir
-        self.process = subprocess.Popen([sys.executable, "-m", "hybriddl", *TRAIN, "--data",
-                                         str(images), "--run-dir", str(run_dir)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, env=hybriddl_env())
-        self.stderr: str | None = None
-
-    def path(self) -> Path:
-        if self.stderr is None:
-            _, self.stderr = self.process.communicate(timeout=300)
-        assert self.process.returncode == 0, self.stderr
-        assert json.loads((self.run_dir / METRICS).read_text())["epochs"][0]["steps"] == 3
-        return self.run_dir
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.communicate()
-
-
 @pytest.fixture(scope="module")
-def sequential(images, tmp_path_factory):
-    run = Sequential(images, tmp_path_factory.mktemp("sequential") / "run")
-    try:
-        yield run
-    finally:
-        run.close()
+def sequential(images, tmp_path_factory) -> Path:
+    """One sequential run (no mpirun) of the whole epoch with global batch 8."""
+    run_dir = tmp_path_factory.mktemp("sequential") / "run"
+    done = subprocess.run([sys.executable, "-m", "hybriddl", *TRAIN, "--data", str(images),
+                           "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=300, env=hybriddl_env())
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run_dir / METRICS).read_text())["epochs"][0]["steps"] == 3
+    return run_dir
 
 
 def mpirun(*apps: tuple[int, list[str]], timeout: float = 300,
@@ -115,7 +93,7 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     run_dir = tmp_path / "run"
     done = mpirun((2, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_model(run_dir, sequential.path())
+    assert_same_model(run_dir, sequential)
     config, epoch = epoch_of(run_dir)
     hosts = config["hosts"]
     assert hosts["count"] == 2 and hosts["weights"] == [1.0, 1.0]
@@ -130,7 +108,7 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     # Only rank 0 reports progress.
     assert done.stderr.count("epoch 1:") == 1
     # Each host validated its half of the images: the same accuracy as one host's whole.
-    assert epoch["val_accuracy"] == epoch_of(sequential.path())[1]["val_accuracy"]
+    assert epoch["val_accuracy"] == epoch_of(sequential)[1]["val_accuracy"]
 
 
 @pytest.mark.parametrize("layouts", ["both channels_last", "rank 0 only", "one rank"])
@@ -150,7 +128,7 @@ def test_two_hosts_with_channels_last_weights_match_sequential(images, sequentia
             "one rank": [(1, [*args, "--channels-last", "--overlap"])]}[layouts]
     done = mpirun(*apps)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_model(run_dir, sequential.path())
+    assert_same_model(run_dir, sequential)
     if layouts == "both channels_last":
         assert "gradient layout contract" not in done.stderr
 
@@ -162,7 +140,7 @@ def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, seq
     done = mpirun((3, [*TRAIN, "--data", str(images), "--run-dir", str(run_dir), "--overlap",
                        "--fusion-mib", "0.5"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_model(run_dir, sequential.path())
+    assert_same_model(run_dir, sequential)
     config, epoch = epoch_of(run_dir)
     assert config["hosts"]["overlap"] == [True, True, True]
     buckets = config["hosts"]["fusion_buckets"]
@@ -182,7 +160,7 @@ def test_throughput_balanced_hosts_one_overlapping_match_sequential(images, sequ
     done = mpirun((1, [*common, "--throughput", "30", "--overlap"]),
                   (1, [*common, "--throughput", "10"]), launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_model(run_dir, sequential.path())
+    assert_same_model(run_dir, sequential)
     config, epoch = epoch_of(run_dir)
     assert config["hosts"]["balance"] == "throughput"
     assert config["hosts"]["weights"] == [30.0, 10.0]  # 6 + 2 samples of each batch of 8
@@ -200,7 +178,7 @@ def test_threads_and_accumulating_sequential_hosts_match_sequential(images, sequ
                   (1, [*common, "--strategy", "sequential", "--accumulate", "3"]),
                   launcher=launcher)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_model(run_dir, sequential.path())
+    assert_same_model(run_dir, sequential)
     config, _ = epoch_of(run_dir)
     assert config["strategy"]["name"] == "threads"  # rank 0's record
 
@@ -213,7 +191,7 @@ def test_fp16_allreduce_hands_half_the_bytes_to_mpi(images, sequential, tmp_path
     config, epoch = epoch_of(run_dir)
     assert config["hosts"]["compression"] == "fp16"
     assert epoch["per_step"]["mpi_bytes_sent"] == [2 * PARAMETERS] * 3
-    assert_same_model(run_dir, sequential.path(), rtol=1e-2)
+    assert_same_model(run_dir, sequential, rtol=1e-2)
 
 
 def test_a_rank_that_fails_stops_every_rank_and_names_itself(images, tmp_path, launcher):
