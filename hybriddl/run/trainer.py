@@ -163,14 +163,6 @@ class SettledRun:
     scheme: DataParallel
     wire: WireScheme
 
-    @property
-    def config(self) -> TrainConfig:
-        return self.prepared.config
-
-    @property
-    def strategy(self) -> LocalStrategy:
-        return self.prepared.strategy
-
 
 def settle(prepared: PreparedRun, hosts) -> SettledRun:
     """The hosts agree on the run (the same settings everywhere, each host's share of the
