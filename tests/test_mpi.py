@@ -119,8 +119,10 @@ def test_two_hosts_with_channels_last_weights_match_sequential(images, sequentia
     pairs elements in memory order) updates it right. Hosts whose local strategies hold
     the weights in other formats sum their buckets in logical order (contiguous slots,
     and step.py's unfuse_where_layouts_differ). One rank under mpirun (`hybriddl emulate
-    --hosts 1`, a benchmark's one-host reference) has its buckets too: before 007d08e its
-    update was scrambled as well, which voided a time-to-accuracy reference."""
+    --hosts 1`, a benchmark's one-host reference) averages nothing: its mean gradient is
+    the global one, so it sends nothing and lays out no buckets (they cost 1.4x an
+    AlexNet step at 64 px there; before 007d08e they scrambled its update too, which
+    voided a time-to-accuracy reference)."""
     run_dir = tmp_path / "run"
     args = [*TRAIN, "--data", str(images), "--run-dir", str(run_dir)]
     apps = {"both channels_last": [(2, [*args, "--channels-last"])],
@@ -131,6 +133,11 @@ def test_two_hosts_with_channels_last_weights_match_sequential(images, sequentia
     assert_same_model(run_dir, sequential)
     if layouts == "both channels_last":
         assert "gradient layout contract" not in done.stderr
+    if layouts == "one rank":
+        config, epoch = epoch_of(run_dir)
+        assert config["hosts"]["fusion_buckets"] is None
+        assert epoch["per_step"]["mpi_bytes_sent"] == [0] * 3
+        assert epoch["comm_seconds"] < 0.01 * epoch["compute_seconds"]
 
 
 def test_three_overlapping_hosts_with_uneven_shares_match_sequential(images, sequential,
