@@ -503,7 +503,9 @@ def host_speed(data: dict) -> str:
 def mlperf_setting(data: dict) -> str:
     target = data.get("target") or {}
     void = (f"**Its one-host reference is void**: {data['reference_void']} "
-            if data.get("reference_void") else "")
+            if data.get("reference_void") else
+            f"**Its one-host reference ran slowed**: {data['reference_slowed']} "
+            if data.get("reference_slowed") else "")
     step = data.get("host_step_seconds")
     speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (S = "
              f"{data['speedup']:.3g}, one host's step measured here / that step), side by "
@@ -551,6 +553,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
     measured, and a table of them."""
     rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
     if not rows or target is None or data.get("reference_void") \
+            or data.get("reference_slowed") \
             or all(r["hosts"] == 1 for r in rows):  # one host's schemes: no claim of hosts
         return []
     one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)

@@ -327,6 +327,24 @@ def test_time_to_accuracy_says_where_hosts_took_turns_on_the_cores():
     assert write_docs.shared_cores({}) == "D = 1 here: side by side"
 
 
+def test_time_to_accuracy_makes_no_readme_claim_from_a_one_host_reference_that_ran_slowed():
+    """A file whose one-host runs were timed slower than that host trains (`reference_slowed`:
+    before e28cbb0 one MPI rank copied its gradient for nothing) keeps its page, which says
+    so first, but makes no README claim from ratios to that reference."""
+    import json
+
+    import time_to_accuracy
+
+    data = json.loads((REPO / "results" / "time_to_accuracy-mnist-SimpleBig-1gbit-s1.json"
+                       ).read_text())
+    data.pop("reference_slowed", None)
+    assert time_to_accuracy.readme_lead(data, "page")  # a claim, from 2 hosts against one
+    slowed = {**data, "reference_slowed": "why."}
+    assert time_to_accuracy.readme_lead(slowed, "page") == []
+    assert time_to_accuracy.mlperf_setting(slowed).startswith(
+        "**Its one-host reference ran slowed**: why. ")
+
+
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
     import time_to_accuracy
 
