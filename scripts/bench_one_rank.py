@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import REPO, emulated_cell, host_options, results_header, spread
+from pages import Page
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
@@ -90,6 +91,46 @@ def main(argv=None) -> int:
                                    / statistics.median(seconds["after"]), 3)
     atomic_write_json(Path(args.output), result)
     return 0
+
+
+# ------------------------------------------------------------------ its page
+
+def one_rank_table(data: dict) -> str:
+    lines = ["| round | before: seconds (compute, exchange) | after | before / after | "
+             "same model |", "|---:|---|---|---:|---|"]
+    for index, run in enumerate(data["rounds"], 1):
+        before, after = run["before"], run["after"]
+        lines.append(f"| {index} | {before['seconds']:.2f} ({before['compute_seconds']:.2f}, "
+                     f"{before['comm_seconds']:.2f}) | {after['seconds']:.2f} "
+                     f"({after['compute_seconds']:.2f}, {after['comm_seconds']:.2f}) | "
+                     f"{before['seconds'] / after['seconds']:.2f} | "
+                     f"{'yes' if run['same_model'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def one_rank_setting(data: dict) -> str:
+    return (f"{data['usecase']} at {data['image_size']} px on `{data['data']}`, one emulated "
+            f"host of {data['cores']} core(s), {data['steps']} steps a run, the commit before "
+            f"(`{data['before'][:7]}`) and after, in {len(data['rounds'])} interleaved rounds; "
+            f"median before / after: **{data['median_ratio']:.2f}**")
+
+
+def slowed_by() -> str:
+    """Each measured setting's factor, linked to its page, for the README."""
+    import json
+
+    found = [(path.stem, json.loads(path.read_text())) for path in
+             sorted((REPO / "results").glob("one_rank-*.json"))]
+    return "; ".join(f"[{d['usecase']} {d['image_size']} px on {d['cores']} core(s): "
+                     f"{d['median_ratio']:.2f}x](docs/benchmarks/{name}.md)"
+                     for name, d in found) or "not measured"
+
+
+PAGES = [Page("one_rank-*", "One host under one MPI rank, before and after it stopped "
+              "averaging", "results/one_rank-*.json", one_rank_table, one_rank_setting,
+              "Seconds are the run's first epoch (its --steps steps) as metrics.json records "
+              "them: compute, and the exchange that one rank had nothing to exchange in.",
+              none_yet="scripts/bench_one_rank.py writes them")]
 
 
 if __name__ == "__main__":

@@ -617,7 +617,9 @@ def emulation_caveats(data: dict) -> list[str]:
 def scaling_e2e_setting(data: dict) -> str:
     model = model_name(data["usecase"])
     cores = data["cores_per_host"]
-    return (f"{data['usecase']} ({model}), {data['image_size']} px, emulated hosts of "
+    slowed = (f"**Its one-host reference ran slowed**: {data['reference_slowed']} "
+              if data.get("reference_slowed") else "")
+    return (f"{slowed}{data['usecase']} ({model}), {data['image_size']} px, emulated hosts of "
             f"{cores} core{'s' if cores != 1 else ''} each, {data['warmup']} untimed and "
             f"{data['steps']} timed steps per run, {data['rounds']} interleaved round(s)")
 
@@ -949,7 +951,8 @@ def fast_row(data: dict, page: str) -> dict | None:
             "mb": f"{best['nic_bytes_per_step'] / 1e6:.2f}" if best.get("nic_bytes_per_step")
             else "–",
             "exact": "yes" if compression is None else f"no ({compression})",
-            "cpu": data.get("cpu_model"), "page": page}
+            "cpu": data.get("cpu_model"), "page": page,
+            "slowed": bool(data.get("reference_slowed"))}
 
 
 def fast_headline(table: Page, data: dict) -> str | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import time_to_accuracy
 import bench_gpu
+import bench_one_rank
 import bench_local
 import bench_powersgd
 import bench_rows_exchange
@@ -94,6 +95,7 @@ PAGES: list[Page] = [
     *scaling_e2e.FAST_PAGES,
     *main_job.PAGES,
     *time_to_accuracy.PAGES,
+    *bench_one_rank.PAGES,
 ]
 
 
@@ -227,6 +229,11 @@ def headline_block() -> str:
                   "| MB per host per step | exact? |", "|---|---|---|---|---:|---|"]
         lines += [f"| [{r['workload']}](docs/benchmarks/{r['page']}.md) | {r['speed']} | "
                   f"{r['ours']} | {r['ddp']} | {r['mb']} | {r['exact']} |" for r in rows]
+        if any(r["slowed"] for r in rows):
+            lines += ["", "**These efficiencies are flattered**: their one-host reference (the "
+                      "denominator) ran before e28cbb0, when one MPI rank copied its whole "
+                      "gradient through buckets and a one-rank allreduce for nothing; one "
+                      f"host's step was, before / after: {bench_one_rank.slowed_by()}."]
         for page in powersgd_cost.PAGES:  # the same ratios with the GPU's compression
             data, _ = load_quotable(REPO / page.json)
             if data is not None and (line := page.headline(page, data)):
