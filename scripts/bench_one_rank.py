@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def train(args, tree: Path, run_dir: Path) -> dict:
     """One run of --steps steps with the code of `tree`; its first epoch's figures."""
     usecase = get_usecase(args.usecase)
-    command = ["env", f"PYTHONPATH={tree}", sys.executable, "-m", "hybriddl", "train",
+    # -P: the rank's working directory (this checkout) is not put before PYTHONPATH.
+    command = ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "hybriddl", "train",
                "--usecase", args.usecase, "--data", args.data, "--image-size",
                str(args.image_size), "--batch-size", str(usecase.batch_size), "--seed", "1",
                "--epochs", "1", "--max-steps", str(args.steps), "--strategy", "intraop",
@@ -70,6 +72,13 @@ def main(argv=None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", str(earlier), result["before"]],
                        cwd=REPO, check=True, capture_output=True)
         try:
+            imported = subprocess.run(
+                [sys.executable, "-P", "-c", "import hybriddl; print(hybriddl.__file__)"],
+                capture_output=True, text=True, cwd=REPO, check=True,
+                env={**os.environ, "PYTHONPATH": str(earlier)}).stdout.strip()
+            if not imported.startswith(str(earlier)):
+                raise SystemExit(f"bench_one_rank: the earlier commit's code is not what "
+                                 f"runs ({imported})")
             for index in range(args.rounds):
                 runs = {name: train(args, tree, Path(scratch) / f"{name}-{index}")
                         for name, tree in (("before", earlier), ("after", REPO))}
