@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     result = {**results_header("bench_one_rank.py", argv), "before": subprocess.run(
         ["git", "rev-parse", args.before], capture_output=True, text=True, cwd=REPO,
         check=True).stdout.strip(), "usecase": args.usecase, "data": args.data,
-        "image_size": args.image_size, "cores": args.cores, "steps": args.steps, "rounds": []}
+        "image_size": args.image_size, "cores": args.cores, "steps": args.steps, "runs": []}
     with tempfile.TemporaryDirectory(prefix="hybriddl-one-rank-") as scratch:
         earlier = Path(scratch) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(earlier), result["before"]],
@@ -85,17 +85,17 @@ def main(argv=None) -> int:
                 runs["same_model"] = filecmp.cmp(Path(scratch) / f"before-{index}" / "model.pt",
                                                  Path(scratch) / f"after-{index}" / "model.pt",
                                                  shallow=False)
-                result["rounds"].append(runs)
+                result["runs"].append(runs)
                 print(runs, flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(earlier)], cwd=REPO,
                            capture_output=True)
-    seconds = {name: [r[name]["seconds"] for r in result["rounds"]] for name in ("before",
+    seconds = {name: [r[name]["seconds"] for r in result["runs"]] for name in ("before",
                                                                                  "after")}
     result["seconds"] = {name: spread(values, 2) for name, values in seconds.items()}
     result["before_over_after"] = spread([b / a for b, a in zip(seconds["before"],
                                                                  seconds["after"])], 3)
-    result["same_model"] = all(r["same_model"] for r in result["rounds"])
+    result["same_model"] = all(r["same_model"] for r in result["runs"])
     result["median_ratio"] = round(statistics.median(seconds["before"])
                                    / statistics.median(seconds["after"]), 3)
     atomic_write_json(Path(args.output), result)
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 def one_rank_table(data: dict) -> str:
     lines = ["| round | before: seconds (compute, exchange) | after | before / after | "
              "same model |", "|---:|---|---|---:|---|"]
-    for index, run in enumerate(data["rounds"], 1):
+    for index, run in enumerate(data["runs"], 1):
         before, after = run["before"], run["after"]
         lines.append(f"| {index} | {before['seconds']:.2f} ({before['compute_seconds']:.2f}, "
                      f"{before['comm_seconds']:.2f}) | {after['seconds']:.2f} "
@@ -120,7 +120,7 @@ def one_rank_table(data: dict) -> str:
 def one_rank_setting(data: dict) -> str:
     return (f"{data['usecase']} at {data['image_size']} px on `{data['data']}`, one emulated "
             f"host of {data['cores']} core(s), {data['steps']} steps a run, the commit before "
-            f"(`{data['before'][:7]}`) and after, in {len(data['rounds'])} interleaved rounds; "
+            f"(`{data['before'][:7]}`) and after, in {len(data['runs'])} interleaved rounds; "
             f"median before / after: **{data['median_ratio']:.2f}**")
 
 

@@ -230,10 +230,11 @@ def headline_block() -> str:
         lines += [f"| [{r['workload']}](docs/benchmarks/{r['page']}.md) | {r['speed']} | "
                   f"{r['ours']} | {r['ddp']} | {r['mb']} | {r['exact']} |" for r in rows]
         if any(r["slowed"] for r in rows):
-            lines += ["", "**These efficiencies are flattered**: their one-host reference (the "
-                      "denominator) ran before e28cbb0, when one MPI rank copied its whole "
-                      "gradient through buckets and a one-rank allreduce for nothing; one "
-                      f"host's step was, before / after: {bench_one_rank.slowed_by()}."]
+            lines += ["", "**Their one-host reference** (each efficiency's denominator) ran "
+                      "before e28cbb0, when one MPI rank copied its whole gradient through "
+                      "buckets and a one-rank allreduce for nothing. One host's step before / "
+                      f"after, measured: {bench_one_rank.slowed_by()}; this machine's noise "
+                      "is ±15–20 % a step."]
         for page in powersgd_cost.PAGES:  # the same ratios with the GPU's compression
             data, _ = load_quotable(REPO / page.json)
             if data is not None and (line := page.headline(page, data)):
