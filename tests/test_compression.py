@@ -173,6 +173,29 @@ def test_a_rank_at_or_above_a_layers_size_sends_it_dense_said_once():
     assert PowerSGD(2).setup([(64, 64), (64,)]) == []
 
 
+def test_min_rate_sends_dense_what_factors_shrink_less_and_names_itself():
+    """A classifier's last layer (here 64 x 10: 148 floats of rank-2 factors, 4.3x smaller)
+    goes dense at min_rate=5 and travels exactly; a larger matrix (64 x 64, 16x) stays
+    compressed; the rate is in the scheme's name, so a checkpoint of another rate is refused."""
+    compression = parse_compression("powersgd:2:rounds=2:min_rate=5")
+    assert (compression.name, compression.min_rate) == ("powersgd:2:rounds=2:min_rate=5", 5)
+    shapes = [(64, 64), (10, 64), (10,)]
+    assert [compression.compresses(s) for s in shapes] == [True, False, False]
+    assert [PowerSGD(2, rounds=2).compresses(s) for s in shapes] == [True, True, False]
+    notes = compression.setup(shapes, ["hidden", "last", "bias"])
+    assert notes == ["--compression powersgd:2:rounds=2:min_rate=5 sends 1 gradient matrix "
+                     "dense, which rank 2 factors would not make at least 5 times smaller: "
+                     "last 10x64"]
+    gradients = [torch.randn(s) for s in shapes]
+    out = compression.aggregate(gradients, alone)
+    assert torch.equal(out[1], gradients[1]) and not torch.equal(out[0], gradients[0])
+    assert compression.wire_bytes(shapes) == 4 * (2 * (64 + 64) + 640 + 10)
+    with pytest.raises(ValueError, match="not powersgd:2:rounds=2:min_rate=5"):
+        compression.load_checkpoint_state(PowerSGD(2, rounds=2).checkpoint_state())
+    with pytest.raises(UsageError, match="min_rate=0: give the least compression rate"):
+        parse_compression("powersgd:2:min_rate=0")
+
+
 def test_approximations_written_into_the_gradients_are_those_returned():
     """What the hosts do (out=gradients: no buffer the size of the model) changes no bit."""
     returned, written = PowerSGD(2), PowerSGD(2)

@@ -104,7 +104,8 @@ class PowerSGD(WireScheme):
     help = ("powersgd:R sends rank-R factors of each gradient matrix with error feedback, also "
             "on one host (inexact, opt-in), one factor a step; powersgd:R:rounds=2 both, in "
             "two allreduces, as Vogels et al. (learns faster); powersgd:R:start=N after N "
-            "steps averaged exactly")
+            "steps averaged exactly; powersgd:R:min_rate=K sends dense each matrix that "
+            "factors make less than K times smaller")
     syntax_note = ("R: PowerSGD's rank, e.g. powersgd:2; powersgd:2:rounds=2 sends P then Q "
                    "each step; powersgd:2:start=100 averages the first 100 steps exactly")
     exact = False
@@ -113,7 +114,8 @@ class PowerSGD(WireScheme):
     in_phases = True
     cpu_chunks = True  # on a CPU, local_factor's row chunks (False: a GPU's batched products)
 
-    def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0, rounds: int = 1):
+    def __init__(self, rank: int, seed: int = FACTOR_SEED, start: int = 0, rounds: int = 1,
+                 min_rate: int = 1):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise UsageError(f"--compression powersgd:{rank}: give a rank of at least 1, "
                              "e.g. powersgd:2")
@@ -125,8 +127,17 @@ class PowerSGD(WireScheme):
             raise UsageError(f"--compression powersgd:{rank}:rounds={rounds}: give 1 round "
                              f"per step (one factor, alternating) or 2 (P then Q, as "
                              f"Vogels et al. and torch's hook), e.g. powersgd:{rank}:rounds=2")
+        if isinstance(min_rate, bool) or not isinstance(min_rate, int) or min_rate < 1:
+            raise UsageError(f"--compression powersgd:{rank}:min_rate={min_rate}: give the "
+                             "least compression rate a matrix must reach to travel as factors "
+                             f"as a whole number of at least 1, e.g. powersgd:{rank}:min_rate=10")
         self.rank = rank
         self.seed = seed
+        # A matrix travels as factors only where they are at least `min_rate` times smaller
+        # than it (torch's hook: min_compression_rate, 2 by default); the others go dense.
+        # A high rate keeps a classifier's last layer dense (AlexNet's 4096 x 10 is 5x
+        # smaller as rank-2 factors, its convolutions 27-157x, its hidden layers 1000x+).
+        self.min_rate = min_rate
         # 1: one allreduce per step, P one step and Q the next, each projecting this step's
         # M on last step's factor. 2: Vogels et al.'s Algorithm 1, as epfml/powersgd and
         # torch's powerSGD_hook: P = M Q summed, orthogonalised, then Q = M^T P summed, the
@@ -138,7 +149,8 @@ class PowerSGD(WireScheme):
         # steps' gradients change fast, which a warm-started rank-R factor tracks worst.
         self.start = start
         self.name = (f"powersgd:{rank}" + (f":start={start}" if start else "")
-                     + (f":rounds={rounds}" if rounds != 1 else ""))
+                     + (f":rounds={rounds}" if rounds != 1 else "")
+                     + (f":min_rate={min_rate}" if min_rate != 1 else ""))
         self.step = 0  # from `start`: even steps compute and send Q, odd ones P
         self._shapes: list[tuple[int, ...]] | None = None
         self._groups: list[_Group] = []
@@ -165,7 +177,7 @@ class PowerSGD(WireScheme):
     # ------------------------------------------------------------------ the registry's questions
     @classmethod
     def parse(cls, text: str) -> PowerSGD | None:
-        """`powersgd:R`, then any of `:start=N` and `:rounds=2`."""
+        """`powersgd:R`, then any of `:start=N`, `:rounds=2` and `:min_rate=K`."""
         scheme, _, rest = text.partition(":")
         if scheme != cls.name:
             return None
@@ -173,15 +185,17 @@ class PowerSGD(WireScheme):
         if not rank.strip().lstrip("-").isdigit():
             raise UsageError(f"--compression {text}: give PowerSGD's rank as a whole number, "
                              "e.g. powersgd:2")
-        settings = {"start": 0, "rounds": 1}
+        settings = {"start": 0, "rounds": 1, "min_rate": 1}
         for option in options:
             key, equals, value = option.partition("=")
             if key.strip() not in settings or not equals or not value.strip().lstrip("-").isdigit():
                 raise UsageError(f"--compression {text}: after the rank, give only the first "
                                  f"compressed step (powersgd:{rank.strip()}:start=100) or the "
-                                 f"rounds per step (powersgd:{rank.strip()}:rounds=2)")
+                                 f"rounds per step (powersgd:{rank.strip()}:rounds=2), or the "
+                                 f"least compression rate (powersgd:{rank.strip()}:min_rate=10)")
             settings[key.strip()] = int(value)
-        return cls(int(rank), start=settings["start"], rounds=settings["rounds"])
+        return cls(int(rank), start=settings["start"], rounds=settings["rounds"],
+                   min_rate=settings["min_rate"])
 
     @classmethod
     def planned(cls) -> list[PowerSGD]:
@@ -219,7 +233,8 @@ class PowerSGD(WireScheme):
         stand-ins (their values do not change the work), after its set-up, on a fresh
         object of the same rank; a step sends one factor, the next the other, at the same
         cost."""
-        fresh = PowerSGD(self.rank, self.seed, rounds=self.rounds)
+        fresh = PowerSGD(self.rank, self.seed, rounds=self.rounds,
+                         min_rate=self.min_rate)
         fresh.setup([g.shape for g in gradients])
         started = time.perf_counter()
         fresh.aggregate(gradients, lambda wire: wire)
@@ -232,7 +247,9 @@ class PowerSGD(WireScheme):
         if matrix is None:
             return False
         rows, cols = matrix
-        return self.rank < min(rows, cols) and self.rank * (rows + cols) < rows * cols
+        sent = self.rank * (rows + cols)
+        return (self.rank < min(rows, cols) and sent < rows * cols
+                and rows * cols >= self.min_rate * sent)
 
     def held_bytes(self, model_or_shapes) -> int:
         """This host's error buffers: every compressed matrix in float32 (the factors, the
@@ -289,7 +306,9 @@ class PowerSGD(WireScheme):
             return []
         return [f"--compression {self.name} sends {len(dense_matrices)} gradient "
                 f"matri{'x' if len(dense_matrices) == 1 else 'ces'} dense, which rank "
-                f"{self.rank} factors would not make smaller: " + ", ".join(dense_matrices)]
+                f"{self.rank} factors would not make "
+                + (f"at least {self.min_rate} times " if self.min_rate > 1 else "")
+                + "smaller: " + ", ".join(dense_matrices)]
 
     # ------------------------------------------------------------------ one step
     def aggregate(self, gradients: Sequence[torch.Tensor],
