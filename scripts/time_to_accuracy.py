@@ -115,7 +115,8 @@ def mlperf_score(seconds: list[float | None]) -> dict:
     if missed > 1:  # settled whatever further runs do
         return {"score_seconds": None, "why": f"{missed} of {runs} runs missed the target"}
     if runs < 3:
-        return {"score_seconds": None, "why": f"{runs} runs: MLPerf's score needs at least 3"}
+        return {"score_seconds": None,
+                "why": f"{runs} run{'s' if runs != 1 else ''}: MLPerf's score needs at least 3"}
     return {"score_seconds": statistics.fmean(kept),
             "dropped": [ordered[0], ordered[-1]], "kept": kept}
 
