@@ -3,13 +3,12 @@ needs, a step pays no page faults for memory the last step freed, and the heap s
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, hybriddl_env
+from conftest import hybriddl_env
 
 # In a child: the setting is for the life of a process, and this one must stay as it was.
 # A step's large temporaries, freed together at its end, far above glibc's largest mmap
@@ -55,33 +54,6 @@ def test_a_steps_freed_memory_is_reused_without_page_faults_or_growth():
     # The opt-out leaves glibc's defaults: the same step faults every page in again.
     kept, faults, growth = steady_step(HYBRIDDL_MALLOC="system")
     assert kept == "False" and faults > 20000
-
-
-@pytest.mark.slow
-def test_bench_memory_reuse_measures_both_modes_in_alternating_rounds(tmp_path):
-    output = tmp_path / "reuse.json"
-    done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--model",
-                           "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
-                           "--rounds", "2", "--steps", "2", "--warmup", "1",
-                           "--output", str(output)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=hybriddl_env())
-    assert done.returncode == 0, done.stderr
-    result = json.loads(output.read_text())
-    # Round 1 runs system first, round 2 keep first: neither mode always comes warm.
-    assert [list(r) for r in result["rounds"]] == [["system", "keep"], ["keep", "system"]]
-    assert all(len(r[m]["step_seconds"]) == 2 for r in result["rounds"] for m in r)
-    ratio = result["summary"]["ratio_system_over_keep"]
-    assert ratio["min"] <= ratio["median"] <= ratio["max"]
-
-
-def test_bench_memory_reuse_refuses_a_strategy_with_worker_processes(tmp_path):
-    output = tmp_path / "reuse.json"
-    done = subprocess.run([sys.executable, "scripts/bench_memory_reuse.py", "--strategy",
-                           "processes", "--output", str(output)], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env=hybriddl_env())
-    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout
-    assert done.stdout.strip().startswith("bench_memory_reuse: error: --strategy processes")
-    assert not output.exists()
 
 
 PEAK_INSIDE_A_STEP = """

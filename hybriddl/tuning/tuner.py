@@ -84,8 +84,8 @@ SECOND_LOOK_MOST = 4
 # On an H100 host AlexNet's GPU step was 9x the best CPU candidate's (issue 33); variations
 # of numerics or workers moved a kind's step by 1.2-2x at most in the profiles here.
 DEVICE_DOMINANCE = 3.0
-# A runner-up within this much of the fastest, and within the noise, ties with it; kept
-# below check_tune's 5 % so a tie never costs more than the check allows.
+# A runner-up within this much of the fastest, and within the noise, ties with it: a tie
+# costs at most 3 % of a step.
 TIE_TOLERANCE = 0.03
 
 # (step index, seconds of that step) -> take another step?
