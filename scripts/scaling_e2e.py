@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import ddp_command, emulated_cell, host_options, results_header
-from time_to_accuracy import accuracy_at_equal_epochs, accuracy_links
+from time_to_accuracy import accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
 from hybriddl.compare.settings import FLAT_MPI, KNOWN
@@ -856,7 +856,7 @@ links run at rate / (S·D) and every time is emulated, wall time / (S·D), so th
 column is what one emulated host takes for one step of the use case's per-host batch. Rows
 marked **not exact** send compressed gradients (fp16, or PowerSGD's rank-r factors with
 error feedback): they are not the same training as the exact ones, so their images/s count
-only at the accuracy they reach at equal epochs ({accuracy_links()}). `ddp-powersgd`,
+only at the accuracy they reach (time to accuracy over seeds: {accuracy_links()}). `ddp-powersgd`,
 `ddp-fp16` and `flat-fp16` are the peers (torch's DDP hooks, Horovod's model with fp16).
 *Not run (predicted X s/step)*: `--max-step-wall` left the cell out because one step would
 take X s of wall time here (S·D × (the host step + its bytes at the emulated link)); it
@@ -988,8 +988,8 @@ def fast_headline(table: Page, data: dict) -> str | None:
             f"{_speed_label(speedup, step)} step, side by side (D = 1), "
             f"{rows[0]['bandwidth']} links** — efficiency (images/s), best first: "
             + "; ".join(parts) + ". Exact: " + (", ".join(exact) or "none")
-            + (f"; not exact (judged by accuracy at equal epochs) — {inexact}" if inexact else "")
-            + (f"; {accuracy}" if inexact and (accuracy := accuracy_at_equal_epochs()) else "")
+            + (f"; not exact (judged by time to accuracy over seeds, not by images/s) — "
+               f"{inexact}" if inexact else "")
             + f" ({p['cpu_model']}; [table](docs/benchmarks/{table.name}.md)).")
 
 

@@ -247,12 +247,6 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
     return record
 
 
-# ------------------------------------------------------------------------ earlier pages
-# results/time_to_accuracy-ComplexSmall-1gbit.json and -digits-*.json, written by this
-# script's earlier form (accuracy per epoch, one seed), and what other pages quote of them.
-
-
-
 def accuracy_links() -> str:
     """The time-to-accuracy pages that exist, where compressed schemes are judged."""
     pages = sorted(p.stem for p in RESULTS.glob("time_to_accuracy-*.json"))
@@ -260,113 +254,6 @@ def accuracy_links() -> str:
         return "no time-to-accuracy table is measured yet"
     return ", ".join(f"[{name}]({name}.md)" for name in pages)
 
-
-def accuracy_at_equal_epochs() -> str | None:
-    """What the compressed schemes cost in accuracy, for the headlines beside their speed:
-    the final validation accuracy of each run of the results/time_to_accuracy-digits-*.json
-    whose exact run learned most (at least half right on the ten digits), points against
-    exact; None where no such file is."""
-    learned = []
-    for path in RESULTS.glob("time_to_accuracy-digits-*.json"):
-        data = json.loads(path.read_text())
-        if data.get("accuracy_void"):  # its multi-host accuracies do not stand (its note)
-            continue
-        exact = [r["val_accuracy"][-1] for r in data["summary"]
-                 if r["compression"] == "none" and r["val_accuracy"]]
-        if exact and max(exact) >= 0.5:
-            learned.append((max(exact), path.stem, data))
-    if not learned:
-        return None
-    _, stem, data = max(learned, key=lambda item: item[0])
-    rows = [r for r in data["summary"] if r["val_accuracy"]]
-    parts = [f"{r['host_parallel']}/{r['compression']} {r['val_accuracy'][-1]:.3f}" + (
-        f" ({r['points_vs_exact'][-1]:+.1f} points)" if r["compression"] != "none"
-        and r.get("points_vs_exact") else "") for r in rows]
-    return (f"accuracy after {len(rows[0]['val_accuracy'])} epochs "
-            f"({data.get('model') or data['usecase']} on the handwritten digits, "
-            f"{rows[0]['hosts']} hosts): " + ", ".join(parts)
-            + f" ([table](docs/benchmarks/{stem}.md))")
-
-
-def time_to_accuracy_table(data: dict) -> str:
-    lines = ["| hosts | across hosts | train loss per epoch | validation accuracy per epoch "
-             "| emulated s per epoch | emulated s, all epochs | speed-up | same accuracy as 1 host |",
-             "|---:|---|---|---|---|---:|---:|---|"]
-    runs = {r["hosts"]: r for r in data["runs"] if "failed" not in r}
-    for row in data["summary"]:
-        run = runs[row["hosts"]]
-        accuracy = ", ".join(f"{a:.3f}" for a in row["val_accuracy"])
-        spans = ", ".join(f"{e['emulated_seconds']:.0f}" for e in run["epochs"])
-        same = {True: "yes", False: "**no**", None: "–"}[row["same_accuracy_as_one_host"]]
-        losses = ", ".join(f"{e['train_loss']:.5f}" for e in run["epochs"])
-        lines.append(f"| {row['hosts']} | {row['host_parallel']} | {losses} | {accuracy} | {spans} | "
-                     f"{row['emulated_seconds_total']:.0f} | {ratio_text(row['speedup'])} | {same} |")
-    return "\n".join(lines)
-
-
-def time_to_accuracy_setting(data: dict) -> str:
-    return (f"{data['usecase']}, its global batch on every host count, emulated hosts of "
-            f"{data['cores_per_host']} cores each, {data['bandwidth']} links")
-
-
-def compressed_accuracy_table(data: dict) -> str:
-    """Exact against compressed at equal epochs: one row per run (scheme across hosts and
-    what crossed the wire), its accuracy per epoch and the points it differs from the exact
-    run at the same host count, and the emulated time it took."""
-    lines = ["| hosts | across hosts | on the wire | exact? | validation accuracy per epoch "
-             "| points vs exact, per epoch | emulated s, all epochs | faster than exact |",
-             "|---:|---|---|---|---|---|---:|---:|"]
-    for row in data["summary"]:
-        accuracy = ", ".join(f"{a:.3f}" for a in row["val_accuracy"])
-        points = ("–" if row["points_vs_exact"] is None else
-                  ", ".join(f"{p:+.1f}" for p in row["points_vs_exact"]))
-        exact = "yes" if row["compression"] == "none" else "**no**"
-        lines.append(f"| {row['hosts']} | {row['host_parallel']} | {row['compression']} | "
-                     f"{exact} | {accuracy} | {points} | {row['emulated_seconds_total']:.1f} | "
-                     f"{ratio_text(row['speedup_vs_exact'])}× |")
-    lines += not_finished(data, lambda r: f"{r['host_parallel']}/{r['compression']} at "
-                                          f"{r['hosts']} hosts")
-    return "\n".join(lines)
-
-
-def compressed_accuracy_setting(data: dict) -> str:
-    run = next((r for r in data["runs"] if "failed" not in r), {})
-    step = run.get("host_step_seconds")
-    speed = (f"each host standing for one whose step takes {step * 1e3:g} ms (speedup S = "
-             f"{run.get('speedup', 1):.3g}, measured here)" if step else "hosts at their speed here")
-    return (f"{data['usecase']} ({data.get('model') or 'its model'}) on `{data['data']}`, "
-            f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}")
-
-
-COMPRESSED_ACCURACY_NOTES = """\
-How to read it: every run trains the same steps from the same seed; only what crosses the
-wire differs. `none` is exact (hybrid and data give the same model to float rounding), so
-the exact row is the reference and a compressed row's points are its accuracy minus the
-exact run's, epoch by epoch. Times are the epochs' spans in emulated seconds (wall / S).
-A table whose exact run did not learn (accuracy near 1 / classes) judges speed only."""
-
-
-TIME_TO_ACCURACY_NOTES = """\
-How to read it: the same training (same global batch, same steps, same dropout masks) on
-1, 2 and 4 emulated hosts: in exact arithmetic the same model, so only the time should
-differ. In floating point each host count sums in another order (a host's batch of 16, 8 or
-4 images picks other kernels; the hybrid splits the classifier's sums), each step agreeing to
-about 1e-5 (the equivalence tests); over the epochs' steps those differences grow, which the
-train loss per epoch shows, and can move an image across a decision boundary. Times are the
-epochs' spans (their steps; the evaluation after each epoch is not in them) in emulated
-seconds, wall time / D."""
-
-
-EARLIER_PAGES = [
-    Page("time_to_accuracy-ComplexSmall-1gbit",
-         "Time to accuracy, the main job (VGG16), 1, 2 and 4 hosts, 1 Gbit/s links",
-         "results/time_to_accuracy-ComplexSmall-1gbit.json", time_to_accuracy_table,
-         time_to_accuracy_setting, TIME_TO_ACCURACY_NOTES),
-    Page("time_to_accuracy-digits-*", "Accuracy at equal epochs, exact against compressed",
-         "results/time_to_accuracy-digits-*.json", compressed_accuracy_table,
-         compressed_accuracy_setting, COMPRESSED_ACCURACY_NOTES,
-         none_yet="scripts/time_to_accuracy.py --data DIGITS --runs ... writes them"),
-]
 
 # ------------------------------------------------------------------------ its pages
 
@@ -610,10 +497,10 @@ def readme_lead(data: dict, page: str) -> list[str]:
     return lines
 
 
-PAGES = [*EARLIER_PAGES,
-         Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
-              "MLPerf", "results/time_to_accuracy-mnist-*.json", mlperf_table, mlperf_setting,
-              MLPERF_NOTES, none_yet="scripts/time_to_accuracy.py --data MNIST ... writes them")]
+PAGES = [Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
+                   "MLPerf", "results/time_to_accuracy-mnist-*.json", mlperf_table,
+                   mlperf_setting, MLPERF_NOTES,
+                   none_yet="scripts/time_to_accuracy.py --data MNIST ... writes them")]
 
 
 # ------------------------------------------------------------------------ the file
