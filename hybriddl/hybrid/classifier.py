@@ -328,11 +328,3 @@ def split_classifier(model: nn.Module, hosts) -> SplitClassifier:
         elif sliced is not None and isinstance(layer, nn.Dropout):
             classifier[i] = SlicedDropout(layer, *sliced)
     return SplitClassifier(splits, hosts.size, hosts.rank)
-
-
-def classifier_bytes(model: nn.Module) -> tuple[int, int]:
-    """(float32 bytes of the whole model's parameters, of its classifier's linear layers)."""
-    total = sum(p.numel() for p in model.parameters()) * 4
-    linear = sum(p.numel() for m in model.classifier.modules() if isinstance(m, nn.Linear)
-                 for p in m.parameters()) * 4
-    return total, linear
