@@ -516,7 +516,8 @@ def compressed_lead(data: dict, rows: list[dict], target: float, page: str) -> l
                 if r.get("epoch_ratio_to_one_host") else "") + ")" for r in compressed]
     return [f"**Compressed schemes, judged by accuracy**: {data['usecase']} "
             f"({rows[0]['model']}, {data['image_size']} px) on real images (MNIST), one host "
-            f"of {data['cores_per_host']} core(s), which trains what more hosts train under "
+            f"of {data['cores_per_host']} core(s) ({data['cpu_model']}), which trains what "
+            f"more hosts train under "
             f"PowerSGD: validation accuracy {target:g} reached by exact in {one['reached']} of "
             f"{one['seeds']} seeds (last accuracy {one['final_accuracy_mean']:.3f}); by "
             + "; ".join(parts) + f" ([table](docs/benchmarks/{page}.md))."]

@@ -351,6 +351,8 @@ def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the
     one-host file without the peer gives none."""
     import time_to_accuracy
 
+    PAGE = "time_to_accuracy-mnist-SimpleBig-1core-vs-ddp"
+
     def run(contender, seed, accuracies, seconds=10.0):
         return {"hosts": 1, "contender": contender, "seed": seed, "model": "alexnet",
                 "evaluations": [{"step": e, "epochs": float(e), "accuracy": a,
@@ -360,20 +362,21 @@ def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the
     runs = [run("exact", s, [0.5, 0.91]) for s in (1, 2)] + \
         [run("powersgd:2", 1, [0.4, 0.7], 8.0), run("powersgd:2", 2, [0.4, 0.92], 8.0),
          run("ddp-powersgd:2", 1, [0.3, 0.6], 20.0), run("ddp-powersgd:2", 2, [0.3, 0.5], 20.0)]
-    data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "bandwidth": "1gbit",
+    data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "cpu_model": "AMD",
+            "bandwidth": "1gbit",
             "target": {"accuracy": 0.9}, "runs": runs,
             "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
-    [lead] = time_to_accuracy.readme_lead(data, "page")
+    [lead] = time_to_accuracy.readme_lead(data, PAGE)
     assert lead.startswith("**Compressed schemes, judged by accuracy**: SimpleBig (alexnet, "
-                           "64 px)")
+                           "64 px) on real images (MNIST), one host of 1 core(s) (AMD)")
     assert "reached by exact in 2 of 2 seeds (last accuracy 0.910); by powersgd:2 1 of 2 " \
            "(last accuracy 0.810, an epoch in 0.80× exact's time); ddp-powersgd:2 (DDP + " \
            "torch's powerSGD_hook) 0 of 2 (last accuracy 0.550, an epoch in 2.00× exact's time)" in lead
-    assert lead.endswith("([table](docs/benchmarks/page.md)).")
+    assert lead.endswith(f"([table](docs/benchmarks/{PAGE}.md)).")
     no_peer = [r for r in runs if not r["contender"].startswith("ddp")]
     assert time_to_accuracy.readme_lead(
         {**data, "summary": time_to_accuracy.summarise(no_peer, 0.9, "1gbit", None)},
-        "page") == []
+        PAGE) == []
 
 
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
