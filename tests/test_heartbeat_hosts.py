@@ -246,9 +246,13 @@ def test_a_data_path_that_drops_every_packet_while_beats_flow_stops_at_the_progr
             assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     got, want = torch.load(run_dir / MODEL), torch.load(straight / MODEL)
     assert max(float((got[k] - want[k]).abs().max()) for k in want if want[k].numel()) <= 1e-6
-    assert re.search(r"nothing of exchange (\d+) \([^)]*\) completed for [5-9] s while every "
-                     r"host is alive and inside it \(rank \d on host h\d: inside exchange \1; "
-                     r"rank \d on host h\d: inside exchange \1 ", text), text[-3000:]
+    # The other host is inside it too, or one exchange on: its part of this one finished
+    # before its last message to this host was dropped.
+    found = re.search(r"nothing of exchange (\d+) \([^)]*\) completed for [5-9] s while every "
+                      r"host is alive and inside it(?: or a later one)? \(rank \d on host h\d: "
+                      r"inside exchange \1; rank \d on host h\d: inside exchange (\d+) .*\): "
+                      r"likely .*a data path that drops packets", text)
+    assert found and int(found.group(2)) - int(found.group(1)) in (0, 1), text[-3000:]
     assert code == 1 and ended < 45, (code, ended)
 
 

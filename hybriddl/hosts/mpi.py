@@ -411,12 +411,16 @@ class MPIHosts(Hosts):
         and inside it, or inside a later one: it has sent all it had for this one."""
         states = "; ".join(f"rank {r} on host {self.names[r]}: {state}"
                            for r, state in heartbeat.states().items())
-        where, cause = (("inside it", "a collective the hosts entered differently, or a data "
-                         "path that drops packets while the heartbeat's passes (check "
-                         "btl_tcp_if_include)")
+        dropping = ("a data path that drops packets while the heartbeat's passes (check "
+                    "btl_tcp_if_include)")
+        # A host one exchange on finished its part of this one: either the hosts entered
+        # different collectives, or its last message for this one was lost on the way.
+        where, cause = (("inside it", f"a collective the hosts entered differently, or "
+                         f"{dropping}")
                         if heartbeat.inside_with(self._exchanges) else
                         ("inside it or a later one", "hosts that entered different "
-                         "collectives (a host skipped one, or ran one the others did not)"))
+                         "collectives (a host skipped one, or ran one the others did not), "
+                         f"or {dropping}"))
         return HostFailure(
             f"nothing of exchange {self._exchanges} ({what}) completed for {seconds:.0f} s "
             f"while every host is alive and {where} (rank {self.rank} on host "
