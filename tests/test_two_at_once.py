@@ -181,3 +181,33 @@ def test_a_test_marked_beside_runs_beside_others_whatever_it_starts(tmp_path):
     two_at_once.pytest_collection_modifyitems(worker, items)
     assert [i.name for i in items] == ["waits", "quick", "timed"]
     assert worker._hybriddl_alone == {"t::timed"}
+
+
+def test_a_test_its_marks_skip_is_not_alone(tmp_path):
+    """A test marked to run alone that a `skip` mark or a true `skipif` skips runs nothing:
+    it takes no turn alone (it waited for the other worker's test only to skip), and its
+    module counts as one with no test alone. A `skipif` still false, or a condition string
+    not evaluated here, leaves it alone."""
+    from types import SimpleNamespace
+
+    import two_at_once
+
+    def item(module, name, *marks, skip=(), skipif=()):
+        found = {"skip": [SimpleNamespace(args=(), kwargs={}) for _ in skip],
+                 "skipif": [SimpleNamespace(args=args, kwargs=kwargs) for args, kwargs in skipif]}
+        return SimpleNamespace(path=tmp_path / module, name=name, nodeid=f"{module}::{name}",
+                               get_closest_marker=lambda mark: mark if mark in marks else None,
+                               iter_markers=lambda name: iter(found[name]))
+
+    skipped = item("g", "cuda", "gpu", skipif=[((True,), {"reason": "no CUDA"})])
+    assert not two_at_once.marked_alone(skipped)
+    assert not two_at_once.marked_alone(item("g", "s", "alone", skip=[1]))
+    assert not two_at_once.marked_alone(item("g", "kw", "mpi",
+                                             skipif=[((), {"condition": True})]))
+    assert not two_at_once.marked_alone(item("g", "bare", "mpi", skipif=[((), {})]))
+    assert two_at_once.marked_alone(item("g", "false", "gpu", skipif=[((False,), {})]))
+    assert two_at_once.marked_alone(item("g", "str", "gpu", skipif=[(("sys.platform",), {})]))
+    items = [skipped, item("q", "quick")]
+    worker = SimpleNamespace(_hybriddl_turns=object())
+    two_at_once.pytest_collection_modifyitems(worker, items)
+    assert worker._hybriddl_alone == set()

@@ -22,6 +22,8 @@ short; and of the modules with tests alone, those that begin with tests beside o
 first, to meet those last modules. (pytest-xdist would order the modules by their number of tests instead: the
 controller turns that off, `--no-loadscope-reorder`. Without it, modules alone came first
 as often as not, and about 110 s of a 1250 s suite ran one test beside an idle worker.)
+A test that a `skip` mark, or a `skipif` whose condition is true, skips is not alone: it
+runs nothing.
 
 Two file locks shared by the workers: `alone` (shared by tests beside each other, exclusive
 for a test alone) and a turnstile in front of it, so that a test waiting to run alone is not
@@ -48,7 +50,25 @@ LOCKS_VARIABLE = "HYBRIDDL_TEST_LOCKS"  # the folder of the two locks, set by th
 
 def marked_alone(item: pytest.Item) -> bool:
     return (any(item.get_closest_marker(mark) for mark in ALONE_MARKS)
-            and item.get_closest_marker(BESIDE) is None)
+            and item.get_closest_marker(BESIDE) is None and not skipped_by_marks(item))
+
+
+def skipped_by_marks(item: pytest.Item) -> bool:
+    """Whether a `skip` mark, or a `skipif` whose condition is already true (not a string to
+    evaluate), skips the test: it runs nothing, so it needs no turn alone. Such a test
+    waited for the other worker's test under way to end (up to half a minute) only to
+    skip: 18 GPU tests on a host without one did, about 100 s a suite."""
+    iter_markers = getattr(item, "iter_markers", None)
+    if iter_markers is None:
+        return False
+    if next(iter(iter_markers("skip")), None) is not None:
+        return True
+    for mark in iter_markers("skipif"):
+        conditions = mark.args if mark.args else (
+            (mark.kwargs["condition"],) if "condition" in mark.kwargs else (True,))
+        if any(not isinstance(condition, str) and condition for condition in conditions):
+            return True
+    return False
 
 
 def alone_from_the_start(items: list[pytest.Item]) -> set[str]:
