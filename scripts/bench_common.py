@@ -105,13 +105,16 @@ def ddp_command(hosts: int, cores_per_host: int, result_dir: Path,
 
 
 def emulate(options: Sequence[str], command: Sequence[str], report: Path,
-            timeout: float | None = None) -> Emulated:
+            timeout: float | None = None, cores: Sequence[int] = ()) -> Emulated:
     """Run `command` (`hybriddl train ...`, or any command) on the emulated hosts `options`
-    describe, from this checkout's code, and read emulate's --report (`report`, replaced)."""
-    shown = ["hybriddl", "emulate", *options, "--report", str(report), "--", *command]
+    describe, from this checkout's code, and read emulate's --report (`report`, replaced);
+    with `cores`, on those cores only (taskset: emulate shares out the cores it is given)."""
+    pin = ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+    shown = [*pin, "hybriddl", "emulate", *options, "--report", str(report), "--", *command]
     report.unlink(missing_ok=True)
     started = time.time()
-    done = subprocess.run([sys.executable, "-m", "hybriddl", *shown[1:]], capture_output=True,
+    done = subprocess.run([*pin, sys.executable, "-m", "hybriddl", *shown[len(pin) + 1:]],
+                          capture_output=True,
                           text=True, cwd=REPO, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     ran = done.returncode == 0 and report.exists()
@@ -121,13 +124,14 @@ def emulate(options: Sequence[str], command: Sequence[str], report: Path,
 
 
 def emulated_cell(options: Sequence[str], command: Sequence[str], run_dir: Path,
-                  result: str = "metrics.json", timeout: float | None = None
-                  ) -> tuple[Emulated, dict | None]:
+                  result: str = "metrics.json", timeout: float | None = None,
+                  cores: Sequence[int] = ()) -> tuple[Emulated, dict | None]:
     """One benchmark cell on emulated hosts, afresh: its run directory of an earlier round
     removed (train refuses one that holds files), `command` run under `emulate` (its report
     beside the run directory), and the JSON the command wrote at run_dir/`result`
-    (metrics.json; DDP's rank0.json), None where the run failed."""
+    (metrics.json; DDP's rank0.json), None where the run failed; `cores`: emulate's."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    ran = emulate(options, command, run_dir.with_name(f"{run_dir.name}.report.json"), timeout)
+    ran = emulate(options, command, run_dir.with_name(f"{run_dir.name}.report.json"), timeout,
+                  cores)
     written = run_dir / result
     return ran, json.loads(written.read_text()) if ran.returncode == 0 and written.exists() else None

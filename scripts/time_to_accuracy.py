@@ -32,9 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import queue
 import statistics
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_common import ddp_command, emulated_cell, host_options, results_header
@@ -83,13 +87,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "every cell, the one-host reference too, seed by seed (1:exact s1, "
                         "2:... s1, 1:exact s2, ...), each stopped at the target, so that a "
                         "drift in this machine's speed falls on every cell alike")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="runs at once, each pinned to its own cores (a cell's hosts x "
+                             "cores per host of them), where the cells fit N times in this "
+                             "machine's cores (default: 1, one run at a time, unpinned)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     try:
         args.cells = [parse_cell(text) for text in args.cells]
+        args.lanes = lanes(args.jobs, max(h for h, _ in args.cells) * args.cores_per_host)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def lanes(jobs: int, need: int, cores: list[int] | None = None) -> list[list[int] | None]:
+    """The cores each of `jobs` runs at once is pinned to (`need` each, from this process's
+    `cores`); [None] for one run at a time, which emulate shares out all of them to."""
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs}: give 1 or more runs at once")
+    if jobs == 1:
+        return [None]
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if jobs * need > len(cores):
+        raise ValueError(f"--jobs {jobs}: {jobs} runs of up to {need} core(s) each (the "
+                         f"largest cell's hosts x --cores-per-host) need {jobs * need} cores, "
+                         f"this machine gives {len(cores)}: give --jobs "
+                         f"{max(1, len(cores) // need)} or fewer")
+    return [cores[i * need:(i + 1) * need] for i in range(jobs)]
 
 
 def parse_cell(text: str) -> tuple[int, str]:
@@ -197,8 +222,9 @@ def goal_flags(args, seed: int, stop_at: float | None) -> list[str]:
 
 
 def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
-             stop_at: float | None, scratch: Path) -> dict:
-    """One seed of one cell on emulated hosts; its evaluations in emulated seconds."""
+             stop_at: float | None, scratch: Path, cores: list[int] | None = None) -> dict:
+    """One seed of one cell on emulated hosts (on `cores` only, where given); its
+    evaluations in emulated seconds."""
     run_dir = scratch / f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
     if contender.startswith(DDP_PREFIX):
         command = ddp_command(hosts, args.cores_per_host, run_dir, [
@@ -211,10 +237,12 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
                    "--run-dir", str(run_dir)]
     ran, measured = emulated_cell(
         host_options(hosts, args.cores_per_host, bandwidth=args.bandwidth, speed=speed),
-        command, run_dir, "rank0.json" if contender.startswith(DDP_PREFIX) else "metrics.json")
+        command, run_dir, "rank0.json" if contender.startswith(DDP_PREFIX) else "metrics.json",
+        cores=cores or ())
     record = {"hosts": hosts, "contender": contender, "seed": seed,
               "model": args.model or get_usecase(args.usecase).model,
-              "wall_seconds": ran.wall_seconds, "command": ran.shown()}
+              "wall_seconds": ran.wall_seconds, "command": ran.shown(),
+              **({"cores": cores} if cores else {})}
     if measured is None:
         return {**record, "failed": ran.returncode, "output_tail": ran.tail(8)}
     emulation = ran.report
@@ -405,6 +433,9 @@ def mlperf_setting(data: dict) -> str:
             f"{data['cores_per_host']} core(s) per host, {data['bandwidth']} links, {speed}; "
             f"target: validation accuracy {target.get('accuracy', '–')} "
             f"({target.get('how', 'not fixed yet')})"
+            + (f"; {data['jobs']} runs at once, each pinned to its own cores (sharing this "
+               "machine's memory bandwidth and caches: an epoch may be slower than alone)"
+               if data.get("jobs", 1) > 1 else "")
             + (f". {data['page_note']}" if data.get("page_note") else ""))
 
 
@@ -545,47 +576,67 @@ def main(argv=None) -> int:
     result.setdefault("commands", []).append(result["command"])
     if args.target is not None and result["target"] is None:
         result["target"] = {"accuracy": args.target, "how": "given (--target)"}
+    if args.jobs > 1:
+        result["jobs"] = args.jobs  # the page says that runs shared the machine
     done = {(r["hosts"], r["contender"], r["seed"]) for r in result["runs"] if "failed" not in r}
     # The reference first: the target is fixed from it before any other cell runs.
     cells = sorted(args.cells, key=lambda cell: cell != (1, EXACT))
-    with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
-        # The reference's seeds first, then the other cells seed by seed, interleaved, so
-        # that a change in this machine's speed falls on every cell alike.
-        order = [(cell, seed) for cell in cells if cell == (1, EXACT) for seed in args.seeds]
-        order += [(cell, seed) for seed in args.seeds for cell in cells if cell != (1, EXACT)]
-        if args.interleave:
-            if result["target"] is None:
-                raise SystemExit("time_to_accuracy: --interleave needs a fixed target: run the "
-                                 "reference cell 1:exact first (or give --target)")
-            order = [(cell, seed) for seed in args.seeds for cell in cells]
-        for (hosts, contender), seed in order:
-            reference = (hosts, contender) == (1, EXACT)
-            if not reference and result["target"] is None:
-                result["target"] = fixed_target(result)
-                save(output, result)
-            if not reference and result["target"] is None:
-                raise SystemExit("time_to_accuracy: no target yet: run the reference cell "
-                                 "1:exact first (or give --target)")
-            if (hosts, contender, seed) in done:
-                continue
-            speed = (["--speedup", repr(result["speedup"])] if result["speedup"] else
-                     ["--host-step", args.host_step, "--usecase", args.usecase,
-                      "--image-size", str(args.image_size), "--batch-size",
-                      str(args.batch_size), "--channels-last"] if args.host_step else [])
-            stop_at = None if reference and not args.interleave else result["target"]["accuracy"]
-            run = run_once(args, hosts, contender, seed, speed, stop_at, Path(scratch))
+    # The reference's seeds first, then the other cells seed by seed, interleaved, so that
+    # a change in this machine's speed falls on every cell alike.
+    waves = [[(cell, seed) for cell in cells if cell == (1, EXACT) for seed in args.seeds],
+             [(cell, seed) for seed in args.seeds for cell in cells if cell != (1, EXACT)]]
+    if args.interleave:
+        if result["target"] is None:
+            raise SystemExit("time_to_accuracy: --interleave needs a fixed target: run the "
+                             "reference cell 1:exact first (or give --target)")
+        waves = [[(cell, seed) for seed in args.seeds for cell in cells]]
+    saving = threading.Lock()
+    free = queue.SimpleQueue()
+    for lane in args.lanes:
+        free.put(lane)
+
+    def run(job, scratch: Path) -> None:
+        (hosts, contender), seed = job
+        reference = (hosts, contender) == (1, EXACT)
+        stop_at = None if reference and not args.interleave else result["target"]["accuracy"]
+        speed = (["--speedup", repr(result["speedup"])] if result["speedup"] else
+                 ["--host-step", args.host_step, "--usecase", args.usecase,
+                  "--image-size", str(args.image_size), "--batch-size",
+                  str(args.batch_size), "--channels-last"] if args.host_step else [])
+        lane = free.get()
+        try:
+            record = run_once(args, hosts, contender, seed, speed, stop_at, scratch, lane)
+        finally:
+            free.put(lane)
+        with saving:
             # The code each run measured (a file grows over calls, and sessions).
-            run["commit"] = result["commit"]
+            record["commit"] = result["commit"]
             if result.get("code_changed_since_commit"):
-                run["code_changed_since_commit"] = result["code_changed_since_commit"]
+                record["code_changed_since_commit"] = result["code_changed_since_commit"]
             result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],
-                              r["seed"]) != (hosts, contender, seed)] + [run]
-            if run.get("host_step") and not result["speedup"]:
-                result["speedup"] = run["speedup"]
-                result["host_step_seconds"] = run["host_step"].get("asked_seconds")
-            print(json.dumps({k: run.get(k) for k in ("hosts", "contender", "seed",
+                              r["seed"]) != (hosts, contender, seed)] + [record]
+            if record.get("host_step") and not result["speedup"]:
+                result["speedup"] = record["speedup"]
+                result["host_step_seconds"] = record["host_step"].get("asked_seconds")
+            print(json.dumps({k: record.get(k) for k in ("hosts", "contender", "seed", "cores",
                               "failed", "wall_seconds", "stopped_at_target")}), flush=True)
             save(output, result)
+
+    with tempfile.TemporaryDirectory(prefix="hybriddl-tta-") as scratch:
+        for wave in waves:
+            if wave and wave[0][0] != (1, EXACT) and result["target"] is None:
+                result["target"] = fixed_target(result)
+                save(output, result)
+                if result["target"] is None:
+                    raise SystemExit("time_to_accuracy: no target yet: run the reference "
+                                     "cell 1:exact first (or give --target)")
+            todo = [job for job in wave if (*job[0], job[1]) not in done]
+            # --host-step measures S at the first run: it runs alone, the rest with its S.
+            first = 1 if todo and args.host_step and not result["speedup"] else 0
+            for job in todo[:first]:
+                run(job, Path(scratch))
+            with ThreadPoolExecutor(len(args.lanes)) as pool:
+                list(pool.map(lambda job: run(job, Path(scratch)), todo[first:]))
         if result["target"] is None:
             result["target"] = fixed_target(result)
             save(output, result)

@@ -268,7 +268,7 @@ def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target
 
     ran = []
 
-    def fake_run(args, hosts, contender, seed, speed, stop_at, scratch):
+    def fake_run(args, hosts, contender, seed, speed, stop_at, scratch, cores=None):
         ran.append((hosts, contender, seed, stop_at))
         return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
                 "evaluations": [{"step": 1, "epochs": 1.0, "accuracy": 0.6,
@@ -286,6 +286,47 @@ def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target
     with pytest.raises(SystemExit, match="--interleave needs a fixed target"):
         time_to_accuracy.main([*common, "--interleave"])
     assert ran == []
+
+
+def test_time_to_accuracy_runs_jobs_at_once_each_on_its_own_cores(monkeypatch, tmp_path,
+                                                                  capsys):
+    """--jobs 2: the reference's seeds run two at a time, each pinned to its own core, and
+    the target is fixed from them before any other cell starts; a --jobs the cells do not
+    fit is one line and exit 2."""
+    import json
+    import threading
+
+    import time_to_accuracy
+
+    monkeypatch.setattr(time_to_accuracy.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    both = threading.Barrier(2, timeout=60)  # the two runs of a wave meet: they ran at once
+    ran = []
+
+    def fake_run(args, hosts, contender, seed, speed, stop_at, scratch, cores=None):
+        both.wait()
+        ran.append((hosts, contender, seed, stop_at, tuple(cores)))
+        return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
+                "evaluations": [{"step": 1, "epochs": 1.0, "accuracy": 0.5 + seed / 100,
+                                 "emulated_seconds": 1.0, "wall_seconds": 1.0}]}
+
+    monkeypatch.setattr(time_to_accuracy, "run_once", fake_run)
+    output = tmp_path / "a.json"
+    common = ["--data", "x", "--image-size", "64", "--lr", "0.01", "--epochs", "1", "--seeds",
+              "1", "2", "--cells", "1:exact", "1:powersgd:2"]
+    assert time_to_accuracy.main([*common, "--jobs", "2", "--output", str(output)]) == 0
+    references, others = ran[:2], ran[2:]
+    assert {r[:4] for r in references} == {(1, "exact", 1, None), (1, "exact", 2, None)}
+    assert {r[4] for r in references} == {(0,), (1,)}  # a core each
+    # The target (0.52: all but one of the reference's seeds reach it) came before them.
+    assert {r[:4] for r in others} == {(1, "powersgd:2", 1, 0.52), (1, "powersgd:2", 2, 0.52)}
+    data = json.loads(output.read_text())
+    assert data["jobs"] == 2 and len(data["runs"]) == 4
+    assert "2 runs at once, each pinned to its own cores" in time_to_accuracy.mlperf_setting(data)
+    with pytest.raises(SystemExit) as exit_:
+        time_to_accuracy.main([*common, "--cells", "2:exact", "--jobs", "2", "--output",
+                               str(tmp_path / "b.json")])
+    assert exit_.value.code == 2 and not (tmp_path / "b.json").exists()
+    assert "need 4 cores, this machine gives 3: give --jobs 1 or fewer" in capsys.readouterr().err
 
 
 def test_time_to_accuracy_records_the_emulated_seconds_between_epochs(monkeypatch, tmp_path):
