@@ -13,8 +13,8 @@ seeds within the epoch cap (those reference runs go to the cap, validated every
 Contenders: `exact` (hybriddl, the exact scheme the planner picks: `--host-parallel auto
 --compression none`), `auto` (whatever the planner picks, inexact too: `--compression
 auto`, each run's pick recorded), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
-scheme), `ddp-powersgd:R` (PyTorch DDP with torch's powerSGD_hook at rank R, one process
-per core, trained to the same target: hybriddl.cli.compare_ddp --epochs). Every run has
+scheme), `ddp-powersgd:R[:min_rate=M]` (PyTorch DDP with torch's powerSGD_hook at rank R,
+its min_compression_rate M, one process per core, trained to the same target: hybriddl.cli.compare_ddp --epochs). Every run has
 the same global batch, learning rate, seed list and data; hosts stand for faster ones at
 one speedup S for the whole file (`--host-step` measures S once, at the first run, from
 one host's step here; later runs use `--speedup S`). Runs are kept as they finish: a call
@@ -122,10 +122,21 @@ def parse_cell(text: str) -> tuple[int, str]:
     hosts, _, contender = text.partition(":")
     if not hosts.isdigit() or int(hosts) < 1 or not contender:
         raise ValueError(f"--cells {text}: give HOSTS:CONTENDER, e.g. 2:powersgd:2")
-    if not (contender in (EXACT, AUTO) or contender.startswith(("powersgd:", DDP_PREFIX))):
+    if not (contender in (EXACT, AUTO) or contender.startswith("powersgd:")
+            or (contender.startswith(DDP_PREFIX) and ddp_flags(contender))):
         raise ValueError(f"--cells {text}: the contender is exact, auto, powersgd:R[:start=N] "
-                         "or ddp-powersgd:R")
+                         "or ddp-powersgd:R[:min_rate=M]")
     return int(hosts), contender
+
+
+def ddp_flags(contender: str) -> list[str] | None:
+    """compare_ddp's hook flags for 'ddp-powersgd:R[:min_rate=M]' (torch's powerSGD_hook at
+    rank R, min_compression_rate M); None where it is not that."""
+    rank, _, rest = contender[len(DDP_PREFIX):].partition(":")
+    rate = rest.removeprefix("min_rate=") if rest else "2"
+    if not (rank.isdigit() and int(rank) >= 1 and rate.isdigit() and int(rate) >= 1):
+        return None
+    return ["--powersgd-rank", rank] + (["--powersgd-min-rate", rate] if rest else [])
 
 
 # ------------------------------------------------------------------------ scoring
@@ -228,7 +239,7 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
     run_dir = scratch / f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
     if contender.startswith(DDP_PREFIX):
         command = ddp_command(hosts, args.cores_per_host, run_dir, [
-            "--powersgd-rank", contender[len(DDP_PREFIX):], *goal_flags(args, seed, stop_at)])
+            *ddp_flags(contender), *goal_flags(args, seed, stop_at)])
     else:
         compression = "none" if contender == EXACT else contender
         command = ["hybriddl", "train", *goal_flags(args, seed, stop_at), *LOCAL,
@@ -447,7 +458,8 @@ drops the fastest and the slowest run and averages the rest, in emulated seconds
 miss, no score. `exact` is hybriddl's exact scheme as the planner picks it; `powersgd:R`
 is hybriddl's PowerSGD at rank R (not exact), one factor a step, `:rounds=2` both factors
 in two allreduces as the paper and torch's hook; `ddp-powersgd:R` is PyTorch DDP with torch's
-powerSGD_hook (one bucket, its own start after 2 steps). The one-host exact runs that fix
+powerSGD_hook (one bucket, its own start after 2 steps), `:min_rate=M` its
+min_compression_rate (torch's default 2; hybriddl's `min_rate` reads the same). The one-host exact runs that fix
 the target go to the cap, and their final accuracy is the cap's; under `--interleave` (a
 target given or fixed before) they stop at the target like every cell."""
 

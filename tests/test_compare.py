@@ -386,3 +386,16 @@ def test_a_compressed_rows_theory_is_what_its_compression_sends():
                     records(payload_bytes=30, comm_hook=hook, warmup=3), config, ["h0", "h1"])
     assert ddp["host_nic_bytes_theory"] == [30, 30]  # a ring of 2 ranks: 2 (P-1)/P = 1
     assert ddp["scheme"] == "ddp" and "in one bucket (bucket_cap_mb 1" in ddp["note"]
+
+
+@pytest.mark.parametrize("args", [["--powersgd-min-rate", "200"],
+                                  ["--powersgd-rank", "2", "--powersgd-min-rate", "0.5"]])
+def test_the_ddp_peer_refuses_a_min_compression_rate_without_its_hook_or_below_1(args, capsys,
+                                                                                 tmp_path):
+    from hybriddl.cli import compare_ddp
+
+    with pytest.raises(SystemExit) as stop:
+        compare_ddp.main(["--processes", "1", "--result-dir", str(tmp_path / "r"), *args])
+    assert stop.value.code == 2
+    assert "--powersgd-min-rate" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "r").exists()

@@ -16,14 +16,16 @@ from torch import nn
 @pytest.mark.alone
 def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     """torch's powerSGD_hook, counted: two vanilla allreduces of the whole gradient (the least
-    start_powerSGD_iter torch allows), then its factors and small tensors only."""
+    start_powerSGD_iter torch allows), then its factors and small tensors only; a
+    min_compression_rate given reaches the hook (at 6 the convolution, whose rank-2 factors
+    are 5x smaller, goes dense), and the theory counts what it sends."""
     from hybriddl.compare.ddp import payload_bytes
     from hybriddl.compare.ddp_peer import CommHook, gloo_group, one_bucket_mb, wrap
     from hybriddl.compare.local_peers import _free_loopback_port
     from hybriddl.compare.stepmeter import gradient_bytes
     from hybriddl.machine.cpu_threads import torch_threads
 
-    hook = CommHook("powersgd", rank=2)
+    hook = CommHook("powersgd", rank=2, min_rate=6)
     assert hook.untimed_steps == 3 and CommHook("fp16").untimed_steps == 0
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 64),
@@ -36,6 +38,7 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
         assert ddp.bucket_bytes_cap // 2**20 == one_bucket_mb(gradient_bytes(model))
         assert counter.state.start_powerSGD_iter == 2
         assert counter.state.matrix_approximation_rank == 2
+        assert counter.state.min_compression_rate == 6
         sent = []
         for _ in range(hook.untimed_steps + 1):
             before = counter.bytes_sent
@@ -48,3 +51,7 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     whole = gradient_bytes(model)
     assert sent[:2] == [whole, whole]
     assert sent[2] == sent[3] == payload_bytes(model, hook) < whole / 4
+    # torch's default rate compresses the convolution too: fewer bytes than at 6.
+    conv = model[0].weight
+    assert payload_bytes(model, CommHook("powersgd", rank=2)) == (
+        payload_bytes(model, hook) - 4 * conv.numel() + 4 * 2 * (16 + 27))

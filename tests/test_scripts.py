@@ -4,6 +4,7 @@ shared helpers live once in bench_common, and a training step is hybriddl/step.p
 from __future__ import annotations
 
 import ast
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -455,7 +456,36 @@ def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactn
     assert f"| 2 | auto (picked: hybrid / {inexact}) | **no** |" in table
 
 
-@pytest.mark.parametrize("cell", ["0:exact", "two:exact", "2:", "2:topk:3"])
+def test_time_to_accuracy_runs_ddp_at_the_min_compression_rate_its_cell_names(monkeypatch,
+                                                                              tmp_path):
+    """'ddp-powersgd:2:min_rate=200' is DDP's hook keeping the same layers dense as hybriddl's
+    'powersgd:2:min_rate=200': compare_ddp gets the rate; a cell without it, torch's own."""
+    import argparse
+
+    import time_to_accuracy
+
+    commands = []
+
+    def cell(options, command, *rest, **kw):
+        commands.append(command)
+        return bench_common.Emulated(["x"], 1, "", None, 1.0), None
+
+    import bench_common
+    monkeypatch.setattr(time_to_accuracy, "emulated_cell", cell)
+    args = argparse.Namespace(usecase="SimpleBig", data="x", image_size=64, batch_size=32,
+                              lr=0.01, epochs=2, model=None, eval_every=None, cores_per_host=1,
+                              bandwidth="1gbit")
+    for contender in ("ddp-powersgd:2:min_rate=200", "ddp-powersgd:4"):
+        assert time_to_accuracy.parse_cell(f"1:{contender}") == (1, contender)
+        time_to_accuracy.run_once(args, 1, contender, 1, [], None, tmp_path)
+    rated, plain = (shlex.split(command[-1]) for command in commands)  # sh -c 'exec ...'
+    assert rated[rated.index("--powersgd-rank") + 1] == "2"
+    assert rated[rated.index("--powersgd-min-rate") + 1] == "200"
+    assert plain[plain.index("--powersgd-rank") + 1] == "4" and "--powersgd-min-rate" not in plain
+
+
+@pytest.mark.parametrize("cell", ["0:exact", "two:exact", "2:", "2:topk:3",
+                                  "1:ddp-powersgd:2:min_rate=0", "1:ddp-powersgd:2:start=5"])
 def test_time_to_accuracy_refuses_a_cell_it_cannot_run(cell):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "time_to_accuracy.py"),
                            "--data", "x", "--image-size", "64", "--lr", "0.01", "--epochs",

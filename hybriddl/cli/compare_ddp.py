@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     hooks.add_argument("--powersgd-rank", type=int, metavar="R",
                        help="average with torch's powerSGD_hook at rank R, in one bucket "
                             "(default: DDP's own allreduce)")
+    parser.add_argument("--powersgd-min-rate", type=float, metavar="M",
+                        help="with --powersgd-rank: compress only the matrices whose factors are "
+                             "more than M times smaller (the hook's min_compression_rate; "
+                             "default: torch's, 2)")
     parser.add_argument("--processes", type=int, required=True, help="DDP processes P in all")
     parser.add_argument("--hosts", type=int, default=1, help="hosts H the processes span")
     parser.add_argument("--host-index", type=int, default=0, help="which host this is")
@@ -51,7 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.powersgd_rank is not None and args.powersgd_rank < 1:
         parser.error(f"--powersgd-rank {args.powersgd_rank}: give a rank of 1 or more")
-    hook = CommHook(POWERSGD, args.powersgd_rank) if args.powersgd_rank else CommHook()
+    if args.powersgd_min_rate is not None and (args.powersgd_rank is None
+                                               or args.powersgd_min_rate < 1):
+        parser.error(f"--powersgd-min-rate {args.powersgd_min_rate}: give a rate of 1 or more, "
+                     "with --powersgd-rank R")
+    hook = (CommHook(POWERSGD, args.powersgd_rank,
+                     *(() if args.powersgd_min_rate is None else (args.powersgd_min_rate,)))
+            if args.powersgd_rank else CommHook())
     goal = None
     if args.epochs is not None:
         from hybriddl.compare.ddp import TrainingGoal

@@ -178,7 +178,7 @@ def payload_bytes(model: torch.nn.Module, hook: CommHook) -> float:
     or PowerSGD's factors and uncompressed tensors."""
     if hook.name == POWERSGD:
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-        return powersgd_elements(shapes, hook.rank) * 4
+        return powersgd_elements(shapes, hook.rank, hook.min_rate) * 4
     return gradient_bytes(model) / (2 if hook.name == FP16 else 1)
 
 

@@ -30,15 +30,19 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
 # With error feedback or warm start (both on, as PowerSGD's authors and torch advise),
 # torch refuses a start_powerSGD_iter below 2: the steps before it are vanilla allreduces.
 POWERSGD_START_ITER = 2
+MIN_COMPRESSION_RATE = 2  # PowerSGDState's default
 
 
 @dataclass(frozen=True)
 class CommHook:
     """Which of torch's DDP communication hooks averages the gradients: `allreduce` (DDP's
-    default), `fp16` (fp16_compress_hook) or `powersgd` (powerSGD_hook at `rank`)."""
+    default), `fp16` (fp16_compress_hook) or `powersgd` (powerSGD_hook at `rank`, compressing
+    the matrices whose factors are more than `min_rate` times smaller: its
+    min_compression_rate, 2 by default)."""
 
     name: str = "allreduce"
     rank: int | None = None
+    min_rate: float = MIN_COMPRESSION_RATE
 
     @property
     def untimed_steps(self) -> int:
@@ -50,6 +54,7 @@ class CommHook:
         if self.name == PowerSGD.name:
             return {"hook": "powerSGD_hook", "matrix_approximation_rank": self.rank,
                     "start_powerSGD_iter": POWERSGD_START_ITER,
+                    "min_compression_rate": self.min_rate,
                     "bucket_cap_mb": one_bucket_mb(model_bytes)}
         return {"hook": {"allreduce": "allreduce_hook",
                          FP16Compression.name: "fp16_compress_hook"}[self.name]}
@@ -119,7 +124,7 @@ def wrap(model: torch.nn.Module, world: int,
                                       **NO_BUFFER_SYNC)
         counter = CountingHook(powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=hook.rank,
-            start_powerSGD_iter=POWERSGD_START_ITER))
+            start_powerSGD_iter=POWERSGD_START_ITER, min_compression_rate=hook.min_rate))
         ddp.register_comm_hook(counter, counting_powersgd_hook)
         return ddp, counter
     ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)
