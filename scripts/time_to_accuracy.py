@@ -318,12 +318,37 @@ def score_text(row: dict) -> str:
 def mlperf_table(data: dict) -> str:
     """One row per cell: the MLPerf-style score beside the runs reaching the target, the
     ratio to one host exact, median epochs, and the final accuracy over seeds."""
+    lines = score_rows(data.get("summary", []))
+    lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
+                                          f"{r['seed']}")
+    own = own_target(data) if data.get("target") else None
+    if own:
+        lines += ["", f"The same runs scored at {own['accuracy']:g}, the target this file's "
+                      "own one-host exact seeds fix by the rule above (the file's target, "
+                      f"{data['target']['accuracy']:g}: {data['target']['how']}). A run "
+                      "stopped at the higher target reached this one no later; its "
+                      "evaluations say when:", "", *score_rows(own["summary"])]
+    by_epoch = equal_epochs_table(data)
+    if by_epoch:
+        lines += ["", "Validation accuracy at the end of each epoch, mean over the cell's "
+                      "seeds (points against one host exact's mean at the same epoch; "
+                      "[k of n]: only k of its n runs ran that epoch, the others had "
+                      "stopped at the target):", "", by_epoch]
+    for group in set_apart(data):  # runs kept for the record, out of every row above
+        named = ", ".join(f"{r['contender']} at {r['hosts']} hosts seed {r['seed']}"
+                          for r in group["runs"])
+        lines += ["", f"Set apart ({len(group['runs'])} runs: {named}): {group['why']}"]
+    return "\n".join(lines)
+
+
+def score_rows(summary: list[dict]) -> list[str]:
+    """The score table's lines, one row per cell of `summary`."""
     lines = ["| hosts | contender | exact? | seeds | reached the target | score, emulated s "
              "| × one host's | median epochs to target | last validation accuracy (at the "
              "target or the cap), mean (range) | emulated s per epoch (median) | × one "
              "host's | of which between epochs (validation, checkpoint) |",
              "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for row in data.get("summary", []):
+    for row in summary:
         spread = row["final_accuracy_spread"]
         final = ("–" if row["final_accuracy_mean"] is None else
                  f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f})")
@@ -336,19 +361,7 @@ def mlperf_table(data: dict) -> str:
                      f"{seconds_text(row.get('epoch_seconds'))} | "
                      f"{ratio_text(row.get('epoch_ratio_to_one_host'))} | "
                      f"{seconds_text(row.get('between_epochs_seconds'))} |")
-    lines += not_finished(data, lambda r: f"{r['contender']} at {r['hosts']} hosts, seed "
-                                          f"{r['seed']}")
-    by_epoch = equal_epochs_table(data)
-    if by_epoch:
-        lines += ["", "Validation accuracy at the end of each epoch, mean over the cell's "
-                      "seeds (points against one host exact's mean at the same epoch; "
-                      "[k of n]: only k of its n runs ran that epoch, the others had "
-                      "stopped at the target):", "", by_epoch]
-    for group in set_apart(data):  # runs kept for the record, out of every row above
-        named = ", ".join(f"{r['contender']} at {r['hosts']} hosts seed {r['seed']}"
-                          for r in group["runs"])
-        lines += ["", f"Set apart ({len(group['runs'])} runs: {named}): {group['why']}"]
-    return "\n".join(lines)
+    return lines
 
 
 def set_apart(data: dict) -> list[dict]:
@@ -457,11 +470,12 @@ drops the fastest and the slowest run and averages the rest, in emulated seconds
 (S·D)). A run that misses the target within the epoch cap counts as the slowest; more than one
 miss, no score. `exact` is hybriddl's exact scheme as the planner picks it; `powersgd:R`
 is hybriddl's PowerSGD at rank R (not exact), one factor a step, `:rounds=2` both factors
-in two allreduces as the paper and torch's hook; `ddp-powersgd:R` is PyTorch DDP with torch's
+in two allreduces as the paper and torch's hook, `:min_rate=M` compressing only the matrices
+whose factors are at least M times smaller; `ddp-powersgd:R` is PyTorch DDP with torch's
 powerSGD_hook (one bucket, its own start after 2 steps), `:min_rate=M` its
-min_compression_rate (torch's default 2; hybriddl's `min_rate` reads the same). The one-host exact runs that fix
-the target go to the cap, and their final accuracy is the cap's; under `--interleave` (a
-target given or fixed before) they stop at the target like every cell."""
+min_compression_rate (torch's default is 2), which picks the same matrices. The one-host
+exact runs that fix the target go to the cap, and their final accuracy is the cap's; under
+`--interleave` (a target given or fixed before) they stop at the target like every cell."""
 
 
 def interleaved_ratios(data: dict) -> dict[int, list[float]]:
@@ -563,7 +577,21 @@ def compressed_lead(data: dict, rows: list[dict], target: float, page: str) -> l
             f"more hosts train under "
             f"PowerSGD: validation accuracy {target:g} reached by exact in {one['reached']} of "
             f"{one['seeds']} seeds (last accuracy {one['final_accuracy_mean']:.3f}); by "
-            + "; ".join(parts) + f" ([table](docs/benchmarks/{page}.md))."]
+            + "; ".join(parts) + own_scores(data) + f" ([table](docs/benchmarks/{page}.md))."]
+
+
+def own_scores(data: dict) -> str:
+    """The MLPerf scores at the lower target the file's own exact seeds fix, where the
+    file's target was given: '' where there is none, or no cell scores there."""
+    own = own_target(data)
+    scored = [r for r in (own or {}).get("summary", []) if r["score_seconds"]]
+    if not scored:
+        return ""
+    return (f"; at {own['accuracy']:g}, the target this CPU's own exact seeds fix, MLPerf "
+            "scores (not interleaved rounds: times indicative): " + ", ".join(
+                f"{contender_text(r)} {r['score_seconds']:.3g} s"
+                + ("" if r["contender"] == EXACT else f" ({r['ratio_to_one_host']:.2f}× exact's)")
+                for r in scored) + ", the others none")
 
 
 PAGES = [Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
@@ -672,6 +700,19 @@ def save(output: Path, result: dict) -> None:
         result["summary"] = summarise(result["runs"], result["target"]["accuracy"],
                                       result["bandwidth"], result.get("host_step_seconds"))
     atomic_write_json(output, result)
+
+
+def own_target(result: dict) -> dict | None:
+    """Where the target was given (from another file, another CPU) and this file's own
+    one-host exact seeds fix a lower one, every cell scored at that one too: a run stopped
+    at the given target reached the lower one no later, so its record holds the answer (not
+    so for a higher one: runs stopped below it)."""
+    given = result["target"]
+    fixed = fixed_target(result) if given.get("how", "").startswith("given") else None
+    if fixed is None or fixed["accuracy"] >= given["accuracy"]:
+        return None
+    return {"accuracy": fixed["accuracy"], "summary": summarise(result["runs"], fixed["accuracy"], result["bandwidth"],
+                                 result.get("host_step_seconds"))}
 
 
 if __name__ == "__main__":

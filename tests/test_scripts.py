@@ -245,6 +245,40 @@ def test_time_to_accuracy_summary_has_a_row_per_cell_with_its_misses_and_ratio()
             "final_accuracy_spread"} <= set(two)
 
 
+def test_time_to_accuracy_scores_a_given_target_again_at_the_lower_one_its_own_seeds_fix():
+    """A target given from another file (another CPU) where this file's one-host exact seeds
+    fix a lower one: the page scores the same runs there too, a run stopped at the given
+    target counting as reached at its first evaluation above the lower one; never above."""
+    import time_to_accuracy
+
+    def run(contender, seed, accuracies):
+        return {"hosts": 1, "contender": contender, "seed": seed, "model": "alexnet",
+                "evaluations": [{"step": e, "epochs": float(e), "accuracy": a,
+                                 "emulated_seconds": 10.0 * e, "wall_seconds": 10.0 * e}
+                                for e, a in enumerate(accuracies, 1)]}
+
+    # Best accuracies 0.895, 0.91, 0.92, 0.93, 0.88: all but one reach 0.89, two miss 0.90.
+    runs = [run("exact", s, [0.5, best]) for s, best in
+            zip(range(1, 6), (0.895, 0.91, 0.92, 0.93, 0.88))]
+    # Stopped at 0.90 at step 3: it passed 0.89 at step 2 already.
+    runs += [run("powersgd:2", s, [0.6, 0.895, 0.9]) for s in range(1, 6)]
+    given = {"accuracy": 0.9, "how": "given (--target 0.90): another CPU's"}
+    data = {"target": given, "runs": runs, "bandwidth": "1gbit",
+            "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
+    assert [r["score_seconds"] for r in data["summary"]] == [None, 30.0]  # exact: 2 misses
+    own = time_to_accuracy.own_target(data)
+    assert own["accuracy"] == 0.89
+    exact, compressed = own["summary"]
+    assert (exact["reached"], exact["score_seconds"]) == (4, 20.0)
+    assert (compressed["reached"], compressed["score_seconds"]) == (5, 20.0)
+    table = time_to_accuracy.mlperf_table(data)
+    assert "The same runs scored at 0.89" in table and "another CPU's" in table
+    # Fixed by its own seeds, or a higher target than given: no second scoring.
+    assert time_to_accuracy.own_target({**data, "target": {"accuracy": 0.89, "how": "the "
+                                                           "highest accuracy ..."}}) is None
+    assert time_to_accuracy.own_target({**data, "target": {**given, "accuracy": 0.85}}) is None
+
+
 def test_time_to_accuracy_compares_cells_at_equal_epochs_and_marks_runs_that_stopped():
     import time_to_accuracy
 
