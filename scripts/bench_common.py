@@ -11,14 +11,17 @@ puts scripts/ on the path the same way.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +50,36 @@ def results_header(script: str, argv: list[str] | None = None) -> dict:
             **({"code_changed_since_commit": changed} if changed else {}),
             "command": shlex.join(["python", f"scripts/{script}", *given]),
             "date": datetime.date.today().isoformat()}
+
+
+def run_limited(argv: list[str], limit: float | None) -> tuple[int, list[str], bool]:
+    """Run `argv` in REPO, echoing its output; stop its whole process group (mpirun's ranks,
+    pytest's children) at `limit` seconds, if given. (exit code, its last 30 lines, whether
+    the limit stopped it)."""
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timed_out = threading.Event()
+
+    def stop() -> None:
+        timed_out.set()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(limit, stop) if limit is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        tail.append(line.rstrip("\n"))
+    code = process.wait()
+    if timer is not None:
+        timer.cancel()
+    return code, list(tail), timed_out.is_set()
 
 
 def spread(values: list[float], digits: int | None = None) -> dict:

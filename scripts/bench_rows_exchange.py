@@ -31,10 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import results_header, spread
+from bench_common import REPO, results_header, spread
 from pages import Page
 
-REPO = Path(__file__).resolve().parents[1]
 WAYS = ("libnbc", "hybriddl")
 DTYPES = ("float32", "bfloat16")
 

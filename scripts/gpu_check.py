@@ -27,16 +27,11 @@ Exit code: 0 when every step passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,13 +39,12 @@ from pathlib import Path
 
 import torch
 
-from bench_common import REPO, results_header
+from bench_common import REPO, results_header, run_limited
 from pages import Page
 from hybriddl.files import atomic_write_json
 
 TOTAL_SECONDS = 20 * 60
 TUNE_BUDGET_SECONDS = 150  # SimpleBig's candidates at 224 px; the tune's own start on top
-LAST_LINES = 30
 MIN_STEP_SECONDS = 10  # a step given less than this is not started
 RESULTS = REPO / "results"
 
@@ -185,34 +179,6 @@ def run_step(step: Step, limit: float, gpu: str, argv: list[str] | None) -> dict
                                                      f"{type(exc).__name__}: {exc}")
     print(f"gpu_check: {step.name}: {outcome['outcome']}", flush=True)
     return outcome
-
-
-def run_limited(argv: list[str], limit: float) -> tuple[int, list[str], bool]:
-    """Run `argv`, echoing its output; stop its whole process group at `limit` seconds.
-    (exit code, its last lines, whether the limit stopped it)."""
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
-    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    timed_out = threading.Event()
-
-    def stop() -> None:
-        timed_out.set()
-        # mpirun's ranks and pytest's children are in the step's process group.
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(limit, stop)
-    timer.daemon = True
-    timer.start()
-    for line in process.stdout:
-        print(line, end="", flush=True)
-        tail.append(line.rstrip("\n"))
-    code = process.wait()
-    timer.cancel()
-    return code, list(tail), timed_out.is_set()
 
 
 # ------------------------------------------------------------------ the check

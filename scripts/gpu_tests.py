@@ -13,22 +13,18 @@ GPU tests skip there, and a record of skips would say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
-import collections
-import subprocess
 import sys
 import tempfile
-import threading
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import torch
 
-from bench_common import REPO, results_header
+from bench_common import REPO, results_header, run_limited
 from pages import Page
 from hybriddl.files import atomic_write_json
 
 COMMAND = ["-m", "pytest", "-q", "-m", "gpu", "tests", "-rs"]
-LAST_LINES = 30
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -46,28 +42,16 @@ def run_and_record(command: list[str], output: Path, gpu_name: str, gpu_count: i
                    argv=None, timeout: float | None = None) -> int:
     """Run pytest `command` (its arguments after the interpreter), echo its output, and
     write its outcome to `output`, a failure before its report included; its exit code."""
-    tail: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
     with tempfile.TemporaryDirectory() as scratch:
         junit = Path(scratch) / "junit.xml"
-        process = subprocess.Popen([sys.executable, *command, f"--junitxml={junit}"], cwd=REPO,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        timed_out, timer = threading.Event(), None
-        if timeout is not None:
-            timer = threading.Timer(timeout, lambda: (timed_out.set(), process.kill()))
-            timer.daemon = True
-            timer.start()
-        for line in process.stdout:
-            print(line, end="", flush=True)
-            tail.append(line.rstrip("\n"))
-        code = process.wait()
-        if timer is not None:
-            timer.cancel()
+        code, tail, timed_out = run_limited([sys.executable, *command, f"--junitxml={junit}"],
+                                            timeout)
         try:
             tests, problem = outcomes(junit), None
         except (OSError, ElementTree.ParseError) as exc:
             tests = {}
             problem = (f"pytest ended (exit code {code}) without its report"
-                       + (f", stopped at its limit of {timeout:g} s" if timed_out.is_set() else "")
+                       + (f", stopped at its limit of {timeout:g} s" if timed_out else "")
                        + f": {type(exc).__name__}")
     counts = {kind: sum(v == kind for v in tests.values()) for kind in ("passed", "failed", "skipped")}
     result = {**results_header("gpu_tests.py", argv), "gpu_name": gpu_name,
@@ -75,7 +59,7 @@ def run_and_record(command: list[str], output: Path, gpu_name: str, gpu_count: i
               "exit_code": code, "rows": [{"test": k, "outcome": v} for k, v in sorted(tests.items())],
               **counts}
     if problem:
-        result.update(failure=problem, last_lines=list(tail))
+        result.update(failure=problem, last_lines=tail)
     atomic_write_json(output, result)
     print(f"{output}: {problem or counts} on {gpu_name}")
     return code if code else (1 if problem else 0)

@@ -27,11 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import results_header
+from bench_common import REPO, results_header
 from pages import Page, provenance
 from hybriddl.files import atomic_write_json
 
-REPO = Path(__file__).resolve().parents[1]
 
 MAIN_JOB = ["train", "--usecase", "ComplexSmall", "--image-size", "64", "--epochs", "5"]
 

@@ -56,7 +56,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import ddp_command, emulated_cell, host_options, results_header
+from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
 from time_to_accuracy import accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
@@ -65,7 +65,6 @@ from hybriddl.files import atomic_write_json
 from hybriddl.hosts.compression import EXACT
 from hybriddl.usecases import get_usecase
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 CONTENDERS = ("hybrid", "data", "flat", "auto", "ddp")

@@ -14,11 +14,12 @@ Contenders: `exact` (hybriddl, the exact scheme the planner picks: `--host-paral
 --compression none`), `auto` (whatever the planner picks, inexact too: `--compression
 auto`, each run's pick recorded), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
 scheme), `ddp-powersgd:R[:min_rate=M]` (PyTorch DDP with torch's powerSGD_hook at rank R,
-its min_compression_rate M, one process per core, trained to the same target: hybriddl.cli.compare_ddp --epochs). Every run has
-the same global batch, learning rate, seed list and data; hosts stand for faster ones at
-one speedup S for the whole file (`--host-step` measures S once, at the first run, from
-one host's step here; later runs use `--speedup S`). Runs are kept as they finish: a call
-with --output naming an existing file runs only the (contender, hosts, seed) not in it.
+its min_compression_rate M, one process per core, trained to the same target:
+hybriddl.cli.compare_ddp --epochs). Every run has the same global batch, learning rate,
+seed list and data; hosts stand for faster ones at one speedup S for the whole file
+(`--host-step` measures S once, at the first run, from one host's step here; later runs
+use `--speedup S`). Runs are kept as they finish: a call with --output naming an existing
+file runs only the (contender, hosts, seed) not in it.
 
     python scripts/digits_imagefolder.py /tmp/mnist
     python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/mnist \\
@@ -41,12 +42,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_common import ddp_command, emulated_cell, host_options, results_header
+from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
 from pages import Page, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results"
 EXACT, AUTO, DDP_PREFIX = "exact", "auto", "ddp-powersgd:"
 # hybriddl's local strategy on every host: PyTorch's intra-op threads on the host's cores
@@ -711,7 +711,8 @@ def own_target(result: dict) -> dict | None:
     fixed = fixed_target(result) if given.get("how", "").startswith("given") else None
     if fixed is None or fixed["accuracy"] >= given["accuracy"]:
         return None
-    return {"accuracy": fixed["accuracy"], "summary": summarise(result["runs"], fixed["accuracy"], result["bandwidth"],
+    return {"accuracy": fixed["accuracy"],
+            "summary": summarise(result["runs"], fixed["accuracy"], result["bandwidth"],
                                  result.get("host_step_seconds"))}
 
 
