@@ -25,9 +25,7 @@ import argparse
 import errno
 import json
 import os
-import platform
 import random
-import shlex
 import shutil
 import signal
 import subprocess
@@ -39,12 +37,12 @@ from pathlib import Path
 
 import psutil
 
+from bench_common import REPO, results_header
 from hybriddl.emulation.hosts import PREFIX, EmulatedHosts, _namespaces, freezer_hierarchy
 from hybriddl.launch.emulated import launch_on
 from hybriddl.launch.launcher import EVENTS
 from hybriddl.rundir import CHECKPOINT, MODEL
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 FAULTS = ("kill", "stop", "link", "disk", "sigterm")
@@ -457,16 +455,9 @@ def _match(faults: list[dict], events: list[dict]) -> None:
 
 
 def machine() -> dict:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    return {"cpu_model": cpu, "cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__, "git_commit": commit,
-            "command": shlex.join([Path(sys.executable).name, *sys.argv])}
+    """results_header's, with the commit also under the name chaos.json has given it."""
+    header = results_header("chaos.py")
+    return {**header, "git_commit": header["commit"]}
 
 
 def main() -> int:
