@@ -504,6 +504,13 @@ def readme_lead(data: dict, page: str) -> list[str]:
     if data.get("reference_slowed"):
         return []
     one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
+    own, given = own_target(data), ""
+    if own and not (one and one["score_seconds"]):  # scored at the file's own target instead
+        given = (f" (the target its own one-host exact seeds fix; at {target:g}, given, one "
+                 f"host exact reached it in {one['reached']} of {one['seeds']} seeds)"
+                 if one else "")
+        rows, target = own["summary"], own["accuracy"]
+        one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
     scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
     ours = [r for r in scored if not r["contender"].startswith(DDP_PREFIX)]
     peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
@@ -515,7 +522,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
     if ours and one and one["score_seconds"]:
         best = min(ours, key=lambda r: r["score_seconds"])
         claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
-                 f"{contender_text(best)} reaches validation accuracy {target:g} in "
+                 f"{contender_text(best)} reaches validation accuracy {target:g}{given} in "
                  f"{ratio_text(best['ratio_to_one_host'])}× one host's time")
         peer = next((p for p in peers if p["hosts"] == best["hosts"]), None)
         if peer:
@@ -558,40 +565,44 @@ def readme_lead(data: dict, page: str) -> list[str]:
 
 def compressed_lead(data: dict, rows: list[dict], target: float, page: str) -> list[str]:
     """The README's verdict on the compressed schemes of a one-host file that measured DDP +
-    PowerSGD beside them: how many seeds of each reached the target, beside exact's
-    (PowerSGD approximates the mean gradient, so one host trains what H hosts train). Its
-    runs are not interleaved rounds, so it gives no speed ratio: the page has their epochs'
-    times."""
+    PowerSGD beside them (PowerSGD approximates the mean gradient, so one host trains what H
+    hosts train): one sentence, then a row per scheme, exact first, then the most seeds
+    reaching the target: seeds reaching it, and where the target was given from another
+    CPU's file, seeds reaching the lower one this file's exact seeds fix and the MLPerf score
+    there. Its runs are not interleaved rounds: scores are indicative, the page has the
+    epochs' times."""
     one = next((r for r in rows if r["contender"] == EXACT), None)
     compressed = sorted((r for r in rows if not r["exact"]),
                         key=lambda r: (-r["reached"] / r["seeds"], -r["final_accuracy_mean"]))
     if one is None or not any(r["contender"].startswith(DDP_PREFIX) for r in compressed):
         return []
-    peer = " (DDP + torch's powerSGD_hook)"
-    parts = [f"{contender_text(r)}{peer if r['contender'].startswith(DDP_PREFIX) else ''} "
-             f"{r['reached']} of {r['seeds']} "
-             f"(last accuracy {r['final_accuracy_mean']:.3f})" for r in compressed]
-    return [f"**Compressed schemes, judged by accuracy**: {data['usecase']} "
-            f"({rows[0]['model']}, {data['image_size']} px) on real images (MNIST), one host "
-            f"of {data['cores_per_host']} core(s) ({data['cpu_model']}), which trains what "
-            f"more hosts train under "
-            f"PowerSGD: validation accuracy {target:g} reached by exact in {one['reached']} of "
-            f"{one['seeds']} seeds (last accuracy {one['final_accuracy_mean']:.3f}); by "
-            + "; ".join(parts) + own_scores(data) + f" ([table](docs/benchmarks/{page}.md))."]
-
-
-def own_scores(data: dict) -> str:
-    """The MLPerf scores at the lower target the file's own exact seeds fix, where the
-    file's target was given: '' where there is none, or no cell scores there."""
     own = own_target(data)
-    scored = [r for r in (own or {}).get("summary", []) if r["score_seconds"]]
-    if not scored:
-        return ""
-    return (f"; at {own['accuracy']:g}, the target this CPU's own exact seeds fix, MLPerf "
-            "scores (not interleaved rounds: times indicative): " + ", ".join(
-                f"{contender_text(r)} {r['score_seconds']:.3g} s"
-                + ("" if r["contender"] == EXACT else f" ({r['ratio_to_one_host']:.2f}× exact's)")
-                for r in scored) + ", the others none")
+    at_own = {r["contender"]: r for r in (own or {}).get("summary", [])}
+    lines = [f"**Compressed schemes, judged by accuracy**: {data['usecase']} "
+             f"({rows[0]['model']}, {data['image_size']} px) on real images (MNIST), one host "
+             f"of {data['cores_per_host']} core(s) ({data['cpu_model']}), which trains what "
+             f"more hosts train under PowerSGD: seeds reaching validation accuracy {target:g}"
+             + (f" and {own['accuracy']:g} (the target this CPU's own exact seeds fix), and "
+                "the MLPerf score there (runs not in interleaved rounds: times indicative)"
+                if own else "") + f" ([table](docs/benchmarks/{page}.md)):", "",
+             f"| scheme | exact? | reached {target:g} | "
+             + (f"reached {own['accuracy']:g} | MLPerf score at {own['accuracy']:g}, s "
+                "(× exact's) | " if own else "") + "last validation accuracy, mean (range) |",
+             "|---|---|---:|" + ("---:|---:|" if own else "") + "---|"]
+    for row in [one, *compressed]:
+        name = contender_text(row) + (" (DDP + torch's powerSGD_hook)"
+                                      if row["contender"].startswith(DDP_PREFIX) else "")
+        spread = row["final_accuracy_spread"]
+        there = at_own.get(row["contender"])
+        score = ("" if there is None else
+                 f"{there['reached']}/{there['seeds']} | "
+                 + ("none" if there["score_seconds"] is None else
+                    f"{there['score_seconds']:.3g} ({ratio_text(there['ratio_to_one_host'])})")
+                 + " | ")
+        lines.append(f"| {name} | {'yes' if row['exact'] else '**no**'} | "
+                     f"{row['reached']}/{row['seeds']} | {score}"
+                     f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f}) |")
+    return lines
 
 
 PAGES = [Page("time_to_accuracy-mnist-*", "Time to a target accuracy over seeds, scored as "
