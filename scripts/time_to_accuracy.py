@@ -518,7 +518,8 @@ def readme_lead(data: dict, page: str) -> list[str]:
     speed = (f"hosts each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})"
              if step else host_speed(data))
     setting = (f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px) on real "
-               f"images (MNIST), {data['bandwidth']} links, {speed}")
+               f"images (MNIST), {data['bandwidth']} links, {speed}"
+               + (f" ({data['cpu_model']})" if data.get("cpu_model") else ""))
     if ours and one and one["score_seconds"]:
         best = min(ours, key=lambda r: r["score_seconds"])
         claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
