@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from hybriddl.compare.ddp import run_host
-    from hybriddl.compare.ddp_peer import CommHook
+    from hybriddl.compare.ddp_peer import MIN_COMPRESSION_RATE, CommHook
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                                                or args.powersgd_min_rate < 1):
         parser.error(f"--powersgd-min-rate {args.powersgd_min_rate}: give a rate of 1 or more, "
                      "with --powersgd-rank R")
-    hook = (CommHook(POWERSGD, args.powersgd_rank,
-                     *(() if args.powersgd_min_rate is None else (args.powersgd_min_rate,)))
+    hook = (CommHook(POWERSGD, args.powersgd_rank, args.powersgd_min_rate or MIN_COMPRESSION_RATE)
             if args.powersgd_rank else CommHook())
     goal = None
     if args.epochs is not None:
