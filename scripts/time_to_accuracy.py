@@ -13,13 +13,13 @@ seeds within the epoch cap (those reference runs go to the cap, validated every
 Contenders: `exact` (hybriddl, the exact scheme the planner picks: `--host-parallel auto
 --compression none`), `auto` (whatever the planner picks, inexact too: `--compression
 auto`, each run's pick recorded), `powersgd:R[:start=N]` (hybriddl's PowerSGD, the planner's
-scheme), `ddp-powersgd:R[:min_rate=M]` (PyTorch DDP with torch's powerSGD_hook at rank R,
-its min_compression_rate M, one process per core, trained to the same target:
-hybriddl.cli.compare_ddp --epochs). Every run has the same global batch, learning rate,
-seed list and data; hosts stand for faster ones at one speedup S for the whole file
-(`--host-step` measures S once, at the first run, from one host's step here; later runs
-use `--speedup S`). Runs are kept as they finish: a call with --output naming an existing
-file runs only the (contender, hosts, seed) not in it.
+scheme), `ddp` and `ddp-powersgd:R[:min_rate=M]` (PyTorch DDP with its own allreduce, or
+torch's powerSGD_hook at rank R, its min_compression_rate M, one process per core, trained
+to the same target: hybriddl.cli.compare_ddp --epochs). Every run has the same global
+batch, learning rate, seed list and data; hosts stand for faster ones at one speedup S for
+the whole file (`--host-step` measures S once, at the first run, from one host's step here;
+later runs use `--speedup S`). Runs are kept as they finish: a call with --output naming an
+existing file runs only the (contender, hosts, seed) not in it.
 
     python scripts/digits_imagefolder.py /tmp/mnist
     python scripts/time_to_accuracy.py --usecase SimpleBig --data /tmp/mnist \\
@@ -48,7 +48,7 @@ from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
 RESULTS = REPO / "results"
-EXACT, AUTO, DDP_PREFIX = "exact", "auto", "ddp-powersgd:"
+EXACT, AUTO, DDP, DDP_PREFIX = "exact", "auto", "ddp", "ddp-powersgd:"
 # hybriddl's local strategy on every host: PyTorch's intra-op threads on the host's cores
 # (the fastest local strategy at small sizes; every strategy trains the same steps).
 LOCAL = ["--strategy", "intraop", "--channels-last"]
@@ -123,15 +123,22 @@ def parse_cell(text: str) -> tuple[int, str]:
     if not hosts.isdigit() or int(hosts) < 1 or not contender:
         raise ValueError(f"--cells {text}: give HOSTS:CONTENDER, e.g. 2:powersgd:2")
     if not (contender in (EXACT, AUTO) or contender.startswith("powersgd:")
-            or (contender.startswith(DDP_PREFIX) and ddp_flags(contender))):
-        raise ValueError(f"--cells {text}: the contender is exact, auto, powersgd:R[:start=N] "
-                         "or ddp-powersgd:R[:min_rate=M]")
+            or (is_ddp(contender) and ddp_flags(contender) is not None)):
+        raise ValueError(f"--cells {text}: the contender is exact, auto, powersgd:R[:start=N], "
+                         "ddp or ddp-powersgd:R[:min_rate=M]")
     return int(hosts), contender
+
+
+def is_ddp(contender: str) -> bool:
+    return contender == DDP or contender.startswith(DDP_PREFIX)
 
 
 def ddp_flags(contender: str) -> list[str] | None:
     """compare_ddp's hook flags for 'ddp-powersgd:R[:min_rate=M]' (torch's powerSGD_hook at
-    rank R, min_compression_rate M); None where it is not that."""
+    rank R, min_compression_rate M), none for 'ddp' (DDP's own allreduce); None where it is
+    neither."""
+    if contender == DDP:
+        return []
     rank, _, rest = contender[len(DDP_PREFIX):].partition(":")
     rate = rest.removeprefix("min_rate=") if rest else "2"
     if not (rank.isdigit() and int(rank) >= 1 and rate.isdigit() and int(rate) >= 1):
@@ -189,7 +196,7 @@ def summarise(runs: list[dict], target: float, bandwidth: str,
         rows.append({
             "model": mine[0]["model"], "hosts": hosts, "bandwidth": bandwidth,
             "host_step_seconds": host_step_seconds, "contender": contender,
-            "exact": contender == EXACT or (contender == AUTO and all(
+            "exact": contender in (EXACT, DDP) or (contender == AUTO and all(
                 r.get("plan_chosen", {}).get("exact") for r in mine)),
             **({"picked": sorted({r["plan_chosen"]["scheme"] for r in mine
                                   if r.get("plan_chosen")})} if contender == AUTO else {}),
@@ -237,7 +244,7 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
     """One seed of one cell on emulated hosts (on `cores` only, where given); its
     evaluations in emulated seconds."""
     run_dir = scratch / f"h{hosts}-{contender.replace(':', '_')}-s{seed}"
-    if contender.startswith(DDP_PREFIX):
+    if is_ddp(contender):
         command = ddp_command(hosts, args.cores_per_host, run_dir, [
             *ddp_flags(contender), *goal_flags(args, seed, stop_at)])
     else:
@@ -248,7 +255,7 @@ def run_once(args, hosts: int, contender: str, seed: int, speed: list[str],
                    "--run-dir", str(run_dir)]
     ran, measured = emulated_cell(
         host_options(hosts, args.cores_per_host, bandwidth=args.bandwidth, speed=speed),
-        command, run_dir, "rank0.json" if contender.startswith(DDP_PREFIX) else "metrics.json",
+        command, run_dir, "rank0.json" if is_ddp(contender) else "metrics.json",
         cores=cores or ())
     record = {"hosts": hosts, "contender": contender, "seed": seed,
               "model": args.model or get_usecase(args.usecase).model,
@@ -473,7 +480,9 @@ is hybriddl's PowerSGD at rank R (not exact), one factor a step, `:rounds=2` bot
 in two allreduces as the paper and torch's hook, `:min_rate=M` compressing only the matrices
 whose factors are at least M times smaller; `ddp-powersgd:R` is PyTorch DDP with torch's
 powerSGD_hook (one bucket, its own start after 2 steps), `:min_rate=M` its
-min_compression_rate (torch's default is 2), which picks the same matrices. The one-host
+min_compression_rate (torch's default is 2), which picks the same matrices; `ddp` is DDP's
+own allreduce (exact averaging; torch's dropout, not hybriddl's keyed masks), the peer's
+loop without compression. The one-host
 exact runs that fix the target go to the cap, and their final accuracy is the cap's; under
 `--interleave` (a target given or fixed before) they stop at the target like every cell."""
 
@@ -512,7 +521,7 @@ def readme_lead(data: dict, page: str) -> list[str]:
         rows, target = own["summary"], own["accuracy"]
         one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
     scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
-    ours = [r for r in scored if not r["contender"].startswith(DDP_PREFIX)]
+    ours = [r for r in scored if not is_ddp(r["contender"])]
     peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
     step = data.get("host_step_seconds")
     speed = (f"hosts each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})"

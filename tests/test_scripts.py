@@ -534,7 +534,8 @@ def test_time_to_accuracy_auto_cell_names_what_the_planner_picked_and_its_exactn
 def test_time_to_accuracy_runs_ddp_at_the_min_compression_rate_its_cell_names(monkeypatch,
                                                                               tmp_path):
     """'ddp-powersgd:2:min_rate=200' is DDP's hook keeping the same layers dense as hybriddl's
-    'powersgd:2:min_rate=200': compare_ddp gets the rate; a cell without it, torch's own."""
+    'powersgd:2:min_rate=200': compare_ddp gets the rate; a cell without it, torch's own;
+    'ddp', DDP's own allreduce."""
     import argparse
 
     import time_to_accuracy
@@ -550,13 +551,18 @@ def test_time_to_accuracy_runs_ddp_at_the_min_compression_rate_its_cell_names(mo
     args = argparse.Namespace(usecase="SimpleBig", data="x", image_size=64, batch_size=32,
                               lr=0.01, epochs=2, model=None, eval_every=None, cores_per_host=1,
                               bandwidth="1gbit")
-    for contender in ("ddp-powersgd:2:min_rate=200", "ddp-powersgd:4"):
+    for contender in ("ddp-powersgd:2:min_rate=200", "ddp-powersgd:4", "ddp"):
         assert time_to_accuracy.parse_cell(f"1:{contender}") == (1, contender)
         time_to_accuracy.run_once(args, 1, contender, 1, [], None, tmp_path)
-    rated, plain = (shlex.split(command[-1]) for command in commands)  # sh -c 'exec ...'
+    rated, plain, exact = (shlex.split(command[-1]) for command in commands)  # sh -c 'exec'
     assert rated[rated.index("--powersgd-rank") + 1] == "2"
     assert rated[rated.index("--powersgd-min-rate") + 1] == "200"
     assert plain[plain.index("--powersgd-rank") + 1] == "4" and "--powersgd-min-rate" not in plain
+    # 'ddp': the peer's loop with DDP's own allreduce, no hook flag; exact in the summary.
+    assert "hybriddl.cli.compare_ddp" in exact and "--powersgd-rank" not in exact
+    run = {"hosts": 1, "contender": "ddp", "seed": 1, "model": "alexnet",
+           "evaluations": [{"step": 1, "epochs": 1.0, "accuracy": 0.5, "emulated_seconds": 1.0}]}
+    assert time_to_accuracy.summarise([run], 0.9, "1gbit", None)[0]["exact"] is True
 
 
 @pytest.mark.parametrize("cell", ["0:exact", "two:exact", "2:", "2:topk:3",
