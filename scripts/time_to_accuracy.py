@@ -482,9 +482,9 @@ whose factors are at least M times smaller; `ddp-powersgd:R` is PyTorch DDP with
 powerSGD_hook (one bucket, its own start after 2 steps), `:min_rate=M` its
 min_compression_rate (torch's default is 2), which picks the same matrices; `ddp` is DDP's
 own allreduce (exact averaging; torch's dropout, not hybriddl's keyed masks), the peer's
-loop without compression. The one-host
-exact runs that fix the target go to the cap, and their final accuracy is the cap's; under
-`--interleave` (a target given or fixed before) they stop at the target like every cell."""
+loop without compression. The one-host exact runs that fix the target go to the cap, and
+their final accuracy is the cap's; under `--interleave` (a target given or fixed before)
+they stop at the target like every cell."""
 
 
 def interleaved_ratios(data: dict) -> dict[int, list[float]]:
