@@ -45,11 +45,28 @@ def results_header(script: str, argv: list[str] | None = None) -> dict:
                               "scripts"], capture_output=True, text=True,
                              cwd=REPO).stdout.split()
     given = sys.argv[1:] if argv is None else argv
-    return {"cpu_model": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+    return {"cpu_model": cpu_name(cpu_model()), "cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "commit": commit,
             **({"code_changed_since_commit": changed} if changed else {}),
             "command": shlex.join(["python", f"scripts/{script}", *given]),
             "date": datetime.date.today().isoformat()}
+
+
+def cpu_name(model: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU as a results file names it: its model name, which a VM may cut to the line
+    ("AMD EPYC" names an EPYC with AVX-512 and one without), with its family, model and
+    widest vector unit, which set its speed and its float rounding."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(cpuinfo).read_text().split("\n\n")[0]
+                      .splitlines() if ":" in line)
+    except OSError:
+        return model
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = fields.get("flags", "").split()
+    vector = ("AVX-512" + (" with BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags
+              else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{model} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, " \
+           f"{vector})"
 
 
 def run_limited(argv: list[str], limit: float | None) -> tuple[int, list[str], bool]:

@@ -503,73 +503,96 @@ def interleaved_ratios(data: dict) -> dict[int, list[float]]:
 
 
 def readme_lead(data: dict, page: str) -> list[str]:
-    """The README's time-to-accuracy lines: one claim sentence, generated from the cells
-    measured, and a table of them."""
+    """The README's verdict from a one-host file that measured DDP + PowerSGD beside
+    hybriddl's compressed schemes (`compressed_lead`); [] for every other file (a file of
+    more hosts is a row of `hosts_table`)."""
     rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
-    if not rows or target is None or data.get("reference_void"):
+    if not rows or target is None or data.get("reference_void") or \
+            not all(r["hosts"] == 1 for r in rows):
         return []
-    if all(r["hosts"] == 1 for r in rows):  # one host's schemes: no claim of hosts
-        return compressed_lead(data, rows, target, page)
-    if data.get("reference_slowed"):
-        return []
-    one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
-    own, given = own_target(data), ""
+    return compressed_lead(data, rows, target, page)
+
+
+def hosts_row(data: dict, page: str) -> dict | None:
+    """A file of more hosts as a row of the README's table: the target it is scored at
+    (the lower one its own one-host exact seeds fix where one host has no score at a given
+    one), one host exact, the best hybriddl cell on more hosts (scored first, then the
+    fastest), and DDP's beside it where measured. None for one-host files, a void or
+    slowed reference, or no cell on more hosts."""
+    rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
+    if not rows or target is None or data.get("reference_void") or \
+            data.get("reference_slowed"):
+        return None
+
+    def reference(cells):
+        return next((r for r in cells if (r["hosts"], r["contender"]) == (1, EXACT)), None)
+
+    one, own, given = reference(rows), own_target(data), None
     if own and not (one and one["score_seconds"]):  # scored at the file's own target instead
-        given = (f" (the target its own one-host exact seeds fix; at {target:g}, given, one "
-                 f"host exact reached it in {one['reached']} of {one['seeds']} seeds)"
-                 if one else "")
+        given = {"accuracy": target, "one": one}
         rows, target = own["summary"], own["accuracy"]
-        one = next((r for r in rows if (r["hosts"], r["contender"]) == (1, EXACT)), None)
-    scored = [r for r in rows if r["hosts"] > 1 and r["score_seconds"] is not None]
-    ours = [r for r in scored if not is_ddp(r["contender"])]
-    peers = [r for r in scored if r["contender"].startswith(DDP_PREFIX)]
+        one = reference(rows)
+    more = [r for r in rows if r["hosts"] > 1 and not is_ddp(r["contender"])]
+    if one is None or not more:
+        return None
+    best = min(more, key=lambda r: (r["score_seconds"] is None, r["score_seconds"] or 0,
+                                    r.get("epoch_ratio_to_one_host") or math.inf))
+    peer = next((r for r in rows if r["hosts"] == best["hosts"] and is_ddp(r["contender"])),
+                None)
     step = data.get("host_step_seconds")
-    speed = (f"hosts each as fast as a {step * 1e3:g} ms step (S = {data['speedup']:.3g})"
-             if step else host_speed(data))
-    setting = (f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px) on real "
-               f"images (MNIST), {data['bandwidth']} links, {speed}"
-               + (f" ({data['cpu_model']})" if data.get("cpu_model") else ""))
-    if ours and one and one["score_seconds"]:
-        best = min(ours, key=lambda r: r["score_seconds"])
-        claim = (f"**Time to accuracy**: {setting}: on {best['hosts']} hosts, "
-                 f"{contender_text(best)} reaches validation accuracy {target:g}{given} in "
-                 f"{ratio_text(best['ratio_to_one_host'])}× one host's time")
-        peer = next((p for p in peers if p["hosts"] == best["hosts"]), None)
-        if peer:
-            claim += (f", DDP + PowerSGD ({peer['contender']}) in "
-                      f"{ratio_text(peer['ratio_to_one_host'])}×")
-        elif not best["exact"]:
-            claim += ", DDP + PowerSGD not measured yet"
-    elif one and (measured := [r for r in rows if r["hosts"] > 1]):
-        # No cell on more hosts has a score: what each reached, and its epochs' speed.
-        check = interleaved_ratios(data)
-        parts = [f"{contender_text(r)} on {r['hosts']} hosts in {r['reached']} of "
-                 f"{r['seeds']}, an epoch in {ratio_text(r.get('epoch_ratio_to_one_host'))}× one "
-                 "host's time" + (f" ({ratio_text(min(check[r['hosts']]))}–"
-                                  f"{ratio_text(max(check[r['hosts']]))}× in seeds run "
-                                  "interleaved)" if r["hosts"] in check else "")
-                 for r in measured]
-        claim = (f"**Time to accuracy**: {setting}: validation accuracy {target:g} reached by "
-                 f"one host exact in {one['reached']} of {one['seeds']} seeds, by "
-                 + "; ".join(parts) + "; MLPerf's score, the fastest and slowest run dropped, "
-                 "allows one miss")
-    else:
-        claim = (f"**Time to accuracy**: {setting}: the target (validation accuracy "
-                 f"{target:g}) is fixed; the cells on more hosts are not measured yet")
-    how = ("MLPerf-style score over seeds, fastest and slowest dropped; " if "MLPerf's score"
-           not in claim else "")
-    lines = [claim + f" ({how}[table](docs/benchmarks/{page}.md)).", "",
-             "| hosts | scheme | exact? | reached | score, emulated s | × one host | "
-             "last validation accuracy (at the target or the cap), mean (range) | × one "
-             "host's time per epoch |",
-             "|---:|---|---|---:|---:|---:|---|---:|"]
-    for row in rows:
-        spread = row["final_accuracy_spread"]
-        lines.append(f"| {row['hosts']} | {contender_text(row)} | "
-                     f"{'yes' if row['exact'] else '**no**'} | {row['reached']}/{row['seeds']} "
-                     f"| {score_text(row)} | {ratio_text(row['ratio_to_one_host'])} | "
-                     f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f}) | "
-                     f"{ratio_text(row.get('epoch_ratio_to_one_host'))} |")
+    turns = taking_turns(data).get(best["hosts"])
+    return {"page": page, "target": target, "given": given, "one": one, "best": best,
+            "peer": peer, "cpu": data.get("cpu_model"),
+            "check": interleaved_ratios(data).get(best["hosts"]),
+            "workload": f"{data['usecase']} ({best['model']}, {data['image_size']} px), "
+                        f"{data['bandwidth']} links",
+            "hosts": (f"{best['hosts']} of {data['cores_per_host']} core(s), "
+                      + (f"{step * 1e3:g} ms host step (S = {data['speedup']:.3g})" if step
+                         else f"S = {data.get('speedup') or 1:g}")
+                      + (f", D = {turns:g}" if turns else ", side by side"))}
+
+
+def hosts_table(found: list[dict]) -> list[str]:
+    """The README's time to accuracy on more hosts: one claim sentence (the lowest ratio
+    measured), then a row per file from `hosts_row`."""
+    if not found:
+        return []
+
+    def cell(row: dict) -> str:
+        score = "none" if row["score_seconds"] is None else f"{row['score_seconds']:.3g} s"
+        short = (f" ({row['seeds']} runs; MLPerf asks {MLPERF_RUNS})"
+                 if row["seeds"] < MLPERF_RUNS else "")
+        return f"{row['reached']}/{row['seeds']}, {score}{short}"
+
+    def ratio(row: dict | None, check: list[float] | None = None) -> str:
+        if row is None:
+            return "not measured"
+        if row["ratio_to_one_host"] is not None:
+            return f"{ratio_text(row['ratio_to_one_host'])}×"
+        return (f"none (an epoch {ratio_text(row.get('epoch_ratio_to_one_host'))}×"
+                + (f"; {ratio_text(min(check))}–{ratio_text(max(check))}× in seeds run "
+                   "interleaved" if check else "") + ")")
+
+    scored = [f for f in found if f["best"]["ratio_to_one_host"] is not None]
+    lines = ["**Time to accuracy on more hosts**: real images (MNIST), the target one host "
+             "exact reaches in all but one of its seeds, each cell's runs scored as MLPerf "
+             "scores them (the fastest and slowest dropped, the rest averaged; emulated s)"
+             + ((lambda f: f"; best: {f['best']['hosts']} hosts in "
+                           f"{ratio(f['best'])} one host's time ({f['workload']}, {f['cpu']})")(
+                 min(scored, key=lambda f: f["best"]["ratio_to_one_host"])) if scored else "")
+             + ":", "",
+             "| workload | hosts (CPU) | target | one host exact: reached, score | more hosts: "
+             "scheme, reached, score | × one host | DDP + PowerSGD, × one host |",
+             "|---|---|---|---|---|---:|---|"]
+    for f in found:
+        best, given = f["best"], f["given"]
+        target = f"{f['target']:g}" + (
+            f" (its own; {given['accuracy']:g} given: one host "
+            f"{given['one']['reached']}/{given['one']['seeds']})" if given else "")
+        scheme = contender_text(best) + ("" if best["exact"] else " (**not exact**)")
+        lines.append(f"| [{f['workload']}](docs/benchmarks/{f['page']}.md) | {f['hosts']} "
+                     f"({f['cpu']}) | {target} | {cell(f['one'])} | {scheme}: {cell(best)} | "
+                     f"{ratio(best, f['check'])} | {ratio(f['peer'])} |")
     return lines
 
 
@@ -633,7 +656,13 @@ def main(argv=None) -> int:
         "lr": args.lr, "epoch_cap": args.epochs, "eval_every": args.eval_every,
         "cores_per_host": args.cores_per_host, "bandwidth": args.bandwidth,
         "target": None, "speedup": args.speedup, "runs": []}
-    result.update(results_header("time_to_accuracy.py", argv))
+    header = results_header("time_to_accuracy.py", argv)
+    if result.get("cpu_model", header["cpu_model"]) != header["cpu_model"]:
+        # One file's times (and roundings) are one CPU's: a run here would be another's.
+        print(f"time_to_accuracy: {output} was measured on {result['cpu_model']}, this "
+              f"machine is {header['cpu_model']}: give another --output", file=sys.stderr)
+        return 2
+    result.update(header)
     result.setdefault("commands", []).append(result["command"])
     if args.target is not None and result["target"] is None:
         result["target"] = {"accuracy": args.target, "how": "given (--target)"}
@@ -671,7 +700,7 @@ def main(argv=None) -> int:
             free.put(lane)
         with saving:
             # The code each run measured (a file grows over calls, and sessions).
-            record["commit"] = result["commit"]
+            record["commit"], record["cpu_model"] = result["commit"], result["cpu_model"]
             if result.get("code_changed_since_commit"):
                 record["code_changed_since_commit"] = result["code_changed_since_commit"]
             result["runs"] = [r for r in result["runs"] if (r["hosts"], r["contender"],

@@ -205,15 +205,20 @@ def headline_block() -> str:
     docs/benchmarks/README.md."""
     lines, cpus, command = [HEADLINE_BEGIN], {"tta": set(), "fast": set()}, None
     turns = {}  # hosts -> D where a figure above had them take turns on the cores
+    hosts_rows = []  # time to accuracy on more hosts: one table, a row per file
     for page in expanded(time_to_accuracy.PAGES, []):
         data, _ = load_quotable(REPO / page.json)
         if data is not None and page.name.startswith("time_to_accuracy-mnist"):
             lead = time_to_accuracy.readme_lead(data, page.name)
-            if lead:
-                lines += [*lead, ""]
+            row = time_to_accuracy.hosts_row(data, page.name)
+            if lead or row:
+                lines += [*lead, ""] if lead else []
+                hosts_rows += [row] if row else []
                 cpus["tta"].add(data["cpu_model"])
                 command = command or data["command"]
                 turns.update(time_to_accuracy.taking_turns(data))
+    if hosts_rows:
+        lines += [*time_to_accuracy.hosts_table(hosts_rows), ""]
     rows = []
     for page in expanded(scaling_e2e.FAST_PAGES, []):
         data, _ = load_quotable(REPO / page.json)

@@ -323,6 +323,50 @@ def test_time_to_accuracy_interleaves_the_reference_with_the_cells_once_a_target
     assert ran == []
 
 
+def test_results_name_the_cpu_with_its_family_model_and_vector_unit(tmp_path):
+    """A VM may cut the model name to the line ("AMD EPYC"): two CPUs of that name, one with
+    AVX-512 and one without, are told apart by what follows it."""
+    import bench_common
+
+    def info(flags):
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 26\n"
+                        f"model\t\t: 2\nflags\t\t: fpu {flags}\n\nprocessor\t: 1\n")
+        return bench_common.cpu_name("AMD EPYC", str(path))
+
+    assert info("avx2 avx512f avx512_bf16") == "AMD EPYC (family 26 model 2, AVX-512 with BF16)"
+    assert info("avx2") == "AMD EPYC (family 26 model 2, AVX2)"
+    assert bench_common.cpu_name("x", str(tmp_path / "absent")) == "x"
+
+
+def test_time_to_accuracy_adds_no_run_to_a_file_of_another_cpu(monkeypatch, tmp_path, capsys):
+    """A file's times and roundings are one CPU's: a run on another is refused in one line,
+    exit 2, the file unchanged; each run records the CPU it ran on."""
+    import json
+
+    import time_to_accuracy
+
+    def fake_run(args, hosts, contender, seed, speed, stop_at, scratch, cores=None):
+        return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
+                "evaluations": [{"step": 1, "epochs": 1.0, "accuracy": 0.6,
+                                 "emulated_seconds": 1.0, "wall_seconds": 1.0}]}
+
+    monkeypatch.setattr(time_to_accuracy, "run_once", fake_run)
+    out = tmp_path / "a.json"
+    argv = ["--data", "x", "--image-size", "64", "--lr", "0.01", "--epochs", "1", "--seeds",
+            "1", "--cells", "1:exact", "--output", str(out)]
+    assert time_to_accuracy.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["runs"][0]["cpu_model"] == data["cpu_model"]
+    data["cpu_model"] = "Another CPU"
+    out.write_text(json.dumps(data))
+    assert time_to_accuracy.main([*argv[:-3], "2", "--cells", "1:exact", "--output",
+                                  str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} was measured on Another CPU" in err
+    assert json.loads(out.read_text()) == data
+
+
 def test_time_to_accuracy_runs_jobs_at_once_each_on_its_own_cores(monkeypatch, tmp_path,
                                                                   capsys):
     """--jobs 2: the reference's seeds run two at a time, each pinned to its own core, and
@@ -422,12 +466,20 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "bandwidth": "1gbit",
             "cpu_model": "AMD", "target": {"accuracy": 0.9, "how": "given (--target)"},
             "runs": runs, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
-    claim, _, _, _, one, two = time_to_accuracy.readme_lead(data, "page")
-    assert ("on 2 hosts, exact reaches validation accuracy 0.89 (the target its own one-host "
-            "exact seeds fix; at 0.9, given, one host exact reached it in 2 of 5 seeds) in "
-            "0.80× one host's time") in claim
-    assert one.startswith("| 1 | exact | yes | 4/5 | 20 | 1.00 |")
-    assert two.startswith("| 2 | exact | yes | 4/5 | 16 | 0.80 |")
+    assert time_to_accuracy.readme_lead(data, "page") == []  # more hosts: a table's row
+    page = "time_to_accuracy-mnist-SimpleBig-1gbit-s1-interleaved"
+    claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
+    assert claim.endswith("best: 2 hosts in 0.80× one host's time (SimpleBig (alexnet, 64 px), "
+                          "1gbit links, AMD):")
+    assert row == (f"| [SimpleBig (alexnet, 64 px), 1gbit links](docs/benchmarks/{page}.md) | "
+                   "2 of 1 core(s), S = 1, side by side (AMD) | 0.89 (its own; 0.9 given: one "
+                   "host 2/5) | 4/5, 20 s | exact: 4/5, 16 s | 0.80× | not measured |")
+    # 2 hosts reaching neither target: no score, each epoch's time against one host's.
+    runs[5:] = [run(2, s, [0.5, 0.85], 8.0) for s in range(1, 6)]
+    missed = {**data, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
+    claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(missed, "p")])
+    assert claim.endswith("emulated s):") and "best" not in claim
+    assert row.endswith("| exact: 0/5, none | none (an epoch 0.80×) | not measured |")
 
 
 def test_time_to_accuracy_makes_no_readme_claim_from_a_one_host_reference_that_ran_slowed():
@@ -441,9 +493,9 @@ def test_time_to_accuracy_makes_no_readme_claim_from_a_one_host_reference_that_r
     data = json.loads((REPO / "results" / "time_to_accuracy-mnist-SimpleBig-1gbit-s1.json"
                        ).read_text())
     data.pop("reference_slowed", None)
-    assert time_to_accuracy.readme_lead(data, "page")  # a claim, from 2 hosts against one
+    assert time_to_accuracy.hosts_row(data, "page")  # a row, from 2 hosts against one
     slowed = {**data, "reference_slowed": "why."}
-    assert time_to_accuracy.readme_lead(slowed, "page") == []
+    assert time_to_accuracy.hosts_row(slowed, "page") is None
     assert time_to_accuracy.mlperf_setting(slowed).startswith(
         "**Its one-host reference ran slowed**: why. ")
 
