@@ -222,25 +222,33 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
     if rank0 is None:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": ran.returncode, "output_tail": ran.tail()}
-    emulation, scale = ran.report, ran.dilation
-    emulated = [s / scale for s in rank0["step_seconds"]]
-    global_batch = case.batch_size * hosts
     return {
-        "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-        "ranks_per_host": args.cores_per_host, "time_scale": emulation.get("time_scale", 1.0),
-        "speedup": emulation.get("speedup", 1.0), "dilation": scale,
-        # Whether the hosts took turns on the cores (no --speedup) or ran at once under a
-        # CPU quota: docs/benchmarks words D > 1 after it.
-        "turns": emulation.get("turns"),
+        **cell_record(ran, contender, hosts, bandwidth, args.cores_per_host,
+                      case.batch_size * hosts, rank0["step_seconds"]),
         # Which hook ran, and (powerSGD_hook) its rank, start step, one bucket and warm-up.
         "comm_hook": rank0.get("comm_hook"), "warmup": rank0.get("warmup"),
-        "global_batch": global_batch, "emulated_step_seconds": emulated,
-        "median_emulated_step_seconds": statistics.median(emulated),
-        "images_per_second": global_batch / statistics.median(emulated),
         # The meter reads the host's NIC over the timed steps: their mean per step.
         "median_nic_bytes_per_step": rank0["nic_bytes_sent"] / rank0["timed_steps"],
         "host_parallel": None, "strategy": rank0["strategy"],
         "memory": {"peak_rss_bytes": rank0["peak_rss_bytes"]},
+    }
+
+
+def cell_record(ran, contender: str, hosts: int, bandwidth: str, ranks: int,
+                global_batch: int, step_seconds: list[float]) -> dict:
+    """What every cell's record holds: its emulation, and its steps in emulated seconds."""
+    emulation, scale = ran.report, ran.dilation
+    emulated = [s / scale for s in step_seconds]
+    return {
+        "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
+        "ranks_per_host": ranks, "time_scale": emulation.get("time_scale", 1.0),
+        "speedup": emulation.get("speedup", 1.0), "dilation": scale,
+        # Whether the hosts took turns on the cores (no --speedup) or ran at once under a
+        # CPU quota: docs/benchmarks words D > 1 after it.
+        "turns": emulation.get("turns"),
+        "global_batch": global_batch, "emulated_step_seconds": emulated,
+        "median_emulated_step_seconds": statistics.median(emulated),
+        "images_per_second": global_batch / statistics.median(emulated),
         "wall_seconds": ran.wall_seconds, "command": ran.shown(),
     }
 
@@ -257,30 +265,17 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
                 "failed": ran.returncode,
                 "output_tail": ran.tail(keep=lambda line: "hybriddl:" in line or "rror" in line)}
-    emulation, scale = ran.report, ran.dilation
     epoch = metrics["epochs"][0]
-    seconds = epoch["per_step"]["seconds"][args.warmup:]
     nic = epoch["per_step"].get("nic_bytes_sent", [])[args.warmup:]
-    emulated = [s / scale for s in seconds]
-    record = {
-        "contender": contender, "hosts": hosts, "bandwidth": bandwidth,
-        "ranks_per_host": ranks, "time_scale": emulation.get("time_scale", 1.0),
-        "speedup": emulation.get("speedup", 1.0), "dilation": scale,
-        # Whether the hosts took turns on the cores (no --speedup) or ran at once under a
-        # CPU quota: docs/benchmarks words D > 1 after it.
-        "turns": emulation.get("turns"),
-        "global_batch": metrics["config"]["global_batch"],
-        "emulated_step_seconds": emulated,
-        "median_emulated_step_seconds": statistics.median(emulated),
-        "images_per_second": metrics["config"]["global_batch"] / statistics.median(emulated),
+    return {
+        **cell_record(ran, contender, hosts, bandwidth, ranks, metrics["config"]["global_batch"],
+                      epoch["per_step"]["seconds"][args.warmup:]),
         "nic_bytes_per_step_rank0_host": nic,
         "median_nic_bytes_per_step": statistics.median(nic) if nic else None,
         "host_parallel": metrics["config"].get("host_parallel"),
         "strategy": metrics["config"]["strategy"],
         "memory": metrics.get("memory"),
-        "wall_seconds": ran.wall_seconds, "command": ran.shown(),
     }
-    return record
 
 
 def memory_refusal(cells: list[dict], contender: str, hosts: int, cores: int,

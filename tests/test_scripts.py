@@ -659,6 +659,38 @@ def test_scaling_runs_a_cell_of_a_later_round_in_a_fresh_run_directory(monkeypat
     assert found == [False, False]
 
 
+def test_scaling_e2e_records_hybriddl_and_ddp_cells_in_emulated_seconds(monkeypatch, tmp_path):
+    """Both kinds of cell record their steps as wall seconds / (S·D), after the warm-up,
+    and images/s from the median; each keeps what only it measures."""
+    import bench_common
+    import scaling_e2e
+
+    args = scaling_e2e.parse_args(["--hosts", "2", "--cores-per-host", "1", "--warmup", "1",
+                                   "--output", "x.json"])
+    args.image_size = 64
+    report = {"speedup": 10.0, "time_scale": 1.0, "dilation": 10.0}
+    metrics = {"config": {"global_batch": 64, "strategy": "intraop", "host_parallel": "hybrid"},
+               "epochs": [{"per_step": {"seconds": [9.0, 2.0, 4.0, 3.0],
+                                        "nic_bytes_sent": [0, 5, 7, 6]}}]}
+    rank0 = {"step_seconds": [2.0, 4.0], "nic_bytes_sent": 12, "timed_steps": 2,
+             "strategy": "ddp", "peak_rss_bytes": 1, "comm_hook": None, "warmup": 1}
+
+    def cell(options, command, result_dir, name="metrics.json"):
+        ran = bench_common.Emulated(["hybriddl", "emulate"], 0, "", report, 30.0)
+        return ran, (rank0 if name == "rank0.json" else metrics)
+
+    monkeypatch.setattr(scaling_e2e, "emulated_cell", cell)
+    ours = scaling_e2e.run_cell(args, "hybrid", 2, "1gbit", tmp_path)
+    assert ours["emulated_step_seconds"] == [0.2, 0.4, 0.3]
+    assert ours["images_per_second"] == pytest.approx(64 / 0.3)
+    assert ours["median_nic_bytes_per_step"] == 6 and ours["host_parallel"] == "hybrid"
+    assert (ours["speedup"], ours["dilation"], ours["wall_seconds"]) == (10.0, 10.0, 30.0)
+    peer = scaling_e2e.run_cell(args, "ddp", 2, "1gbit", tmp_path)
+    assert peer["emulated_step_seconds"] == [0.2, 0.4] and peer["median_nic_bytes_per_step"] == 6
+    assert peer["global_batch"] == 2 * scaling_e2e.get_usecase(args.usecase).batch_size
+    assert peer["host_parallel"] is None and peer["memory"] == {"peak_rss_bytes": 1}
+
+
 def test_a_results_header_names_the_code_that_differs_from_its_commit(tmp_path, monkeypatch):
     """A benchmark run on edits not committed yet (or on a copy whose .git is older than its
     files) says so in its results file, beside the commit it names."""
