@@ -454,8 +454,8 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     in 4 of 5 in less time."""
     import time_to_accuracy
 
-    def run(hosts, seed, accuracies, seconds):
-        return {"hosts": hosts, "contender": "exact", "seed": seed, "model": "alexnet",
+    def run(hosts, seed, accuracies, seconds, contender="exact"):
+        return {"hosts": hosts, "contender": contender, "seed": seed, "model": "alexnet",
                 "evaluations": [{"step": e, "epochs": float(e), "accuracy": a,
                                  "emulated_seconds": seconds * e, "wall_seconds": seconds * e}
                                 for e, a in enumerate(accuracies, 1)]}
@@ -480,6 +480,13 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(missed, "p")])
     assert claim.endswith("emulated s):") and "best" not in claim
     assert row.endswith("| exact: 0/5, none | none (an epoch 0.80×) | not measured |")
+    # The best of hybriddl's cells on more hosts, DDP + PowerSGD's beside it.
+    runs += [run(2, s, [0.5, 0.95], 6.0, "powersgd:2") for s in range(1, 6)]
+    runs += [run(2, s, [0.5, 0.95], 9.0, "ddp-powersgd:2") for s in range(1, 6)]
+    both = {**data, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
+    claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(both, "p")])
+    assert "best: 2 hosts in 0.60× one host's time" in claim
+    assert row.endswith("| powersgd:2 (**not exact**): 5/5, 12 s | 0.60× | 0.90× |")
 
 
 def test_time_to_accuracy_makes_no_readme_claim_from_a_one_host_reference_that_ran_slowed():
