@@ -545,7 +545,7 @@ def hosts_row(data: dict, page: str) -> dict | None:
             "peer": peer, "cpu": data.get("cpu_model"),
             "check": interleaved_ratios(data).get(best["hosts"]),
             "workload": f"{data['usecase']} ({best['model']}, {data['image_size']} px), "
-                        f"{data['bandwidth']} links",
+                        f"{data['bandwidth']} links, at most {data['epoch_cap']} epochs",
             "hosts": (f"{best['hosts']} of {data['cores_per_host']} core(s), "
                       + (f"{step * 1e3:g} ms host step (S = {data['speedup']:.3g})" if step
                          else f"S = {data.get('speedup') or 1:g}")

@@ -464,14 +464,16 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     runs = [run(1, s, [0.5, best], 10.0) for s, best in enumerate(ones, 1)]
     runs += [run(2, s, [0.5, best], 8.0) for s, best in enumerate(ones, 1)]
     data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "bandwidth": "1gbit",
+            "epoch_cap": 2,
             "cpu_model": "AMD", "target": {"accuracy": 0.9, "how": "given (--target)"},
             "runs": runs, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
     assert time_to_accuracy.readme_lead(data, "page") == []  # more hosts: a table's row
     page = "time_to_accuracy-mnist-SimpleBig-1gbit-s1-interleaved"
     claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
     assert claim.endswith("best: 2 hosts in 0.80× one host's time (SimpleBig (alexnet, 64 px), "
-                          "1gbit links, AMD):")
-    assert row == (f"| [SimpleBig (alexnet, 64 px), 1gbit links](docs/benchmarks/{page}.md) | "
+                          "1gbit links, at most 2 epochs, AMD):")
+    assert row == (f"| [SimpleBig (alexnet, 64 px), 1gbit links, at most 2 epochs]"
+                   f"(docs/benchmarks/{page}.md) | "
                    "2 of 1 core(s), S = 1, side by side (AMD) | 0.89 (its own; 0.9 given: one "
                    "host 2/5) | 4/5, 20 s | exact: 4/5, 16 s | 0.80× | not measured |")
     # 2 hosts reaching neither target: no score, each epoch's time against one host's.
