@@ -472,6 +472,9 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
     assert claim.endswith("best: 2 hosts in 0.80× one host's time (SimpleBig (alexnet, 64 px), "
                           "1gbit links, at most 2 epochs, AMD):")
+    assert row.endswith("| 0.80× (runs not interleaved: indicative) | not measured |")
+    data["commands"] = ["python scripts/time_to_accuracy.py ... --interleave --target 0.9"]
+    _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
     assert row == (f"| [SimpleBig (alexnet, 64 px), 1gbit links, at most 2 epochs]"
                    f"(docs/benchmarks/{page}.md) | "
                    "2 of 1 core(s), S = 1, side by side (AMD) | 0.89 (its own; 0.9 given: one "
