@@ -64,6 +64,12 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
     metrics = metrics_of(run_dir)
     record = metrics["config"]["host_parallel"]
     assert record["scheme"] == "hybrid"
+    # Validation shared by the hosts as well (a sample's convolutions, about 1 ms, outlast
+    # its 37 kB of features on the link): each host's rows through the convolutions, every
+    # host's features through the classifier's slices; sequential's accuracy.
+    assert metrics["epochs"][0]["validation_shared_by"] == hosts
+    assert metrics["epochs"][0]["val_accuracy"] == \
+        metrics_of(sequential)["epochs"][0]["val_accuracy"]
     # Without --overlap, where one backward writes each gradient once: the convolutions'
     # buckets left during it (layerwise and --accumulate 2 write gradients more than once).
     overlapped = strategy == ["--strategy", "sequential"]

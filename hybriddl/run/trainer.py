@@ -22,7 +22,7 @@ from hybriddl import data as datamod
 from hybriddl import failpoints
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.loading import load_data
-from hybriddl.data.sharding import split_bounds
+from hybriddl.data.sharding import split_counts
 from hybriddl.run import resumption
 from hybriddl.run.checkpointer import Checkpointer
 from hybriddl.hosts.cluster import SingleHost
@@ -259,14 +259,14 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
             if not todo and progress.steps == 0:
                 break
             validate = Validation(strategy, split.val, transform, 2 * config.batch_size,
-                                  target, observer, len(batches),
-                                  # every host holds the whole model: each validates a share
-                                  hosts if scheme.name == "data" else None)
+                                  target, observer, len(batches), hosts, scheme)
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
                                  optimizer, hosts, observer, keeper, config.seed, scheme,
                                  None if figures_only else validate, replicas)
             record["val_accuracy"] = None if figures_only else validate.at_epoch_end(
                 epoch, keeper.position.steps_done, progress.steps)
+            if validate.shared_by is not None:
+                record["validation_shared_by"] = validate.shared_by
             metrics["epochs"].append(record)
             if hosts.rank == 0:
                 atomic_write_json(run_dir / METRICS, metrics)
@@ -431,16 +431,15 @@ class LossReader:
 
 
 class Validation:
-    """Validation of a run's epoch, where `--eval-every` and `--target-accuracy` want it: every
-    host evaluates the whole validation set at the same steps (the split classifier's forward
-    is collective), and the target's record (run/target.py) takes each accuracy."""
+    """Validation of a run's epoch, where `--eval-every` and `--target-accuracy` want it (see
+    `evaluate`), and the target's record (run/target.py) takes each accuracy."""
 
     def __init__(self, strategy, images, transform, batch_size: int, target: AccuracyTarget,
-                 observer: TrainingObserver, epoch_steps: int, shared_by=None):
+                 observer: TrainingObserver, epoch_steps: int, hosts=None, scheme=None):
         self.strategy, self.images, self.transform = strategy, images, transform
         self.batch_size, self.target, self.observer = batch_size, target, observer
-        self.epoch_steps = epoch_steps
-        self.shared_by = shared_by  # hosts that each validate their share, or None: all
+        self.epoch_steps, self.hosts, self.scheme = epoch_steps, hosts, scheme
+        self.shared_by: int | None = None  # how many hosts shared the last validation
         self._last: tuple[int, float] | None = None  # (steps done, accuracy) just measured
 
     def due(self, steps_done: int) -> bool:
@@ -448,8 +447,8 @@ class Validation:
 
     def after_step(self, epoch: int, steps_done: int, epoch_steps_done: int) -> bool:
         """Validate now; True when the run stops at its target here."""
-        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size,
-                            self.shared_by)
+        accuracy, self.shared_by = evaluate(self.strategy, self.images, self.transform,
+                                            self.batch_size, self.hosts, self.scheme)
         self._last = (steps_done, accuracy)
         return self._taken(accuracy, epoch, steps_done, epoch_steps_done)
 
@@ -458,8 +457,8 @@ class Validation:
         its last step, else measured now."""
         if self._last is not None and self._last[0] == steps_done:
             return self._last[1]
-        accuracy = evaluate(self.strategy, self.images, self.transform, self.batch_size,
-                            self.shared_by)
+        accuracy, self.shared_by = evaluate(self.strategy, self.images, self.transform,
+                                            self.batch_size, self.hosts, self.scheme)
         self._taken(accuracy, epoch, steps_done, epoch_steps_done)
         return accuracy
 
@@ -473,27 +472,38 @@ class Validation:
 
 
 def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch_size: int,
-             hosts=None) -> float:
-    """Validation accuracy of the current master parameters (no augmentation). With `hosts`
-    (each holding the whole model), each host validates its share of the images and the
-    correct counts are summed: the same accuracy, 1/H of the time (MLPerf's clock runs
-    through validation)."""
+             hosts=None, scheme=None) -> tuple[float, int]:
+    """Validation accuracy of the current master parameters (no augmentation), and how many
+    hosts shared it. Across hosts, MLPerf's clock runs through validation: the images go in
+    batches of `batch_size` rows per host, and each host takes its share of every batch the
+    way its scheme says (`validation_logits`: with the whole model, its rows; with the
+    classifier split, its rows' convolutions where that pays); the correct counts are
+    summed. Where a scheme shares nothing, every host takes every row."""
     model = strategy.model
     was_training = model.training
     model.eval()
-    first, last = 0, len(images)
-    if hosts is not None and hosts.size > 1:
-        first, last = split_bounds(len(images), [1] * hosts.size)[hosts.rank]
+    parts, logits_of = 1, None
+    if hosts is not None and scheme is not None and hosts.size > 1:
+        def sample():  # a batch to time, where the scheme has yet to settle how to share
+            return transform(images.images[:batch_size])
+        if (logits_of := scheme.validation_logits(strategy, sample)) is not None:
+            parts = hosts.size
+    if logits_of is None:
+        def logits_of(x, counts):
+            return strategy.evaluate(x)
+    rank = hosts.rank if parts > 1 else 0
     correct = 0
-    for start in range(first, last, batch_size):
-        stop = min(start + batch_size, last)
-        x = transform(images.images[start:stop])
-        logits = strategy.evaluate(x)
-        correct += int((logits.argmax(1) == images.labels[start:stop]).sum())
+    for start in range(0, len(images), batch_size * parts):
+        counts = split_counts(min(batch_size * parts, len(images) - start), [1.0] * parts)
+        first = start + sum(counts[:rank])
+        last = first + counts[rank]
+        x = transform(images.images[first:last]) if last > first else torch.zeros((0,))
+        logits = logits_of(x, counts)
+        correct += int((logits.argmax(1) == images.labels[first:last]).sum()) if len(x) else 0
     model.train(was_training)
-    if hosts is not None and hosts.size > 1:
+    if parts > 1:
         correct = sum(hosts.allgather(correct))
-    return correct / len(images)
+    return correct / len(images), parts
 
 
 def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
