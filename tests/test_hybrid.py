@@ -64,7 +64,7 @@ def test_hybrid_across_hosts_matches_sequential(hosts, strategy, images, sequent
     metrics = metrics_of(run_dir)
     record = metrics["config"]["host_parallel"]
     assert record["scheme"] == "hybrid"
-    # Validation shared by the hosts as well (a sample's convolutions, about 1 ms, outlast
+    # Validation shared by the hosts as well (a sample's convolutions, about 0.3 ms, outlast
     # its 37 kB of features on the link): each host's rows through the convolutions, every
     # host's features through the classifier's slices; sequential's accuracy.
     assert metrics["epochs"][0]["validation_shared_by"] == hosts

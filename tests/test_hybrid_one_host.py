@@ -111,6 +111,35 @@ def test_a_split_host_holds_its_slice_of_the_classifier():
     assert kept < linear / 3 + 4096 * 4 + 4
 
 
+@pytest.mark.parametrize("rate, shared", [(1e12, True), (1e3, False)])
+def test_split_hosts_share_validation_only_where_the_convolutions_outlast_the_features(rate,
+                                                                                     shared):
+    """A sample's convolutions (AlexNet at 64 px: 0.35 ms on one core here) against its
+    9216 x 4 bytes of features on the link: 37 ns at 1 TB/s, 37 s at 1 kB/s. Settled once,
+    at the first validation, the same on every host (the slowest host's time)."""
+    class SecondHost(SingleHost):
+        rank, size, time_scale = 1, 2, 1.0
+
+        def allgather(self, value):
+            return [value, value]
+    model, strategy, hosts = build_model("alexnet", 3), make_strategy("sequential"), SecondHost()
+    scheme = HybridParallel()
+    scheme.setup(model, strategy, hosts)
+    scheme.plan = {"inputs": {"link_bytes_per_second": rate}}
+    timed = []
+
+    def sample():
+        timed.append(1)
+        return torch.randn(4, 3, 64, 64)
+    assert (scheme.validation_logits(strategy, sample) is not None) is shared
+    assert (scheme.validation_logits(strategy, sample) is not None) is shared
+    assert timed == [1] and scheme.validation_shared is shared
+    # Without a measured link (one host's plan), nothing is shared and nothing timed.
+    alone = HybridParallel()
+    alone.setup(build_model("alexnet", 3), make_strategy("sequential"), SecondHost())
+    assert alone.validation_logits(strategy, sample) is None and timed == [1]
+
+
 def test_models_without_a_splittable_classifier_get_data_with_the_reason():
     model = build_model("squeezenet1_1", 3)
     scheme = choose("hybrid", model, make_strategy("sequential"), SingleHost(), 8, 32, None)
