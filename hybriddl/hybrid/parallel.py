@@ -199,7 +199,8 @@ class HybridParallel(DataParallel):
             started = time.perf_counter()
             run_forward(convolutions, sample.to(strategy.device), strategy.options)
             strategy.synchronize()
-        # In the time the link's rate is in (emulated hosts: wall seconds / D, hosts.py).
+        # In the time the link's rate is in (emulated hosts: wall seconds / D,
+        # emulation/hosts.py).
         seconds = (time.perf_counter() - started) / max(len(sample), 1) \
             / getattr(self.hosts, "time_scale", 1.0)
         return max(self.hosts.allgather(seconds)) > self.features_width * 4 / rate
