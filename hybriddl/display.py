@@ -217,14 +217,16 @@ class TrainDisplay:
             self.progress.console.print(f"hybriddl: warning: {line}", markup=False,
                                         highlight=False, soft_wrap=True)
 
+    def on_evaluation(self, entry: dict) -> None:
+        if self.enabled:  # above the epoch's bar, which goes on
+            self.progress.console.print(f"  step {entry['step']} (epoch {entry['epochs']:g}): "
+                                        f"val accuracy {accuracy(entry['accuracy'])}",
+                                        markup=False, highlight=False)
+
     def on_target(self, record: dict) -> None:
         if self.enabled:  # above the epoch's bar, which goes on
-            self.progress.console.print(f"  target: val accuracy {record['accuracy']:g} reached at step "
-                          f"{record['step']} (epoch {record['epochs']:g}), after "
-                          f"{record['wall_seconds']:.1f} s"
-                          + (f" ({record['emulated_seconds']:.1f} s emulated)"
-                             if record['emulated_seconds'] != record['wall_seconds'] else ""),
-                          markup=False, highlight=False)
+            self.progress.console.print(f"  {target_line(record)}", markup=False,
+                                        highlight=False)
 
     def stop(self) -> None:
         self.progress.stop()
@@ -273,6 +275,25 @@ def show_plan(plan: dict | None) -> None:
 def accuracy(value: float | None) -> str:
     """A validation accuracy, or "-" where none was measured (`train --measure-only`)."""
     return "-" if value is None else f"{value:.3f}"
+
+
+def target_line(record: dict) -> str:
+    """Where a run stands against its `--target-accuracy` (metrics.json's `target` record):
+    where it first reached it, or its best validation so far and the clock."""
+    def clock(wall: float, emulated: float) -> str:
+        return f"{wall:.1f} s" + (f" ({emulated:.1f} s emulated)" if emulated != wall else "")
+
+    if record["reached"]:
+        return (f"target: val accuracy {record['accuracy']:g} reached at step {record['step']} "
+                f"(epoch {record['epochs']:g}), after "
+                f"{clock(record['wall_seconds'], record['emulated_seconds'])}")
+    evaluations = record["evaluations"]
+    if not evaluations:
+        return f"target: val accuracy {record['accuracy']:g} not reached: nothing validated yet"
+    best = max(evaluations, key=lambda e: e["accuracy"])  # the first of equals
+    return (f"target: val accuracy {record['accuracy']:g} not reached in {len(evaluations)} "
+            f"validations (best {best['accuracy']:.3f} at step {best['step']}), after "
+            f"{clock(record['clock']['wall_seconds'], record['clock']['emulated_seconds'])}")
 
 
 def epoch_table(records: list[dict]) -> Table:

@@ -70,7 +70,8 @@ def test_every_evaluation_is_recorded_with_its_step_epoch_and_clock(every_step):
 
 
 def test_stop_at_target_ends_the_run_there_checkpointed_and_finished(images, every_step,
-                                                                    tmp_path, monkeypatch):
+                                                                    tmp_path, monkeypatch,
+                                                                    capsys):
     accuracy, step = first_reaching(every_step["evaluations"])
     monkeypatch.setenv("HYBRIDDL_TIME_SCALE", "4")  # as emulate --speedup 4 sets it
     run_dir = tmp_path / "run"
@@ -78,6 +79,10 @@ def test_stop_at_target_ends_the_run_there_checkpointed_and_finished(images, eve
                            str(accuracy), "--stop-at-target")) == 0
     target = target_of(run_dir)
     assert target["reached"] is True
+    # Said when reached and again under the epochs' table, with the emulated clock.
+    said = f"target: val accuracy {accuracy:g} reached at step {step} ("
+    printed = capsys.readouterr()
+    assert said in printed.err and said in printed.out and "emulated)" in printed.out
     assert (target["step"], target["epoch"]) == (step, (step - 1) // STEPS_PER_EPOCH + 1)
     assert target["epochs"] == pytest.approx(step / STEPS_PER_EPOCH, abs=1e-3)
     # Both are stored rounded to 1e-6 s: on a run this short, that rounding is the tolerance.
@@ -116,9 +121,25 @@ def test_a_run_cut_short_and_resumed_reaches_the_target_on_one_clock(images, eve
     assert target["wall_seconds"] == first["wall_seconds"]
 
 
-def test_without_a_target_every_epochs_validation_is_on_the_clock(images, tmp_path):
+def test_a_run_that_misses_its_target_ends_saying_its_best_and_shows_each_validation(
+        images, every_step, tmp_path, capsys):
+    assert main(train_args(images, tmp_path / "run", "--eval-every", "1", "--target-accuracy",
+                           "1", "--max-steps", "4")) == 0
+    printed = capsys.readouterr()
+    evaluations = every_step["evaluations"][:4]  # the same steps
+    best = max(evaluations, key=lambda e: e["accuracy"])
+    assert (f"target: val accuracy 1 not reached in 4 validations (best {best['accuracy']:.3f} "
+            f"at step {best['step']}), after ") in printed.out
+    # A line for each validation inside an epoch; the epoch's last is on the epoch's line.
+    shown = [line.split()[1] for line in printed.err.splitlines()
+             if line.strip().startswith("step ") and "val accuracy" in line]
+    assert shown == ["1", "2", "4"]
+
+
+def test_without_a_target_every_epochs_validation_is_on_the_clock(images, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(train_args(images, run_dir)) == 0
+    assert "target:" not in capsys.readouterr().out
     target = target_of(run_dir)
     assert (target["accuracy"], target["reached"], target["step"]) == (None, False, None)
     metrics = json.loads((run_dir / METRICS).read_text())

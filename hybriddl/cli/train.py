@@ -9,7 +9,8 @@ from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_f
                                 add_strategy_flags, default_of)
 from hybriddl.cli.settings import train_flags
 from hybriddl.cli.workload_flags import add_workload_flags
-from hybriddl.display import TrainDisplay, console, epoch_table, out, show_host_failure
+from hybriddl.display import (TrainDisplay, console, epoch_table, out, show_host_failure,
+                              target_line)
 from hybriddl.errors import TrainingError, TrainingInterrupted
 from hybriddl.run.settings import TrainConfig, settled_config
 from hybriddl.tuning.tuner import AUTO_BUDGET_SECONDS
@@ -151,6 +152,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     hosts.close()
     if hosts.rank == 0:
         out.print(epoch_table(metrics["epochs"]))
+        if (metrics.get("target") or {}).get("accuracy") is not None:
+            out.print(target_line(metrics["target"]), markup=False, highlight=False,
+                      soft_wrap=True)
         out.print(f"run directory: {prepared.run_dir}")
     return 0
 

@@ -64,6 +64,8 @@ class TrainingObserver:
     def on_step(self, epoch: int, step: int, samples: int, seconds: float,
                 loss: float | None) -> None: ...
     def on_epoch_end(self, record: dict) -> None: ...
+    # a validation inside an epoch (--eval-every): its record in metrics.json's target
+    def on_evaluation(self, entry: dict) -> None: ...
     # the target record (run/target.py) when --target-accuracy is first reached
     def on_target(self, record: dict) -> None: ...
     # one line the user should read (hosts found holding different models, resynced)
@@ -450,7 +452,10 @@ class Validation:
         accuracy, self.shared_by = evaluate(self.strategy, self.images, self.transform,
                                             self.batch_size, self.hosts, self.scheme)
         self._last = (steps_done, accuracy)
-        return self._taken(accuracy, epoch, steps_done, epoch_steps_done)
+        stop = self._taken(accuracy, epoch, steps_done, epoch_steps_done)
+        if epoch_steps_done != self.epoch_steps:  # the epoch's own line shows its last
+            self.observer.on_evaluation(self.target.record["evaluations"][-1])
+        return stop
 
     def at_epoch_end(self, epoch: int, steps_done: int, epoch_steps_done: int) -> float:
         """The epoch's validation accuracy: the one just measured when validation was due at
