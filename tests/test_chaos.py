@@ -32,6 +32,20 @@ def test_schedule_is_seeded_and_each_fault_lands_between_checkpoints():
     assert steps == sorted(steps) and steps[-1] < 48 and len(set(steps)) == len(steps)
 
 
+def test_the_host_counts_of_a_run_are_read_from_the_resumes_its_checkpoints_kept():
+    # results/chaos-powersgd_2.json's run: a host lost at step 16, two more losses on 2
+    # hosts, SIGTERM and the same command on 3 hosts at 58, a full disk at 72.
+    metrics = {"config": {"hosts": {"count": 3}},
+               "resumes": [{"steps_done": s, "hosts": {"count": c}}
+                           for s, c in ((16, 2), (36, 2), (40, 2), (58, 3), (72, 3))]}
+    assert chaos.host_counts(metrics, 96) == [(0, 16, 3), (16, 58, 2), (58, 96, 3)]
+    # A launch that kept no step leaves no stretch, and its neighbours join.
+    metrics["resumes"][1:1] = [{"steps_done": 36, "hosts": {"count": 3}}]
+    metrics["resumes"][3:3] = [{"steps_done": 40, "hosts": {"count": 3}}]
+    assert chaos.host_counts(metrics, 96) == [(0, 16, 3), (16, 58, 2), (58, 96, 3)]
+    assert chaos.host_counts({"config": {"hosts": {"count": 3}}}, 96) == [(0, 96, 3)]
+
+
 def test_a_full_disk_and_a_stopped_launcher_still_end_as_uninterrupted(tmp_path):
     result = chaos.chaos(seed=1, steps=24, kinds=["disk", "sigterm"],
                          log_path=tmp_path / "log.txt")
@@ -49,6 +63,8 @@ def test_a_full_disk_and_a_stopped_launcher_still_end_as_uninterrupted(tmp_path)
     assert stopped["steps_redone"] == 0 and stopped["seconds_lost"] > 0, stopped
     assert 143 in result["launcher_exit_codes"]
     assert result["max_abs_diff"] <= 1e-5
+    # The host count never changed: nothing to judge apart from its rounding.
+    assert result["host_counts"] == [[0, 24, 3]] and result["same_host_counts_diff"] is None
     assert result["checkpoint_bytes_written"] > 0
     assert result["left_behind"] == []
     for key in ("cpu_model", "cores", "torch", "git_commit", "command"):
