@@ -99,6 +99,14 @@ def run_limited(argv: list[str], limit: float | None) -> tuple[int, list[str], b
     return code, list(tail), timed_out.is_set()
 
 
+def synchronize(device) -> None:
+    """Wait for the work queued on a GPU (before a clock is read); nothing on a CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def spread(values: list[float], digits: int | None = None) -> dict:
     """The median, lowest and highest of a measurement's repeats (rounded to `digits`)."""
     figures = {"median": statistics.median(values), "min": min(values), "max": max(values)}

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import REPO, results_header, spread
+from bench_common import REPO, results_header, spread, synchronize
 from pages import Page
 from hybriddl.dropout import dropout_keys, sample_keys
 from hybriddl.errors import UsageError
@@ -107,11 +107,11 @@ class Row:
 def timed(device: torch.device, step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    synchronize(device)
     return (time.perf_counter() - started) / steps
 
 
@@ -327,11 +327,6 @@ def loader_peer(usecase: str, model_name: str, image_size: int, batch_size: int,
             "images_per_second": sum(e["samples"] for e in epochs) / sum(
                 e["seconds"] for e in epochs),
             "steady_images_per_second": steady_rate(epochs), "epoch_records": epochs}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def loader_rounds(case, model_name: str, image_size: int, batch_size: int, variant: str,

@@ -578,26 +578,7 @@ def main(argv=None) -> int:
     result["seconds"] = round(time.monotonic() - started, 1)
     result["summary"] = summary(result)
     atomic_write_json(Path(args.output), result)
-    for row in result.get("compute", {}).get("rows", []):
-        print(f"(a) D={row['time_scale']:g}: step {row['step_seconds_median']:.3f} s, "
-              f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
-    for row in result.get("link", {}).get("rows", []):
-        print(f"(b) D={row['time_scale']:g}: wire {row['wire_bits_per_second_median'] / 1e6:.1f}"
-              f" Mbit/s ({row['wire_error']:+.1%} from rate/D), round trip "
-              f"{row['round_trip_seconds_median'] * 1e3:.2f} ms (expected "
-              f"{row['expected_round_trip_seconds'] * 1e3:.2f})")
-    if "nic_bytes" in result:
-        print(f"(c) NIC bytes differ by {result['nic_bytes']['relative_difference']:.2%} "
-              f"between D=1 and D={max(args.scales):g}")
-    for row in result.get("side_by_side", {}).get("rows", []):
-        print(f"(d) H=D={row['hosts']}: step {row['step_seconds_median']:.3f} s, "
-              f"{row['ratio_to_d1']:.2f} x D=1 ({row['error']:+.1%} from D)")
-    for row in result.get("quota", {}).get("rows", []):
-        print(f"(f) H={row['hosts']} D={row['time_scale']:g}: step {row['step_seconds_median']:.3f}"
-              f" s, {row['ratio_to_d1']:.2f} x one host alone ({row['error']:+.1%} from D)")
-    for row in result.get("exchanges", {}).get("rows", []):
-        print(f"(e) {row['case']} (D={row['time_scale']:g}): {row['emulated_seconds_median']:.4f} "
-              f"emulated s per step ({row['error']:+.1%} from side by side)")
+    print(fidelity_table(result))  # each run's figures were printed as it ended
     return 0
 
 

@@ -181,8 +181,6 @@ def run_step(step: Step, limit: float, gpu: str, argv: list[str] | None) -> dict
     return outcome
 
 
-# ------------------------------------------------------------------ the check
-
 # ------------------------------------------------------------------ its page in docs/benchmarks
 
 def tune_gpu_table(data: dict) -> str:

@@ -37,31 +37,19 @@ class Page:
 
 # ---------------------------------------------------------------- provenance
 
-def _field(data: dict, *names: str):
-    for place in (data, data.get("host") or {}, data.get("machine") or {}):
-        if isinstance(place, dict):
-            for name in names:
-                if place.get(name) not in (None, ""):
-                    return place[name]
-    return None
+PROVENANCE = ("command", "cpu_model", "cores", "torch", "commit")
 
 
 def provenance(data: dict) -> dict:
-    """What a results JSON must record to be quoted; a missing item is None."""
-    return {
-        "command": _field(data, "command"),
-        "cpu_model": _field(data, "cpu_model"),
-        "cores": _field(data, "cores", "cores_usable", "cores_logical"),
-        "torch": _field(data, "torch", "torch_version"),
-        "commit": _field(data, "commit", "git_commit"),
-    }
+    """What a results JSON must record to be quoted (results_header's keys); a missing or
+    empty item is None."""
+    return {name: data[name] if data.get(name) not in (None, "") else None
+            for name in PROVENANCE}
 
 
 def measured_date(data: dict) -> str:
-    recorded = _field(data, "date", "created", "measured_at")
-    if recorded:
-        return str(recorded)
-    return "not recorded in the JSON"
+    return str(data["date"]) if data.get("date") not in (None, "") else \
+        "not recorded in the JSON"
 
 
 # ---------------------------------------------------------------- figures

@@ -47,25 +47,19 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench_common import REPO, results_header, spread
+from bench_common import REPO, results_header, spread, synchronize
 from pages import Page
 from hybriddl.files import atomic_write_json
 from hybriddl.hosts.powersgd import PowerSGD
-from hybriddl.usecases import build_model
+from hybriddl.usecases import build_model, get_usecase
 
 RANK = 2
 HOOK_START = 2  # torch's least start_powerSGD_iter with error feedback
 OURS, PEER = "hybriddl powersgd:2", "ddp powerSGD_hook:2 minus allreduce_hook"
-USECASE_MODEL = {"SimpleBig": "alexnet", "ComplexSmall": "vgg16"}
 TABLES = "results/scaling_fast-*.json"
 # The cells that stand for GPU hosts: a host step of AlexNet's 10 ms or VGG16's 18-20 ms
 # (the tables' slower hosts, 95-105 ms, are CPU servers: their compression stays on the CPU).
 GPU_HOST_STEP_SECONDS = 0.025
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(device: torch.device, work) -> float:
@@ -169,7 +163,7 @@ def restate(cpu: dict, gpu: dict, tables: list[Path]) -> list[dict]:
     rows = []
     for path in tables:
         table = json.loads(path.read_text())
-        model = USECASE_MODEL[table["usecase"]]
+        model = get_usecase(table["usecase"]).model
         if model not in on_cpu or model not in on_gpu:
             continue
         cells = {(r["bandwidth"], r["speedup"], r["hosts"], r["contender"]): r

@@ -57,7 +57,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
-from time_to_accuracy import accuracy_links
+from time_to_accuracy import LOCAL, accuracy_links
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
 from hybriddl.compare.settings import FLAT_MPI, KNOWN
@@ -82,15 +82,6 @@ def wire_flags(contender: str, powersgd_rank: int) -> list[str]:
     """A contender's compression, as its command line says it (compare's wire_flags: DDP's
     hooks are hybriddl.cli.compare_ddp's flags, hybriddl's compressions `train --compression`)."""
     return compare_wire_flags(KNOWN[contender], powersgd_rank) if contender in WIRE else []
-
-
-# The local strategy of every contender but flat and ddp: PyTorch's intra-op threads, the
-# fastest local strategy for one host at 224 px on 2 cores (within noise of layerwise for
-# AlexNet, results/bench_local-SimpleBig.json), and one that writes each gradient once, so
-# --overlap sends buckets during backward (layerwise adds its threads' gradients at the end).
-# Its workers are the host's cores (--cores-per-host).
-LOCAL = {"SimpleBig": ["--strategy", "intraop", "--channels-last"],
-         "ComplexSmall": ["--strategy", "intraop", "--channels-last"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -168,7 +159,7 @@ def derive_speedup(args) -> dict:
     from hybriddl.tuning.host_step import measure_host_step
 
     measured = measure_host_step(args.usecase, args.cores_per_host, image_size=args.image_size,
-                                 channels_last="--channels-last" in LOCAL[args.usecase])
+                                 channels_last="--channels-last" in LOCAL)
     try:
         speedup = speedup_for_step(measured.seconds, args.host_step_seconds)
     except UsageError as exc:
@@ -201,7 +192,12 @@ def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[st
                 *wire_flags(contender, args.powersgd_rank)], args.cores_per_host
     # --overlap for every contender: where the local strategy allows it, gradients leave
     # during backward (the hybrid's: the convolutions').
-    return [*common, *LOCAL[args.usecase], "--workers", str(args.cores_per_host), "--overlap",
+    # The local strategy of every contender but flat and ddp: PyTorch's intra-op threads, the
+    # fastest local strategy for one host at 224 px on 2 cores (within noise of layerwise for
+    # AlexNet, results/bench_local-SimpleBig.json), and one that writes each gradient once, so
+    # --overlap sends buckets during backward (layerwise adds its threads' gradients at the end).
+    # Its workers are the host's cores (--cores-per-host); time_to_accuracy's LOCAL.
+    return [*common, *LOCAL, "--workers", str(args.cores_per_host), "--overlap",
             "--host-parallel", scheme_of(contender),
             *wire_flags(contender, args.powersgd_rank)], 1
 
@@ -548,13 +544,14 @@ def scaling_e2e_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def time_scales(data: dict) -> dict[int, float]:
-    """The time scale D each host count ran at (the largest, should cells differ)."""
+def time_scales(data: dict, keep=lambda cell: True) -> dict[int, float]:
+    """The time scale D each host count ran at (the largest, should cells differ), of the
+    cells `keep` keeps, by host count."""
     scales = {}
     for cell in data["cells"]:
-        if cell.get("time_scale") is not None:
+        if cell.get("time_scale") is not None and keep(cell):
             scales[cell["hosts"]] = max(scales.get(cell["hosts"], 0), cell["time_scale"])
-    return scales
+    return dict(sorted(scales.items()))
 
 
 def took_turns(cell: dict) -> bool:
@@ -584,11 +581,7 @@ def quota_line(data: dict) -> str | None:
 
 def turns_line(data: dict) -> str | None:
     """What hosts that take turns (D > 1) do to the figures, and the measurement saying so."""
-    turns = {}
-    for cell in data["cells"]:
-        if took_turns(cell):
-            turns[cell["hosts"]] = max(turns.get(cell["hosts"], 0), cell["time_scale"])
-    turns = dict(sorted(turns.items()))
+    turns = time_scales(data, keep=took_turns)
     if not turns:
         return None
     which = ", ".join(f"{h} hosts at D = {d:g}" for h, d in turns.items())

@@ -41,7 +41,7 @@ def test_no_script_sets_up_its_own_path():
 
 
 def test_shared_helpers_are_defined_once_in_bench_common():
-    shared = {"spread", "results_header"}
+    shared = {"spread", "results_header", "synchronize"}
     copies = [f"{path.relative_to(REPO)}: {node.name}" for path in SCRIPTS
               if path.name != "bench_common.py"
               for node in ast.walk(ast.parse(path.read_text()))
