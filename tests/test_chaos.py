@@ -33,7 +33,7 @@ def test_schedule_is_seeded_and_each_fault_lands_between_checkpoints():
 
 
 def test_the_host_counts_of_a_run_are_read_from_the_resumes_its_checkpoints_kept():
-    # results/chaos-powersgd_2.json's run: a host lost at step 16, two more losses on 2
+    # A compressed chaos run's resumes: a host lost at step 16, two more losses on 2
     # hosts, SIGTERM and the same command on 3 hosts at 58, a full disk at 72.
     metrics = {"config": {"hosts": {"count": 3}},
                "resumes": [{"steps_done": s, "hosts": {"count": c}}
