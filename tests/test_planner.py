@@ -287,6 +287,30 @@ def test_a_plan_says_when_one_host_alone_is_predicted_faster(alexnet):
     assert "hint: 2 hosts are predicted slower than one of them alone" in shown.get()
 
 
+def test_where_the_share_times_the_hosts_cannot_tell_one_host_alone_is_timed(alexnet):
+    """A 10 ms share on a 1 Tbit/s link: a step of about 10 ms, under the 2 x 10 ms
+    estimate of one host alone but over half of it, so one host's global batch is timed
+    (a larger batch is often cheaper per image); where the step is under half the estimate
+    (4 hosts), nothing is timed."""
+    timed = []
+
+    def time_alone(seconds):
+        def measure():
+            timed.append(seconds)
+            return seconds
+        return measure
+
+    slower = make_plan(alexnet, 2, 32, 0.01, Link(1000 * GIGABIT), time_alone=time_alone(0.009))
+    assert timed == [0.009] and slower.inputs["alone_seconds"] == 0.009
+    assert "2 hosts are predicted slower than one of them alone" in slower.alone
+    assert "0.009 s for the global batch on one host (timed)" in slower.alone
+    faster = make_plan(alexnet, 2, 32, 0.01, Link(1000 * GIGABIT), time_alone=time_alone(0.015))
+    assert faster.alone is None and faster.inputs["alone_seconds"] == 0.015
+    timed.clear()
+    four = make_plan(alexnet, 4, 32, 0.01, Link(1000 * GIGABIT), time_alone=time_alone(0.001))
+    assert four.alone is None and four.inputs["alone_seconds"] is None and timed == []
+
+
 def test_one_host_plans_no_exchange():
     plan = make_plan(shapes_of("alexnet"), 1, 32, 1.0, Link(GIGABIT))
     assert plan.rows == [] and plan.chosen.compression == "none" and "none" in plan.reason

@@ -422,12 +422,17 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     # compute was measured in wall seconds on this machine, as the probe's is.
     scale = getattr(hosts, "time_scale", 1.0)
     source = "the profile" if compute_seconds is not None else "timed once on a copy of the model"
+    # On this rank's cores only, as its strategy will compute: before the strategy is set
+    # up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
+    cores = len(getattr(hosts, "cores", None) or []) or None
+    time_alone = None
     if compute_seconds is None:  # no profile: time this host's share once
-        share = -(-global_batch // hosts.size)
-        # On this rank's cores only, as its strategy will compute: before the strategy is
-        # set up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
-        with torch_threads(len(getattr(hosts, "cores", None) or []) or None):
-            compute_seconds = probe_compute(model, share, image_size)
+        with torch_threads(cores):
+            compute_seconds = probe_compute(model, -(-global_batch // hosts.size), image_size)
+
+        def time_alone() -> float:  # the same probe, of the whole global batch
+            with torch_threads(cores):
+                return probe_compute(model, global_batch, image_size) / scale
     compute = max(hosts.allgather(compute_seconds / scale))
     record = None
     if hosts.rank == 0:
@@ -445,8 +450,8 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
                            compression=compression,
                            feature_dtype=feature_dtype, chunks=accumulate,
                            compute_source=f"this host's share, {source}; the slowest host's",
-                           measure=measure, overlap=bool(getattr(hosts, "overlap", False))
-                           ).record()
+                           measure=measure, overlap=bool(getattr(hosts, "overlap", False)),
+                           time_alone=time_alone).record()
     record = hosts.broadcast_object(record)
     chosen = record["chosen"]
     if chosen["host_parallel"] == "hybrid":
