@@ -21,6 +21,7 @@ rate, and the latency rounds, that the hosts measured at start.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 
@@ -425,14 +426,12 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     # On this rank's cores only, as its strategy will compute: before the strategy is set
     # up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
     cores = len(getattr(hosts, "cores", None) or []) or None
-    time_alone = None
+    time_alone = None  # one host's whole global batch, where the plan needs it
     if compute_seconds is None:  # no profile: time this host's share once
         with torch_threads(cores):
             compute_seconds = probe_compute(model, -(-global_batch // hosts.size), image_size)
-
-        def time_alone() -> float:  # the same probe, of the whole global batch
-            with torch_threads(cores):
-                return probe_compute(model, global_batch, image_size) / scale
+        time_alone = functools.partial(probe_in_threads, model, global_batch, image_size,
+                                       cores, scale)
     compute = max(hosts.allgather(compute_seconds / scale))
     record = None
     if hosts.rank == 0:
@@ -479,6 +478,13 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.cpu()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor)
+
+
+def probe_in_threads(model: nn.Module, batch: int, image_size: int, cores: int | None,
+                     scale: float) -> float:
+    """`probe_compute` on `cores` threads, in the link's time (wall seconds / `scale`)."""
+    with torch_threads(cores):
+        return probe_compute(model, batch, image_size) / scale
 
 
 def probe_compute(model: nn.Module, batch: int, image_size: int) -> float:
