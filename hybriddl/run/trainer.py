@@ -452,10 +452,9 @@ class Validation:
         accuracy, self.shared_by = evaluate(self.strategy, self.images, self.transform,
                                             self.batch_size, self.hosts, self.scheme)
         self._last = (steps_done, accuracy)
-        stop = self._taken(accuracy, epoch, steps_done, epoch_steps_done)
-        if epoch_steps_done != self.epoch_steps:  # the epoch's own line shows its last
-            self.observer.on_evaluation(self.target.record["evaluations"][-1])
-        return stop
+        # Shown as made, inside an epoch: the epoch's own line shows its last.
+        return self._taken(accuracy, epoch, steps_done, epoch_steps_done,
+                           shown=epoch_steps_done != self.epoch_steps)
 
     def at_epoch_end(self, epoch: int, steps_done: int, epoch_steps_done: int) -> float:
         """The epoch's validation accuracy: the one just measured when validation was due at
@@ -467,10 +466,13 @@ class Validation:
         self._taken(accuracy, epoch, steps_done, epoch_steps_done)
         return accuracy
 
-    def _taken(self, accuracy: float, epoch: int, steps_done: int, epoch_steps_done: int) -> bool:
+    def _taken(self, accuracy: float, epoch: int, steps_done: int, epoch_steps_done: int,
+               shown: bool = False) -> bool:
         reached_before = self.target.reached
         stop = self.target.evaluated(accuracy, epoch + 1, steps_done,
                                      epoch + epoch_steps_done / max(self.epoch_steps, 1))
+        if shown:
+            self.observer.on_evaluation(self.target.record["evaluations"][-1])
         if self.target.reached and not reached_before:
             self.observer.on_target(self.target.record)
         return stop
