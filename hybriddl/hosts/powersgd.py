@@ -155,6 +155,10 @@ class PowerSGD(WireScheme):
         self.in_phases = rounds == 1
         # Steps before `start` are averaged exactly (DDP's start_powerSGD_iter): the first
         # steps' gradients change fast, which a warm-started rank-R factor tracks worst.
+        # The default is 0 (none): one epoch exact first (start=125) left AlexNet at 64 px,
+        # rank 2, two rounds, short of 0.90 in both seeds as start=0 did (0.741 and 0.675
+        # against 0.693 and 0.647 at the 6-epoch cap): a warm-up does not make it reach
+        # the target (results/time_to_accuracy-mnist-SimpleBig-1core-powersgd.json).
         self.start = start
         self.name = (f"powersgd:{rank}" + (f":start={start}" if start else "")
                      + (f":rounds={rounds}" if rounds != 1 else "")
