@@ -16,6 +16,17 @@ console = Console(stderr=True, emoji=False)  # user input like "powersgd:two" is
 out = Console(emoji=False)
 
 
+def stop_progress(progress: Progress) -> None:
+    """Stop a bar that was started: rich's `stop` also prints an empty line where stderr is
+    not a terminal, even for a bar that never started (a bad flag's error then came after
+    four empty lines)."""
+    if progress.live.is_started:
+        if progress.live.transient:  # gone without a trace: not even that line
+            progress.live.stop()
+        else:
+            progress.stop()
+
+
 class TuneDisplay(TuneObserver):
     """rich progress over the candidates: which one runs, its steps, what came of it."""
 
@@ -59,10 +70,10 @@ class TuneDisplay(TuneObserver):
         if self.task is None:
             return
         if index + 1 == len(self.candidates):
-            self.progress.stop()
+            stop_progress(self.progress)
 
     def stop(self) -> None:
-        self.progress.stop()
+        stop_progress(self.progress)
 
 
 def tune_table(profile) -> Table:
@@ -139,7 +150,7 @@ class TrainDisplay:
             self.progress.update(self.task, completed=done)
 
     def on_tune_start(self, candidates, reason) -> None:
-        self.progress.stop()
+        stop_progress(self.progress)
         self.task = None
         self.tuning.on_tune_start(candidates, reason)
 
@@ -157,7 +168,7 @@ class TrainDisplay:
 
     def on_start(self, info: dict) -> None:
         self.epochs = info["epochs"]
-        self.progress.stop()
+        stop_progress(self.progress)
         self.tuning.stop()
         self.task = None
         if self.enabled and info.get("strategy_choice"):
@@ -207,7 +218,7 @@ class TrainDisplay:
     def on_epoch_end(self, record: dict) -> None:
         self.records.append(record)
         if self.enabled:
-            self.progress.stop()
+            stop_progress(self.progress)
             console.print(f"  epoch {record['epoch']}: {record['seconds']:.1f} s, "
                           f"{record['images_per_second']:.1f} img/s, loss {record['train_loss']:.4f}, "
                           f"val accuracy {accuracy(record['val_accuracy'])}")
@@ -229,7 +240,7 @@ class TrainDisplay:
                                         highlight=False)
 
     def stop(self) -> None:
-        self.progress.stop()
+        stop_progress(self.progress)
         self.tuning.stop()
 
 

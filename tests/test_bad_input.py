@@ -138,6 +138,8 @@ CASES = {
     "progress_timeout_negative": (flags("--progress-timeout", "-5"), "--progress-timeout -5"),
     "target_with_measure_only": (flags("--measure-only", "--target-accuracy", "0.9"),
                                  "--measure-only runs no validation"),
+    "measure_only_resuming": (flags("--measure-only", "--resume", "somewhere"),
+                              "cannot continue the run in somewhere"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
     "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
     "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),
@@ -153,7 +155,7 @@ def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli_here, tmp_pa
     make_args, names_problem = CASES[case]
     run_dir = tmp_path / "run"
     done = cli_here("train", *make_args(tmp_path), "--run-dir", str(run_dir), cwd=tmp_path)
-    lines = done.stderr.strip().splitlines()
+    lines = done.stderr.splitlines()  # no empty line before it either
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert len(lines) == 1, done.stderr

@@ -136,6 +136,21 @@ def test_a_run_that_misses_its_target_ends_saying_its_best_and_shows_each_valida
     assert shown == ["1", "2", "4"]
 
 
+def test_a_resume_asked_to_stop_before_where_the_run_is_is_refused_and_changes_nothing(
+        images, tmp_path, capsys):
+    """Not a whole epoch more (a negative count of steps left once trained on)."""
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir)) == 0  # 2 epochs, 6 steps
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    for flags, said in ((["--max-steps", "4"], "--max-steps 4: the run in"),
+                        (["--epochs", "1"], "--epochs 1: the run in")):
+        assert main(["train", "--resume", str(run_dir), *flags]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "has done" in err and len(err.splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
 def test_without_a_target_every_epochs_validation_is_on_the_clock(images, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(train_args(images, run_dir)) == 0

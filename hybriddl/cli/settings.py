@@ -91,6 +91,9 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
     if args.measure_only and args.resume_if_exists:
         raise UsageError("--measure-only writes no checkpoint, so --resume-if-exists would have "
                          "nothing to resume: leave one of them out")
+    if args.measure_only and args.resume:
+        raise UsageError(f"--measure-only writes no checkpoint, validation or model.pt, so it "
+                         f"cannot continue the run in {args.resume}: leave one of them out")
     if args.measure_only and (args.target_accuracy is not None or args.eval_every is not None
                               or args.stop_at_target):
         raise UsageError("--measure-only runs no validation, so --target-accuracy, "

@@ -129,5 +129,16 @@ def settled_config(given: dict, resume: str | None = None
     known = {f.name for f in fields(TrainConfig)}
     settings = {name: value for name, value in settings.items() if name in known}
     config = TrainConfig(**settings, strategy_options=options).resolved()
+    if checkpoint is not None:
+        done = checkpoint.position
+        # Fewer than it has done would train a whole epoch more (no step is taken back).
+        if config.max_steps is not None and config.max_steps < done.steps_done:
+            raise UsageError(f"--max-steps {config.max_steps}: the run in {resume} has done "
+                             f"{done.steps_done} steps already; give more to continue it, "
+                             "or leave --max-steps out")
+        if config.epochs < done.epoch:
+            raise UsageError(f"--epochs {config.epochs}: the run in {resume} has done "
+                             f"{done.epoch} epochs already; give more to continue it, or "
+                             "leave --epochs out")
     idle = idle_workers(config.strategy, options.workers)
     return config, checkpoint, [idle] if idle else []
