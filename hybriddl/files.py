@@ -7,11 +7,12 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from hybriddl.errors import StorageError
+from hybriddl.errors import StorageError, UsageError
 
 # A write in progress lives beside its target under this name; only a kill can leave one.
 PARTIAL_GLOB = ".*.tmp-*"
@@ -22,6 +23,29 @@ def user_cache_dir() -> Path:
     on this machine (decoded data, the allocator measured fastest)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "hybriddl"
+
+
+def check_writable(path: str | Path, flag: str, folder: bool = True) -> None:
+    """Before any work: a file can be made where `path` (a folder, or with `folder` False a
+    file) is to be written, or a UsageError naming `flag`. Tried, not guessed: a temporary
+    file in the nearest folder that exists, removed at once (/proc and /sys refuse it)."""
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file: give a folder")
+    if not folder and path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: give a file path")
+    existing = path if folder else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        handle, name = tempfile.mkstemp(prefix=".hybriddl-write-check-", dir=existing)
+        os.close(handle)
+        os.unlink(name)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write in {existing} ({exc.strerror or exc}); "
+                         "choose a place you can write to") from None
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
@@ -40,6 +64,8 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except Exception as exc:
         with contextlib.suppress(OSError):  # on a read-only file system even a no-op fails
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, UsageError):  # the content's own fault (an unreadable image)
+            raise
         cause = os_error(exc)
         if cause is None:
             raise

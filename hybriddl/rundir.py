@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hybriddl.errors import UsageError
-from hybriddl.files import format_bytes
+from hybriddl.files import check_writable, format_bytes
 
 METRICS = "metrics.json"
 MODEL = "model.pt"
@@ -30,6 +30,7 @@ def check_storage(run_dir: Path, needed_bytes: int) -> None:
         why = "is on a read-only file system" if read_only else "is not writable by this user"
         raise UsageError(f"--run-dir {run_dir}: {existing} {why}; choose a directory you can "
                          "write to")
+    check_writable(run_dir, "--run-dir")  # tried: /proc lets root pass the access check
     free = shutil.disk_usage(existing).free
     if free < needed_bytes:
         raise UsageError(f"--run-dir {run_dir}: {format_bytes(free)} ({free} bytes) free there, "

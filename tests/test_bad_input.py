@@ -140,6 +140,11 @@ CASES = {
                                  "--measure-only runs no validation"),
     "measure_only_resuming": (flags("--measure-only", "--resume", "somewhere"),
                               "cannot continue the run in somewhere"),
+    "seed_beyond_64_bits": (flags("--seed", str(2 ** 64)), "--seed 18446744073709551616"),
+    "tune_budget_nan": (flags("--tune-budget", "nan"), "--tune-budget nan"),
+    # /proc takes no file, even from root, whom the access check lets through.
+    "profile_dir_not_writable": (flags("--profile-dir", "/proc/hybriddl-profiles"),
+                                 "--profile-dir /proc/hybriddl-profiles: cannot write in /proc"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
     "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
     "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),
@@ -163,6 +168,34 @@ def test_bad_input_is_one_line_exit_code_2_and_no_run_directory(cli_here, tmp_pa
     assert names_problem in lines[0]
     assert not run_dir.exists()
     assert not (tmp_path / "runs").exists()
+
+
+# Where each command writes, tried before its work (tuning, charts, hosts started).
+OUTPUTS = {
+    "tune_profile_dir": (["tune", "--budget", "3", "--profile-dir", "/proc/hybriddl-x"],
+                         "--profile-dir /proc/hybriddl-x/"),
+    "report_output": (["report", "RUN", "--output", "/proc/hybriddl-x"],
+                      "--output /proc/hybriddl-x: cannot write in /proc"),
+    "emulate_report": (["emulate", "--hosts", "2", "--report", "/proc/hybriddl-x.json", "--",
+                        "true"], "--report /proc/hybriddl-x.json: cannot write in /proc"),
+    "emulate_report_a_folder": (["emulate", "--hosts", "2", "--report", "TMP", "--", "true"],
+                                "is a folder: give a file path"),
+    "compare_output": (["compare", "--hosts", "2", "--steps", "1", "--output",
+                        "/proc/hybriddl-x"], "--output /proc/hybriddl-x: cannot write in /proc"),
+    "train_run_dir": (["train", "--max-steps", "1", "--run-dir", "/proc/hybriddl-x"],
+                      "--run-dir /proc/hybriddl-x: cannot write in /proc"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS))
+def test_a_place_that_cannot_be_written_is_refused_before_the_work(cli_here, tmp_path, case):
+    argv, said = OUTPUTS[case]
+    argv = [str(tmp_path) if word in ("RUN", "TMP") else word for word in argv]
+    done = cli_here(*argv, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()] and said in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_input_without_run_dir_creates_no_default_run_directory(cli, tmp_path):

@@ -178,6 +178,21 @@ def test_a_run_without_model_pt_is_refused(cli_here, run_dir, photos, tmp_path):
         assert MODEL in line and str(unfinished) in line
 
 
+def test_a_bad_image_is_named_as_such_also_when_writing_to_a_file(cli_here, run_dir, photos,
+                                                                   tmp_path):
+    """Not as a failed write of --output (PIL's error is an OSError), and no file is left."""
+    folder = tmp_path / "folder"
+    shutil.copytree(photos, folder)
+    (folder / "zzz.png").write_bytes(b"not an image")
+    line = one_line_refusal(cli_here("predict", str(run_dir), str(folder), "--output",
+                                     str(tmp_path / "p.csv")))
+    assert "zzz.png" in line and "writing" not in line
+    assert not (tmp_path / "p.csv").exists()
+    (tmp_path / "empty").mkdir()
+    line = one_line_refusal(cli_here("predict", str(run_dir), str(tmp_path / "empty")))
+    assert "no image files in this folder" in line
+
+
 @pytest.mark.parametrize("case", ["no_run", "missing_image", "bad_output", "bad_batch"])
 def test_other_bad_input_is_one_line(cli_here, run_dir, photos, tmp_path, case):
     command = {

@@ -52,7 +52,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     from hybriddl.compare import compare, outputs
 
+    from hybriddl.files import check_writable
+
     config = compare_config(args)
+    if args.output:  # before any host starts
+        check_writable(args.output, "--output")
     display = TrainDisplay()
     try:
         config, output = compare.prepare(config, display)

@@ -13,6 +13,7 @@ from hybriddl.cli.workload_flags import add_link_flags, add_mca_flag, add_worklo
 from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_cores_per_host,
                                       duration_seconds, quota_of)
 from hybriddl.errors import UsageError
+from hybriddl.files import check_writable
 from hybriddl.usecases import USECASES
 
 
@@ -103,6 +104,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     report = Path(args.report) if args.report else None
     if report and not report.parent.is_dir():
         raise UsageError(f"--report {report}: folder {report.parent} does not exist")
+    if report:  # before the hosts run: what they measured must have somewhere to go
+        check_writable(report, "--report", folder=False)
     env = dict(os.environ)
     # Emulating hosts needs root, so the ranks run as root too.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

@@ -19,6 +19,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def cmd_report(args: argparse.Namespace) -> int:
     from hybriddl.monitoring.report import write_report
 
+    from hybriddl.files import check_writable
+
+    check_writable(args.output, "--output")  # before the charts are drawn
     written = write_report(args.run_dirs, args.output)
     out.print(files_table(f"Report of {len(args.run_dirs)} run(s)", written))
     return 0

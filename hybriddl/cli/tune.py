@@ -10,6 +10,7 @@ from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_numeric
 from hybriddl.cli.workload_flags import add_workload_flags
 from hybriddl.display import TrainDisplay, TuneDisplay, show_pick
 from hybriddl.errors import UsageError
+from hybriddl.files import check_writable
 from hybriddl.tuning.tuner import tune_settings
 
 
@@ -42,6 +43,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if output.is_dir():
         raise UsageError(f"--output {output} is a directory: give a file path such as "
                          f"{profiles.profile_path(output, settings)}")
+    # Where the profile goes can take it, before the tuning the budget pays for.
+    check_writable(output, "--output" if args.output else "--profile-dir", folder=False)
     loading = TrainDisplay()
     try:
         images = tuner.tune_images(settings, args.data, args.data_cache, loading.on_data_progress)

@@ -53,6 +53,9 @@ def check_exist(paths: Iterable[str | Path]) -> None:
         if not path.exists():
             raise UsageError(f"{path}: no such file or folder; give image files or folders "
                              "of images")
+        if path.is_dir() and next(_images_under(path), None) is None:
+            raise UsageError(f"{path}: no image files in this folder or below it; give image "
+                             "files or folders of images")
 
 
 def _images_under(folder: Path) -> Iterator[Path]:

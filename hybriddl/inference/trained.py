@@ -49,8 +49,10 @@ def load_trained(run_dir: str | Path) -> TrainedModel:
         model_name, image_size = config["model"], int(config["image_size"])
         classes = [str(name) for name in config["data"]["classes"]]
     except (KeyError, TypeError, ValueError):
+        image_size = 0
+    if image_size < 1:
         raise UsageError(f"{run_dir}/metrics.json has no model, image size or class names in "
-                         "its config: give a run directory made by 'hybriddl train'") from None
+                         "its config: give a run directory made by 'hybriddl train'")
     if not (run_dir / MODEL).is_file():
         resume = (f"; it was interrupted: finish it with hybriddl train --resume {run_dir}"
                   if (run_dir / CHECKPOINT).is_file() else "")

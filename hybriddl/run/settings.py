@@ -78,6 +78,11 @@ class TrainConfig(NamesAUseCase):
             raise UsageError(f"--max-steps {self.max_steps}: give at least 1")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every {self.checkpoint_every}: give at least 1 step")
+        if not 0 < self.tune_budget < float("inf"):  # nan too
+            raise UsageError(f"--tune-budget {self.tune_budget}: give a positive number of "
+                             "seconds")
+        if not 0 <= self.seed < 2 ** 63:  # torch's seeds are 64-bit
+            raise UsageError(f"--seed {self.seed}: give a whole number from 0 to 2**63 - 1")
         if not 0 <= self.monitor_interval < float("inf"):
             raise UsageError(f"--monitor-interval {self.monitor_interval}: give seconds >= 0 "
                              "(0 disables monitoring)")

@@ -447,7 +447,7 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
               observer: TuneObserver | None = None, reason: str | None = None,
               host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
     """Measure every feasible candidate on real batches of `images`; the profile, unsaved."""
-    if budget <= 0:
+    if not 0 < budget < float("inf"):  # nan too
         raise UsageError(f"--budget {budget}: give a positive number of seconds")
     if steps < 1 or warmup < 0:
         raise UsageError(f"{steps} timed steps after {warmup} warm-up steps: give at least 1 "
