@@ -184,13 +184,23 @@ OUTPUTS = {
                         "/proc/hybriddl-x"], "--output /proc/hybriddl-x: cannot write in /proc"),
     "train_run_dir": (["train", "--max-steps", "1", "--run-dir", "/proc/hybriddl-x"],
                       "--run-dir /proc/hybriddl-x: cannot write in /proc"),
+    # and what is not a place at all
+    "train_run_dir_empty": (["train", "--max-steps", "1", "--run-dir", ""],
+                            "--run-dir '': give a directory"),
+    "emulate_command_missing": (["emulate", "--hosts", "1", "--", "/nonexistent/hybriddl-cmd"],
+                                "/nonexistent/hybriddl-cmd: no such command"),
+    "launch_probe_seconds_zero": (["launch", "--hostfile", "/nonexistent", "--probe-seconds", "0",
+                                   "--", "train", "--run-dir", "TMP/run"],
+                                  "--probe-seconds 0.0: give a positive number"),
 }
 
 
 @pytest.mark.parametrize("case", list(OUTPUTS))
 def test_a_place_that_cannot_be_written_is_refused_before_the_work(cli_here, tmp_path, case):
+    """Each command's output (and a missing command or an empty path) refused first."""
     argv, said = OUTPUTS[case]
-    argv = [str(tmp_path) if word in ("RUN", "TMP") else word for word in argv]
+    argv = [word.replace("TMP", str(tmp_path)) if word.startswith("TMP") else
+            str(tmp_path) if word == "RUN" else word for word in argv]
     done = cli_here(*argv, cwd=tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [done.stderr.strip()] and said in done.stderr, done.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -100,6 +101,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
                          "-- hybriddl train --max-steps 3")
     if command[0] == "hybriddl":
         command = [sys.executable, "-m", "hybriddl", *command[1:]]
+    elif shutil.which(command[0]) is None:  # not mpirun's banner on every host
+        raise UsageError(f"{command[0]}: no such command; give a program on PATH or its path "
+                         "after '--'")
     speed = _speed_flags(args)
     report = Path(args.report) if args.report else None
     if report and not report.parent.is_dir():

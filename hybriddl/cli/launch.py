@@ -78,10 +78,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     train_args, run_dir = split_training(args.command)
     rsh_agent = args.rsh_agent or os.environ.get("OMPI_MCA_plm_rsh_agent") or "ssh"
-    for name, value in (("--probe-seconds", args.probe_seconds),
-                        ("--retry-delay", args.retry_delay)):
-        if not value >= 0:
-            raise UsageError(f"{name} {value}: give 0 or more seconds")
+    if not 0 < args.probe_seconds < float("inf"):  # 0: no host could ever answer
+        raise UsageError(f"--probe-seconds {args.probe_seconds}: give a positive number of "
+                         "seconds")
+    if not args.retry_delay >= 0:
+        raise UsageError(f"--retry-delay {args.retry_delay}: give 0 or more seconds")
     config = LaunchConfig(hosts=read_hostfile(args.hostfile), train_args=train_args,
                           run_dir=run_dir, min_hosts=args.min_hosts, restarts=args.restarts,
                           rsh_agent=rsh_agent, mca=dict(args.mca or []),

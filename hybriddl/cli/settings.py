@@ -107,6 +107,10 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
     connect = connect_options(args)
     host_flags = tuple(flag for name, flag in HOSTS_FLAGS.items()
                        if getattr(args, name) not in (None, False))
+    for flag, value in (("--run-dir", args.run_dir), ("--resume", args.resume),
+                        ("--resume-if-exists", args.resume_if_exists)):
+        if value is not None and not value.strip():
+            raise UsageError(f"{flag} '{value}': give a directory")
     run_dir, resume, finished = args.run_dir, args.resume, False
     if args.resume_if_exists is not None:
         # For job schedulers: --resume RUN_DIR with a checkpoint there, a new run in RUN_DIR
