@@ -341,6 +341,8 @@ ROOT_AWARE = {
 # Modules that name a command without starting what it starts: the reason stands beside each.
 COMMAND_AWARE = {
     "test_cli.py": "emulate and launch are given bad input, refused before any mpirun",
+    "test_bad_input.py": "emulate, launch and compare are given a place they cannot write "
+                         "to or a missing command, refused before any host starts",
 }
 
 
