@@ -144,7 +144,7 @@ CASES = {
     "tune_budget_nan": (flags("--tune-budget", "nan"), "--tune-budget nan"),
     # /proc takes no file, even from root, whom the access check lets through.
     "profile_dir_not_writable": (flags("--profile-dir", "/proc/hybriddl-profiles"),
-                                 "--profile-dir /proc/hybriddl-profiles: cannot write in /proc"),
+                                 "--profile-dir /proc/hybriddl-profiles/"),
     "cifar10_without_batches_folder": (cifar_without_folder, CIFAR_FOLDER),
     "cifar10_without_meta": (cifar_without_meta, "batches.meta"),
     "cifar10_without_data_batches": (cifar_without_batches, "data_batch_"),

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 
 from hybriddl.compare.settings import CompareConfig, MeasureSettings
 from hybriddl.errors import UsageError
-from hybriddl.files import check_writable
 from hybriddl.hosts.compression import AUTO as AUTO_COMPRESSION, EXACT, Compression, parse_compression
 from hybriddl.hosts.scheme import BUCKETED
 from hybriddl.run import resumption
@@ -100,8 +99,6 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
         raise UsageError("--measure-only runs no validation, so --target-accuracy, "
                          "--eval-every and --stop-at-target would time nothing: leave one "
                          "side out")
-    if args.profile_dir is not None and args.strategy in (None, "auto"):
-        check_writable(args.profile_dir, "--profile-dir")  # before auto tunes into it
     # The flags' own reading first, then what reads files or parses (the scheme).
     given = given_settings(args)
     connect = connect_options(args)

@@ -55,6 +55,7 @@ from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch
 from hybriddl.tuning.observer import TuneObserver
 from hybriddl.data import ImageSet, synthetic_split
 from hybriddl.errors import UsageError
+from hybriddl.files import check_writable
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
                                save_profile, this_host)
@@ -573,6 +574,8 @@ def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None
     if lookup.usable:
         return AutoDecision(lookup.profile, lookup.path)
     reason = f"{lookup.problem}: tuning first (budget {budget:.0f} s)"
+    # Where the profile will be kept can take it, before the budget is spent.
+    check_writable(lookup.path, "--profile-dir", folder=False)
     profile = tune_host(settings, images, budget=budget, steps=steps, rounds=rounds,
                         second_look=second_look, observer=observer, reason=reason)
     save_profile(profile, lookup.path)
