@@ -145,5 +145,8 @@ def settled_config(given: dict, resume: str | None = None
             raise UsageError(f"--epochs {config.epochs}: the run in {resume} has done "
                              f"{done.epoch} epochs already; give more to continue it, or "
                              "leave --epochs out")
-    idle = idle_workers(config.strategy, options.workers)
-    return config, checkpoint, [idle] if idle else []
+    idle = [line for line in (
+        idle_workers(config.strategy, options.workers),
+        "--val-fraction does nothing with --data synthetic, whose validation images are fixed"
+        if "val_fraction" in given and config.data == "synthetic" else None) if line]
+    return config, checkpoint, idle
