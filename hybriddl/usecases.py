@@ -132,6 +132,11 @@ def check_image_size(model: nn.Module, image_size: int, num_classes: int) -> Non
     # Too-small inputs fail in a pooling or convolution (RuntimeError/ValueError);
     # fixed-size models such as vit_* assert their size (AssertionError).
     except (RuntimeError, ValueError, AssertionError) as exc:
+        # A size too large for memory (torch's OutOfMemoryError on a GPU, the allocator's
+        # RuntimeError on a CPU) is no size the model refuses.
+        if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc):
+            raise UsageError(f"--image-size {image_size}: one image of that size does not fit "
+                             "this host's memory in this model; give a smaller size") from None
         raise UsageError(
             f"--image-size {image_size} does not work with this model ({_first_line(exc)}): "
             "give a size it accepts, e.g. at least 64 for alexnet, 32 for vgg16"

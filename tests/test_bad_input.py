@@ -108,6 +108,9 @@ CASES = {
     "image_size_too_small_for_alexnet": (flags("--model", "alexnet", "--image-size", "32"),
                                          "--image-size 32"),
     "image_size_zero": (flags("--image-size", "0"), "--image-size 0"),
+    # One 3 x 200000^2 float image is 480 GB: no size the model refuses, one memory refuses.
+    "image_size_beyond_memory": (flags("--model", "alexnet", "--image-size", "200000"),
+                                 "does not fit this host's memory"),
     "epochs_zero": (flags("--epochs", "0"), "--epochs 0"),
     "lr_nan": (flags("--lr", "nan"), "--lr nan"),
     "lr_inf": (flags("--lr", "inf"), "--lr inf"),
