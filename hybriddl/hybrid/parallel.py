@@ -427,9 +427,9 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     # up, torch's thread count is the machine's, which ranks sharing it oversubscribe.
     cores = len(getattr(hosts, "cores", None) or []) or None
     time_alone = None  # one host's whole global batch, where the plan needs it
-    if compute_seconds is None:  # no profile: time this host's share once
-        with torch_threads(cores):
-            compute_seconds = probe_compute(model, -(-global_batch // hosts.size), image_size)
+    if compute_seconds is None:  # no profile: time this host's share once (wall seconds)
+        compute_seconds = probe_in_threads(model, -(-global_batch // hosts.size), image_size,
+                                           cores, 1.0)
         time_alone = functools.partial(probe_in_threads, model, global_batch, image_size,
                                        cores, scale)
     compute = max(hosts.allgather(compute_seconds / scale))
