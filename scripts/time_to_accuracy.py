@@ -506,15 +506,90 @@ def interleaved_ratios(data: dict) -> dict[int, list[float]]:
     return ratios
 
 
-def readme_lead(data: dict, page: str) -> list[str]:
+def headline_claim(hosts: list[dict], compressed: list[dict]) -> str | None:
+    """The README's one claim sentence: the lowest ratio to one host's time among
+    `headline_rows` that has a score, and the compressed row where hybriddl's best scheme
+    leads DDP + PowerSGD's by the most seeds reaching the target. None where neither."""
+    scored = [f for f in headline_rows(hosts) if f["best"]["ratio_to_one_host"] is not None]
+    parts = []
+    if scored:
+        f = min(scored, key=lambda f: f["best"]["ratio_to_one_host"])
+        best = f["best"]
+        parts.append(f"{best['hosts']} hosts reach {best['model']}'s target accuracy on real "
+                     f"images in {ratio_text(best['ratio_to_one_host'])}× one host's time ("
+                     + ("exact" if best["exact"] else f"{contender_text(best)}, **not exact**")
+                     + f"; {f['workload']}; {f['hosts']}; MLPerf-scored over "
+                     f"{best['seeds']} seeds)")
+    if compressed:
+        f = max(compressed, key=lambda f: f["ours"]["reached"] / f["ours"]["seeds"]
+                - f["peer"]["reached"] / f["peer"]["seeds"])
+        ours, peer = f["ours"], f["peer"]
+        parts.append(f"compressed, hybriddl's {contender_text(ours)} trains {ours['model']} to "
+                     f"{f['target']:g} in {ours['reached']} of {ours['seeds']} seeds, DDP + "
+                     f"PowerSGD's {contender_text(peer)} in {peer['reached']} of "
+                     f"{peer['seeds']}")
+    return "**" + "; ".join(parts) + ".**" if parts else None
+
+
+def compressed_row(data: dict, page: str) -> dict | None:
     """The README's verdict from a one-host file that measured DDP + PowerSGD beside
-    hybriddl's compressed schemes (`compressed_lead`); [] for every other file (a file of
-    more hosts is a row of `hosts_table`)."""
+    hybriddl's compressed schemes (PowerSGD approximates the mean gradient, so one host
+    trains what H hosts train), as one row of `compressed_table`: at the target this file
+    scores (its own, lower one where the target was given from another CPU's file and its
+    exact seeds fix one), exact, hybriddl's best compressed cell and DDP's (the most seeds
+    reaching it, then the highest last accuracy), and the other cells' seeds reaching it.
+    None for every other file (a file of more hosts is a row of `hosts_table`)."""
     rows, target = data.get("summary") or [], (data.get("target") or {}).get("accuracy")
     if not rows or target is None or data.get("reference_void") or \
             not all(r["hosts"] == 1 for r in rows):
+        return None
+    own = own_target(data)
+    given = target if own else None
+    if own:
+        rows, target = own["summary"], own["accuracy"]
+    one = next((r for r in rows if r["contender"] == EXACT), None)
+    compressed = sorted((r for r in rows if not r["exact"]),
+                        key=lambda r: (-r["reached"] / r["seeds"], -r["final_accuracy_mean"]))
+    ours = [r for r in compressed if not is_ddp(r["contender"])]
+    peers = [r for r in compressed if is_ddp(r["contender"])]
+    if one is None or not ours or not peers:
+        return None
+    return {"page": page, "target": target, "given": given, "one": one, "ours": ours[0],
+            "peer": peers[0], "others": ours[1:] + peers[1:], "cpu": data["cpu_model"],
+            "workload": f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px), "
+                        f"one host of {data['cores_per_host']} core(s)"}
+
+
+def compressed_table(found: list[dict]) -> list[str]:
+    """The README's compressed schemes, judged by accuracy: one sentence, then a row per
+    file from `compressed_row` (its runs are not interleaved rounds: scores are indicative;
+    the pages have every cell and the epochs' times)."""
+    if not found:
         return []
-    return compressed_lead(data, rows, target, page)
+
+    def cell(row: dict) -> str:
+        score = ("none" if row["score_seconds"] is None else
+                 f"{row['score_seconds']:.3g} s ({ratio_text(row['ratio_to_one_host'])}× "
+                 "exact's)")
+        spread = row["final_accuracy_spread"]
+        return (f"{row['reached']}/{row['seeds']}, {score}; last accuracy "
+                f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f})")
+
+    lines = ["**Compressed schemes, judged by accuracy** (not exact; PowerSGD approximates "
+             "the mean gradient, so one host trains what more hosts train): seeds reaching "
+             "the target and the MLPerf score there (runs not in interleaved rounds: times "
+             "indicative):", "",
+             "| workload (CPU) | target | exact | hybriddl's best compressed | DDP + "
+             "PowerSGD's best | the other compressed cells |", "|---|---|---|---|---|---|"]
+    for f in found:
+        target = f"{f['target']:g}" + (f" (its own; {f['given']:g} given)" if f["given"] else "")
+        others = ", ".join(f"{contender_text(r)} {r['reached']}/{r['seeds']}"
+                           for r in f["others"]) or "–"
+        lines.append(f"| [{f['workload']}](docs/benchmarks/{f['page']}.md) ({f['cpu']}) | "
+                     f"{target} | {cell(f['one'])} | {contender_text(f['ours'])}: "
+                     f"{cell(f['ours'])} | {contender_text(f['peer'])}: {cell(f['peer'])} | "
+                     f"{others} |")
+    return lines
 
 
 def hosts_row(data: dict, page: str) -> dict | None:
@@ -545,12 +620,18 @@ def hosts_row(data: dict, page: str) -> dict | None:
                 None)
     step = data.get("host_step_seconds")
     turns = taking_turns(data).get(best["hosts"])
+    interleaved = all("--interleave" in c for c in data.get("commands")
+                      or [data.get("command", "")])
     return {"page": page, "target": target, "given": given, "one": one, "best": best,
+            # One row per workload in the README: the file capped last, interleaved, with
+            # the most runs, newest (`headline_rows`); every file keeps its page.
+            "workload_key": (best["model"], data["image_size"], data["bandwidth"], step),
+            "preference": (data["epoch_cap"], interleaved,
+                           sum(r["seeds"] for r in rows), data.get("date", "")),
             "peer": peer, "cpu": data.get("cpu_model"),
             "check": interleaved_ratios(data).get(best["hosts"]),
             # Seed by seed, the hosts counts alternating: a drift of the machine falls on both.
-            "interleaved": all("--interleave" in c for c in data.get("commands")
-                               or [data.get("command", "")]),
+            "interleaved": interleaved,
             "workload": f"{data['usecase']} ({best['model']}, {data['image_size']} px), "
                         f"{data['bandwidth']} links, at most {data['epoch_cap']} epochs",
             "hosts": (f"{best['hosts']} of {data['cores_per_host']} core(s), "
@@ -559,9 +640,22 @@ def hosts_row(data: dict, page: str) -> dict | None:
                       + (f", D = {turns:g}" if turns else ", side by side"))}
 
 
+def headline_rows(found: list[dict]) -> list[dict]:
+    """One `hosts_row` per workload (model, image size, link, host step), in the order first
+    found: the file with the largest epoch cap, then interleaved, then the most runs, then
+    the newest. The others keep their pages (docs/benchmarks)."""
+    kept: dict[tuple, dict] = {}
+    for row in found:
+        have = kept.get(row["workload_key"])
+        if have is None or row["preference"] > have["preference"]:
+            kept[row["workload_key"]] = row
+    return list(kept.values())
+
+
 def hosts_table(found: list[dict]) -> list[str]:
     """The README's time to accuracy on more hosts: one claim sentence (the lowest ratio
-    measured), then a row per file from `hosts_row`."""
+    measured), then a row per workload from `headline_rows`."""
+    found = headline_rows(found)
     if not found:
         return []
 
@@ -578,14 +672,11 @@ def hosts_table(found: list[dict]) -> list[str]:
                 + (f"; {ratio_text(min(check))}–{ratio_text(max(check))}× in seeds run "
                    "interleaved" if check else "") + ")")
 
-    scored = [f for f in found if f["best"]["ratio_to_one_host"] is not None]
     lines = ["**Time to accuracy on more hosts**: real images (MNIST), the target one host "
              "exact reaches in all but one of its seeds, each cell's runs scored as MLPerf "
-             "scores them (the fastest and slowest dropped, the rest averaged; emulated s)"
-             + ((lambda f: f"; best: {f['best']['hosts']} hosts in "
-                           f"{ratio(f['best'])} one host's time ({f['workload']}, {f['cpu']})")(
-                 min(scored, key=lambda f: f["best"]["ratio_to_one_host"])) if scored else "")
-             + ":", "",
+             "scores them (the fastest and slowest dropped, the rest averaged; emulated s; "
+             "a row per workload, from its file capped last, interleaved, with the most "
+             "runs):", "",
              "| workload | hosts (CPU) | target | one host exact: reached, score | more hosts: "
              "scheme, reached, score | × one host | DDP + PowerSGD, × one host |",
              "|---|---|---|---|---|---:|---|"]
@@ -600,48 +691,6 @@ def hosts_table(found: list[dict]) -> list[str]:
                      f"{ratio(best, f['check'])}"
                      + ("" if f["interleaved"] else " (runs not interleaved: indicative)")
                      + f" | {ratio(f['peer'])} |")
-    return lines
-
-
-def compressed_lead(data: dict, rows: list[dict], target: float, page: str) -> list[str]:
-    """The README's verdict on the compressed schemes of a one-host file that measured DDP +
-    PowerSGD beside them (PowerSGD approximates the mean gradient, so one host trains what H
-    hosts train): one sentence, then a row per scheme, exact first, then the most seeds
-    reaching the target: seeds reaching it, and where the target was given from another
-    CPU's file, seeds reaching the lower one this file's exact seeds fix and the MLPerf score
-    there. Its runs are not interleaved rounds: scores are indicative, the page has the
-    epochs' times."""
-    one = next((r for r in rows if r["contender"] == EXACT), None)
-    compressed = sorted((r for r in rows if not r["exact"]),
-                        key=lambda r: (-r["reached"] / r["seeds"], -r["final_accuracy_mean"]))
-    if one is None or not any(r["contender"].startswith(DDP_PREFIX) for r in compressed):
-        return []
-    own = own_target(data)
-    at_own = {r["contender"]: r for r in (own or {}).get("summary", [])}
-    lines = [f"**Compressed schemes, judged by accuracy**: {data['usecase']} "
-             f"({rows[0]['model']}, {data['image_size']} px) on real images (MNIST), one host "
-             f"of {data['cores_per_host']} core(s) ({data['cpu_model']}), which trains what "
-             f"more hosts train under PowerSGD: seeds reaching validation accuracy {target:g}"
-             + (f" and {own['accuracy']:g} (the target this CPU's own exact seeds fix), and "
-                "the MLPerf score there (runs not in interleaved rounds: times indicative)"
-                if own else "") + f" ([table](docs/benchmarks/{page}.md)):", "",
-             f"| scheme | exact? | reached {target:g} | "
-             + (f"reached {own['accuracy']:g} | MLPerf score at {own['accuracy']:g}, s "
-                "(× exact's) | " if own else "") + "last validation accuracy, mean (range) |",
-             "|---|---|---:|" + ("---:|---:|" if own else "") + "---|"]
-    for row in [one, *compressed]:
-        name = contender_text(row) + (" (DDP + torch's powerSGD_hook)"
-                                      if row["contender"].startswith(DDP_PREFIX) else "")
-        spread = row["final_accuracy_spread"]
-        there = at_own.get(row["contender"])
-        score = ("" if there is None else
-                 f"{there['reached']}/{there['seeds']} | "
-                 + ("none" if there["score_seconds"] is None else
-                    f"{there['score_seconds']:.3g} ({ratio_text(there['ratio_to_one_host'])})")
-                 + " | ")
-        lines.append(f"| {name} | {'yes' if row['exact'] else '**no**'} | "
-                     f"{row['reached']}/{row['seeds']} | {score}"
-                     f"{row['final_accuracy_mean']:.3f} ({spread[0]:.3f}–{spread[1]:.3f}) |")
     return lines
 
 

@@ -199,26 +199,30 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
 # ---------------------------------------------------------------- README headline
 
 def headline_block() -> str:
-    """The README's headline: time to accuracy first (a claim and its cells), then one
-    table row per fast-host throughput page, a footnote for S and D and the hardware, and
+    """The README's headline: time to accuracy first (a claim, a row per workload on more
+    hosts, then a row per use case for the compressed schemes), then one table row per
+    fast-host throughput page, a footnote for S and D and the hardware, and
     the command that reproduces the first. The long form of every page's headline is in
     docs/benchmarks/README.md."""
     lines, cpus, command = [HEADLINE_BEGIN], {"tta": set(), "fast": set()}, None
     turns = {}  # hosts -> D where a figure above had them take turns on the cores
-    hosts_rows = []  # time to accuracy on more hosts: one table, a row per file
+    hosts_rows, compressed_rows = [], []  # two tables: more hosts; compressed on one host
     for page in expanded(time_to_accuracy.PAGES, []):
         data, _ = load_quotable(REPO / page.json)
         if data is not None and page.name.startswith("time_to_accuracy-mnist"):
-            lead = time_to_accuracy.readme_lead(data, page.name)
             row = time_to_accuracy.hosts_row(data, page.name)
-            if lead or row:
-                lines += [*lead, ""] if lead else []
-                hosts_rows += [row] if row else []
+            compressed = time_to_accuracy.compressed_row(data, page.name)
+            hosts_rows += [row] if row else []
+            compressed_rows += [compressed] if compressed else []
+            if row or compressed:
                 cpus["tta"].add(data["cpu_model"])
                 command = command or data["command"]
                 turns.update(time_to_accuracy.taking_turns(data))
-    if hosts_rows:
-        lines += [*time_to_accuracy.hosts_table(hosts_rows), ""]
+    claim = time_to_accuracy.headline_claim(hosts_rows, compressed_rows)
+    lines += [claim, ""] if claim else []
+    for table in (time_to_accuracy.hosts_table(hosts_rows),
+                  time_to_accuracy.compressed_table(compressed_rows)):
+        lines += [*table, ""] if table else []
     rows = []
     for page in expanded(scaling_e2e.FAST_PAGES, []):
         data, _ = load_quotable(REPO / page.json)

@@ -467,11 +467,13 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
             "epoch_cap": 2,
             "cpu_model": "AMD", "target": {"accuracy": 0.9, "how": "given (--target)"},
             "runs": runs, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
-    assert time_to_accuracy.readme_lead(data, "page") == []  # more hosts: a table's row
+    assert time_to_accuracy.compressed_row(data, "page") is None  # more hosts: a table's row
     page = "time_to_accuracy-mnist-SimpleBig-1gbit-s1-interleaved"
-    claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
-    assert claim.endswith("best: 2 hosts in 0.80× one host's time (SimpleBig (alexnet, 64 px), "
-                          "1gbit links, at most 2 epochs, AMD):")
+    _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
+    assert time_to_accuracy.headline_claim([time_to_accuracy.hosts_row(data, page)], []) == (
+        "**2 hosts reach alexnet's target accuracy on real images in 0.80× one host's time "
+        "(exact; SimpleBig (alexnet, 64 px), 1gbit links, at most 2 epochs; 2 of 1 core(s), "
+        "S = 1, side by side; MLPerf-scored over 5 seeds).**")
     assert row.endswith("| 0.80× (runs not interleaved: indicative) | not measured |")
     data["commands"] = ["python scripts/time_to_accuracy.py ... --interleave --target 0.9"]
     _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
@@ -483,14 +485,17 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     runs[5:] = [run(2, s, [0.5, 0.85], 8.0) for s in range(1, 6)]
     missed = {**data, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
     claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(missed, "p")])
-    assert claim.endswith("emulated s):") and "best" not in claim
+    assert claim.endswith("with the most runs):")
+    assert time_to_accuracy.headline_claim([time_to_accuracy.hosts_row(missed, "p")], []) is None
     assert row.endswith("| exact: 0/5, none | none (an epoch 0.80×) | not measured |")
     # The best of hybriddl's cells on more hosts, DDP + PowerSGD's beside it.
     runs += [run(2, s, [0.5, 0.95], 6.0, "powersgd:2") for s in range(1, 6)]
     runs += [run(2, s, [0.5, 0.95], 9.0, "ddp-powersgd:2") for s in range(1, 6)]
     both = {**data, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
-    claim, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(both, "p")])
-    assert "best: 2 hosts in 0.60× one host's time" in claim
+    _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(both, "p")])
+    assert "2 hosts reach alexnet's target accuracy on real images in 0.60× one host's time " \
+           "(powersgd:2, **not exact**;" in time_to_accuracy.headline_claim(
+               [time_to_accuracy.hosts_row(both, "p")], [])
     assert row.endswith("| powersgd:2 (**not exact**): 5/5, 12 s | 0.60× | 0.90× |")
 
 
@@ -514,8 +519,8 @@ def test_time_to_accuracy_makes_no_readme_claim_from_a_one_host_reference_that_r
 
 def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the_target():
     """A one-host file with DDP + PowerSGD beside hybriddl's PowerSGD gives the README one
-    verdict: each scheme's seeds reaching the target, beside exact's, the most first; a
-    one-host file without the peer gives none."""
+    row: exact, hybriddl's best compressed cell and DDP's (the most seeds reaching the
+    target first), and the other cells' seeds; a one-host file without the peer gives none."""
     import time_to_accuracy
 
     PAGE = "time_to_accuracy-mnist-SimpleBig-1core-vs-ddp"
@@ -528,37 +533,54 @@ def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the
 
     runs = [run("exact", s, [0.5, 0.91]) for s in (1, 2)] + \
         [run("powersgd:2", 1, [0.4, 0.7], 8.0), run("powersgd:2", 2, [0.4, 0.92], 8.0),
+         run("powersgd:1", 1, [0.4, 0.6], 8.0), run("powersgd:1", 2, [0.4, 0.6], 8.0),
          run("ddp-powersgd:2", 1, [0.3, 0.6], 20.0), run("ddp-powersgd:2", 2, [0.3, 0.5], 20.0)]
     data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "cpu_model": "AMD",
             "bandwidth": "1gbit",
             "target": {"accuracy": 0.9}, "runs": runs,
             "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
-    lead, blank, header, rule, *table = time_to_accuracy.readme_lead(data, PAGE)
-    assert lead.startswith("**Compressed schemes, judged by accuracy**: SimpleBig (alexnet, "
-                           "64 px) on real images (MNIST), one host of 1 core(s) (AMD)")
-    assert lead.endswith(f"([table](docs/benchmarks/{PAGE}.md)):") and blank == ""
-    # Target given, no lower one of its own: seeds reaching it, no score column.
-    assert header == "| scheme | exact? | reached 0.9 | last validation accuracy, mean (range) |"
-    assert table == ["| exact | yes | 2/2 | 0.910 (0.910–0.910) |",
-                     "| powersgd:2 | **no** | 1/2 | 0.810 (0.700–0.920) |",
-                     "| ddp-powersgd:2 (DDP + torch's powerSGD_hook) | **no** | 0/2 | "
-                     "0.550 (0.500–0.600) |"]
-    assert "×" not in lead  # not interleaved rounds: no speed ratio
-    # Given from another CPU's file, where its own exact seeds fix a lower target: the seeds
-    # reaching that one too, and the MLPerf score there.
-    runs += [run("exact", 3, [0.5, 0.8]), run("powersgd:2", 3, [0.4, 0.895], 8.0),
+    row = time_to_accuracy.compressed_row(data, PAGE)
+    lead, blank, header, rule, line = time_to_accuracy.compressed_table([row])
+    assert lead.startswith("**Compressed schemes, judged by accuracy** (not exact;")
+    assert blank == "" and header.startswith("| workload (CPU) | target | exact | hybriddl's best")
+    # Target given, no lower one of its own: that target, the best of each side, the rest.
+    assert line == (f"| [SimpleBig (alexnet, 64 px), one host of 1 core(s)](docs/benchmarks/"
+                    f"{PAGE}.md) (AMD) | 0.9 | 2/2, none; last accuracy 0.910 (0.910–0.910) | "
+                    "powersgd:2: 1/2, none; last accuracy 0.810 (0.700–0.920) | "
+                    "ddp-powersgd:2: 0/2, none; last accuracy 0.550 (0.500–0.600) | "
+                    "powersgd:1 0/2 |")
+    assert time_to_accuracy.headline_claim([], [row]) == (
+        "**compressed, hybriddl's powersgd:2 trains alexnet to 0.9 in 1 of 2 seeds, DDP + "
+        "PowerSGD's ddp-powersgd:2 in 0 of 2.**")
+    # Given from another CPU's file, where its own exact seeds fix a lower target: scored
+    # at that one (MLPerf's score, against exact's), which the row names.
+    runs += [run("exact", s, [0.5, 0.91]) for s in (3, 4)]
+    runs += [run("exact", 5, [0.5, 0.8]), run("powersgd:2", 3, [0.4, 0.915], 8.0),
              run("ddp-powersgd:2", 3, [0.3, 0.4], 20.0)]
     given = {**data, "runs": runs, "target": {"accuracy": 0.92, "how": "given (--target)"},
              "summary": time_to_accuracy.summarise(runs, 0.92, "1gbit", None)}
-    _, _, header, _, *table = time_to_accuracy.readme_lead(given, PAGE)
-    assert header == ("| scheme | exact? | reached 0.92 | reached 0.91 | MLPerf score at 0.91, s "
-                      "(× exact's) | last validation accuracy, mean (range) |")
-    assert table[0] == "| exact | yes | 0/3 | 2/3 | 20 (1.00) | 0.873 (0.800–0.910) |"
-    assert table[1].startswith("| powersgd:2 | **no** | 1/3 | 1/3 | none |")
+    *_, line = time_to_accuracy.compressed_table([time_to_accuracy.compressed_row(given, PAGE)])
+    assert "| 0.91 (its own; 0.92 given) | 4/5, 20 s (1.00× exact's);" in line
+    assert "| powersgd:2: 2/3, 16 s (0.80× exact's);" in line
     no_peer = [r for r in runs if not r["contender"].startswith("ddp")]
-    assert time_to_accuracy.readme_lead(
+    assert time_to_accuracy.compressed_row(
         {**data, "summary": time_to_accuracy.summarise(no_peer, 0.9, "1gbit", None)},
-        PAGE) == []
+        PAGE) is None
+
+
+def test_the_readme_keeps_one_time_to_accuracy_row_per_workload():
+    """Of several files for one workload (model, image size, link, host step), the README's
+    table keeps the one capped last, then interleaved, then with the most runs, then newest;
+    another workload keeps its own row."""
+    import time_to_accuracy
+
+    def found(page, cap, interleaved=True, runs=10, date="2026-11-28", link="1gbit"):
+        return {"page": page, "workload_key": ("alexnet", 64, link, None),
+                "preference": (cap, interleaved, runs, date)}
+
+    rows = [found("a", 6), found("b", 8, False), found("c", 8, True, 8),
+            found("d", 6, link="10gbit"), found("e", 8, True, 8, "2026-11-29")]
+    assert [r["page"] for r in time_to_accuracy.headline_rows(rows)] == ["e", "d"]
 
 
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
