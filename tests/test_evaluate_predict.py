@@ -193,6 +193,19 @@ def test_a_bad_image_is_named_as_such_also_when_writing_to_a_file(cli_here, run_
     assert "no image files in this folder" in line
 
 
+def test_predict_to_stdout_writes_no_row_before_a_file_that_is_no_image(cli_here, run_dir, photos,
+                                                                        tmp_path):
+    """stdout cannot be taken back: the images' headers are read before the first row, so a
+    file that is no image, sorted after good ones (a batch each), leaves stdout empty."""
+    folder = tmp_path / "folder"
+    shutil.copytree(photos, folder)
+    (folder / "zzz.png").write_bytes(b"not an image")
+    result = cli_here("predict", str(run_dir), str(folder), "--batch-size", "1")
+    line = one_line_refusal(result)
+    assert "zzz.png" in line and "not an image file" in line
+    assert result.stdout == ""
+
+
 @pytest.mark.parametrize("case", ["no_run", "missing_image", "bad_output", "bad_batch"])
 def test_other_bad_input_is_one_line(cli_here, run_dir, photos, tmp_path, case):
     command = {

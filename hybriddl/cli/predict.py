@@ -25,7 +25,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from hybriddl.inference.images import check_exist
+    from hybriddl.inference.images import check_exist, check_headers
     from hybriddl.inference.predict import output_format, predict, save_predictions, write_csv
     from hybriddl.inference.trained import load_trained
 
@@ -38,6 +38,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         count = save_predictions(predictions, args.output)
         out.print(f"{count} predictions written to {args.output}", highlight=False)
         return 0
+    check_headers(args.images)  # stdout cannot be taken back: no row before a bad file
     try:
         write_csv(predictions, sys.stdout)
         sys.stdout.flush()

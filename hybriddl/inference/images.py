@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from hybriddl.data.images import UnusableImage, open_rgb, square_scaler
@@ -56,6 +58,31 @@ def check_exist(paths: Iterable[str | Path]) -> None:
         if path.is_dir() and next(_images_under(path), None) is None:
             raise UsageError(f"{path}: no image files in this folder or below it; give image "
                              "files or folders of images")
+
+
+def check_headers(paths: Iterable[str | Path]) -> None:
+    """Before anything goes to stdout, where no row can be taken back: every image's header
+    is read (its format and size, not its pixels), so that a file that is no image, or one
+    too large to decode, is refused before the first row. Pixels damaged behind a sound
+    header still stop the stream at that file (--output writes whole or not at all)."""
+    for path in image_files(paths):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with open(path, "rb") as handle, Image.open(handle):
+                    pass
+        except Image.UnidentifiedImageError:
+            raise UsageError(f"{path}: not an image file PIL can identify; remove it or give "
+                             "image files only") from None
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise UsageError(f"{path}: too many pixels, not decoded (PIL's "
+                             f"Image.MAX_IMAGE_PIXELS is {Image.MAX_IMAGE_PIXELS:,}); remove "
+                             "it or give image files only") from None
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise UsageError(f"{path}: its header cannot be read ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else 'no reason given'}"
+                             "); remove it or give image files only") from None
 
 
 def _images_under(folder: Path) -> Iterator[Path]:
