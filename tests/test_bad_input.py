@@ -238,6 +238,12 @@ IGNORED = {
                                 "--workers 2 does nothing with --strategy sequential, which has "
                                 "no local workers (these have: intraop, threads, processes, "
                                 "layerwise)"),
+    "devices_with_a_cpu_strategy": (["--devices", "cpu"], "--devices cpu does nothing with "
+                                    "--strategy sequential, which computes on this host's CPU "
+                                    "cores (these take devices: gpu, pipeline, gpu-threads)"),
+    "checkpoint_every_measuring_only": (["--measure-only", "--checkpoint-every", "1"],
+                                        "--checkpoint-every 1 does nothing with --measure-only, "
+                                        "which writes no checkpoint"),
     "overlap_on_one_host": (["--overlap"], "--overlap does nothing on a single host"),
     "fp16_allreduce_on_one_host": (["--fp16-allreduce"], "--fp16-allreduce does nothing on a "
                                                          "single host"),
@@ -257,7 +263,7 @@ def ignored(argv: list[str], hosts: int) -> list[str]:
 
     flags = train_flags(build_parser().parse_args(["train", *argv]))
     _, _, idle = settled_config(flags.given, flags.resume)
-    return [*idle, *(flags.alone if hosts == 1 else ())]
+    return [*idle, *flags.idle, *(flags.alone if hosts == 1 else ())]
 
 
 @pytest.mark.parametrize("case", list(IGNORED))
@@ -269,9 +275,10 @@ def test_a_flag_that_does_nothing_here_is_warned_about(case):
 
 def test_flags_that_act_are_not_warned_about():
     assert ignored(["--strategy", "intraop", "--workers", "2"], hosts=1) == []
-    # The host flags act on 2 hosts (--workers and --val-fraction do nothing whatever the hosts).
+    # The host flags act on 2 hosts (the others do nothing whatever the hosts).
     across = [flag for _, (argv, _) in IGNORED.items() for flag in argv
-              if argv[0] not in ("--strategy", "--val-fraction")]
+              if argv[0] not in ("--strategy", "--val-fraction", "--devices", "--measure-only")]
+    assert ignored(["--strategy", "pipeline", "--devices", "cpu,cpu"], hosts=1) == []
     assert ignored(["--strategy", "sequential", *across], hosts=2) == []
 
 

@@ -360,6 +360,28 @@ def test_compare_refuses_a_powersgd_rank_below_1_and_fp16_twice(cli_here, tmp_pa
     assert not output.exists()
 
 
+def test_a_powersgd_rank_without_a_powersgd_contender_is_warned_about(cli_here, tmp_path,
+                                                                     monkeypatch):
+    from hybriddl.compare import compare
+    from hybriddl.compare.settings import idle_powersgd_rank
+    from hybriddl.errors import UsageError
+
+    assert idle_powersgd_rank(None, ("hybrid", "data")) is None  # not typed
+    assert idle_powersgd_rank(4, ("hybrid", "ddp-powersgd")) is None  # acts
+    assert idle_powersgd_rank(4, ("hybrid", "data")) == (
+        "--powersgd-rank 4 does nothing: no contender runs PowerSGD (these do: ddp-powersgd, "
+        "hybrid-powersgd, data-powersgd)")
+
+    def stop(*_):  # the warning is shown before anything runs
+        raise UsageError("stopped before the contenders ran")
+
+    monkeypatch.setattr(compare, "run_comparison", stop)
+    done = cli_here("compare", *SMALL, "--output", str(tmp_path / "out"), "--contenders", "ddp",
+                    "--powersgd-rank", "4")
+    assert done.returncode == 2
+    assert "warning: --powersgd-rank 4 does nothing" in done.stderr, done.stderr
+
+
 def test_a_compressed_rows_theory_is_what_its_compression_sends():
     """hybriddl's PowerSGD rows take the planner's bytes for the scheme that ran; DDP's the
     bytes its hook hands to gloo in theory; each compressed row says what ran."""

@@ -7,7 +7,8 @@ import argparse
 from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags, default_of
 from hybriddl.cli.settings import compare_config
 from hybriddl.cli.workload_flags import add_link_flags, add_workload_flags
-from hybriddl.compare.settings import CONTENDERS, KNOWN, CompareConfig, MeasureSettings
+from hybriddl.compare.settings import (CONTENDERS, KNOWN, CompareConfig, MeasureSettings,
+                                       idle_powersgd_rank)
 from hybriddl.display import TrainDisplay, comparison_table, console, out
 from hybriddl.strategies import STRATEGIES, Flat
 
@@ -60,6 +61,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     display = TrainDisplay()
     try:
         config, output = compare.prepare(config, display)
+        if line := idle_powersgd_rank(args.powersgd_rank, config.contenders):
+            display.warn(line)
     finally:
         display.stop()
     with console.status("starting") as status:

@@ -84,6 +84,7 @@ class TrainFlags:
     run_dir: str | None  # where the run writes, where known before it starts
     connect: dict  # hosts.cluster.connect's keywords
     alone: tuple[str, ...]  # a line for each flag typed that does nothing on a single host
+    idle: tuple[str, ...]  # a line for each flag typed that another flag typed makes idle
 
 
 def train_flags(args: argparse.Namespace) -> TrainFlags:
@@ -138,7 +139,10 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
         host_flags += (f"--compression {scheme.name}",)
     alone = tuple(f"{flag} does nothing on a single host: it acts when mpirun starts one "
                   "rank on each of several hosts" for flag in host_flags)
-    return TrainFlags(finished, given, resume, run_dir or resume, connect, alone)
+    idle = (f"--checkpoint-every {args.checkpoint_every} does nothing with --measure-only, "
+            "which writes no checkpoint",) if args.measure_only and \
+        args.checkpoint_every is not None else ()
+    return TrainFlags(finished, given, resume, run_dir or resume, connect, alone, idle)
 
 
 # The across-hosts flags, which do something only when there are other hosts.

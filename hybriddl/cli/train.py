@@ -127,7 +127,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # A resumed run's checkpoint is read once every host is there: one that cannot
             # read it is named to the others.
             config, resume, idle = settled_config(flags.given, flags.resume)
-            for line in [*idle, *(flags.alone if hosts.size == 1 else ())]:
+            for line in [*idle, *flags.idle, *(flags.alone if hosts.size == 1 else ())]:
                 display.warn(line)  # a flag that does nothing here is not ignored silently
             prepared = trainer.prepare(config, display, resume, hosts=hosts, stop=stop)
             for line in data_notes(prepared.split):

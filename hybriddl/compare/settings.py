@@ -36,6 +36,17 @@ KNOWN |= {DDP_FP16: ContenderKind("ddp", FP16),  # torch's fp16_compress_hook
           # convolutions' gradients, data's on the whole gradient.
           HYBRID_POWERSGD: ContenderKind("hybrid", POWERSGD),
           DATA_POWERSGD: ContenderKind("data", POWERSGD)}
+
+
+def idle_powersgd_rank(rank: int | None, contenders) -> str | None:
+    """The line that says a --powersgd-rank typed does nothing: no contender is PowerSGD."""
+    if rank is None or any(KNOWN[name].compression == POWERSGD for name in contenders):
+        return None
+    with_rank = ", ".join(name for name, kind in KNOWN.items() if kind.compression == POWERSGD)
+    return (f"--powersgd-rank {rank} does nothing: no contender runs PowerSGD (these do: "
+            f"{with_rank})")
+
+
 # What runs when --contenders is left out: the exact contenders. The compressed peers
 # are asked for by name (each is one more run).
 CONTENDERS = tuple(name for name, c in KNOWN.items() if c.compression == EXACT)

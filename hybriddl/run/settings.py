@@ -13,7 +13,7 @@ from hybriddl.hosts.compression import EXACT, parse_compression
 from hybriddl.hybrid.parallel import HOST_PARALLEL
 from hybriddl.hybrid.planner import FEATURE_DTYPES
 from hybriddl.run import resumption
-from hybriddl.strategies import StrategyOptions, idle_workers
+from hybriddl.strategies import StrategyOptions, idle_devices, idle_workers
 from hybriddl.strategies.spec import check_accumulate
 from hybriddl.tuning.tuner import AUTO, AUTO_BUDGET_SECONDS
 from hybriddl.usecases import DEFAULT_USECASE, NamesAUseCase, use_case_workload
@@ -147,6 +147,7 @@ def settled_config(given: dict, resume: str | None = None
                              "leave --epochs out")
     idle = [line for line in (
         idle_workers(config.strategy, options.workers),
+        idle_devices(config.strategy, options.devices),
         "--val-fraction does nothing with --data synthetic, whose validation images are fixed"
         if "val_fraction" in given and config.data == "synthetic" else None) if line]
     return config, checkpoint, idle

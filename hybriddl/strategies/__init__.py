@@ -76,6 +76,17 @@ def idle_workers(strategy: str, workers: int | None) -> str | None:
             f"workers (these have: {with_workers()})")
 
 
+def idle_devices(strategy: str, devices: tuple[str, ...] | None) -> str | None:
+    """The line that says --devices does nothing with `strategy`, which computes on this
+    host's CPU cores (None where it takes devices: the strategies that default to GPUs)."""
+    cls = STRATEGIES.get(strategy)
+    if not devices or cls is None or cls.needs_gpu:
+        return None
+    takes = ", ".join(name for name, c in STRATEGIES.items() if c.needs_gpu)
+    return (f"--devices {','.join(devices)} does nothing with --strategy {strategy}, which "
+            f"computes on this host's CPU cores (these take devices: {takes})")
+
+
 def make_strategy(name: str, options: StrategyOptions = StrategyOptions()) -> LocalStrategy:
     """The named strategy, after checking that this host can run it."""
     try:
