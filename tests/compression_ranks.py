@@ -9,7 +9,8 @@ writes the digests of both ranks' parameters, the allreduces each step made, the
 step handed to MPI with what the compression says it sends, and the largest difference from
 the one-host run. With --overlap the classifier's factors leave during backward, in an
 allreduce of their own. With --rounds 2 (powersgd:2:rounds=2) each step is two allreduces,
-P with the biases then Q, whatever --overlap says.
+P with the biases then Q, whatever --overlap says. Rank 0 also records how long each step's
+end of averaging took (HYBRIDDL_COMPRESSION_SECONDS, as emulate sets it, pads it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import copy
 import hashlib
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -55,7 +57,7 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
     model, batches = model_and_data()
     alone = copy.deepcopy(model)
     hosts = connect(compression=PowerSGD(2, rounds=rounds), overlap=overlap)
-    calls, sent, made = [], [], []
+    calls, sent, made, seconds = [], [], [], []
     iallreduce, average = hosts.iallreduce, hosts._average
     sent_before = [hosts.traffic.bytes_sent]
 
@@ -65,7 +67,9 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
 
     def counting(share):
         # From the end of the last step: a first phase sent during backward counts too.
+        started = time.perf_counter()
         average(share)
+        seconds.append(time.perf_counter() - started)
         calls.append(len(made))
         sent.append(hosts.traffic.bytes_sent - sent_before[0])
         sent_before[0] = hosts.traffic.bytes_sent
@@ -96,7 +100,9 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
                   "bytes_per_step": sent,
                   "wire_bytes_by_step": [4 * (q_step if s % 2 == 0 else p_step)
                                          for s in range(STEPS)],
-                  "max_difference_from_one_host": difference}
+                  "max_difference_from_one_host": difference,
+                  # Rank 0's end of each step's averaging (emulate --compression-seconds pads it).
+                  "averaging_seconds": seconds}
         with open(out, "w") as handle:
             json.dump(result, handle)
     hosts.close()

@@ -337,12 +337,15 @@ COMMANDS_NEED = {  # string literals: a command line's words
 # Modules that ask who they run as without needing root: the reason stands beside each.
 ROOT_AWARE = {
     "test_bad_images.py": "as root, open() ignores mode bits, so the test refuses it itself",
+    "test_pace.py": "EmulatedHosts is only made for its mpirun options: no namespace, no host",
 }
 # Modules that name a command without starting what it starts: the reason stands beside each.
 COMMAND_AWARE = {
     "test_cli.py": "emulate and launch are given bad input, refused before any mpirun",
     "test_bad_input.py": "emulate, launch and compare are given a place they cannot write "
                          "to or a missing command, refused before any host starts",
+    "test_pace.py": "emulate is given a bad --compression-seconds, refused before any host; "
+                    "EmulatedHosts gives its mpirun options and starts nothing",
 }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from conftest import REPO, hybriddl_env
 from sample_data import write_tinted_classes
 from hybriddl.cli import main
+from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import (AUTO, REGISTRY, Compression, HalfWire, parse_compression,
                                         register)
@@ -692,6 +693,25 @@ def test_two_ranks_average_with_powersgd_to_the_same_bits(tmp_path, overlap, rou
     assert result["sent_in_backward"] == (result["steps"] if split else 0)
     assert result["max_difference_from_one_host"] < 1e-5
     assert result["bytes_per_step"] == result["wire_bytes_by_step"]
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+def test_two_ranks_pace_each_compressed_step_to_the_compression_seconds(tmp_path):
+    """As `emulate --compression-seconds 0.25` tells its hosts: each step's compute on each
+    rank, the first phase during backward included, is padded to 0.25 s (time scale 1), and
+    the ranks still leave the same bits."""
+    out = tmp_path / "ranks.json"
+    env = {**hybriddl_env(), COMPRESSION_SECONDS_VARIABLE: "0.25"}
+    done = subprocess.run([str(MPIRUN), *LOOPBACK, "-np", "2", sys.executable,
+                           str(REPO / "tests" / "compression_ranks.py"), str(out), "--overlap"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["digests"][0] == result["digests"][1]
+    assert len(result["averaging_seconds"]) == result["steps"]
+    assert min(result["averaging_seconds"]) >= 0.25
+    assert "warning" not in done.stderr  # a tiny model's compute: always under 0.25 s
 
 
 @pytest.mark.mpi

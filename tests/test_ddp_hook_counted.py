@@ -55,3 +55,34 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
     conv = model[0].weight
     assert payload_bytes(model, CommHook("powersgd", rank=2)) == (
         payload_bytes(model, hook) - 4 * conv.numel() + 4 * 2 * (16 + 27))
+
+
+@pytest.mark.alone
+def test_ddp_powersgd_is_paced_like_hybriddls_under_compression_seconds(monkeypatch):
+    """As `emulate --compression-seconds 0.25` tells a DDP host (emulation/pace.py): each
+    step the hook compresses ends 0.25 s (time scale 1) after it started, its CPU time here
+    counted in; its two vanilla allreduces first are not padded."""
+    import time
+
+    from hybriddl.compare.ddp_peer import CommHook, gloo_group, wrap
+    from hybriddl.compare.local_peers import _free_loopback_port
+    from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE, TIME_SCALE_VARIABLE
+    from hybriddl.machine.cpu_threads import torch_threads
+
+    monkeypatch.setenv(COMPRESSION_SECONDS_VARIABLE, "0.25")
+    monkeypatch.delenv(TIME_SCALE_VARIABLE, raising=False)
+    hook = CommHook("powersgd", rank=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 3))
+    with torch_threads(), gloo_group(0, 1, "127.0.0.1", _free_loopback_port(), "lo"):
+        ddp, counter = wrap(model, 1, hook)
+        seconds = []
+        for _ in range(hook.untimed_steps + 1):
+            started = time.perf_counter()
+            ddp(torch.randn(4, 3, 8, 8)).sum().backward()
+            seconds.append(time.perf_counter() - started)
+        short = counter.pace.short_steps
+        del ddp, counter
+        gc.collect()
+    assert max(seconds[:2]) < 0.15  # vanilla allreduces of a small model: milliseconds
+    assert min(seconds[2:]) >= 0.25 and short == 0

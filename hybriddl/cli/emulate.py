@@ -38,7 +38,10 @@ host still runs at once, held to C/D cores of CPU time by a CPU quota over 10 ms
 per-host batch and image size, or --batch-size and --image-size) and takes S = that step
 / 10 ms. The report gives speedup, time_scale, dilation and emulated_seconds; the ranks'
 deadlines and the link rate they measure are in emulated time (HYBRIDDL_TIME_SCALE =
-S x D), what the command writes stays in wall time.
+S x D), what the command writes stays in wall time. --compression-seconds G puts a compute
+measured elsewhere in place of this CPU's divided by S x D: each step that compresses with
+PowerSGD (hybriddl's, or DDP's powerSGD_hook), its compute here is timed and padded to G x
+S x D wall seconds, G emulated (where it already takes longer, a warning says so).
 
 limits: compute is assumed to scale with cores (a host of C cores is C/D cores' worth of
 CPU time; a host of more cores than the machine has runs the machine's cores' threads);
@@ -70,6 +73,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
     emulate.add_argument("--host-step", metavar="DURATION",
                          help="derive S from a step: S = one host's step measured here for "
                               "--usecase (on C cores) / DURATION, e.g. 10ms, 0.01s, 1.5s")
+    emulate.add_argument("--compression-seconds", metavar="DURATION",
+                         help="the hosts' PowerSGD compute per step, as measured where they "
+                              "stand for (a GPU's: scripts/powersgd_cost.py), e.g. 13ms: each "
+                              "compressed step's compute here is padded to it (emulated), "
+                              "in hybriddl's scheme and DDP's powerSGD_hook alike, rather "
+                              "than this CPU's divided by S")
     add_workload_flags(emulate, batch="the per-host batch --host-step measures at",
                        typed_only=True)
     # Here a use case has no default: it is what --host-step measures, and asked with it.
@@ -132,8 +141,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 
 
 def _speed_flags(args: argparse.Namespace) -> dict:
-    """--speedup, --host-step and what it measures, checked before anything is made:
-    {"speedup": S or None, "host_step": seconds or None}."""
+    """--speedup, --host-step and what it measures, --compression-seconds, checked before
+    anything is made: {"speedup": S or None, "host_step": seconds or None,
+    "compression_seconds": seconds or None}."""
     workload = [flag for flag, value in (("--usecase", args.usecase), ("--model", args.model),
                                          ("--image-size", args.image_size),
                                          ("--batch-size", args.batch_size),
@@ -151,7 +161,9 @@ def _speed_flags(args: argparse.Namespace) -> dict:
                          "--host-step DURATION too, or leave them out")
     return {"speedup": None if args.speedup is None else check_speedup(args.speedup),
             "host_step": None if args.host_step is None
-            else duration_seconds(args.host_step, "--host-step")}
+            else duration_seconds(args.host_step, "--host-step"),
+            "compression_seconds": None if args.compression_seconds is None
+            else duration_seconds(args.compression_seconds, "--compression-seconds")}
 
 
 def _measure_speedup(args: argparse.Namespace, host_step: float, console) -> tuple[float, dict]:
@@ -197,7 +209,8 @@ def _run(args, command, report, env, console, speed) -> int:
         speedup, host_step = _measure_speedup(args, speed["host_step"], console)
     with EmulatedHosts(hosts=args.hosts, cores_per_host=args.cores_per_host,
                        bandwidth=args.bandwidth, latency=args.latency,
-                       time_scale=args.time_scale, speedup=speedup) as cluster:
+                       time_scale=args.time_scale, speedup=speedup,
+                       compression_seconds=speed["compression_seconds"]) as cluster:
         for note in cluster.notes:
             console.print(f"hybriddl: note: {note}", markup=False, highlight=False,
                           soft_wrap=True)
@@ -232,6 +245,7 @@ def _run(args, command, report, env, console, speed) -> int:
                 "cores_per_host": cluster.quota_cores,
                 "period_seconds": quota_of(cluster.quota_cores)[1] / 1e6},
             "host_step": host_step,
+            "compression_seconds": speed["compression_seconds"],
             "command": command, "returncode": run.returncode,
             "seconds": round(run.seconds, 3),
             "emulated_seconds": round(run.emulated_seconds, 6),

@@ -8,6 +8,7 @@ contender and the DDP peer of `scripts/bench_local.py` (`local_peers.measure_ddp
 import inspect
 import math
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from hybriddl.emulation.pace import Pace, pace
 from hybriddl.hosts.compression import FP16Compression
 from hybriddl.hosts.powersgd import PowerSGD
 from hybriddl.machine.cpu_threads import set_torch_threads
@@ -68,6 +70,8 @@ class CountingHook:
     state: object
     fp16: bool = False
     bytes_sent: int = 0
+    # emulate --compression-seconds: powerSGD_hook's compute padded to the hosts' (else None).
+    pace: Pace | None = None
 
 
 def counting_allreduce_hook(counter: CountingHook, bucket: dist.GradBucket):
@@ -85,11 +89,23 @@ def counting_powersgd_hook(counter: CountingHook, bucket: dist.GradBucket):
     state = counter.state
     compressing = state.iter >= state.start_powerSGD_iter
     before = state.total_numel_after_compression
+    started = time.process_time()
     future = powerSGD_hook.powerSGD_hook(state, bucket)
     elements = (state.total_numel_after_compression - before if compressing
                 else bucket.buffer().numel())
     counter.bytes_sent += elements * bucket.buffer().element_size()
-    return future
+    if counter.pace is None or not compressing:
+        return future
+    pace = counter.pace
+
+    def paced(done: torch.futures.Future) -> torch.Tensor:
+        # The hook's compute: this process's CPU time from the call to its last callback
+        # (it waits for gloo blocked, not spinning; one thread computes, one bucket).
+        pace.add(time.process_time() - started)
+        pace.end_step()
+        return done.value()
+
+    return future.then(paced)
 
 
 def one_bucket_mb(model_bytes: int) -> int:
@@ -124,7 +140,8 @@ def wrap(model: torch.nn.Module, world: int,
                                       **NO_BUFFER_SYNC)
         counter = CountingHook(powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=hook.rank,
-            start_powerSGD_iter=POWERSGD_START_ITER, min_compression_rate=hook.min_rate))
+            start_powerSGD_iter=POWERSGD_START_ITER, min_compression_rate=hook.min_rate),
+            pace=pace())
         ddp.register_comm_hook(counter, counting_powersgd_hook)
         return ddp, counter
     ddp = DistributedDataParallel(model, **NO_BUFFER_SYNC)

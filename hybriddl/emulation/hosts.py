@@ -291,6 +291,8 @@ def _end_processes(pids: list[int], grace: float) -> None:
 # Set in every rank of emulated hosts slowed down (D > 1) or standing for faster ones (S):
 # S·D, read by `time_scale` (the hosts' deadlines and link rates, the run's target clock).
 TIME_SCALE_VARIABLE = "HYBRIDDL_TIME_SCALE"
+# emulate --compression-seconds G: each host's wire scheme computes G emulated s a step.
+COMPRESSION_SECONDS_VARIABLE = "HYBRIDDL_COMPRESSION_SECONDS"
 
 
 def time_scale() -> float:
@@ -536,7 +538,8 @@ class EmulatedHosts:
 
     def __init__(self, hosts: int, cores_per_host: int | None = None,
                  bandwidth: str | None = None, latency: str | None = None,
-                 time_scale: float | None = 1.0, speedup: float | None = None):
+                 time_scale: float | None = 1.0, speedup: float | None = None,
+                 compression_seconds: float | None = None):
         if hosts < 1 or hosts > 250:
             raise UsageError(f"--hosts {hosts}: give between 1 and 250 hosts")
         cores = sorted(os.sched_getaffinity(0))
@@ -564,6 +567,12 @@ class EmulatedHosts:
         self.quota_cores = (cores_per_host / self.time_scale
                             if speedup is not None and self.time_scale > 1 else None)
         self.bandwidth, self.latency = bandwidth, latency
+        if compression_seconds is not None and not compression_seconds > 0:
+            raise UsageError(f"--compression-seconds {compression_seconds:g}: give the "
+                             "seconds a step of the scheme's compute takes on the hosts "
+                             "emulated, more than 0 (e.g. 13ms)")
+        # Every host's wire scheme computes that long a step, emulated (emulation/pace.py).
+        self.compression_seconds = compression_seconds
         self.rate = bits_per_second(bandwidth) if bandwidth else None
         self.delay = seconds_of(latency) if latency else None
         self.names = [f"h{i}" for i in range(hosts)]
@@ -820,6 +829,8 @@ class EmulatedHosts:
             # they measure are in emulated time too: a host's 15 s of silence is 15 x S x D
             # s of wall time here.
             argv += ["-x", f"{TIME_SCALE_VARIABLE}={self.dilation.factor:g}"]
+        if self.compression_seconds is not None:
+            argv += ["-x", f"{COMPRESSION_SECONDS_VARIABLE}={self.compression_seconds!r}"]
         if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
             argv += ["-x", FAILPOINTS_VARIABLE]
         for key, value in parameters.items():

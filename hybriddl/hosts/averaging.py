@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybriddl.emulation.pace import pace
 from hybriddl.errors import TrainingError
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import GradientBuckets
@@ -196,6 +197,12 @@ class WholeGradientAverager(Averager):
         # Each phase's exchange once sent: (wire, its host copy, the sum).
         self._phases_sent: list[tuple] = []
         self._step_begun = False
+        # emulate --compression-seconds: the scheme's compute padded to the hosts' (else None).
+        self._pace = pace()
+
+    def _computing(self):
+        """Where the scheme computes (not where it waits on the wire): timed for the pace."""
+        return self._pace.timing() if self._pace else contextlib.nullcontext()
 
     @property
     def phase_positions(self) -> list[list[int]]:
@@ -226,16 +233,17 @@ class WholeGradientAverager(Averager):
         """This host's part of one phase: its gradients scaled by n_h/N, the scheme's wire
         for them, and that wire's allreduce started (driven by the progress thread while
         backward runs)."""
-        if not self._step_begun:
-            self.compression.begin_step([p.shape for p in self.parameters])
-            self._step_begun = True
-        for i in self._phase_positions[phase]:
-            p = self.parameters[i]
-            if p.grad is None:  # a host with no samples this step: a zero gradient
-                p.grad = torch.zeros_like(p)
-            if self._scale != 1.0:
-                p.grad.mul_(self._scale)
-        wire = self.compression.local_wire([p.grad for p in self.parameters], phase)
+        with self._computing():
+            if not self._step_begun:
+                self.compression.begin_step([p.shape for p in self.parameters])
+                self._step_begun = True
+            for i in self._phase_positions[phase]:
+                p = self.parameters[i]
+                if p.grad is None:  # a host with no samples this step: a zero gradient
+                    p.grad = torch.zeros_like(p)
+                if self._scale != 1.0:
+                    p.grad.mul_(self._scale)
+            wire = self.compression.local_wire([p.grad for p in self.parameters], phase)
         progress = self.hosts.progress
         with progress.lock if progress else contextlib.nullcontext():
             self._phases_sent.append(self._start(wire))
@@ -260,17 +268,25 @@ class WholeGradientAverager(Averager):
             self.hosts.wait(self._requests, "averaging gradients")
             totals = [back_to(received, wire) for wire, _, received in self._phases_sent]
             # A round that depends on the sums so far (PowerSGD's Q after its P).
-            while (wire := self.compression.next_round(totals)) is not None:
+            while True:
+                with self._computing():
+                    wire = self.compression.next_round(totals)
+                if wire is None:
+                    break
                 self._requests = []
                 _, _kept, received = self._start(wire)  # _kept: MPI reads it
                 self.hosts.wait(self._requests, "averaging gradients")
                 totals.append(back_to(received, wire))
             gradients = [p.grad for p in self.parameters]
             # The approximations are written into the gradients where they can be.
-            for gradient, approximation in zip(
-                    gradients, self.compression.finish_step(totals, out=gradients)):
-                if approximation is not gradient:
-                    gradient.copy_(approximation)
+            with self._computing():
+                compressed = self.compression.compressing
+                for gradient, approximation in zip(
+                        gradients, self.compression.finish_step(totals, out=gradients)):
+                    if approximation is not gradient:
+                        gradient.copy_(approximation)
+            if self._pace:
+                self._pace.end_step() if compressed else self._pace.forget()
         finally:
             self.armed = False
             self._phases_sent = []

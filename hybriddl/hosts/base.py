@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
+from hybriddl.emulation.pace import pace
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.compression import Compression
@@ -85,6 +86,8 @@ class Hosts:
         # With a compression of the whole gradient (PowerSGD): the gradients it averages,
         # in the model's parameter order, the same on every host and host count.
         self._compressed: list[nn.Parameter] = []
+        # emulate --compression-seconds: the scheme's compute padded to the hosts' (else None).
+        self._pace = pace()
         self.notes: list[str] = []  # things the user should know, for the CLI to show
         self.weights = [1.0] * self.size
         self.balance = "even"
@@ -203,10 +206,13 @@ class Hosts:
                 p.grad = torch.zeros_like(p)
             gradients.append(p.grad.mul_(scale) if scale != 1.0 else p.grad)
         # The approximations are written into the gradients where they can be.
-        for gradient, approximation in zip(
-                gradients, self.compression.aggregate(gradients, allreduce, out=gradients)):
-            if approximation is not gradient:
-                gradient.copy_(approximation)
+        with self._pace.timing() if self._pace else contextlib.nullcontext():
+            for gradient, approximation in zip(
+                    gradients, self.compression.aggregate(gradients, allreduce, out=gradients)):
+                if approximation is not gradient:
+                    gradient.copy_(approximation)
+        if self._pace:  # emulate --compression-seconds: the scheme's compute at the hosts'
+            self._pace.end_step() if self.compression.compressing else self._pace.forget()
 
     # ------------------------------------------------------------------ compression state
     def compression_state(self) -> dict:

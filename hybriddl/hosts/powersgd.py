@@ -164,6 +164,7 @@ class PowerSGD(WireScheme):
                      + (f":rounds={rounds}" if rounds != 1 else "")
                      + (f":min_rate={min_rate}" if min_rate != 1 else ""))
         self.step = 0  # from `start`: even steps compute and send Q, odd ones P
+        self._exact_step = start > 0  # the step under way averages exactly (begin_step)
         self._shapes: list[tuple[int, ...]] | None = None
         self._groups: list[_Group] = []
         self._dense: list[int] = []
@@ -425,6 +426,10 @@ class PowerSGD(WireScheme):
                 group.p.copy_(orthogonal(group.p))
             else:
                 group.q.copy_(orthogonal(group.q))
+
+    @property
+    def compressing(self) -> bool:
+        return not self._exact_step
 
     def local_wire(self, gradients: Sequence[torch.Tensor], phase: int = 0) -> torch.Tensor:
         """This host's part of the phase's allreduce: the factors of its matrices (this

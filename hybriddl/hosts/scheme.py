@@ -55,6 +55,13 @@ class WireScheme(ABC):
     # it missing the target more often than exact; None where none does.
     misses_target: str | None = None
 
+    @property
+    def compressing(self) -> bool:
+        """Whether the step under way sends the scheme's own wire (not so where it averages
+        exactly for a while, as PowerSGD before `start`): what `emulate
+        --compression-seconds` paces (emulation/pace.py)."""
+        return not self.exact
+
     @classmethod
     def parse(cls, text: str) -> WireScheme | None:
         """The scheme `text` names, None where it names another; UsageError, one line, for
