@@ -58,6 +58,7 @@ from pathlib import Path
 
 from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
 from time_to_accuracy import LOCAL, accuracy_links
+import powersgd_cost
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
 from hybriddl.compare.settings import FLAT_MPI, KNOWN
@@ -122,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "steps, three dense exchanges before the first timed step), so "
                              "that ddp-powersgd runs on a slow link where dense steps would "
                              "not (default: --max-step-wall's)")
+    parser.add_argument("--compression-seconds-from", metavar="JSON",
+                        help="scripts/powersgd_cost.py's results on the device the hosts stand "
+                             "for (a GPU's): data-powersgd and ddp-powersgd run with emulate "
+                             "--compression-seconds set to its median for the use case's "
+                             "model (hybriddl's powersgd:2; DDP's step with powerSGD_hook less "
+                             "its step with allreduce_hook), in place of this CPU's / S")
     parser.add_argument("--append", action="store_true",
                         help="keep the cells already in --output (the same use case and "
                              "hosts' cores) and add this run's; the file records every "
@@ -146,7 +153,38 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"{flag} {value:g}: give a positive number of seconds")
     if args.max_start_wall is not None and args.max_step_wall is None:
         parser.error("--max-start-wall limits DDP's start beside --max-step-wall: give both")
+    args.compression_seconds = {}
+    if args.compression_seconds_from:
+        try:
+            args.compression_seconds = compression_seconds_from(
+                json.loads(Path(args.compression_seconds_from).read_text()),
+                get_usecase(args.usecase).model, args.contenders, args.powersgd_rank)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--compression-seconds-from {args.compression_seconds_from}: {exc}")
     return args
+
+
+# The contenders whose compute scripts/powersgd_cost.py measures, by its labels.
+MEASURED_COMPRESSION = {"data-powersgd": powersgd_cost.OURS, "ddp-powersgd": powersgd_cost.PEER}
+
+
+def compression_seconds_from(measured: dict, model: str, contenders, rank: int) -> dict:
+    """{contender: seconds a step of its PowerSGD compute} from powersgd_cost.py's `measured`
+    (its median for `model`); ValueError, said as a usage error, where it cannot stand in."""
+    if rank != powersgd_cost.RANK:
+        raise ValueError(f"it measured rank {powersgd_cost.RANK}; give --powersgd-rank "
+                         f"{powersgd_cost.RANK}")
+    other = [c for c in contenders if c in WIRE and WIRE[c][1] != EXACT
+             and c not in MEASURED_COMPRESSION and "powersgd" in c]
+    if other:
+        raise ValueError(f"it measured {', '.join(MEASURED_COMPRESSION)} only, not "
+                         f"{', '.join(other)}")
+    figures = next((m["seconds"] for m in measured.get("models", []) if m["model"] == model),
+                   None)
+    if figures is None:
+        raise ValueError(f"it has no figures for {model}")
+    return {c: figures[label]["median"] for c, label in MEASURED_COMPRESSION.items()
+            if c in contenders}
 
 
 def derive_speedup(args) -> dict:
@@ -172,9 +210,12 @@ def derive_speedup(args) -> dict:
                                               "measured": measured.as_dict()}}
 
 
-def speed_flags(args) -> list[str]:
-    """hybriddl emulate's --speedup for every cell (none: the hosts at their own speed)."""
-    return [] if args.speedup is None else ["--speedup", repr(args.speedup)]
+def speed_flags(args, contender: str | None = None) -> list[str]:
+    """hybriddl emulate's --speedup for every cell (none: the hosts at their own speed), and
+    the contender's --compression-seconds where --compression-seconds-from gives it."""
+    seconds = args.compression_seconds.get(contender)
+    return ([] if args.speedup is None else ["--speedup", repr(args.speedup)]) + (
+        [] if seconds is None else ["--compression-seconds", f"{seconds!r}s"])
 
 
 def train_args(args, contender: str, hosts: int, run_dir: Path) -> tuple[list[str], int]:
@@ -213,7 +254,7 @@ def run_ddp_cell(args, hosts: int, bandwidth: str, scratch: Path, contender: str
         str(case.batch_size * hosts), "--warmup", str(args.warmup), "--steps", str(args.steps),
         *wire_flags(contender, args.powersgd_rank)])
     ran, rank0 = emulated_cell(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
-                                            speed=speed_flags(args)),
+                                            speed=speed_flags(args, contender)),
                                command, result_dir, "rank0.json")
     if rank0 is None:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
@@ -246,6 +287,8 @@ def cell_record(ran, contender: str, hosts: int, bandwidth: str, ranks: int,
         "median_emulated_step_seconds": statistics.median(emulated),
         "images_per_second": global_batch / statistics.median(emulated),
         "wall_seconds": ran.wall_seconds, "command": ran.shown(),
+        # emulate --compression-seconds: PowerSGD's compute a step, measured elsewhere.
+        "compression_seconds": emulation.get("compression_seconds"),
     }
 
 
@@ -255,7 +298,8 @@ def run_cell(args, contender: str, hosts: int, bandwidth: str, scratch: Path) ->
     run_dir = scratch / f"{contender}-{hosts}-{bandwidth}"
     train, ranks = train_args(args, contender, hosts, run_dir)
     ran, metrics = emulated_cell(host_options(hosts, args.cores_per_host, bandwidth=bandwidth,
-                                              ranks_per_host=ranks, speed=speed_flags(args)),
+                                              ranks_per_host=ranks,
+                                              speed=speed_flags(args, contender)),
                                  ["hybriddl", *train], run_dir)
     if metrics is None:
         return {"contender": contender, "hosts": hosts, "bandwidth": bandwidth,
@@ -829,10 +873,22 @@ def scaling_fast_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_compression(data: dict) -> str | None:
+    """Where PowerSGD's compute came from another device's measurement (emulate
+    --compression-seconds), what the page and the README say of it; None elsewhere."""
+    given = data.get("compression_seconds")
+    if not given:
+        return None
+    seconds = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in given["seconds"].items())
+    return (f"PowerSGD's compute a step as measured on the {given['device']} "
+            f"(`{given['from']}`: {seconds}), not this CPU's / S")
+
+
 def scaling_fast_setting(data: dict) -> str:
     speeds = ", ".join(_speed_label(s, t) for s, t in fast_speeds(data))
+    gpu = gpu_compression(data)
     return (scaling_e2e_setting(data) + f"; each host stands for one S× faster "
-            f"(`--speedup`/`--host-step`): {speeds}")
+            f"(`--speedup`/`--host-step`): {speeds}" + (f"; {gpu}" if gpu else ""))
 
 
 def scaling_fast_notes(data: dict) -> str:
@@ -930,8 +986,10 @@ def fast_row(data: dict, page: str) -> dict | None:
     best = max(ours, key=lambda r: r["efficiency"])
     peer = max(peers, key=lambda r: r["efficiency"]) if peers else None
     compression = fast_compression(best["contender"], data)
+    gpu = data.get("compression_seconds")
     return {"workload": f"{model_name(data['usecase'])}, {data.get('image_size', 224)} px, "
-                        f"{rows[0]['bandwidth']} links",
+                        f"{rows[0]['bandwidth']} links"
+                        + (f", PowerSGD's compute the {gpu['device']}'s" if gpu else ""),
             "speed": _speed_label(speedup, dict(fast_speeds(data)).get(speedup)),
             "ours": f"{best['contender']} {ratio_text(best['efficiency'])}",
             "ddp": "–" if peer is None else f"{peer['contender']} {ratio_text(peer['efficiency'])}",
@@ -1008,6 +1066,11 @@ def main(argv=None) -> int:
         "speedup": speedup, "host_step_seconds": args.host_step_seconds,
         "host_step": speed["host_step"],
         **results_header("scaling_e2e.py", argv),
+        # PowerSGD's compute measured on the hosts' device, where it stands in (else null).
+        "compression_seconds": args.compression_seconds and {
+            "from": args.compression_seconds_from, "seconds": args.compression_seconds,
+            "device": json.loads(Path(args.compression_seconds_from).read_text()).get(
+                "gpu_name") or "its CPU"},
         "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host,
                                                      args.powersgd_rank) for h in args.hosts},
         "cells": [],

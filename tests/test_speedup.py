@@ -12,10 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import hybriddl_env
+from conftest import REPO, hybriddl_env
 from hybriddl.emulation.hosts import (PREFIX, Dilation, EmulatedHosts, EmulatedRun,
                                       cpu_hierarchy, duration_seconds, quota_of,
                                       speedup_for_step)
@@ -211,6 +212,33 @@ def test_scaling_e2e_passes_the_speedup_and_records_it_with_the_emulated_one_hos
     assert rows[20.0, 2]["efficiency"] == pytest.approx(0.8)
     with pytest.raises(SystemExit):
         scaling_e2e.parse_args(["--output", "x.json", "--speedup", "2", "--host-step", "1s"])
+
+
+def test_scaling_e2e_takes_powersgds_compute_from_a_gpus_file_for_the_pair_it_measured(capsys):
+    """--compression-seconds-from: data-powersgd and ddp-powersgd run with emulate's
+    --compression-seconds at the file's median for the use case's model; the other
+    contenders without; a scheme or rank the file did not measure is refused."""
+    import scaling_e2e
+
+    gpu = str(REPO / "results" / "powersgd_cost-gpu.json")
+    args = scaling_e2e.parse_args(["--output", "x.json", "--speedup", "127", "--contenders",
+                                   "data", "data-powersgd", "ddp-powersgd",
+                                   "--compression-seconds-from", gpu])
+    measured = {m["model"]: m["seconds"] for m in json.loads(Path(gpu).read_text())["models"]}
+    ours = measured["alexnet"]["hybriddl powersgd:2"]["median"]
+    peer = measured["alexnet"]["ddp powerSGD_hook:2 minus allreduce_hook"]["median"]
+    assert args.compression_seconds == {"data-powersgd": ours, "ddp-powersgd": peer}
+    assert scaling_e2e.speed_flags(args, "data-powersgd") == [
+        "--speedup", "127.0", "--compression-seconds", f"{ours!r}s"]
+    assert scaling_e2e.speed_flags(args, "data") == ["--speedup", "127.0"]
+    for more, says in ((["--contenders", "hybrid-powersgd"], "not hybrid-powersgd"),
+                       (["--powersgd-rank", "4"], "give --powersgd-rank 2"),
+                       (["--usecase", "ComplexSmall", "--compression-seconds-from",
+                         "/nonexistent.json"], "/nonexistent.json")):
+        with pytest.raises(SystemExit):
+            scaling_e2e.parse_args(["--output", "x.json", "--compression-seconds-from", gpu,
+                                    *more])
+        assert says in capsys.readouterr().err
 
 
 def test_a_host_step_is_measured_at_the_cores_and_workload_asked():
