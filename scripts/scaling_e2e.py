@@ -62,6 +62,7 @@ import powersgd_cost
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
 from hybriddl.compare.settings import FLAT_MPI, KNOWN
+from hybriddl.emulation.pace import OUTLASTED
 from hybriddl.files import atomic_write_json
 from hybriddl.hosts.compression import EXACT
 from hybriddl.usecases import get_usecase
@@ -287,8 +288,11 @@ def cell_record(ran, contender: str, hosts: int, bandwidth: str, ranks: int,
         "median_emulated_step_seconds": statistics.median(emulated),
         "images_per_second": global_batch / statistics.median(emulated),
         "wall_seconds": ran.wall_seconds, "command": ran.shown(),
-        # emulate --compression-seconds: PowerSGD's compute a step, measured elsewhere.
+        # emulate --compression-seconds: PowerSGD's compute a step, measured elsewhere, and
+        # each host's warning where its compute here outlasted it (its step then overstated).
         "compression_seconds": emulation.get("compression_seconds"),
+        "compression_outlasted": [line for line in ran.output.splitlines()
+                                  if line.startswith(OUTLASTED)],
     }
 
 
@@ -880,8 +884,12 @@ def gpu_compression(data: dict) -> str | None:
     if not given:
         return None
     seconds = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in given["seconds"].items())
+    outlasted = sorted({c["contender"] for c in data["cells"] if c.get("compression_outlasted")})
     return (f"PowerSGD's compute a step as measured on the {given['device']} "
-            f"(`{given['from']}`: {seconds}), not this CPU's / S")
+            f"(`{given['from']}`: {seconds}), not this CPU's / S"
+            + (f"; **{', '.join(outlasted)}**: its compute here outlasted that × S·D, so "
+               "nothing was padded and its step is emulated slower than on that device (an "
+               "upper bound)" if outlasted else ""))
 
 
 def scaling_fast_setting(data: dict) -> str:

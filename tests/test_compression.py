@@ -710,7 +710,9 @@ def test_two_ranks_pace_each_compressed_step_to_the_compression_seconds(tmp_path
     result = json.loads(out.read_text())
     assert result["digests"][0] == result["digests"][1]
     assert len(result["averaging_seconds"]) == result["steps"]
-    assert min(result["averaging_seconds"]) >= 0.25
+    # The pace counts the first phase's compute, which ran during backward, before this span
+    # began (milliseconds for this model): the span is the rest of the 0.25 s.
+    assert min(result["averaging_seconds"]) >= 0.24
     assert "warning" not in done.stderr  # a tiny model's compute: always under 0.25 s
 
 
@@ -776,6 +778,32 @@ def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank, rounds)
         optimizer.step()
     moved = [float((p.detach() - b).abs().max()) for p, b in zip(matrices, before)]
     assert all(m > 0 for m in moved), moved
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4])
+def test_gram_schmidt_gives_qrs_columns_up_to_their_signs_and_survives_dependent_ones(rank):
+    """Up to GRAM_SCHMIDT_MAX_RANK the factors are orthogonalised by Gram-Schmidt (a few
+    batched operations on any device), not QR: the same orthonormal columns as QR's but for
+    each column's sign, which P Q^T does not see (a column of P and its column of Q flip
+    together). A zero column, or one that depends on those before it, starts again from a
+    fixed direction orthogonal to them: the result stays orthonormal, the same bits twice."""
+    from hybriddl.hosts.powersgd import GRAM_SCHMIDT_MAX_RANK, orthogonal
+
+    assert rank <= GRAM_SCHMIDT_MAX_RANK
+    factors = torch.randn(3, 50, rank, generator=torch.Generator().manual_seed(rank))
+    ours = orthogonal(factors).double()
+    qr = torch.linalg.qr(factors.double()).Q
+    signs = torch.sign((ours * qr).sum(dim=1, keepdim=True))
+    assert float((ours - qr * signs).abs().max()) < 1e-6
+    degenerate = factors.clone()
+    degenerate[0, :, 0] = 0  # a zero first column
+    degenerate[1, :, rank - 1] = 3 * degenerate[1, :, 0]  # a last one on the first's line
+    ours = orthogonal(degenerate).double()
+    eye = torch.eye(rank, dtype=torch.float64).expand(3, rank, rank)
+    assert float((ours.transpose(1, 2) @ ours - eye).abs().max()) < 1e-6
+    assert torch.equal(orthogonal(degenerate), orthogonal(degenerate))
+    # Where nothing degenerates the columns span what they spanned.
+    assert float((ours[2] - qr[2] * signs[2]).abs().max()) < 1e-6
 
 
 # --------------------------------------------------------------------------- a new scheme

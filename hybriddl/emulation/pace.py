@@ -19,6 +19,9 @@ from contextlib import contextmanager
 
 from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE, time_scale
 
+# How a host's warning begins where its compute here outlasts the pace (benchmarks grep it).
+OUTLASTED = "hybriddl: warning: the wire scheme's compute here took"
+
 
 class Pace:
     """One host's pacing: the compute timed over a step (`timing`, `add`), then padded at
@@ -57,8 +60,7 @@ class Pace:
             self.short_steps += 1
             if self.short_steps == 1:
                 sys.stderr.write(
-                    f"hybriddl: warning: the wire scheme's compute here took "
-                    f"{self.wall - pad:.3g} s wall, more than --compression-seconds "
+                    f"{OUTLASTED} {self.wall - pad:.3g} s wall, more than --compression-seconds "
                     f"{self.seconds:g} x time scale ({self.wall:.3g} s): its steps are "
                     "emulated slower than the hosts measured\n")
                 sys.stderr.flush()

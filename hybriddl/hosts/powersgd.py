@@ -638,20 +638,54 @@ class PowerSGD(WireScheme):
         self.step = int(state["step"])
 
 
+# Up to this rank factors are orthogonalised by Gram-Schmidt, above it by QR, as torch's
+# powerSGD_hook does up to rank 2. Gram-Schmidt is a few batched elementwise operations and
+# reductions per column on any device; QR is a LAPACK call on a CPU, a cuSOLVER one on a GPU,
+# per group and step. On an H200, one step of hybriddl's powersgd:2 with QR took 13.3 ms for
+# AlexNet and 31.3 ms for VGG16 where the hook's took 4.7 and 4.1 ms
+# (results/powersgd_cost-gpu.json); how much of that the QR calls were is for a GPU to
+# measure (scripts/powersgd_cost.py), not measured since.
+GRAM_SCHMIDT_MAX_RANK = 4
+# A column whose part outside the columns before it is this small against the column is
+# taken as dependent on them: it starts again from a fixed direction, as a zero one does.
+DEPENDENT = 1e-10
+
+
 def orthogonal(factors: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning each matrix's (k, n, R), as epfml/powersgd's
-    orthogonalize, in float64 so that every host rounds to the same float32 bits."""
+    orthogonalize, in float64 so that every host rounds to the same float32 bits.
+
+    A zero column (a matrix whose summed M was exactly zero, as every layer's is at the
+    first step behind a zero-initialised head) would stay zero under power iteration for
+    ever, its layer frozen while its error grows: it starts again from a fixed direction,
+    the same on every host, made orthogonal to the columns before it; so does a column that
+    depends on them."""
     wide = factors.double()
     if factors.shape[-1] == 1:
-        # A zero factor (a matrix whose summed M was exactly zero, as every layer's is at
-        # the first step behind a zero-initialised head) would stay zero under power
-        # iteration for ever, its layer frozen while its error grows: it starts again from
-        # a fixed direction, the same on every host, as QR's unit vectors do at rank >= 2.
         norms = wide.norm(dim=1, keepdim=True)
         wide = torch.where(norms > 0, wide, fresh_direction(tuple(wide.shape), wide.device))
         # Each matrix's own norm (epfml divides the whole batch by one norm).
         return (wide / wide.norm(dim=1, keepdim=True).clamp_min(1e-30)).to(factors.dtype)
-    return torch.linalg.qr(wide).Q.to(factors.dtype)
+    if factors.shape[-1] > GRAM_SCHMIDT_MAX_RANK:
+        return torch.linalg.qr(wide).Q.to(factors.dtype)
+    fresh = fresh_direction(tuple(wide.shape), wide.device)
+    columns: list[torch.Tensor] = []
+    for r in range(wide.shape[-1]):
+        column = _outside(wide[:, :, r:r + 1], columns)
+        kept = column.norm(dim=1, keepdim=True) > DEPENDENT * wide[:, :, r:r + 1].norm(
+            dim=1, keepdim=True)
+        column = torch.where(kept, column, _outside(fresh[:, :, r:r + 1], columns))
+        columns.append(column / column.norm(dim=1, keepdim=True).clamp_min(1e-30))
+    return torch.cat(columns, dim=2).to(factors.dtype)
+
+
+def _outside(column: torch.Tensor, orthonormal: list[torch.Tensor]) -> torch.Tensor:
+    """`column` (k, n, 1) less its projections on the orthonormal columns given, twice
+    (classical Gram-Schmidt run twice keeps float64 orthogonality at any conditioning)."""
+    for _ in range(2):
+        for q in orthonormal:
+            column = column - q * (q * column).sum(dim=1, keepdim=True)
+    return column
 
 
 @functools.lru_cache(maxsize=64)
