@@ -9,6 +9,8 @@ minutes); a step that fails or reaches its limit is recorded with its exit code 
 lines, and the next step runs:
 
 - gpu-tests: `scripts/gpu_tests.py` (pytest -m gpu) -> results/gpu_tests.json
+- powersgd-cost: `scripts/powersgd_cost.py` (PowerSGD's compute a step, hybriddl's and DDP's
+  hook, and a gradient's copy to the host and back) -> results/powersgd_cost-gpu.json
 - bench-SimpleBig, bench-ComplexSmall: `scripts/bench_gpu.py` (hybriddl's GPU step against
   plain PyTorch, then the data wait of a training run) -> results/bench_gpu-<usecase>.json
 - tune-SimpleBig: `hybriddl tune --precision auto` with a budget that fits ->
@@ -44,7 +46,7 @@ from pages import Page
 from hybriddl.files import atomic_write_json
 
 TOTAL_SECONDS = 20 * 60
-TUNE_BUDGET_SECONDS = 150  # SimpleBig's candidates at 224 px; the tune's own start on top
+TUNE_BUDGET_SECONDS = 100  # SimpleBig's candidates at 224 px (33 s on an H200, 2026-11-28)
 MIN_STEP_SECONDS = 10  # a step given less than this is not started
 RESULTS = REPO / "results"
 
@@ -72,8 +74,13 @@ class Step:
 def plan(scratch: Path, mpirun: str | None = None) -> list[Step]:
     """The check's steps, in order, their limits summing to TOTAL_SECONDS at most."""
     hybriddl = ["-m", "hybriddl"]
-    steps = [Step("gpu-tests", ["scripts/gpu_tests.py", "--timeout", "230"], 240,
+    steps = [Step("gpu-tests", ["scripts/gpu_tests.py", "--timeout", "190"], 200,
                   ["results/gpu_tests.json"])]
+    # PowerSGD's compute on the GPU, hybriddl's and the hook's (its Gram-Schmidt since
+    # 9cfbb0f: QR's was 13.3 / 31.3 ms a step against the hook's 4.7 / 4.1 ms).
+    steps.append(Step("powersgd-cost", ["scripts/powersgd_cost.py", "--output",
+                                        "results/powersgd_cost-gpu.json"], 90,
+                      ["results/powersgd_cost-gpu.json"]))
     # AlexNet's also trains against PyTorch with a DataLoader (issue: >= 0.95x its images/s).
     for usecase, limit, loader_rounds in (("SimpleBig", 210, 2), ("ComplexSmall", 210, 0)):
         steps.append(Step(f"bench-{usecase}", ["scripts/bench_gpu.py", "--usecase", usecase,

@@ -39,6 +39,8 @@ def test_the_plan_fits_twenty_minutes_and_covers_every_part(gpu_check, tmp_path,
     assert sum(s.limit for s in steps) <= gpu_check.TOTAL_SECONDS == 20 * 60
     shown = {s.name: s.shown() for s in steps}
     assert "scripts/gpu_tests.py" in shown["gpu-tests"]
+    assert "scripts/powersgd_cost.py --output results/powersgd_cost-gpu.json" in \
+        shown["powersgd-cost"]
     for usecase in ("SimpleBig", "ComplexSmall"):
         assert f"bench_gpu.py --usecase {usecase}" in shown[f"bench-{usecase}"]
         assert f"train --usecase {usecase} --strategy gpu" in shown[f"train-{usecase}"]
