@@ -61,7 +61,7 @@ from time_to_accuracy import LOCAL, accuracy_links
 import powersgd_cost
 from pages import Page, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
-from hybriddl.compare.settings import FLAT_MPI, KNOWN
+from hybriddl.compare.settings import FLAT_MPI, KNOWN, POWERSGD
 from hybriddl.emulation.pace import OUTLASTED
 from hybriddl.files import atomic_write_json
 from hybriddl.hosts.compression import EXACT
@@ -175,8 +175,8 @@ def compression_seconds_from(measured: dict, model: str, contenders, rank: int) 
     if rank != powersgd_cost.RANK:
         raise ValueError(f"it measured rank {powersgd_cost.RANK}; give --powersgd-rank "
                          f"{powersgd_cost.RANK}")
-    other = [c for c in contenders if c in WIRE and WIRE[c][1] != EXACT
-             and c not in MEASURED_COMPRESSION and "powersgd" in c]
+    other = [c for c in contenders if c in WIRE and WIRE[c][1] == POWERSGD
+             and c not in MEASURED_COMPRESSION]
     if other:
         raise ValueError(f"it measured {', '.join(MEASURED_COMPRESSION)} only, not "
                          f"{', '.join(other)}")
