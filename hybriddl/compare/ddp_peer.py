@@ -100,7 +100,8 @@ def counting_powersgd_hook(counter: CountingHook, bucket: dist.GradBucket):
 
     def paced(done: torch.futures.Future) -> torch.Tensor:
         # The hook's compute: this process's CPU time from the call to its last callback
-        # (it waits for gloo blocked, not spinning; one thread computes, one bucket).
+        # (one bucket, one computing thread; gloo's own threads' work for the small P and
+        # Q exchanges counts in too, so the pad errs short, never long).
         pace.add(time.process_time() - started)
         pace.end_step()
         return done.value()
