@@ -54,6 +54,11 @@ def measured_date(data: dict) -> str:
 
 # ---------------------------------------------------------------- figures
 
+def model_name(usecase: str) -> str:
+    """The model a use case trains, as the pages name it."""
+    return {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(usecase, usecase)
+
+
 def ratio_text(x) -> str:
     """An efficiency, speed-up or ratio to two places; – where none was measured."""
     return "–" if x is None else f"{x:.2f}"

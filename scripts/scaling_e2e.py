@@ -59,7 +59,7 @@ from pathlib import Path
 from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
 from time_to_accuracy import LOCAL, accuracy_links
 import powersgd_cost
-from pages import Page, provenance, ratio_text, save_chart
+from pages import Page, model_name, provenance, ratio_text, save_chart
 from hybriddl.compare.compare import wire_flags as compare_wire_flags
 from hybriddl.compare.settings import FLAT_MPI, KNOWN, POWERSGD
 from hybriddl.emulation.pace import OUTLASTED
@@ -555,11 +555,6 @@ CONTENDER_WORDS = {
     "ddp-fp16": "DDP + torch's fp16_compress_hook",
     "flat-fp16": "flat + fp16 (Horovod's model with fp16 compression)",
 }
-
-
-def model_name(usecase: str) -> str:
-    """The model a use case trains, as the pages name it."""
-    return {"SimpleBig": "AlexNet", "ComplexSmall": "VGG16"}.get(usecase, usecase)
 
 
 def scaling_e2e_table(data: dict) -> str:

@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_common import REPO, ddp_command, emulated_cell, host_options, results_header
-from pages import Page, ratio_text
+from pages import Page, model_name, ratio_text
 from hybriddl.files import atomic_write_json
 from hybriddl.usecases import get_usecase
 
@@ -515,8 +515,9 @@ def headline_claim(hosts: list[dict], compressed: list[dict]) -> str | None:
     if scored:
         f = min(scored, key=lambda f: f["best"]["ratio_to_one_host"])
         best = f["best"]
-        parts.append(f"{best['hosts']} hosts reach {best['model']}'s target accuracy on real "
-                     f"images in {ratio_text(best['ratio_to_one_host'])}× one host's time ("
+        parts.append(f"{best['hosts']} hosts reach {model_name(f['usecase'])}'s target "
+                     f"accuracy on real images in {ratio_text(best['ratio_to_one_host'])}× one "
+                     "host's time ("
                      + ("exact" if best["exact"] else f"{contender_text(best)}, **not exact**")
                      + f"; {f['workload']}; {f['hosts']}; MLPerf-scored over "
                      f"{best['seeds']} seeds)")
@@ -524,8 +525,9 @@ def headline_claim(hosts: list[dict], compressed: list[dict]) -> str | None:
         f = max(compressed, key=lambda f: f["ours"]["reached"] / f["ours"]["seeds"]
                 - f["peer"]["reached"] / f["peer"]["seeds"])
         ours, peer = f["ours"], f["peer"]
-        parts.append(f"compressed, hybriddl's {contender_text(ours)} trains {ours['model']} to "
-                     f"{f['target']:g} in {ours['reached']} of {ours['seeds']} seeds, DDP + "
+        parts.append(f"compressed, hybriddl's {contender_text(ours)} trains "
+                     f"{model_name(f['usecase'])} to {f['target']:g} in {ours['reached']} of "
+                     f"{ours['seeds']} seeds, DDP + "
                      f"PowerSGD's {contender_text(peer)} in {peer['reached']} of "
                      f"{peer['seeds']}")
     return "**" + "; ".join(parts) + ".**" if parts else None
@@ -555,6 +557,7 @@ def compressed_row(data: dict, page: str) -> dict | None:
     if one is None or not ours or not peers:
         return None
     return {"page": page, "target": target, "given": given, "one": one, "ours": ours[0],
+            "usecase": data["usecase"],
             "peer": peers[0], "others": ours[1:] + peers[1:], "cpu": data["cpu_model"],
             "workload": f"{data['usecase']} ({rows[0]['model']}, {data['image_size']} px), "
                         f"one host of {data['cores_per_host']} core(s)"}
@@ -623,6 +626,7 @@ def hosts_row(data: dict, page: str) -> dict | None:
     interleaved = all("--interleave" in c for c in data.get("commands")
                       or [data.get("command", "")])
     return {"page": page, "target": target, "given": given, "one": one, "best": best,
+            "usecase": data["usecase"],
             # One row per workload in the README: the file capped last, interleaved, with
             # the most runs, newest (`headline_rows`); every file keeps its page.
             "workload_key": (best["model"], data["image_size"], data["bandwidth"], step),

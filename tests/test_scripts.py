@@ -471,7 +471,7 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     page = "time_to_accuracy-mnist-SimpleBig-1gbit-s1-interleaved"
     _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
     assert time_to_accuracy.headline_claim([time_to_accuracy.hosts_row(data, page)], []) == (
-        "**2 hosts reach alexnet's target accuracy on real images in 0.80× one host's time "
+        "**2 hosts reach AlexNet's target accuracy on real images in 0.80× one host's time "
         "(exact; SimpleBig (alexnet, 64 px), 1gbit links, at most 2 epochs; 2 of 1 core(s), "
         "S = 1, side by side; MLPerf-scored over 5 seeds).**")
     assert row.endswith("| 0.80× (runs not interleaved: indicative) | not measured |")
@@ -493,7 +493,7 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     runs += [run(2, s, [0.5, 0.95], 9.0, "ddp-powersgd:2") for s in range(1, 6)]
     both = {**data, "summary": time_to_accuracy.summarise(runs, 0.9, "1gbit", None)}
     _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(both, "p")])
-    assert "2 hosts reach alexnet's target accuracy on real images in 0.60× one host's time " \
+    assert "2 hosts reach AlexNet's target accuracy on real images in 0.60× one host's time " \
            "(powersgd:2, **not exact**;" in time_to_accuracy.headline_claim(
                [time_to_accuracy.hosts_row(both, "p")], [])
     assert row.endswith("| powersgd:2 (**not exact**): 5/5, 12 s | 0.60× | 0.90× |")
@@ -550,7 +550,7 @@ def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the
                     "ddp-powersgd:2: 0/2, none; last accuracy 0.550 (0.500–0.600) | "
                     "powersgd:1 0/2 |")
     assert time_to_accuracy.headline_claim([], [row]) == (
-        "**compressed, hybriddl's powersgd:2 trains alexnet to 0.9 in 1 of 2 seeds, DDP + "
+        "**compressed, hybriddl's powersgd:2 trains AlexNet to 0.9 in 1 of 2 seeds, DDP + "
         "PowerSGD's ddp-powersgd:2 in 0 of 2.**")
     # Given from another CPU's file, where its own exact seeds fix a lower target: scored
     # at that one (MLPerf's score, against exact's), which the row names.
