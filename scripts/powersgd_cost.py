@@ -276,8 +276,10 @@ def restated_headline(page: Page, data: dict) -> str | None:
                      f"{ours * 1e3:.1f} ms a step there, the hook's {peer * 1e3:.1f} ms)")
     return (f"On GPU hosts, with PowerSGD's compute measured on an {data['gpu_name']} in "
             f"place of this CPU's divided by S (restated arithmetically from the cells above "
-            f"and the measured compression times, not run end to end), hybriddl's PowerSGD "
-            f"against DDP + PowerSGD is: {'; '.join(parts)} "
+            f"and the measured compression times, the CPU's as {data['cpu_compression_model']} "
+            f"measured them: an estimate; rows whose workload says \"PowerSGD's compute the "
+            f"{data['gpu_name']}'s\" ran it end to end, `emulate --compression-seconds`), "
+            f"hybriddl's PowerSGD against DDP + PowerSGD is: {'; '.join(parts)} "
             f"([restated](docs/benchmarks/{page.name}.md)).")
 
 
