@@ -10,6 +10,8 @@ Per model, in interleaved rounds (each round times every contender once; the dev
 synchronised before every clock read), the median and spread of:
 - `hybriddl powersgd:2` / `powersgd:2:rounds=2`: one step of `PowerSGD.aggregate` on the
   model's gradients, the allreduce left out (one host: the sum is the wire);
+- `hybriddl powersgd:2 convolutions`: the same on the convolutions' gradients alone
+  (`features.*`), what `--host-parallel hybrid` compresses (hybrid-powersgd);
 - `ddp powerSGD_hook:2 minus allreduce_hook`: a DDP step (forward and backward) of one
   process with torch's hook at rank 2 (compressing from its third step) less the same step
   with DDP's default allreduce hook (a world of one: no bytes move);
@@ -56,6 +58,8 @@ from hybriddl.usecases import build_model, get_usecase
 RANK = 2
 HOOK_START = 2  # torch's least start_powerSGD_iter with error feedback
 OURS, PEER = "hybriddl powersgd:2", "ddp powerSGD_hook:2 minus allreduce_hook"
+# What --host-parallel hybrid compresses: the convolutions' gradients (`features.*`) alone.
+CONVOLUTIONS = "hybriddl powersgd:2 convolutions"
 TABLES = "results/scaling_fast-*.json"
 # The cells that stand for GPU hosts: a host step of AlexNet's 10 ms or VGG16's 18-20 ms
 # (the tables' slower hosts, 95-105 ms, are CPU servers: their compression stays on the CPU).
@@ -117,10 +121,17 @@ def measure(name: str, image_size: int, batch: int, device: torch.device, repeat
         host.copy_(flat, non_blocking=True)
         back.copy_(host, non_blocking=True)
 
+    # The convolutions' part, as the hybrid scheme's hosts run it (its own state and factors).
+    convolutions = [g for (name, _), g in zip(model.named_parameters(), gradients)
+                    if name.startswith("features.")]
+    hybrid = PowerSGD(RANK)
+    hybrid.setup([g.shape for g in convolutions], device=device)
     with_hook = DdpStep(model, x, y, powersgd=True)
     plain = DdpStep(build_model(name, 10).to(device), x, y, powersgd=False)
     contenders = {**{label: (lambda s=scheme: s.aggregate(gradients, lambda w: w))
                      for label, scheme in schemes.items()},
+                  **({CONVOLUTIONS: lambda: hybrid.aggregate(convolutions, lambda w: w)}
+                     if convolutions else {}),
                   "gradient to host and back": round_trip,
                   "ddp step with powerSGD_hook:2": with_hook,
                   "ddp step with allreduce_hook": plain}
