@@ -154,14 +154,15 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"{flag} {value:g}: give a positive number of seconds")
     if args.max_start_wall is not None and args.max_step_wall is None:
         parser.error("--max-start-wall limits DDP's start beside --max-step-wall: give both")
-    args.compression_seconds = {}
+    args.compression_seconds, args.compression_device = {}, None
     if args.compression_seconds_from:
         try:
+            measured = json.loads(Path(args.compression_seconds_from).read_text())
             args.compression_seconds = compression_seconds_from(
-                json.loads(Path(args.compression_seconds_from).read_text()),
-                get_usecase(args.usecase).model, args.contenders, args.powersgd_rank)
+                measured, get_usecase(args.usecase).model, args.contenders, args.powersgd_rank)
         except (OSError, ValueError) as exc:
             parser.error(f"--compression-seconds-from {args.compression_seconds_from}: {exc}")
+        args.compression_device = measured.get("gpu_name") or "its CPU"
     return args
 
 
@@ -1080,8 +1081,7 @@ def main(argv=None) -> int:
         # PowerSGD's compute measured on the hosts' device, where it stands in (else null).
         "compression_seconds": args.compression_seconds and {
             "from": args.compression_seconds_from, "seconds": args.compression_seconds,
-            "device": json.loads(Path(args.compression_seconds_from).read_text()).get(
-                "gpu_name") or "its CPU"},
+            "device": args.compression_device},
         "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host,
                                                      args.powersgd_rank) for h in args.hosts},
         "cells": [],

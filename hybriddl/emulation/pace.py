@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE, time_scale
 
@@ -74,6 +74,17 @@ def compression_seconds() -> float | None:
         return float(value) if value else None
     except ValueError:
         return None
+
+
+def timed(paced: Pace | None):
+    """Where a scheme computes: timed for `paced`, untimed where nothing is paced."""
+    return paced.timing() if paced else nullcontext()
+
+
+def step_done(paced: Pace | None, compressed: bool) -> None:
+    """A step's end: padded where it compressed, its timing dropped where it did not."""
+    if paced:
+        paced.end_step() if compressed else paced.forget()
 
 
 def pace() -> Pace | None:

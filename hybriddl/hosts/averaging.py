@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybriddl.emulation.pace import pace
+from hybriddl.emulation.pace import pace, step_done, timed
 from hybriddl.errors import TrainingError
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import GradientBuckets
@@ -200,10 +200,6 @@ class WholeGradientAverager(Averager):
         # emulate --compression-seconds: the scheme's compute padded to the hosts' (else None).
         self._pace = pace()
 
-    def _computing(self):
-        """Where the scheme computes (not where it waits on the wire): timed for the pace."""
-        return self._pace.timing() if self._pace else contextlib.nullcontext()
-
     @property
     def phase_positions(self) -> list[list[int]]:
         return self._phase_positions
@@ -233,7 +229,7 @@ class WholeGradientAverager(Averager):
         """This host's part of one phase: its gradients scaled by n_h/N, the scheme's wire
         for them, and that wire's allreduce started (driven by the progress thread while
         backward runs)."""
-        with self._computing():
+        with timed(self._pace):
             if not self._step_begun:
                 self.compression.begin_step([p.shape for p in self.parameters])
                 self._step_begun = True
@@ -269,7 +265,7 @@ class WholeGradientAverager(Averager):
             totals = [back_to(received, wire) for wire, _, received in self._phases_sent]
             # A round that depends on the sums so far (PowerSGD's Q after its P).
             while True:
-                with self._computing():
+                with timed(self._pace):
                     wire = self.compression.next_round(totals)
                 if wire is None:
                     break
@@ -279,14 +275,13 @@ class WholeGradientAverager(Averager):
                 totals.append(back_to(received, wire))
             gradients = [p.grad for p in self.parameters]
             # The approximations are written into the gradients where they can be.
-            with self._computing():
+            with timed(self._pace):
                 compressed = self.compression.compressing
                 for gradient, approximation in zip(
                         gradients, self.compression.finish_step(totals, out=gradients)):
                     if approximation is not gradient:
                         gradient.copy_(approximation)
-            if self._pace:
-                self._pace.end_step() if compressed else self._pace.forget()
+            step_done(self._pace, compressed)
         finally:
             self.armed = False
             self._phases_sent = []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
-from hybriddl.emulation.pace import pace
+from hybriddl.emulation.pace import pace, step_done, timed
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
 from hybriddl.hosts.compression import Compression
@@ -206,13 +206,12 @@ class Hosts:
                 p.grad = torch.zeros_like(p)
             gradients.append(p.grad.mul_(scale) if scale != 1.0 else p.grad)
         # The approximations are written into the gradients where they can be.
-        with self._pace.timing() if self._pace else contextlib.nullcontext():
+        with timed(self._pace):
             for gradient, approximation in zip(
                     gradients, self.compression.aggregate(gradients, allreduce, out=gradients)):
                 if approximation is not gradient:
                     gradient.copy_(approximation)
-        if self._pace:  # emulate --compression-seconds: the scheme's compute at the hosts'
-            self._pace.end_step() if self.compression.compressing else self._pace.forget()
+        step_done(self._pace, self.compression.compressing)
 
     # ------------------------------------------------------------------ compression state
     def compression_state(self) -> dict:
