@@ -154,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"{flag} {value:g}: give a positive number of seconds")
     if args.max_start_wall is not None and args.max_step_wall is None:
         parser.error("--max-start-wall limits DDP's start beside --max-step-wall: give both")
-    args.compression_seconds, args.compression_device = {}, None
+    args.compression_seconds, args.compression_device, args.compression_timed = {}, None, {}
     if args.compression_seconds_from:
         try:
             measured = json.loads(Path(args.compression_seconds_from).read_text())
@@ -163,6 +163,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (OSError, ValueError) as exc:
             parser.error(f"--compression-seconds-from {args.compression_seconds_from}: {exc}")
         args.compression_device = measured.get("gpu_name") or "its CPU"
+        # What was timed there: the commit, and how hybriddl orthogonalised its factors.
+        args.compression_timed = {
+            "commit": measured.get("commit"),
+            "orthogonalisation": measured.get("orthogonalisation", powersgd_cost.QR_BEFORE)}
     return args
 
 
@@ -884,8 +888,11 @@ def gpu_compression(data: dict) -> str | None:
         return None
     seconds = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in given["seconds"].items())
     outlasted = sorted({c["contender"] for c in data["cells"] if c.get("compression_outlasted")})
+    commit = f" at {given['commit'][:7]}" if given.get("commit") else ""
+    how = given.get("orthogonalisation", powersgd_cost.QR_BEFORE)
     return (f"PowerSGD's compute a step as measured on the {given['device']} "
-            f"(`{given['from']}`: {seconds}), not this CPU's / S"
+            f"(`{given['from']}`{commit}, hybriddl's factors orthogonalised by {how}: "
+            f"{seconds}), not this CPU's / S"
             + (f"; **{', '.join(outlasted)}**: its compute here outlasted that × S·D, so "
                "nothing was padded and its step is emulated slower than on that device (an "
                "upper bound)" if outlasted else ""))
@@ -1008,8 +1015,17 @@ def fast_row(data: dict, page: str) -> dict | None:
             "mb": f"{best['nic_bytes_per_step'] / 1e6:.2f}" if best.get("nic_bytes_per_step")
             else "–",
             "exact": "yes" if compression is None else f"no ({compression})",
-            "cpu": data.get("cpu_model"), "page": page,
+            "cpu": data.get("cpu_model"), "page": page, "gpu": bool(gpu),
+            "key": (data["usecase"], data.get("image_size", 224), rows[0]["bandwidth"]),
             "slowed": bool(data.get("reference_slowed"))}
+
+
+def readme_rows(rows: list[dict]) -> list[dict]:
+    """The README's throughput rows (fast_row's): where a workload and link ran with
+    PowerSGD's compute timed on a GPU, that row alone (hosts of a GPU's step compress on
+    it); its CPU-compute row stays on its page."""
+    on_gpu = {r["key"] for r in rows if r["gpu"]}
+    return [r for r in rows if r["gpu"] or r["key"] not in on_gpu]
 
 
 def fast_headline(table: Page, data: dict) -> str | None:
@@ -1081,7 +1097,7 @@ def main(argv=None) -> int:
         # PowerSGD's compute measured on the hosts' device, where it stands in (else null).
         "compression_seconds": args.compression_seconds and {
             "from": args.compression_seconds_from, "seconds": args.compression_seconds,
-            "device": args.compression_device},
+            "device": args.compression_device, **args.compression_timed},
         "theory_nic_bytes_per_step": {str(h): theory(args.usecase, h, args.cores_per_host,
                                                      args.powersgd_rank) for h in args.hosts},
         "cells": [],

@@ -38,7 +38,6 @@ import gpu_check
 import gpu_tests
 import main_job
 import planner_check
-import powersgd_cost
 import scaling_e2e
 from pages import Page, chart_digest, measured_date, provenance
 
@@ -86,7 +85,6 @@ PAGES: list[Page] = [
     *bench_local.PAGES,
     *bench_gpu.PAGES,
     *bench_powersgd.PAGES,
-    *powersgd_cost.PAGES,
     *bench_rows_exchange.PAGES,
     *planner_check.PAGES,
     *gpu_tests.PAGES,
@@ -227,13 +225,16 @@ def headline_block() -> str:
     for page in expanded(scaling_e2e.FAST_PAGES, []):
         data, _ = load_quotable(REPO / page.json)
         row = scaling_e2e.fast_row(data, page.name) if data else None
-        if row:
-            rows.append(row)
-            cpus["fast"].add(row["cpu"])
-            command = command or data["command"]
+        rows += [{**row, "command": data["command"]}] if row else []
+    rows = scaling_e2e.readme_rows(rows)
+    for row in rows:
+        cpus["fast"].add(row["cpu"])
+        command = command or row["command"]
     if rows:
         lines += ["**Throughput** on 2 emulated hosts side by side, each S× faster than a "
-                  "core here (efficiency: images/s against one such host's):", "",
+                  "core here (efficiency: images/s against one such host's; where the "
+                  "workload names a GPU, PowerSGD's compute took that GPU's measured time, "
+                  "not this CPU's / S):", "",
                   "| workload and link | host step (S) | hybriddl's best | DDP's best "
                   "| MB per host per step | exact? |", "|---|---|---|---|---:|---|"]
         lines += [f"| [{r['workload']}](docs/benchmarks/{r['page']}.md) | {r['speed']} | "
@@ -244,10 +245,6 @@ def headline_block() -> str:
                       "buckets and a one-rank allreduce for nothing. One host's step before / "
                       f"after, measured: {bench_one_rank.slowed_by()}; this machine's noise "
                       "is ±15–20 % a step."]
-        for page in powersgd_cost.PAGES:  # the same ratios with the GPU's compression
-            data, _ = load_quotable(REPO / page.json)
-            if data is not None and (line := page.headline(page, data)):
-                lines += ["", line]
         chart = BENCHMARKS / f"{rows[-1]['page']}.png"
         if chart.exists():  # which scheme wins where, at every host speed measured
             lines += ["", f"![Which scheme wins where: {rows[-1]['workload']}]"

@@ -808,41 +808,6 @@ def test_powersgd_cost_times_every_contender_side_by_side_and_names_the_device(t
 
 
 
-def test_powersgd_cost_restates_each_side_with_its_gpu_compression_seconds(tmp_path):
-    """Each side's step loses its CPU compression seconds divided by the cell's S and gains
-    the GPU's; a cell without its DDP peer beside it, of a model not measured, or of hosts
-    slower than a GPU is left out."""
-    import json
-
-    import powersgd_cost
-
-    def cost(ours: float, peer: float) -> dict:
-        return {"models": [{"model": "alexnet", "seconds": {
-            powersgd_cost.OURS: {"median": ours}, powersgd_cost.PEER: {"median": peer}}}]}
-
-    def cell(contender: str, hosts: int, step: float, speedup: float = 10.0) -> dict:
-        return {"bandwidth": "1gbit", "speedup": speedup, "hosts": hosts,
-                "contender": contender, "host_step_seconds": 0.01,
-                "step_seconds_median": step}
-
-    table = tmp_path / "scaling_fast-SimpleBig-1gbit.json"
-    slow = {"host_step_seconds": 0.1, "speedup": 1.0}  # a CPU server's step: not restated
-    table.write_text(json.dumps({"usecase": "SimpleBig", "cpu_model": "a CPU", "summary": [
-        cell("data-powersgd", 2, 0.012), cell("ddp-powersgd", 2, 0.024),
-        cell("data-powersgd", 4, 0.013),  # no peer at 4 hosts
-        {**cell("data-powersgd", 2, 0.1), **slow}, {**cell("ddp-powersgd", 2, 0.2), **slow}]}))
-    other = tmp_path / "scaling_fast-ComplexSmall-1gbit.json"  # vgg16: not measured
-    other.write_text(json.dumps({"usecase": "ComplexSmall", "cpu_model": "a CPU", "summary": [
-        cell("data-powersgd", 2, 0.02), cell("ddp-powersgd", 2, 0.03)]}))
-    [row] = powersgd_cost.restate(cost(0.05, 0.1), cost(0.004, 0.001), [table, other])
-    assert (row["model"], row["hosts"], row["speedup"]) == ("alexnet", 2, 10.0)
-    assert row["ours"]["step_seconds_restated"] == pytest.approx(0.012 - 0.005 + 0.004)
-    assert row["peer"]["step_seconds_restated"] == pytest.approx(0.024 - 0.01 + 0.001)
-    assert row["ratio_emulated"] == pytest.approx(2.0)
-    assert row["ratio_restated"] == pytest.approx(0.015 / 0.011)
-    assert "0.011" not in powersgd_cost.restated_table({"rows": [row]})  # milliseconds
-    assert "**1.36**" in powersgd_cost.restated_table({"rows": [row]})
-
 def test_planner_check_compares_the_plans_step_with_the_median_emulated_step(monkeypatch,
                                                                            tmp_path):
     """The prediction is the chosen row of the run's plan, the measurement the median of the

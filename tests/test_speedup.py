@@ -219,6 +219,7 @@ def test_scaling_e2e_takes_powersgds_compute_from_a_gpus_file_for_the_pair_it_me
     --compression-seconds at the file's median for the use case's model (hybrid-powersgd
     at its convolutions' where the file has it); the other contenders without; a scheme or
     rank the file did not measure is refused."""
+    import powersgd_cost
     import scaling_e2e
 
     gpu = str(REPO / "results" / "powersgd_cost-gpu.json")
@@ -232,6 +233,15 @@ def test_scaling_e2e_takes_powersgds_compute_from_a_gpus_file_for_the_pair_it_me
     assert scaling_e2e.speed_flags(args, "data-powersgd") == [
         "--speedup", "127.0", "--compression-seconds", f"{ours!r}s"]
     assert scaling_e2e.speed_flags(args, "data") == ["--speedup", "127.0"]
+    # What was timed there goes into the results file and onto the page: the commit, and the
+    # orthogonalisation (a file from before 9cfbb0f timed QR: it does not say).
+    assert args.compression_timed == {"commit": json.loads(Path(gpu).read_text())["commit"],
+                                      "orthogonalisation": powersgd_cost.QR_BEFORE}
+    given = {"from": gpu, "seconds": args.compression_seconds, "device": "NVIDIA H200",
+             **args.compression_timed}
+    text = scaling_e2e.gpu_compression({"compression_seconds": given, "cells": []})
+    assert "orthogonalised by QR (timed before 9cfbb0f" in text
+    assert f" at {args.compression_timed['commit'][:7]}," in text
     # The H200's file predates the convolutions' figure: hybrid-powersgd has none there.
     for more, says in ((["--contenders", "hybrid-powersgd"],
                         "no figure for hybrid-powersgd (hybriddl powersgd:2 convolutions)"),
@@ -284,3 +294,29 @@ def test_a_quota_holds_a_busy_host_to_its_share_of_a_core(tmp_path):
     finally:
         group.remove(grace=1)
     assert not group.path.exists()
+
+
+def test_the_readmes_throughput_row_of_a_workload_is_the_one_with_a_gpus_compute_where_run():
+    """Hosts of a GPU's step compress on the GPU: where a workload and link ran with
+    PowerSGD's compute timed on a GPU (emulate --compression-seconds), the README shows that
+    row and not the one with this CPU's compute / S; where that run's compute here outlasted
+    the GPU's (an upper bound), it has no row and the CPU's stays."""
+    import scaling_e2e
+
+    def table(bandwidth: str, gpu: bool = False, outlasted: bool = False) -> dict:
+        row = {"hosts": 2, "speedup": 100.0, "bandwidth": bandwidth, "efficiency": 0.5,
+               "contender": "data-powersgd", "nic_bytes_per_step": 2e5}
+        one = {**row, "hosts": 1, "contender": "data", "efficiency": 1.0}
+        cell = {"hosts": 2, "time_scale": 1.0, "contender": "data-powersgd", "speedup": 100.0,
+                "compression_outlasted": ["hybriddl: warning: ..."] if outlasted else []}
+        return {"usecase": "SimpleBig", "image_size": 224, "cpu_model": "a CPU",
+                "summary": [one, row], "cells": [cell],
+                "compression_seconds": {"device": "NVIDIA H200"} if gpu else None}
+
+    rows = [scaling_e2e.fast_row(data, name) for name, data in (
+        ("cpu-10g", table("10gbit")), ("gpu-10g", table("10gbit", gpu=True)),
+        ("cpu-1g", table("1gbit")), ("gpu-1g-outlasted", table("1gbit", True, True)))]
+    assert rows[3] is None
+    kept = scaling_e2e.readme_rows([r for r in rows if r])
+    assert [r["page"] for r in kept] == ["gpu-10g", "cpu-1g"]
+    assert "PowerSGD's compute the NVIDIA H200's" in kept[0]["workload"]
