@@ -10,6 +10,8 @@ Per model, in interleaved rounds (each round times every contender once; the dev
 synchronised before every clock read), the median and spread of:
 - `hybriddl powersgd:2` / `powersgd:2:rounds=2`: one step of `PowerSGD.aggregate` on the
   model's gradients, the allreduce left out (one host: the sum is the wire);
+- `hybriddl powersgd:2 with QR`: the first with its factors orthogonalised by QR, as
+  before Gram-Schmidt replaced it (9cfbb0f): what that change saves on this device;
 - `hybriddl powersgd:2 convolutions`: the same on the convolutions' gradients alone
   (`features.*`), what `--host-parallel hybrid` compresses (hybrid-powersgd);
 - `ddp powerSGD_hook:2 minus allreduce_hook`: a DDP step (forward and backward) of one
@@ -46,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench_common import REPO, results_header, spread, synchronize
 from hybriddl.files import atomic_write_json
+from hybriddl.hosts import powersgd
 from hybriddl.hosts.powersgd import GRAM_SCHMIDT_MAX_RANK, PowerSGD
 from hybriddl.usecases import build_model
 
@@ -57,6 +60,7 @@ CONVOLUTIONS = "hybriddl powersgd:2 convolutions"
 # How hybriddl's factors were orthogonalised where these were timed (QR alone before 9cfbb0f).
 ORTHOGONALISATION = f"Gram-Schmidt up to rank {GRAM_SCHMIDT_MAX_RANK}, QR above"
 QR_BEFORE = "QR (timed before 9cfbb0f: Gram-Schmidt since, up to rank 4)"
+WITH_QR = "hybriddl powersgd:2 with QR"
 
 
 
@@ -101,6 +105,17 @@ class DdpStep:
         torch.nn.functional.cross_entropy(self.model(self.x), self.y).backward()
 
 
+def with_qr(work) -> None:
+    """`work` with hybriddl's factors orthogonalised by QR at every rank (as before 9cfbb0f):
+    what Gram-Schmidt saves on this device, beside it in the same rounds."""
+    kept = powersgd.GRAM_SCHMIDT_MAX_RANK
+    powersgd.GRAM_SCHMIDT_MAX_RANK = 1
+    try:
+        work()
+    finally:
+        powersgd.GRAM_SCHMIDT_MAX_RANK = kept
+
+
 def measure(name: str, image_size: int, batch: int, device: torch.device, repeats: int) -> dict:
     model, x, y, gradients = model_gradients(name, image_size, batch, device)
     schemes = {"hybriddl powersgd:2": PowerSGD(RANK), "hybriddl powersgd:2:rounds=2":
@@ -122,8 +137,11 @@ def measure(name: str, image_size: int, batch: int, device: torch.device, repeat
     hybrid.setup([g.shape for g in convolutions], device=device)
     with_hook = DdpStep(model, x, y, powersgd=True)
     plain = DdpStep(build_model(name, 10).to(device), x, y, powersgd=False)
+    qr = PowerSGD(RANK)  # the same step with its factors orthogonalised by QR, as before
+    qr.setup([g.shape for g in gradients], device=device)
     contenders = {**{label: (lambda s=scheme: s.aggregate(gradients, lambda w: w))
                      for label, scheme in schemes.items()},
+                  WITH_QR: lambda: with_qr(lambda: qr.aggregate(gradients, lambda w: w)),
                   **({CONVOLUTIONS: lambda: hybrid.aggregate(convolutions, lambda w: w)}
                      if convolutions else {}),
                   "gradient to host and back": round_trip,

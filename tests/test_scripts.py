@@ -797,7 +797,8 @@ def test_powersgd_cost_times_every_contender_side_by_side_and_names_the_device(t
     seconds = model["seconds"]
     assert {"hybriddl powersgd:2", "hybriddl powersgd:2:rounds=2", "gradient to host and back",
             "ddp powerSGD_hook:2 minus allreduce_hook",
-            "hybriddl powersgd:2 convolutions"} <= seconds.keys()
+            "hybriddl powersgd:2 convolutions", "hybriddl powersgd:2 with QR"} <= seconds.keys()
+    assert result["orthogonalisation"] == "Gram-Schmidt up to rank 4, QR above"
     # The convolutions alone: what the hybrid scheme compresses (squeezenet's are nearly
     # all of it, so no order is asserted between the two, only that it was timed).
     assert seconds["hybriddl powersgd:2 convolutions"]["median"] > 0
@@ -895,3 +896,25 @@ def test_the_benchmarks_cell_runner_runs_a_command_on_emulated_hosts(tmp_path):
     failed = bench_common.emulate(bench_common.host_options(1), ["false"],
                                   tmp_path / "report.json")
     assert failed.returncode != 0 and failed.report is None
+
+
+def test_powersgd_costs_qr_contender_orthogonalises_by_qr_and_puts_gram_schmidt_back(
+        monkeypatch):
+    """The QR contender (what Gram-Schmidt replaced) really calls QR at rank 2, and the
+    other contenders, timed beside it, still run Gram-Schmidt."""
+    import torch
+
+    import powersgd_cost
+    from hybriddl.hosts import powersgd
+
+    calls = []
+    qr = torch.linalg.qr
+    monkeypatch.setattr(torch.linalg, "qr", lambda a: calls.append(a.shape) or qr(a))
+    scheme = powersgd.PowerSGD(2)
+    gradients = [torch.randn(16, 8), torch.randn(4)]
+    scheme.setup([g.shape for g in gradients])
+    powersgd_cost.with_qr(lambda: scheme.aggregate(gradients, lambda w: w))
+    assert calls and powersgd.GRAM_SCHMIDT_MAX_RANK == 4
+    calls.clear()
+    scheme.aggregate(gradients, lambda w: w)
+    assert calls == []
