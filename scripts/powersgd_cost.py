@@ -63,7 +63,6 @@ QR_BEFORE = "QR (timed before 9cfbb0f: Gram-Schmidt since, up to rank 4)"
 WITH_QR = "hybriddl powersgd:2 with QR"
 
 
-
 def timed(device: torch.device, work) -> float:
     synchronize(device)
     started = time.perf_counter()
