@@ -20,6 +20,13 @@ lines, and the next step runs:
 - train-SimpleBig, train-ComplexSmall: `hybriddl train --strategy gpu` for a few epochs'
   steps -> results/gpu_check-train-<usecase>.json
 
+A lease of a GPU is short (15 minutes of device time, 10 a command, the machine's start
+counted): `--within SECONDS` runs the steps that matter most first (PRIORITY: the GPU tests
+at this commit, AlexNet's step against PyTorch's, PowerSGD's compute), as many as fit in
+SECONDS by their limits, and prints the `--only` line that runs the rest as a second part:
+
+    python scripts/gpu_check.py --within 540    # one device call of at most 10 minutes
+
 Then results/gpu_check.json lists every step: command, limit, seconds, exit code, outcome.
 Every results file names the GPU (gpu_name), torch, commit and command. Without a CUDA
 device it writes nothing and exits 2: no GPU figure is written where none was measured.
@@ -48,6 +55,10 @@ from hybriddl.files import atomic_write_json
 TOTAL_SECONDS = 20 * 60
 TUNE_BUDGET_SECONDS = 100  # SimpleBig's candidates at 224 px (33 s on an H200, 2026-11-28)
 MIN_STEP_SECONDS = 10  # a step given less than this is not started
+# What a short lease runs first (`--within`): issue 54's GPU path at this commit, then
+# AlexNet's keyed dropout against PyTorch's step, then PowerSGD's compute on the GPU.
+PRIORITY = ("gpu-tests", "bench-SimpleBig", "powersgd-cost", "two-ranks", "bench-ComplexSmall",
+            "train-SimpleBig", "train-ComplexSmall", "tune-SimpleBig")
 RESULTS = REPO / "results"
 
 
@@ -237,7 +248,12 @@ def main(argv=None) -> int:
                         help="print the steps, their commands and time limits; run nothing")
     parser.add_argument("--only", nargs="+", metavar="STEP",
                         help="run these steps only (names as --plan shows them)")
+    parser.add_argument("--within", type=float, metavar="SECONDS",
+                        help="run the steps that matter most (PRIORITY) that fit in SECONDS "
+                             "by their limits, in plan order, and print the rest's --only")
     args = parser.parse_args(argv)
+    if args.within is not None and (args.only or not args.within > 0):
+        parser.error("--within SECONDS: give a positive number of seconds, without --only")
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
         steps = plan(Path(scratch))
         known = [s.name for s in steps]
@@ -248,6 +264,11 @@ def main(argv=None) -> int:
             return 2
         if args.only:
             steps = [s for s in steps if s.name in args.only]
+        if args.within is not None:
+            steps, rest = within(steps, args.within)
+            print(f"gpu_check: {' '.join(s.name for s in steps) or 'no step'} within "
+                  f"{args.within:g} s" + (f"; the rest: python scripts/gpu_check.py --only "
+                                          f"{' '.join(s.name for s in rest)}" if rest else ""))
         if args.plan:
             for step in steps:
                 print(f"{step.name:20} {step.limit:5.0f} s  {step.shown()}"
@@ -260,6 +281,19 @@ def main(argv=None) -> int:
                   "GPU figure without a GPU)", file=sys.stderr)
             return 2
         return check(steps, torch.cuda.get_device_name(0), argv, known)
+
+
+def within(steps: list[Step], seconds: float) -> tuple[list[Step], list[Step]]:
+    """(The steps run now, in plan order; the rest, in PRIORITY's): PRIORITY's first steps
+    whose limits sum to at most `seconds` (one that does not fit is passed over for a
+    shorter one after it)."""
+    chosen, left = set(), seconds
+    ranked = sorted(steps, key=lambda s: PRIORITY.index(s.name))
+    for step in ranked:
+        if step.limit <= left:
+            chosen.add(step.name)
+            left -= step.limit
+    return [s for s in steps if s.name in chosen], [s for s in ranked if s.name not in chosen]
 
 
 def earlier_rows(gpu: str, order: list[str], rerun: list[str]) -> list[dict]:

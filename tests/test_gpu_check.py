@@ -53,6 +53,27 @@ def test_the_plan_fits_twenty_minutes_and_covers_every_part(gpu_check, tmp_path,
     assert gpu_check.main(["--plan"]) == 0 and "total" in capsys.readouterr().out
 
 
+def test_within_a_short_lease_the_steps_that_matter_most_run_first(gpu_check, tmp_path,
+                                                                   capsys):
+    """--within: the GPU tests, AlexNet against PyTorch and PowerSGD's compute fit one device
+    call of 10 minutes; the rest is printed as the second part's --only line."""
+    steps = gpu_check.plan(tmp_path, mpirun="mpirun")
+    assert sorted(gpu_check.PRIORITY) == sorted(s.name for s in steps)
+    now, rest = gpu_check.within(steps, 540)
+    assert [s.name for s in now] == ["gpu-tests", "powersgd-cost", "bench-SimpleBig"]
+    assert sum(s.limit for s in now) <= 540
+    assert {s.name for s in now} | {s.name for s in rest} == {s.name for s in steps}
+    assert gpu_check.within(steps, 1)[0] == []
+    assert gpu_check.main(["--plan", "--within", "540"]) == 0
+    out = capsys.readouterr().out
+    assert "the rest: python scripts/gpu_check.py --only two-ranks" in out
+    assert "bench-ComplexSmall" not in out.split("the rest")[0]
+    for bad in (["--within", "0"], ["--within", "60", "--only", "gpu-tests"]):
+        with pytest.raises(SystemExit):
+            gpu_check.main(bad)
+    assert "--within SECONDS" in capsys.readouterr().err
+
+
 def test_a_failing_or_hanging_step_is_recorded_and_the_next_still_runs(gpu_check, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setattr(gpu_check, "RESULTS", tmp_path)
