@@ -299,24 +299,30 @@ def test_a_quota_holds_a_busy_host_to_its_share_of_a_core(tmp_path):
 def test_the_readmes_throughput_row_of_a_workload_is_the_one_with_a_gpus_compute_where_run():
     """Hosts of a GPU's step compress on the GPU: where a workload and link ran with
     PowerSGD's compute timed on a GPU (emulate --compression-seconds), the README shows that
-    row and not the one with this CPU's compute / S; where that run's compute here outlasted
-    the GPU's (an upper bound), it has no row and the CPU's stays."""
+    row, not the one with this CPU's compute / S. A contender whose compute here outlasted
+    the GPU's is shown as at least (≥) its efficiency; of two GPU rows, the one measured
+    throughout wins over the one with a bound."""
     import scaling_e2e
 
-    def table(bandwidth: str, gpu: bool = False, outlasted: bool = False) -> dict:
-        row = {"hosts": 2, "speedup": 100.0, "bandwidth": bandwidth, "efficiency": 0.5,
+    def table(bandwidth: str, gpu: bool = False, outlasted: bool = False,
+              speedup: float = 100.0) -> dict:
+        row = {"hosts": 2, "speedup": speedup, "bandwidth": bandwidth, "efficiency": 0.5,
                "contender": "data-powersgd", "nic_bytes_per_step": 2e5}
+        peer = {**row, "contender": "ddp-powersgd", "efficiency": 0.6}
         one = {**row, "hosts": 1, "contender": "data", "efficiency": 1.0}
-        cell = {"hosts": 2, "time_scale": 1.0, "contender": "data-powersgd", "speedup": 100.0,
+        cell = {"hosts": 2, "time_scale": 1.0, "contender": "ddp-powersgd",
+                "speedup": speedup + 0.004,  # unrounded, as derived from --host-step
                 "compression_outlasted": ["hybriddl: warning: ..."] if outlasted else []}
         return {"usecase": "SimpleBig", "image_size": 224, "cpu_model": "a CPU",
-                "summary": [one, row], "cells": [cell],
+                "summary": [one, row, peer], "cells": [cell],
                 "compression_seconds": {"device": "NVIDIA H200"} if gpu else None}
 
     rows = [scaling_e2e.fast_row(data, name) for name, data in (
-        ("cpu-10g", table("10gbit")), ("gpu-10g", table("10gbit", gpu=True)),
-        ("cpu-1g", table("1gbit")), ("gpu-1g-outlasted", table("1gbit", True, True)))]
-    assert rows[3] is None
-    kept = scaling_e2e.readme_rows([r for r in rows if r])
-    assert [r["page"] for r in kept] == ["gpu-10g", "cpu-1g"]
+        ("cpu-10g", table("10gbit")), ("gpu-10g-bound", table("10gbit", True, True, 200.0)),
+        ("gpu-10g", table("10gbit", gpu=True)), ("cpu-1g", table("1gbit")),
+        ("gpu-1g-bound", table("1gbit", True, True)))]
+    assert rows[1]["ddp"] == "ddp-powersgd ≥ 0.60" and rows[1]["ours"] == "data-powersgd 0.50"
+    assert rows[2]["ddp"] == "ddp-powersgd 0.60" and not rows[2]["bounded"]
+    kept = scaling_e2e.readme_rows(rows)
+    assert [r["page"] for r in kept] == ["gpu-10g", "gpu-1g-bound"]
     assert "PowerSGD's compute the NVIDIA H200's" in kept[0]["workload"]
