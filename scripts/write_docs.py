@@ -361,15 +361,17 @@ def main(argv=None) -> int:
         for name in stale:
             print(f"out of date: {name} (run python scripts/write_docs.py)")
         return 1 if stale else 0
+    # Charts first: the README links a chart only once it exists.
+    for path, page, data in stale_charts():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        page.chart(data, path)
+        print(f"wrote {path.relative_to(REPO)}")
     expected, skipped = expected_files()
     for path, text in expected.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(REPO)}")
-    for path, page, data in stale_charts():
-        page.chart(data, path)
-        print(f"wrote {path.relative_to(REPO)}")
     for path in stale_pages(expected):
         path.unlink()
         print(f"removed {path.relative_to(REPO)}")

@@ -184,3 +184,27 @@ def test_the_fast_host_headline_sends_the_compressed_rows_to_time_to_accuracy():
     assert ("not exact (judged by time to accuracy over seeds, not by images/s) — "
             "PowerSGD rank 2: ") in headline
     assert "equal epochs" not in headline
+
+
+def test_one_run_of_write_docs_links_a_new_pages_chart_from_the_readme(tmp_path, monkeypatch):
+    """A results file measured for the first time: one `write_docs.py` draws its chart before
+    it writes the README that links it, so `--check` is clean after one run (the README was
+    written first, without the link, and a second run was needed)."""
+    import shutil
+
+    docs = write_docs()
+    results = tmp_path / "results"
+    results.mkdir()
+    name = "scaling_fast-SimpleBig-1gbit-4ms-gpu-powersgd"
+    shutil.copy(REPO / "results" / f"{name}.json", results)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{docs.HEADLINE_BEGIN}\n{docs.HEADLINE_END}\n")
+    for attribute, value in (("REPO", tmp_path), ("RESULTS", results),
+                             ("DOCS", tmp_path / "docs"),
+                             ("BENCHMARKS", tmp_path / "docs" / "benchmarks"),
+                             ("README", readme), ("MAIN_JOB_JSON", results / "main_job.json")):
+        monkeypatch.setattr(docs, attribute, value)
+    assert docs.main([]) == 0
+    assert (tmp_path / "docs" / "benchmarks" / f"{name}.png").stat().st_size > 0
+    assert f"](docs/benchmarks/{name}.png)" in readme.read_text()
+    assert docs.differences() == []
