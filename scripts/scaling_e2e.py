@@ -166,7 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         # What was timed there: the commit, and how hybriddl orthogonalised its factors.
         args.compression_timed = {
             "commit": measured.get("commit"),
-            "orthogonalisation": measured.get("orthogonalisation", powersgd_cost.QR_BEFORE)}
+            "orthogonalisation": measured.get("orthogonalisation")}  # None: before it said
     return args
 
 
@@ -889,7 +889,7 @@ def gpu_compression(data: dict) -> str | None:
     seconds = ", ".join(f"{c} {s * 1e3:.1f} ms" for c, s in given["seconds"].items())
     outlasted = sorted({c["contender"] for c in data["cells"] if c.get("compression_outlasted")})
     commit = f" at {given['commit'][:7]}" if given.get("commit") else ""
-    how = given.get("orthogonalisation", powersgd_cost.QR_BEFORE)
+    how = given.get("orthogonalisation") or powersgd_cost.QR_BEFORE
     return (f"PowerSGD's compute a step as measured on the {given['device']} "
             f"(`{given['from']}`{commit}, hybriddl's factors orthogonalised by {how}: "
             f"{seconds}), not this CPU's / S"
@@ -1019,6 +1019,8 @@ def fast_row(data: dict, page: str) -> dict | None:
             else "–",
             "exact": "yes" if compression is None else f"no ({compression})",
             "cpu": data.get("cpu_model"), "page": page, "gpu": bool(gpu), "speedup": speedup,
+            "orthogonalisation": (gpu.get("orthogonalisation") or powersgd_cost.QR_BEFORE)
+            if gpu else None,
             "bounded": bool(outlasted & {best["contender"], peer and peer["contender"]}),
             "key": (data["usecase"], data.get("image_size", 224), rows[0]["bandwidth"]),
             "slowed": bool(data.get("reference_slowed"))}

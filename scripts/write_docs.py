@@ -235,6 +235,8 @@ def headline_block() -> str:
                   "core here (efficiency: images/s against one such host's; where the "
                   "workload names a GPU, PowerSGD's compute took that GPU's measured time, "
                   "not this CPU's / S"
+                  + "".join(f"; hybriddl's factors were orthogonalised there by {how}"
+                            for how in sorted({r["orthogonalisation"] for r in rows if r["gpu"]}))
                   + ("; ≥: that contender's compute here outlasted the GPU's, so its step is "
                      "an upper bound and its efficiency at least this" if any(
                          r["bounded"] for r in rows) else "") + "):", "",

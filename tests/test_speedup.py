@@ -219,7 +219,6 @@ def test_scaling_e2e_takes_powersgds_compute_from_a_gpus_file_for_the_pair_it_me
     --compression-seconds at the file's median for the use case's model (hybrid-powersgd
     at its convolutions' where the file has it); the other contenders without; a scheme or
     rank the file did not measure is refused."""
-    import powersgd_cost
     import scaling_e2e
 
     gpu = str(REPO / "results" / "powersgd_cost-gpu.json")
@@ -234,13 +233,14 @@ def test_scaling_e2e_takes_powersgds_compute_from_a_gpus_file_for_the_pair_it_me
         "--speedup", "127.0", "--compression-seconds", f"{ours!r}s"]
     assert scaling_e2e.speed_flags(args, "data") == ["--speedup", "127.0"]
     # What was timed there goes into the results file and onto the page: the commit, and the
-    # orthogonalisation (a file from before 9cfbb0f timed QR: it does not say).
+    # orthogonalisation (a file from before 9cfbb0f timed QR: it does not say, and the
+    # page says QR).
     assert args.compression_timed == {"commit": json.loads(Path(gpu).read_text())["commit"],
-                                      "orthogonalisation": powersgd_cost.QR_BEFORE}
+                                      "orthogonalisation": None}
     given = {"from": gpu, "seconds": args.compression_seconds, "device": "NVIDIA H200",
              **args.compression_timed}
     text = scaling_e2e.gpu_compression({"compression_seconds": given, "cells": []})
-    assert "orthogonalised by QR (timed before 9cfbb0f" in text
+    assert "orthogonalised by QR, as before 9cfbb0f" in text
     assert f" at {args.compression_timed['commit'][:7]}," in text
     # The H200's file predates the convolutions' figure: hybrid-powersgd has none there.
     for more, says in ((["--contenders", "hybrid-powersgd"],
@@ -326,3 +326,6 @@ def test_the_readmes_throughput_row_of_a_workload_is_the_one_with_a_gpus_compute
     kept = scaling_e2e.readme_rows(rows)
     assert [r["page"] for r in kept] == ["gpu-10g", "gpu-1g-bound"]
     assert "PowerSGD's compute the NVIDIA H200's" in kept[0]["workload"]
+    # What the GPU timed: a file that does not say predates Gram-Schmidt (QR).
+    assert kept[0]["orthogonalisation"].startswith("QR, as before 9cfbb0f")
+    assert rows[0]["orthogonalisation"] is None
