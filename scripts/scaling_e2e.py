@@ -983,6 +983,13 @@ def scaling_fast_chart(data: dict, path: Path) -> Path:
     return save_chart(figure, path, scaling_fast_digest(data))
 
 
+def outlasted_at(data: dict, speedup: float) -> set[str]:
+    """The contenders whose compute here outlasted the other device's (emulate
+    --compression-seconds) at this S: their steps are upper bounds."""
+    return {c["contender"] for c in data["cells"] if c.get("compression_outlasted")
+            and float(f"{c.get('speedup', 1.0):.3g}") == speedup}
+
+
 def fast_row(data: dict, page: str) -> dict | None:
     """The README's throughput row of one scaling_fast file: 2 hosts side by side at the
     fastest host speed measured, hybriddl's best contender against DDP's best. Where
@@ -1001,8 +1008,7 @@ def fast_row(data: dict, page: str) -> dict | None:
         return None
     best = max(ours, key=lambda r: r["efficiency"])
     peer = max(peers, key=lambda r: r["efficiency"]) if peers else None
-    outlasted = {c["contender"] for c in data["cells"] if c.get("compression_outlasted")
-                 and float(f"{c.get('speedup', 1.0):.3g}") == speedup}
+    outlasted = outlasted_at(data, speedup)
 
     def shown(row: dict) -> str:
         return (f"{row['contender']} {'≥ ' if row['contender'] in outlasted else ''}"
@@ -1057,8 +1063,9 @@ def fast_headline(table: Page, data: dict) -> str | None:
                and c["hosts"] == hosts]
     step = dict(fast_speeds(data)).get(speedup)
     model = model_name(data["usecase"])
-    parts = [f"{r['contender']} {ratio_text(r['efficiency'])} ({r['images_per_second']:.0f} img/s)"
-             for r in rows]
+    bounded = outlasted_at(data, speedup)
+    parts = [f"{r['contender']} {'≥ ' if r['contender'] in bounded else ''}"
+             f"{ratio_text(r['efficiency'])} ({r['images_per_second']:.0f} img/s)" for r in rows]
     parts += [f"{c['contender']} not run (predicted {c['predicted_step_wall_seconds']:.0f} s of "
               f"wall time per step)" if c.get("predicted_step_wall_seconds")
               else f"{c['contender']} not run" for c in not_run]

@@ -307,10 +307,11 @@ def test_the_readmes_throughput_row_of_a_workload_is_the_one_with_a_gpus_compute
     def table(bandwidth: str, gpu: bool = False, outlasted: bool = False,
               speedup: float = 100.0) -> dict:
         row = {"hosts": 2, "speedup": speedup, "bandwidth": bandwidth, "efficiency": 0.5,
-               "contender": "data-powersgd", "nic_bytes_per_step": 2e5}
-        peer = {**row, "contender": "ddp-powersgd", "efficiency": 0.6}
+               "contender": "data-powersgd", "nic_bytes_per_step": 2e5,
+               "images_per_second": 100.0}
+        peer = {**row, "contender": "ddp-powersgd", "efficiency": 0.6, "images_per_second": 120.0}
         one = {**row, "hosts": 1, "contender": "data", "efficiency": 1.0}
-        cell = {"hosts": 2, "time_scale": 1.0, "contender": "ddp-powersgd",
+        cell = {"hosts": 2, "time_scale": 1.0, "contender": "ddp-powersgd", "bandwidth": bandwidth,
                 "speedup": speedup + 0.004,  # unrounded, as derived from --host-step
                 "compression_outlasted": ["hybriddl: warning: ..."] if outlasted else []}
         return {"usecase": "SimpleBig", "image_size": 224, "cpu_model": "a CPU",
@@ -323,6 +324,9 @@ def test_the_readmes_throughput_row_of_a_workload_is_the_one_with_a_gpus_compute
         ("gpu-1g-bound", table("1gbit", True, True)))]
     assert rows[1]["ddp"] == "ddp-powersgd ≥ 0.60" and rows[1]["ours"] == "data-powersgd 0.50"
     assert rows[2]["ddp"] == "ddp-powersgd 0.60" and not rows[2]["bounded"]
+    page = scaling_e2e.FAST_PAGES[0]
+    assert "ddp-powersgd ≥ 0.60 (120 img/s)" in scaling_e2e.fast_headline(
+        page, {**table("1gbit", True, True), "torch": "2", "commit": "abc", "date": "d"})
     kept = scaling_e2e.readme_rows(rows)
     assert [r["page"] for r in kept] == ["gpu-10g", "gpu-1g-bound"]
     assert "PowerSGD's compute the NVIDIA H200's" in kept[0]["workload"]
