@@ -16,7 +16,14 @@ training):
   with `--compile-peer` torch.compile of the fastest of those (picked from one untimed
   visit of each, compiled before the rounds, then timed in the same rounds as every row);
 - pipeline: both stages on one GPU, M micro-batches, with each stage's busy time and the
-  time both stages were busy at once (from CUDA events around each stage's work).
+  time both stages were busy at once (from CUDA events around each stage's work);
+- graph (unless `--no-graph`): the whole training step (forward, backward, fused SGD)
+  captured once in a CUDA graph and replayed, fp32 and channels_last: `gpu-graph` is
+  hybriddl's model with keyed dropout, `pytorch-graph` torchvision's with nn.Dropout. Not
+  what `hybriddl train` runs: whether this route brings keyed dropout to PyTorch's speed
+  (`graph_route` in the file: the fastest gpu-graph row against the fastest pytorch row
+  and against the fastest pytorch-graph row). A capture that fails is recorded with its
+  reason and the other rows go on.
 A row's seconds/step is the median over rounds; its spread the lowest and highest round;
 vs_fastest_peer = the fastest pytorch row's seconds / the row's, within each round, median
 over rounds. Then `--train-steps` steps (default 200, over as many epochs as they take:
@@ -75,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--compile-peer", action="store_true",
                         help="add torch.compile of the fastest plain PyTorch numerics")
+    parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the step captured in a CUDA graph, keyed dropout and "
+                        "PyTorch's, fp32 and channels_last (default: on)")
     parser.add_argument("--train-steps", type=int, default=200,
                         help="steps of `hybriddl train` for the data wait, over as many "
                         "epochs as they take (0: none)")
@@ -97,6 +107,7 @@ class Row:
         self.rounds: list[float] = []
         self.extra: dict = {}
         self.state: dict = {}
+        self.failed: str | None = None  # why it could not run here (a graph's capture)
 
     def close(self) -> None:
         """Stop the row's strategy (a pipeline's stage thread) once it is measured."""
@@ -175,6 +186,70 @@ def plain_step(state: dict, x: torch.Tensor, y: torch.Tensor, numerics: Strategy
     state["optimizer"].step()
 
 
+# The numerics a graph row captures: bf16 autocast caches its casts of the weights, which a
+# captured graph would hold stale (torch.cuda.graphs asks for cache_enabled=False there).
+GRAPH_NUMERICS = ("fp32", "fp32-cl")
+
+
+def graphed(step, device: torch.device, warmup: int = 3):
+    """`step` captured once in a CUDA graph, as torch.cuda.graphs' whole-network capture
+    does: warm-up calls on a side stream (they build the kernels and the momentum), the
+    gradients dropped, then one call captured (its gradients allocated from the graph's
+    pool); returns the replay, which reruns every kernel with one launch and no Python. On
+    a CPU device (the tests) the step itself."""
+    if device.type != "cuda":
+        return step
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def graph_row(model_name, classes, x, y, device, variant, keyed: bool, args) -> Row:
+    """The whole step in a CUDA graph (`graphed`): hybriddl's model with keyed dropout
+    (`keyed`, the keys a fixed device tensor) or torchvision's with nn.Dropout, the
+    variant's numerics, the fused SGD of every row. Where the capture fails the row is
+    recorded as failed, with why, and timed no more."""
+    numerics = NUMERICS[variant]
+    state = {}
+    row = Row("gpu-graph" if keyed else "pytorch-graph", variant, 0.5, None)
+
+    def visit() -> float | None:
+        if row.failed:
+            return None
+        if "replay" not in state:
+            torch.manual_seed(0)
+            import torchvision
+
+            model = (build_model(model_name, classes) if keyed else
+                     torchvision.models.get_model(model_name, num_classes=classes)).to(device)
+            prepare_model(model, numerics)
+            keys = sample_keys(0, 0, torch.arange(len(y))).to(device) if keyed else None
+            state.update(model=model, x=x.to(device), y=y.to(device),
+                         optimizer=make_optimizer(model.parameters(), 0.001, 0.9))
+
+            def step():
+                with dropout_keys(keys):
+                    plain_step(state, state["x"], state["y"], numerics)
+
+            try:
+                state["replay"] = graphed(step, device)
+            except RuntimeError as exc:
+                row.failed = f"capture failed: {str(exc).strip().splitlines()[0]}"
+                return None
+        return timed(device, state["replay"], args.warmup, args.steps)
+
+    row.visit = visit
+    row.state = state
+    return row
+
+
 def pipeline_row(model_name, classes, x, y, device, args) -> Row:
     options = StrategyOptions(micro_batches=args.micro_batches, devices=(str(device),) * 2)
     row = hybriddl_row(model_name, classes, x, y, device, "fp32", None, args,
@@ -221,21 +296,36 @@ def measure(rows: list[Row], rounds: int, on_visit=lambda r, row, s: None) -> No
     for number in range(rounds):
         for row in rows:
             seconds = row.visit()
+            if seconds is None:  # it cannot run here (row.failed says why)
+                continue
             row.rounds.append(seconds)
             on_visit(number, row, seconds)
 
 
+def versus(row: Row, peers: list[Row]) -> float | None:
+    """The fastest of `peers`' step over the row's, within each round, median over rounds."""
+    peers = [p for p in peers if not p.failed]
+    if not peers:
+        return None
+    return statistics.median(min(p.rounds[i] for p in peers) / s
+                             for i, s in enumerate(row.rounds))
+
+
 def summarise(rows: list[Row]) -> list[dict]:
     peers = [r for r in rows if r.strategy == "pytorch"]
+    graph_peers = [r for r in rows if r.strategy == "pytorch-graph"]
     out = []
     for row in rows:
-        fastest_peer = [min(p.rounds[i] for p in peers) for i in range(len(row.rounds))] if peers else []
+        if row.failed:
+            out.append({"strategy": row.strategy, "variant": row.variant,
+                        "dropout": row.dropout, "failed": row.failed})
+            continue
         record = {"strategy": row.strategy, "variant": row.variant, "dropout": row.dropout,
                   "seconds_per_step": statistics.median(row.rounds),
                   "spread_seconds": spread(row.rounds)["min"], "round_seconds": row.rounds,
-                  "spread": spread(row.rounds),
-                  "vs_fastest_peer": statistics.median(p / s for p, s in zip(fastest_peer, row.rounds))
-                  if peers else None}
+                  "spread": spread(row.rounds), "vs_fastest_peer": versus(row, peers)}
+        if row.strategy.endswith("-graph"):
+            record["vs_fastest_graph_peer"] = versus(row, graph_peers)
         if row.extra.get("timelines"):
             last = row.extra["timelines"][-1]
             record["stages"] = {k: v for k, v in last.items() if k != "timeline"}
@@ -357,7 +447,13 @@ def bench_gpu_table(data: dict) -> str:
     lines = ["| strategy | numerics | dropout | ms/step (median) | spread | vs fastest PyTorch |",
              "|---|---|---:|---:|---|---:|"]
     for r in data["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['strategy']} | {r['variant']} | {r['dropout']:g} | "
+                         f"{r['failed']} | — | — |")
+            continue
         vs = "—" if r.get("vs_fastest_peer") is None else f"{r['vs_fastest_peer']:.2f}×"
+        if r.get("vs_fastest_graph_peer") is not None:
+            vs += f" ({r['vs_fastest_graph_peer']:.2f}× the fastest pytorch-graph)"
         lines.append(f"| {r['strategy']} | {r['variant']} | {r['dropout']:g} | "
                      f"{r['seconds_per_step'] * 1e3:.2f} | {r['spread']['min'] * 1e3:.2f}–"
                      f"{r['spread']['max'] * 1e3:.2f} | {vs} |")
@@ -400,7 +496,10 @@ def bench_gpu_setting(data: dict) -> str:
 BENCH_GPU_NOTES = """How to read it: every row trains the same batch, already on the GPU, in interleaved
 rounds; *vs fastest PyTorch* is the fastest plain PyTorch row's step over the row's, within
 each round. The pytorch rows are torchvision's model with nn.Dropout; the gpu rows are
-hybriddl's whole optimizer step with keyed dropout (dropout 0.5) or none (0)."""
+hybriddl's whole optimizer step with keyed dropout (dropout 0.5) or none (0). The -graph
+rows (files from 2026-11-29 on) replay the whole step captured in a CUDA graph, against the
+eager peers and, in brackets, against the fastest graphed peer: not what `hybriddl train`
+runs."""
 
 
 PAGES = [
@@ -443,6 +542,9 @@ def measure_and_write(args, device: torch.device, gpu_name: str, case, model_nam
     rows += [hybriddl_row(model_name, classes, x, y, device, v, 0.0, args) for v in NUMERICS]
     rows += [pytorch_row(model_name, classes, x, y, device, v, args) for v in NUMERICS]
     rows.append(pipeline_row(model_name, classes, x, y, device, args))
+    if args.graph:
+        rows += [graph_row(model_name, classes, x, y, device, v, keyed, args)
+                 for v in GRAPH_NUMERICS if v in NUMERICS for keyed in (True, False)]
     if args.compile_peer:
         rows.append(compiled_peer(rows, model_name, classes, x, y, device, args))
     measure(rows, args.rounds, lambda n, row, s: print(
@@ -453,12 +555,17 @@ def measure_and_write(args, device: torch.device, gpu_name: str, case, model_nam
     summary = summarise(rows)
     hybriddl_rows = [r for r in summary if r["strategy"] == "gpu" and r["dropout"] != 0.0]
     fastest = min(hybriddl_rows, key=lambda r: r["seconds_per_step"])
+    graphs = [r for r in summary if r["strategy"] == "gpu-graph" and "failed" not in r]
+    graph = min(graphs, key=lambda r: r["seconds_per_step"]) if graphs else None
     result = {**results_header("bench_gpu.py", argv), "gpu_name": gpu_name,
               "usecase": case.name, "model": model_name, "image_size": image_size,
               "batch_size": batch_size, "rounds": args.rounds, "warmup_steps": args.warmup,
               "timed_steps": args.steps, "rows": summary,
               "fastest_hybriddl": {"variant": fastest["variant"],
-                                   "vs_fastest_peer": fastest["vs_fastest_peer"]}}
+                                   "vs_fastest_peer": fastest["vs_fastest_peer"]},
+              # The step in a CUDA graph, keyed dropout: not what training runs (yet).
+              "graph_route": graph and {k: graph[k] for k in (
+                  "variant", "vs_fastest_peer", "vs_fastest_graph_peer")}}
     output = Path(args.output or REPO / "results" / f"bench_gpu-{case.name}.json")
     # The rows first: a training run that fails must not take them with it.
     atomic_write_json(output, result)

@@ -103,7 +103,7 @@ def test_rows_are_written_before_the_training_run_and_kept_when_it_fails(
     monkeypatch.setattr(bench_gpu, "train_data_wait", failing_training)
     monkeypatch.setattr(torch, "compile", lambda model: model)  # the row, not the compiler
     code, output = small_run(bench_gpu, tmp_path, monkeypatch, "--train-steps", "5",
-                             "--compile-peer")
+                             "--compile-peer", "--no-graph")
     assert code == 1
     written = json.loads(output.read_text())
     # keyed and dropout-0 hybriddl, the peer, the pipeline, the compiled peer
@@ -115,6 +115,45 @@ def test_rows_are_written_before_the_training_run_and_kept_when_it_fails(
     compiled = [r for r in written["rows"] if r["variant"].endswith("-compile")]
     assert len(compiled) == 1 and all(len(r["round_seconds"]) == 2 for r in written["rows"])
     assert written["gpu_name"] == "a CPU standing in" and written["commit"]
+
+
+def test_graph_rows_time_the_whole_step_and_a_failed_capture_is_recorded(bench_gpu,
+                                                                         monkeypatch):
+    """The CUDA-graph rows (on the CPU the step itself stands in for its replay): hybriddl's
+    model with keyed dropout against the eager and the graphed peers; a capture that
+    fails is one line in its row, and the other rows are still timed."""
+    from hybriddl.dropout import KeyedDropout
+
+    args = bench_gpu.parse_args(["--warmup", "0", "--steps", "1"])
+    cpu = torch.device("cpu")
+    x, y = torch.randn(2, 3, 64, 64), torch.randint(3, (2,))
+    rows = [bench_gpu.graph_row("alexnet", 3, x, y, cpu, "fp32", True, args),
+            bench_gpu.graph_row("alexnet", 3, x, y, cpu, "fp32", False, args),
+            bench_gpu.pytorch_row("alexnet", 3, x, y, cpu, "fp32", args)]
+
+    def no_capture(step, device):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel "
+                           "errors might be asynchronously reported")
+
+    monkeypatch.setattr(bench_gpu, "graphed", no_capture)
+    rows.append(bench_gpu.graph_row("alexnet", 3, x, y, cpu, "fp32-cl", True, args))
+    bench_gpu.measure(rows[3:], 1)  # captures, and fails
+    monkeypatch.undo()
+    bench_gpu.measure(rows[:3], 2)
+    bench_gpu.measure(rows[3:], 1)  # failed once: not tried again
+    assert any(isinstance(m, KeyedDropout) for m in rows[0].state["model"].modules())
+    assert not any(isinstance(m, KeyedDropout) for m in rows[1].state["model"].modules())
+    keyed, peer, eager, failed = bench_gpu.summarise(rows)
+    assert (keyed["strategy"], peer["strategy"]) == ("gpu-graph", "pytorch-graph")
+    assert len(keyed["round_seconds"]) == 2 and keyed["vs_fastest_peer"] > 0
+    assert keyed["vs_fastest_graph_peer"] > 0 and peer["vs_fastest_graph_peer"] == 1.0
+    assert eager["vs_fastest_peer"] == 1.0 and "vs_fastest_graph_peer" not in eager
+    assert failed == {"strategy": "gpu-graph", "variant": "fp32-cl", "dropout": 0.5,
+                      "failed": "capture failed: operation not permitted when stream is "
+                                "capturing"}
+    table = bench_gpu.bench_gpu_table({"rows": [keyed, failed]})
+    assert "the fastest pytorch-graph)" in table
+    assert "| gpu-graph | fp32-cl | 0.5 | capture failed: operation not permitted" in table
 
 
 def test_the_training_run_counts_every_step_it_ran(bench_gpu, monkeypatch):
