@@ -194,8 +194,13 @@ COMPILED_DEVICES = frozenset({"cuda"})
 class _Kernels:
     """The forward and backward functions of keyed dropout: eager or compiled."""
 
-    def __init__(self, forward: Callable, backward: Callable, compiled: bool):
+    def __init__(self, forward: Callable, backward: Callable, compiled: bool,
+                 locked: bool = True):
         self.compiled = compiled
+        # Whether a call takes _COMPILE_LOCK: torch.compile's functions do; Triton's
+        # kernels, built and checked once, are plain launches that need none (one lock
+        # fewer per dropout layer each way, on a step bound by the host's launches).
+        self.locked = locked
         self._forward, self._backward = forward, backward
         self.fallback: str | None = None  # why compiling failed, once it did
 
@@ -209,6 +214,8 @@ class _Kernels:
         if not self.compiled:
             return getattr(self, name)(*args)
         try:
+            if not self.locked:
+                return getattr(self, name)(*args)
             # torch.compile is not thread-safe (pytorch/pytorch#118260): pipeline stages and
             # gpu-threads replicas call it from their own threads, and autograd runs a
             # backward in its device's thread. The calls only queue kernels: taking turns
@@ -252,7 +259,7 @@ def triton_kernels() -> _Kernels:
             try:
                 from hybriddl import dropout_triton
                 kernels = _Kernels(dropout_triton.forward, dropout_triton.backward,
-                                   compiled=True)
+                                   compiled=True, locked=False)
                 _check_against_eager(kernels, torch.device("cuda", torch.cuda.current_device()))
                 _triton = kernels
             except Exception as exc:  # noqa: BLE001 - recorded; torch.compile's then

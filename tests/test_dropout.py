@@ -191,6 +191,29 @@ def test_cuda_falls_back_to_torch_compile_where_the_triton_kernels_fail_their_ch
     assert kernels._forward is dropout_triton.forward and kernels.fallback is None
 
 
+def test_the_triton_kernels_run_without_the_compilers_lock(monkeypatch):
+    """Once built and checked, Triton's kernels are launched with no lock taken (another
+    thread holding torch.compile's lock does not hold them up); torch.compile's functions
+    still take turns under it."""
+    import threading
+
+    from hybriddl import dropout
+
+    monkeypatch.setattr(dropout, "_triton", None)
+    monkeypatch.setattr(dropout, "_check_against_eager", lambda kernels, device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    triton = dropout.triton_kernels()
+    entered = {name: threading.Event() for name in ("triton", "compiled")}
+    triton._forward = lambda *args: entered["triton"].set()
+    compiled = dropout._Kernels(lambda *args: entered["compiled"].set(), None, compiled=True)
+    with dropout._COMPILE_LOCK:
+        for kernels in (triton, compiled):
+            threading.Thread(target=kernels.forward, daemon=True).start()
+        assert entered["triton"].wait(30)
+        assert not entered["compiled"].is_set()
+    assert entered["compiled"].wait(30)
+
+
 def test_a_compiler_that_fails_leaves_the_eager_ops_with_the_same_bits(monkeypatch):
     from hybriddl import dropout
 
