@@ -243,7 +243,11 @@ def graph_row(model_name, classes, x, y, device, variant, keyed: bool, args) -> 
             except RuntimeError as exc:
                 row.failed = f"capture failed: {str(exc).strip().splitlines()[0]}"
                 return None
-        return timed(device, state["replay"], args.warmup, args.steps)
+        try:
+            return timed(device, state["replay"], args.warmup, args.steps)
+        except RuntimeError as exc:  # the rows beside it are what the run is for
+            row.failed = f"replay failed: {str(exc).strip().splitlines()[0]}"
+            return None
 
     row.visit = visit
     row.state = state
