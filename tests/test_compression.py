@@ -806,6 +806,28 @@ def test_gram_schmidt_gives_qrs_columns_up_to_their_signs_and_survives_dependent
     assert float((ours[2] - qr[2] * signs[2]).abs().max()) < 1e-6
 
 
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_every_groups_factors_are_orthogonalised_in_one_batch_as_each_alone(rank, monkeypatch):
+    """Groups of different lengths (and a zero one, which restarts from its own fixed
+    direction) orthogonalised together, zero-padded to the longest: each gets the columns
+    it gets alone, to float rounding, in one call of `orthogonal` for all of them."""
+    from hybriddl.hosts import powersgd
+
+    generator = torch.Generator().manual_seed(rank)
+    factors = [torch.randn(k, n, rank, generator=generator)
+               for k, n in ((2, 37), (1, 500), (3, 5))]
+    factors[1][0, :, 0] = 0  # a zero column
+    alone = [powersgd.orthogonal(f) for f in factors]
+    calls = []
+    orthogonal = powersgd.orthogonal
+    monkeypatch.setattr(powersgd, "orthogonal", lambda *a, **k: calls.append(1) or orthogonal(*a, **k))
+    together = powersgd.orthogonal_all(factors)
+    assert len(calls) == 1
+    for mine, theirs in zip(together, alone):
+        assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+        assert float((mine - theirs).abs().max()) < 1e-6
+
+
 # --------------------------------------------------------------------------- a new scheme
 
 class BF16Wire(HalfWire):
