@@ -828,6 +828,25 @@ def test_every_groups_factors_are_orthogonalised_in_one_batch_as_each_alone(rank
         assert float((mine - theirs).abs().max()) < 1e-6
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_a_gpus_step_orthogonalises_its_groups_in_one_batch_a_cpus_group_by_group(
+        rounds, monkeypatch):
+    from hybriddl.hosts import powersgd
+
+    batches = []
+    together = powersgd.orthogonal_all
+    monkeypatch.setattr(powersgd, "orthogonal_all",
+                        lambda factors: batches.append(len(factors)) or together(factors))
+    gradients = small_gradients(seed=0) + [decaying_matrix(64, 96, seed=0)]
+    for gpu_path in (False, True):
+        compression = PowerSGD(2, rounds=rounds)
+        compression.cpu_chunks = not gpu_path  # the GPU's code path, run on the CPU
+        for _ in range(2):
+            compression.aggregate(gradients, alone)
+        groups = len(compression._groups)
+        assert groups > 1 and batches == ([groups] * 2 if gpu_path else []), batches
+
+
 # --------------------------------------------------------------------------- a new scheme
 
 class BF16Wire(HalfWire):
