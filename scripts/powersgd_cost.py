@@ -58,7 +58,8 @@ OURS, PEER = "hybriddl powersgd:2", "ddp powerSGD_hook:2 minus allreduce_hook"
 # What --host-parallel hybrid compresses: the convolutions' gradients (`features.*`) alone.
 CONVOLUTIONS = "hybriddl powersgd:2 convolutions"
 # How hybriddl's factors were orthogonalised where these were timed (QR alone before 9cfbb0f).
-ORTHOGONALISATION = f"Gram-Schmidt up to rank {GRAM_SCHMIDT_MAX_RANK}, QR above"
+ORTHOGONALISATION = (f"Gram-Schmidt up to rank {GRAM_SCHMIDT_MAX_RANK} (on a GPU every "
+                     "group in one batch, since d5cfbd0), QR above")
 QR_BEFORE = ("QR, as before 9cfbb0f (Gram-Schmidt since, up to rank 4, not yet timed on a "
              "GPU)")
 WITH_QR = "hybriddl powersgd:2 with QR"

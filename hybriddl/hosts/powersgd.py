@@ -655,6 +655,7 @@ class PowerSGD(WireScheme):
 # AlexNet and 31.3 ms for VGG16 where the hook's took 4.7 and 4.1 ms
 # (results/powersgd_cost-gpu.json); how much of that the QR calls were is for a GPU to
 # measure (scripts/powersgd_cost.py times QR's step beside this one), not measured since.
+# On a GPU every group's factors are orthogonalised in one batch (`orthogonal_all`).
 GRAM_SCHMIDT_MAX_RANK = 4
 # A column whose part outside the columns before it is this small against the column is
 # taken as dependent on them: it starts again from a fixed direction, as a zero one does.
