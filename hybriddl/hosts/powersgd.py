@@ -673,7 +673,7 @@ def orthogonal(factors: torch.Tensor, fresh: torch.Tensor | None = None) -> torc
     every host, made orthogonal to the columns before it; so does a column that depends on
     them."""
     wide = factors.double()
-    if factors.shape[-1] > 1 and factors.shape[-1] > GRAM_SCHMIDT_MAX_RANK:
+    if _by_qr(factors.shape[-1]):
         return torch.linalg.qr(wide).Q.to(factors.dtype)
     if fresh is None:
         fresh = fresh_direction(tuple(wide.shape), wide.device)
@@ -692,6 +692,11 @@ def orthogonal(factors: torch.Tensor, fresh: torch.Tensor | None = None) -> torc
     return torch.cat(columns, dim=2).to(factors.dtype)
 
 
+def _by_qr(rank: int) -> bool:
+    """Whether factors of this rank are orthogonalised by QR (rank 1 is only normalised)."""
+    return 1 < rank and rank > GRAM_SCHMIDT_MAX_RANK
+
+
 def orthogonal_all(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`orthogonal` of every group's factors (each (k, n, R), of one rank and device) as
     one batch: zero rows pad each to the longest n, which changes no norm and no projection,
@@ -703,7 +708,7 @@ def orthogonal_all(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     (two rounds: 425 to 189, 653 to 315); its time on a GPU is not measured yet. Above
     GRAM_SCHMIDT_MAX_RANK, QR group by group. PowerSGD batches so on a GPU only
     (`PowerSGD._orthogonalised`)."""
-    if len(factors) < 2 or 1 < factors[0].shape[-1] > GRAM_SCHMIDT_MAX_RANK:
+    if len(factors) < 2 or _by_qr(factors[0].shape[-1]):
         return [orthogonal(f) for f in factors]
     longest = max(f.shape[1] for f in factors)
     device = factors[0].device
