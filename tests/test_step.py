@@ -5,7 +5,7 @@ from torch import nn
 
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import GradientBuckets
-from hybriddl.step import make_optimizer, optimizer_step
+from hybriddl.step import LocalUpdate, make_optimizer, optimizer_step
 from hybriddl.strategies import StepStats, StrategyOptions, make_strategy
 from hybriddl.strategies.base import host_gradients
 
@@ -90,3 +90,50 @@ def test_an_empty_share_still_steps():
                                torch.empty(0, dtype=torch.int64))
     assert stats == StepStats(0, 0.0)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_local_parameters_are_finished_and_updated_before_the_averaging_waits():
+    """What no host averages (the hybrid scheme's classifier slices) is finished and
+    updated while the averaged gradients still cross the wire: when `average` is called,
+    those parameters have moved and the others have not; three steps end bit for bit where
+    three plain steps do (each tensor's update is its own), momentum included."""
+    x, y = batch()
+    plain = tiny_model()
+    with make_strategy("sequential", StrategyOptions()) as strategy:
+        strategy.setup(plain)
+        plain_optimizer = make_optimizer(plain.parameters(), 0.01, 0.9)
+        for _ in range(3):
+            optimizer_step(strategy, plain_optimizer, x, y)
+
+    model = tiny_model()
+    last_layer = model[3]
+    pending, finished, moved_at_average = {}, [], []
+
+    def gradients(strategy, x, y):
+        stats = host_gradients(strategy, x, y)
+        pending["weight"], last_layer.weight.grad = last_layer.weight.grad, None
+        return stats
+
+    def finish():  # the scheme's work left for the wait (hybrid: a weight gradient)
+        finished.append(True)
+        last_layer.weight.grad = pending.pop("weight")
+
+    local = LocalUpdate(frozenset(id(p) for p in last_layer.parameters()), finish)
+    with make_strategy("sequential", StrategyOptions()) as strategy:
+        strategy.setup(model)
+        optimizer = make_optimizer(model.parameters(), 0.01, 0.9)
+        for _ in range(3):
+            before = [p.detach().clone() for p in model.parameters()]
+
+            def average(stats):
+                moved_at_average.append([not torch.equal(p.detach(), b)
+                                         for p, b in zip(model.parameters(), before)])
+            optimizer_step(strategy, optimizer, x, y, average, gradients, local)
+    assert finished == [True] * 3
+    # Linear(12, 5)'s weight and bias not yet moved, Linear(5, 3)'s moved, at every step.
+    assert moved_at_average == [[False, False, True, True]] * 3
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(mine.detach(), theirs.detach())
+        assert torch.equal(optimizer.state[mine]["momentum_buffer"],
+                           plain_optimizer.state[theirs]["momentum_buffer"])
+    assert all(len(group["params"]) == 4 for group in optimizer.param_groups)  # restored
