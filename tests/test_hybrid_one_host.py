@@ -159,15 +159,26 @@ def test_a_strategy_that_cannot_run_the_convolutions_alone_is_refused_for_hybrid
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_first_layer_s_weight_gradient_computed_after_its_input_s_is_autograd_s(precision):
-    """Hybrid's step returns the features' gradient before the first linear layer's weight
-    gradient is computed (that crosses the wire meanwhile): the same bits as one backward."""
-    from hybriddl.hybrid.classifier import ColumnLinear, GatherRows, ReturnedGradient
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_a_split_layer_s_weight_gradient_computed_after_its_input_s_is_autograd_s(kind,
+                                                                                 precision):
+    """Hybrid's step returns the features' gradient before the split linear layers' weight
+    gradients are computed (that crosses the wire meanwhile, and the last chunk's wait for
+    the convolutions' gradients): the same bits as one backward. The first layer is
+    column-split (weight and bias deferred), the second row-split (its weight deferred; its
+    replicated bias, added after the sum over hosts, autograd's)."""
+    from hybriddl.hybrid.classifier import ColumnLinear, GatherRows, ReturnedGradient, RowLinear
     torch.manual_seed(0)
     linear = torch.nn.Linear(24, 10)
-    once, deferred = ColumnLinear(linear, 2, 8), ColumnLinear(linear, 2, 8)
-    rows, tags, upstream = torch.randn(5, 24), torch.zeros(5, 2, dtype=torch.int64), \
-        torch.randn(5, 6)
+    if kind == "column":
+        once, deferred = ColumnLinear(linear, 2, 8), ColumnLinear(linear, 2, 8)
+        width, out_width = 24, 6
+    else:
+        once, deferred = RowLinear(linear, 2, 8, SingleHost()), RowLinear(linear, 2, 8,
+                                                                           SingleHost())
+        width, out_width = 6, 10
+    rows, tags, upstream = torch.randn(5, width), torch.zeros(5, 2, dtype=torch.int64), \
+        torch.randn(5, out_width)
     bf16 = precision == "bf16"
     grads = []
     for layer, returned in ((once, None), (deferred, ReturnedGradient())):
@@ -186,7 +197,7 @@ def test_the_first_layer_s_weight_gradient_computed_after_its_input_s_is_autogra
         grads.append(returned.result())
     assert torch.equal(grads[0], grads[1])
     assert torch.equal(once.weight.grad, deferred.weight.grad)
-    assert torch.equal(once.bias.grad, deferred.bias.grad)
+    assert torch.equal(once.bias.grad, deferred.bias.grad)  # the row layer's: not doubled
     assert deferred.deferred is None  # the next backward computes them itself again
 
 

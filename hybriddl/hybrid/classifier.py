@@ -166,25 +166,23 @@ class SumOverHosts(torch.autograd.Function):
         return grad, None
 
 
-class ColumnLinear(nn.Module):
-    """Outputs [start, stop) of a linear layer: those rows of its weight and bias."""
+class DeferredWeightGradients(nn.Module):
+    """A split linear layer whose backward can return its input's gradient only, and leave
+    what its weight's (and, `bias_deferred`, its bias's) gradient needs here until
+    `weight_gradients`: the input's gradient is what the other hosts wait for."""
 
-    def __init__(self, linear: nn.Linear, start: int, stop: int):
+    bias_deferred = True
+
+    def __init__(self):
         super().__init__()
-        self.start, self.stop, self.full_out = start, stop, linear.out_features
-        self.in_features, self.out_features = linear.in_features, stop - start
-        self.weight = nn.Parameter(linear.weight.detach()[start:stop].clone())
-        self.bias = None if linear.bias is None else \
-            nn.Parameter(linear.bias.detach()[start:stop].clone())
-
         # A list from `defer_weight_gradients` to `weight_gradients`: backward leaves what
         # the weight's and bias's gradients need here, and returns only the input's.
         self.deferred: list | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.deferred is None or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        return _InputGradientFirst.apply(x, self.weight, self.bias, self)
+            return F.linear(x, self.weight, bias)
+        return _InputGradientFirst.apply(x, self.weight, bias, self)
 
     def defer_weight_gradients(self) -> None:
         """Until `weight_gradients`, backward returns the input's gradient only."""
@@ -199,8 +197,23 @@ class ColumnLinear(nn.Module):
             with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
                 weight = grad.t().matmul(x)
             _accumulate(self.weight, weight)
-            if self.bias is not None:
+            if self.bias is not None and self.bias_deferred:
                 _accumulate(self.bias, grad.sum(0))
+
+
+class ColumnLinear(DeferredWeightGradients):
+    """Outputs [start, stop) of a linear layer: those rows of its weight and bias."""
+
+    def __init__(self, linear: nn.Linear, start: int, stop: int):
+        super().__init__()
+        self.start, self.stop, self.full_out = start, stop, linear.out_features
+        self.in_features, self.out_features = linear.in_features, stop - start
+        self.weight = nn.Parameter(linear.weight.detach()[start:stop].clone())
+        self.bias = None if linear.bias is None else \
+            nn.Parameter(linear.bias.detach()[start:stop].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"outputs [{self.start}, {self.stop}) of {self.full_out}, in={self.in_features}"
@@ -208,8 +221,8 @@ class ColumnLinear(nn.Module):
 
 class _InputGradientFirst(torch.autograd.Function):
     """F.linear whose backward computes its input's gradient only, and leaves what its
-    weight's needs with the layer (ColumnLinear.weight_gradients): the input's gradient is
-    what the other hosts wait for."""
+    weight's needs with the layer (DeferredWeightGradients.weight_gradients): the input's
+    gradient is what the other hosts wait for."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
@@ -238,9 +251,12 @@ def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:
         parameter.grad.add_(grad)
 
 
-class RowLinear(nn.Module):
+class RowLinear(DeferredWeightGradients):
     """A linear layer fed a slice [start, stop) of its inputs: those columns of its weight;
-    the partial products are summed over hosts, then the (replicated) bias is added."""
+    the partial products are summed over hosts, then the (replicated) bias is added (its
+    gradient autograd's: only the weight's is deferred)."""
+
+    bias_deferred = False
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, hosts):
         super().__init__()
@@ -251,7 +267,7 @@ class RowLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = SumOverHosts.apply(F.linear(x, self.weight), self.hosts)
+        total = SumOverHosts.apply(self._linear(x, None), self.hosts)
         return total if self.bias is None else total + self.bias
 
     def extra_repr(self) -> str:

@@ -34,7 +34,7 @@ from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import AUTO, EXACT
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
-from hybriddl.hybrid.classifier import (ColumnLinear, GatherRows, NotSplittable,
+from hybriddl.hybrid.classifier import (DeferredWeightGradients, GatherRows, NotSplittable,
                                         ReturnedGradient, SplitClassifier, plan, slice_counts,
                                         split_classifier)
 from hybriddl.machine.cpu_threads import torch_threads
@@ -161,8 +161,9 @@ class HybridParallel(DataParallel):
         hosts.attach(convolutions, gradient_hooks=strategy.writes_gradients_once,
                      overlap=True if exact else None, bucket_bytes=self.bucket_bytes)
         self.classifier = model.classifier
-        self.first_column = next(layer for layer in self.classifier
-                                 if isinstance(layer, ColumnLinear))
+        # The split linear layers, whose weight gradients wait (see `gradients`).
+        self.deferring = [layer for layer in self.classifier
+                          if isinstance(layer, DeferredWeightGradients)]
 
     def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The convolutions: each host holds its own slices of the classifier."""
@@ -216,7 +217,7 @@ class HybridParallel(DataParallel):
         """The step's gradients: the convolutions' host mean (averaged after, as in data)
         and this host's slices of the classifier's global mean, over `accumulate` chunks
         (every host goes through the same number of chunks, empty ones included). The last
-        chunk's first-layer weight gradient is left to `local_update`'s `finish`."""
+        chunk's split-layer weight gradients are left to `local_update`'s `finish`."""
         started = time.perf_counter()
         hosts = self.hosts
         total, mine = share.global_samples, share.samples
@@ -247,20 +248,23 @@ class HybridParallel(DataParallel):
             whole, everyone = GatherRows.apply(local, hosts, counts, tags, self.wire_dtype,
                                                returned)
             global_keys = everyone[:, 1] if keys is not None else None
-            self.first_column.defer_weight_gradients()
+            for layer in self.deferring:
+                layer.defer_weight_gradients()
             with dropout_keys(global_keys):
                 logits = run_forward(self.classifier, whole.to(strategy.device), strategy.options)
             losses = F.cross_entropy(logits, everyone[:, 0].to(logits.device), reduction="none")
-            # Backward stops at the features' gradient, whose return it starts; the first
-            # layer's weight gradient is computed while that crosses the wire, but the last
-            # chunk's waits for the convolutions' gradients, a longer exchange: it and the
-            # classifier's update then run while those cross (`local_update`). Measured, 2
-            # hosts of 1 core side by side, 1 Gbit/s, 2 interleaved rounds (AMD EPYC): a
-            # step 14 % shorter for AlexNet (64 px, b32), 7.5 % for VGG16 (32 px, b16),
-            # the same at 10 Gbit/s, every loss bit for bit.
+            # Backward stops at the features' gradient, whose return it starts, having
+            # computed only the split layers' input gradients; their weight gradients are
+            # computed while that crosses the wire, but the last chunk's wait for the
+            # convolutions' gradients, a longer exchange: they and the classifier's update
+            # then run while those cross (`local_update`). Measured, 2 hosts of 1 core side
+            # by side, 1 Gbit/s, 2 interleaved rounds (AMD EPYC): the first layer's moved
+            # so, a step 14 % shorter for AlexNet (64 px, b32), 7.5 % for VGG16 (32 px,
+            # b16); the second's too, AlexNet's 4.7 % shorter again, VGG16's the same; at
+            # 10 Gbit/s the same within noise; every loss bit for bit.
             (losses.sum() / total).backward()
             if k != last:
-                self.first_column.weight_gradients()
+                self.weight_gradients()
             features_grad = returned.result()
             first = sum(counts[:hosts.rank])
             loss_sum += float(losses.detach()[first:first + b - a].sum())
@@ -273,12 +277,17 @@ class HybridParallel(DataParallel):
 
     def local_update(self, model: nn.Module) -> LocalUpdate:
         """The classifier's parameters, which no host averages (each holds its own slices;
-        the replicated last layers' gradients are the global mean already): the first
-        layer's last weight gradient, then their update, while the convolutions' gradients
-        cross the wire."""
+        the replicated last layers' gradients are the global mean already): the split
+        layers' last weight gradients, then their update, while the convolutions'
+        gradients cross the wire."""
         averaged = {id(tensor) for _, tensor in self.replicated(model)}
         return LocalUpdate(frozenset(id(p) for p in model.parameters() if id(p) not in averaged),
-                           self.first_column.weight_gradients)
+                           self.weight_gradients)
+
+    def weight_gradients(self) -> None:
+        """The split layers' deferred weight gradients, into their .grad."""
+        for layer in self.deferring:
+            layer.weight_gradients()
 
     # ------------------------------------------------------------------ whole state
     def model_state(self, model: nn.Module, hosts) -> dict | None:
