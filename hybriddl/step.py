@@ -2,15 +2,14 @@
 
 What is tuned is therefore exactly what is trained: zero the gradients, let the local
 strategy leave the host's mean gradient in .grad, average it over hosts, update, resync.
-Where a hosts' scheme holds parameters that no host averages (`LocalUpdate`: the hybrid
-scheme's classifier slices), those are finished and updated while the averaged gradients
-are still on the wire, then the rest.
+Where a hosts' scheme holds parameters that no host averages (a `LocalUpdate`, returned
+with the gradients: the hybrid scheme's classifier slices), those are finished and updated
+while the averaged gradients are still on the wire, then the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
@@ -42,35 +41,23 @@ def unfuse_where_layouts_differ(optimizer: Optimizer) -> None:
             group["fused"], group["foreach"] = False, True
 
 
-@dataclass(frozen=True)
-class LocalUpdate:
-    """The parameters no host averages (`parameters`, their id()s: each host holds its own,
-    as the hybrid scheme's classifier slices) and `finish`, the work their gradients still
-    wait for once `gradients` has returned."""
-
-    parameters: frozenset[int]
-    finish: Callable[[], None] = lambda: None
-
-    def holds(self, parameter: torch.Tensor) -> bool:
-        return id(parameter) in self.parameters
-
-
 def optimizer_step(strategy: LocalStrategy, optimizer: Optimizer, x, y,
                    average: Callable[[StepStats], None] | None = None,
-                   gradients: Callable[[LocalStrategy, object, object], StepStats] | None = None,
-                   local: LocalUpdate | None = None) -> StepStats:
+                   gradients: Callable[[LocalStrategy, object, object], StepStats] | None = None
+                   ) -> StepStats:
     """One step on (x, y); `gradients` leaves the host's gradient in .grad (the hosts'
     scheme's, hybriddl.hybrid.parallel; by default the strategy's over the host batch),
-    `average` turns it into the global one. With `local`, its parameters' gradients are
-    finished and those parameters updated before `average` waits: while the averaged
-    gradients' last buckets cross the wire. Every tensor's SGD update is its own, so
-    the order changes no bit."""
+    `average` turns it into the global one. Where `gradients` returns a `LocalUpdate`
+    (`StepStats.local`), its parameters' gradients are finished and those parameters
+    updated before `average` waits: while the averaged gradients' last buckets cross the
+    wire. Every tensor's SGD update is its own, so the order changes no bit."""
     zero_gradients(optimizer)
     if gradients is not None:
         stats = gradients(strategy, x, y)
     else:
         # A host whose share of a short batch is empty contributes a zero gradient.
         stats = host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
+    local = stats.local
     if local is not None:
         local.finish()
         _step_only(optimizer, local.holds)

@@ -5,9 +5,9 @@ from torch import nn
 
 from hybriddl.hosts.compression import Compression
 from hybriddl.hosts.fusion import GradientBuckets
-from hybriddl.step import LocalUpdate, make_optimizer, optimizer_step
+from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.strategies import StepStats, StrategyOptions, make_strategy
-from hybriddl.strategies.base import host_gradients
+from hybriddl.strategies.base import LocalUpdate, host_gradients
 
 
 def tiny_model() -> nn.Module:
@@ -93,10 +93,11 @@ def test_an_empty_share_still_steps():
 
 
 def test_local_parameters_are_finished_and_updated_before_the_averaging_waits():
-    """What no host averages (the hybrid scheme's classifier slices) is finished and
-    updated while the averaged gradients still cross the wire: when `average` is called,
-    those parameters have moved and the others have not; three steps end bit for bit where
-    three plain steps do (each tensor's update is its own), momentum included."""
+    """What no host averages (the hybrid scheme's classifier slices, returned with the
+    gradients as a LocalUpdate) is finished and updated while the averaged gradients still
+    cross the wire: when `average` is called, those parameters have moved and the others
+    have not; three steps end bit for bit where three plain steps do (each tensor's update
+    is its own), momentum included."""
     x, y = batch()
     plain = tiny_model()
     with make_strategy("sequential", StrategyOptions()) as strategy:
@@ -109,16 +110,17 @@ def test_local_parameters_are_finished_and_updated_before_the_averaging_waits():
     last_layer = model[3]
     pending, finished, moved_at_average = {}, [], []
 
-    def gradients(strategy, x, y):
-        stats = host_gradients(strategy, x, y)
-        pending["weight"], last_layer.weight.grad = last_layer.weight.grad, None
-        return stats
-
     def finish():  # the scheme's work left for the wait (hybrid: a weight gradient)
         finished.append(True)
         last_layer.weight.grad = pending.pop("weight")
 
     local = LocalUpdate(frozenset(id(p) for p in last_layer.parameters()), finish)
+
+    def gradients(strategy, x, y):
+        stats = host_gradients(strategy, x, y)
+        pending["weight"], last_layer.weight.grad = last_layer.weight.grad, None
+        stats.local = local
+        return stats
     with make_strategy("sequential", StrategyOptions()) as strategy:
         strategy.setup(model)
         optimizer = make_optimizer(model.parameters(), 0.01, 0.9)
@@ -128,7 +130,7 @@ def test_local_parameters_are_finished_and_updated_before_the_averaging_waits():
             def average(stats):
                 moved_at_average.append([not torch.equal(p.detach(), b)
                                          for p, b in zip(model.parameters(), before)])
-            optimizer_step(strategy, optimizer, x, y, average, gradients, local)
+            optimizer_step(strategy, optimizer, x, y, average, gradients)
     assert finished == [True] * 3
     # Linear(12, 5)'s weight and bias not yet moved, Linear(5, 3)'s moved, at every step.
     assert moved_at_average == [[False, False, True, True]] * 3

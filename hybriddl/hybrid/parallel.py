@@ -38,11 +38,10 @@ from hybriddl.hybrid.classifier import (DeferredWeightGradients, GatherRows, Not
                                         ReturnedGradient, SplitClassifier, plan, slice_counts,
                                         split_classifier)
 from hybriddl.machine.cpu_threads import torch_threads
-from hybriddl.step import LocalUpdate
 from hybriddl.hybrid.planner import (EXACT_FEATURES, FEATURE_DTYPES, HostCosts, Link,
                                      ModelShapes, make_plan, one_host_plan)
 from hybriddl.strategies import LocalStrategy, StepStats
-from hybriddl.strategies.base import cut_computes_model, host_gradients, run_forward, \
+from hybriddl.strategies.base import LocalUpdate, cut_computes_model, host_gradients, run_forward, \
     split_at_classifier
 
 HOST_PARALLEL = ("auto", "data", "hybrid")
@@ -84,11 +83,6 @@ class DataParallel:
     def gradients(self, strategy: LocalStrategy, x, y, share) -> StepStats:
         # A host whose share of a short batch is empty contributes a zero gradient.
         return host_gradients(strategy, x, y) if len(y) else StepStats(0, 0.0)
-
-    def local_update(self, model: nn.Module) -> LocalUpdate | None:
-        """What no host averages, updated while the averaged gradients still cross the
-        wire (step.py `optimizer_step`); None: every parameter is averaged."""
-        return None
 
     def model_state(self, model: nn.Module, hosts) -> dict | None:
         """The whole model's state_dict on rank 0 (None elsewhere); collective."""
@@ -164,6 +158,13 @@ class HybridParallel(DataParallel):
         # The split linear layers, whose weight gradients wait (see `gradients`).
         self.deferring = [layer for layer in self.classifier
                           if isinstance(layer, DeferredWeightGradients)]
+        # The classifier's parameters, which no host averages (each holds its own slices;
+        # the replicated last layers' gradients are the global mean already): the split
+        # layers' last weight gradients, then their update, while the convolutions'
+        # gradients cross the wire (step.py `optimizer_step`).
+        averaged = {id(tensor) for _, tensor in self.replicated(model)}
+        self.local = LocalUpdate(frozenset(id(p) for p in model.parameters()
+                                           if id(p) not in averaged), self.weight_gradients)
 
     def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The convolutions: each host holds its own slices of the classifier."""
@@ -217,7 +218,7 @@ class HybridParallel(DataParallel):
         """The step's gradients: the convolutions' host mean (averaged after, as in data)
         and this host's slices of the classifier's global mean, over `accumulate` chunks
         (every host goes through the same number of chunks, empty ones included). The last
-        chunk's split-layer weight gradients are left to `local_update`'s `finish`."""
+        chunk's split-layer weight gradients are left to `self.local`'s `finish`."""
         started = time.perf_counter()
         hosts = self.hosts
         total, mine = share.global_samples, share.samples
@@ -257,7 +258,7 @@ class HybridParallel(DataParallel):
             # computed only the split layers' input gradients; their weight gradients are
             # computed while that crosses the wire, but the last chunk's wait for the
             # convolutions' gradients, a longer exchange: they and the classifier's update
-            # then run while those cross (`local_update`). Measured, 2 hosts of 1 core side
+            # then run while those cross (`self.local`). Measured, 2 hosts of 1 core side
             # by side, 1 Gbit/s, 2 interleaved rounds (AMD EPYC): the first layer's moved
             # so, a step 14 % shorter for AlexNet (64 px, b32), 7.5 % for VGG16 (32 px,
             # b16); the second's too, AlexNet's 4.7 % shorter again, VGG16's the same; at
@@ -273,16 +274,7 @@ class HybridParallel(DataParallel):
                 # mean, so the averaging weighs it by mine / total as in data parallelism.
                 strategy.convolutions_backward(features_grad * (total / mine))
         return StepStats(mine, loss_sum, time.perf_counter() - started,
-                         {"host_parallel": self.name})
-
-    def local_update(self, model: nn.Module) -> LocalUpdate:
-        """The classifier's parameters, which no host averages (each holds its own slices;
-        the replicated last layers' gradients are the global mean already): the split
-        layers' last weight gradients, then their update, while the convolutions'
-        gradients cross the wire."""
-        averaged = {id(tensor) for _, tensor in self.replicated(model)}
-        return LocalUpdate(frozenset(id(p) for p in model.parameters() if id(p) not in averaged),
-                           self.weight_gradients)
+                         {"host_parallel": self.name}, local=self.local)
 
     def weight_gradients(self) -> None:
         """The split layers' deferred weight gradients, into their .grad."""

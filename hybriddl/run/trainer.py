@@ -316,7 +316,6 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
     With `validate`, validation runs after the steps it is due at (`--eval-every`), and the
     epoch ends early where the run stops at its target (`--stop-at-target`)."""
     model.train()
-    local = scheme.local_update(model)
     observer.on_epoch_start(epoch, len(batches))
     started_at = time.time()  # wall clock, to mark epochs on the monitors' time axis
     last = time.perf_counter()
@@ -340,8 +339,7 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                     return scheme.gradients(strategy, x, y, share)
 
                 try:
-                    stats = optimizer_step(strategy, optimizer, x, y, average, gradients,
-                                           local)
+                    stats = optimizer_step(strategy, optimizer, x, y, average, gradients)
                 except ValueError as exc:
                     if _BATCHNORM_ONE_SAMPLE not in str(exc):
                         raise

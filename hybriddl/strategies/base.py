@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,12 +24,27 @@ from hybriddl.strategies.resources import HostResources, local_workers, worker_c
 from hybriddl.strategies.spec import PRECISIONS, StrategyOptions, StrategySpec
 
 
+@dataclass(frozen=True)
+class LocalUpdate:
+    """The parameters no host averages (`parameters`, their id()s: each host holds its own,
+    as the hybrid scheme's classifier slices) and `finish`, the work their gradients still
+    wait for once the gradients' call has returned: step.py's `optimizer_step` finishes and
+    updates them before the averaging waits, while the averaged gradients cross the wire."""
+
+    parameters: frozenset[int]
+    finish: Callable[[], None] = lambda: None
+
+    def holds(self, parameter: torch.Tensor) -> bool:
+        return id(parameter) in self.parameters
+
+
 @dataclass
 class StepStats:
     samples: int
     loss_sum: float  # sum of per-sample losses; mean loss = loss_sum / samples
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    local: LocalUpdate | None = None  # what the hosts' scheme leaves this host to finish
 
     @property
     def loss(self) -> float:
