@@ -693,8 +693,9 @@ def orthogonal(factors: torch.Tensor, fresh: torch.Tensor | None = None) -> torc
 
 
 def _by_qr(rank: int) -> bool:
-    """Whether factors of this rank are orthogonalised by QR (rank 1 is only normalised)."""
-    return 1 < rank and rank > GRAM_SCHMIDT_MAX_RANK
+    """Whether factors of this rank are orthogonalised by QR (Gram-Schmidt up to
+    GRAM_SCHMIDT_MAX_RANK; rank 1 is only normalised)."""
+    return rank > GRAM_SCHMIDT_MAX_RANK
 
 
 def orthogonal_all(factors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
