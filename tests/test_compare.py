@@ -155,8 +155,9 @@ def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
     hybrid = contender(comparison, "hybrid")
     gradient = hybrid["gradient_bytes"]
     assert hybrid["host_nic_bytes_theory"] == [2 * (H - 1) / H * gradient] * H
-    for sent in hybrid["host_nic_bytes_per_step"]:
-        assert abs(sent - 2 * (H - 1) / H * gradient) <= 0.1 * 2 * (H - 1) / H * gradient
+    theory = 2 * (H - 1) / H * gradient
+    for sent in hybrid["host_nic_bytes_per_step"]:  # headers, ACKs, retransmits: see below
+        assert 0.9 * theory <= sent <= 1.25 * theory
 
 
 @pytest.mark.root
@@ -167,15 +168,20 @@ def test_hybrid_host_nic_sends_ring_theory_over_hosts(comparison):
 def test_flat_mpis_ring_host_nic_sends_ring_theory_over_all_ranks(comparison):
     """2(P-1)/P S per host: the ring's intra-host edge (shared memory) is not counted;
     were it on the NIC, each host would send twice that. (flat-mpi's allreduce at 4 ranks
-    is coll/tuned's ring, as its row says.)"""
+    is coll/tuned's ring, as its row says.) The NIC also carries TCP/IP headers (~4 % at a
+    1500-byte MTU), the ACKs of what the host receives (~2 %) and, behind a shaped 100 Mbit/s
+    link, retransmits: one CI run read 1.109x theory. 1.25x, as the test below allows, still
+    tells the ring from one that counted its intra-host edge (2x)."""
     ring = contender(comparison, "flat-mpi")
     assert ring["allreduce"] == "ring"
     p = H * K
     theory = 2 * (p - 1) / p * ring["gradient_bytes"]
     for sent in ring["host_nic_bytes_per_step"]:
-        assert abs(sent - theory) <= 0.1 * theory
+        assert 0.9 * theory <= sent <= 1.25 * theory
+    # Both sides carry the same kind of overhead; the ratio would be 3.0 were the intra-host
+    # edge counted.
     assert ring["host_nic_bytes_vs_hybrid"] == pytest.approx((2 * (p - 1) / p) / (2 * (H - 1) / H),
-                                                            rel=0.1)
+                                                            rel=0.2)
 
 
 @pytest.mark.root
