@@ -519,7 +519,7 @@ def headline_claim(hosts: list[dict], compressed: list[dict]) -> str | None:
                      f"accuracy on real images in {ratio_text(best['ratio_to_one_host'])}× one "
                      "host's time ("
                      + ("exact" if best["exact"] else f"{contender_text(best)}, **not exact**")
-                     + f"; {f['workload']}; {f['hosts']}; MLPerf-scored over "
+                     + f"; {f['workload']}; {f['hosts']}; {f['cpu']}; MLPerf-scored over "
                      f"{best['seeds']} seeds)")
     if compressed:
         f = max(compressed, key=lambda f: f["ours"]["reached"] / f["ours"]["seeds"]
@@ -627,9 +627,11 @@ def hosts_row(data: dict, page: str) -> dict | None:
                       or [data.get("command", "")])
     return {"page": page, "target": target, "given": given, "one": one, "best": best,
             "usecase": data["usecase"],
-            # One row per workload in the README: the file capped last, interleaved, with
+            # One row per workload and CPU in the README (a host of S = 1 is this CPU's
+            # core: another CPU is another host): the file capped last, interleaved, with
             # the most runs, newest (`headline_rows`); every file keeps its page.
-            "workload_key": (best["model"], data["image_size"], data["bandwidth"], step),
+            "workload_key": (best["model"], data["image_size"], data["bandwidth"], step,
+                             data.get("cpu_model")),
             "preference": (data["epoch_cap"], interleaved,
                            sum(r["seeds"] for r in rows), data.get("date", "")),
             "peer": peer, "cpu": data.get("cpu_model"),
@@ -645,8 +647,8 @@ def hosts_row(data: dict, page: str) -> dict | None:
 
 
 def headline_rows(found: list[dict]) -> list[dict]:
-    """One `hosts_row` per workload (model, image size, link, host step), in the order first
-    found: the file with the largest epoch cap, then interleaved, then the most runs, then
+    """One `hosts_row` per workload (model, image size, link, host step) and CPU, in the
+    order first found: the file with the largest epoch cap, then interleaved, then the most runs, then
     the newest. The others keep their pages (docs/benchmarks)."""
     kept: dict[tuple, dict] = {}
     for row in found:
@@ -679,8 +681,8 @@ def hosts_table(found: list[dict]) -> list[str]:
     lines = ["**Time to accuracy on more hosts**: real images (MNIST), the target one host "
              "exact reaches in all but one of its seeds, each cell's runs scored as MLPerf "
              "scores them (the fastest and slowest dropped, the rest averaged; emulated s; "
-             "a row per workload, from its file capped last, interleaved, with the most "
-             "runs):", "",
+             "a row per workload and CPU, from its file capped last, interleaved, with the "
+             "most runs):", "",
              "| workload | hosts (CPU) | target | one host exact: reached, score | more hosts: "
              "scheme, reached, score | × one host | DDP + PowerSGD, × one host |",
              "|---|---|---|---|---|---:|---|"]

@@ -473,7 +473,7 @@ def test_time_to_accuracy_claims_hosts_against_one_at_its_own_target_where_one_h
     assert time_to_accuracy.headline_claim([time_to_accuracy.hosts_row(data, page)], []) == (
         "**2 hosts reach AlexNet's target accuracy on real images in 0.80× one host's time "
         "(exact; SimpleBig (alexnet, 64 px), 1gbit links, at most 2 epochs; 2 of 1 core(s), "
-        "S = 1, side by side; MLPerf-scored over 5 seeds).**")
+        "S = 1, side by side; AMD; MLPerf-scored over 5 seeds).**")
     assert row.endswith("| 0.80× (runs not interleaved: indicative) | not measured |")
     data["commands"] = ["python scripts/time_to_accuracy.py ... --interleave --target 0.9"]
     _, _, _, _, row = time_to_accuracy.hosts_table([time_to_accuracy.hosts_row(data, page)])
@@ -568,19 +568,29 @@ def test_time_to_accuracy_judges_one_hosts_compressed_schemes_against_ddp_by_the
         PAGE) is None
 
 
-def test_the_readme_keeps_one_time_to_accuracy_row_per_workload():
-    """Of several files for one workload (model, image size, link, host step), the README's
-    table keeps the one capped last, then interleaved, then with the most runs, then newest;
-    another workload keeps its own row."""
+def test_the_readme_keeps_one_time_to_accuracy_row_per_workload_and_cpu():
+    """Of several files for one workload (model, image size, link, host step) on one CPU, the
+    README's table keeps the one capped last, then interleaved, then with the most runs, then
+    newest; another workload, or the same one on another CPU (another host at S = 1), keeps
+    its own row."""
     import time_to_accuracy
 
-    def found(page, cap, interleaved=True, runs=10, date="2026-11-28", link="1gbit"):
-        return {"page": page, "workload_key": ("alexnet", 64, link, None),
+    def found(page, cap, interleaved=True, runs=10, date="2026-11-28", link="1gbit",
+              cpu="AMD EPYC"):
+        return {"page": page, "workload_key": ("alexnet", 64, link, None, cpu),
                 "preference": (cap, interleaved, runs, date)}
 
     rows = [found("a", 6), found("b", 8, False), found("c", 8, True, 8),
-            found("d", 6, link="10gbit"), found("e", 8, True, 8, "2026-11-29")]
-    assert [r["page"] for r in time_to_accuracy.headline_rows(rows)] == ["e", "d"]
+            found("d", 6, link="10gbit"), found("e", 8, True, 8, "2026-11-29"),
+            found("f", 6, cpu="Intel Xeon")]
+    assert [r["page"] for r in time_to_accuracy.headline_rows(rows)] == ["e", "d", "f"]
+    # From a file: its CPU is in the key.
+    data = {"usecase": "SimpleBig", "image_size": 64, "cores_per_host": 1, "bandwidth": "1gbit",
+            "epoch_cap": 2, "cpu_model": "Intel Xeon", "target": {"accuracy": 0.5},
+            "summary": [{"hosts": h, "contender": "exact", "exact": True, "model": "alexnet",
+                         "score_seconds": 10.0 / h, "seeds": 5, "reached": 5,
+                         "ratio_to_one_host": 1.0 / h} for h in (1, 2)]}
+    assert time_to_accuracy.hosts_row(data, "g")["workload_key"][-1] == "Intel Xeon"
 
 
 def test_time_to_accuracy_reads_the_interleaved_check_seed_by_seed():
