@@ -52,6 +52,8 @@ def test_channels_last_matches_sequential(strategy):
 
 @pytest.mark.slow
 def test_layerwise_channels_last_matches_sequential_on_vgg16():
+    """In float64 (test_strategies.DTYPE: a float32 ReLU flip at VGG16's 2x2 maps is no
+    float tolerance): the layout's logic, where AlexNet's tests check oneDNN's kernels."""
     options = StrategyOptions(workers=2, oversubscribe=True, channels_last=True)
     difference = largest_difference(train("layerwise", options, "vgg16"),
                                     sequential_parameters("vgg16"))

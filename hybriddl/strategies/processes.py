@@ -56,12 +56,13 @@ class Processes(CoreWorkersStrategy):
         super().setup(model)
         set_torch_threads(1)
         numel = sum(p.numel() for p in _trained(model))
-        _check_shared_memory(model, numel * 4 * (self.workers - 1))
+        dtype = _trained(model)[0].dtype  # gradients in the model's own precision
+        _check_shared_memory(model, numel * dtype.itemsize * (self.workers - 1))
         model.share_memory()
         context = mp.get_context("spawn")
         try:
             for rank in range(1, self.workers):
-                grad_buffer = torch.zeros(numel).share_memory_()
+                grad_buffer = torch.zeros(numel, dtype=dtype).share_memory_()
                 mine, theirs = context.Pipe()
                 process = context.Process(target=_worker_main,
                                           args=(rank, theirs, model, grad_buffer, self.options),
