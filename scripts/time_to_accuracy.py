@@ -627,9 +627,8 @@ def hosts_row(data: dict, page: str) -> dict | None:
                       or [data.get("command", "")])
     return {"page": page, "target": target, "given": given, "one": one, "best": best,
             "usecase": data["usecase"],
-            # One row per workload and CPU in the README (a host of S = 1 is this CPU's
-            # core: another CPU is another host): the file capped last, interleaved, with
-            # the most runs, newest (`headline_rows`); every file keeps its page.
+            # A row per workload in the README, per workload and CPU in the benchmarks
+            # index (`headline_rows`); its CPU last, so [:-1] is the workload.
             "workload_key": (best["model"], data["image_size"], data["bandwidth"], step,
                              data.get("cpu_model")),
             "preference": (data["epoch_cap"], interleaved,
@@ -646,22 +645,25 @@ def hosts_row(data: dict, page: str) -> dict | None:
                       + (f", D = {turns:g}" if turns else ", side by side"))}
 
 
-def headline_rows(found: list[dict]) -> list[dict]:
-    """One `hosts_row` per workload (model, image size, link, host step) and CPU, in the
-    order first found: the file with the largest epoch cap, then interleaved, then the most runs, then
-    the newest. The others keep their pages (docs/benchmarks)."""
+def headline_rows(found: list[dict], every_cpu: bool = False) -> list[dict]:
+    """One `hosts_row` per workload (model, image size, link, host step), or per workload
+    and CPU with `every_cpu` (a host of S = 1 is its CPU's core: another CPU is another
+    host), in the order first found: the file with the largest epoch cap, then
+    interleaved, then the most runs, then the newest. The README shows the first, the
+    benchmarks index the second; every file keeps its page (docs/benchmarks)."""
     kept: dict[tuple, dict] = {}
     for row in found:
-        have = kept.get(row["workload_key"])
+        key = row["workload_key"] if every_cpu else row["workload_key"][:-1]
+        have = kept.get(key)
         if have is None or row["preference"] > have["preference"]:
-            kept[row["workload_key"]] = row
+            kept[key] = row
     return list(kept.values())
 
 
-def hosts_table(found: list[dict]) -> list[str]:
-    """The README's time to accuracy on more hosts: one claim sentence (the lowest ratio
-    measured), then a row per workload from `headline_rows`."""
-    found = headline_rows(found)
+def hosts_table(found: list[dict], every_cpu: bool = False) -> list[str]:
+    """The time to accuracy on more hosts, a row per workload from `headline_rows` (the
+    README's, which points to the rest) or per workload and CPU (the benchmarks index's)."""
+    found = headline_rows(found, every_cpu)
     if not found:
         return []
 
@@ -678,11 +680,15 @@ def hosts_table(found: list[dict]) -> list[str]:
                 + (f"; {ratio_text(min(check))}–{ratio_text(max(check))}× in seeds run "
                    "interleaved" if check else "") + ")")
 
+    rows = ("a row per workload and CPU, from its file capped last, interleaved, with the "
+            "most runs, newest")
+    if not every_cpu:
+        rows = (rows.replace(" and CPU", "") + "; each CPU's row: [docs/benchmarks]"
+                "(docs/benchmarks/README.md#time-to-accuracy-a-row-per-workload-and-cpu)")
     lines = ["**Time to accuracy on more hosts**: real images (MNIST), the target one host "
              "exact reaches in all but one of its seeds, each cell's runs scored as MLPerf "
-             "scores them (the fastest and slowest dropped, the rest averaged; emulated s; "
-             "a row per workload and CPU, from its file capped last, interleaved, with the "
-             "most runs):", "",
+             f"scores them (the fastest and slowest dropped, the rest averaged; emulated s; "
+             f"{rows}):", "",
              "| workload | hosts (CPU) | target | one host exact: reached, score | more hosts: "
              "scheme, reached, score | × one host | DDP + PowerSGD, × one host |",
              "|---|---|---|---|---|---:|---|"]

@@ -187,6 +187,10 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
             continue
         files[BENCHMARKS / f"{page.name}.md"] = benchmark_page(page, data)
         index.append(f"| [{page.title}]({page.name}.md) | `{page.json}` |")
+    every_cpu = time_to_accuracy.hosts_table(time_to_accuracy_rows()["hosts"], every_cpu=True)
+    if every_cpu:
+        index += ["", "## Time to accuracy, a row per workload and CPU", "",
+                  *[line.replace("docs/benchmarks/", "") for line in every_cpu]]
     long_form = headline_lines()
     if long_form:
         index += ["", "## Headline figures, long form", "", *long_form]
@@ -196,26 +200,34 @@ def benchmark_pages() -> tuple[dict[Path, str], list[str]]:
 
 # ---------------------------------------------------------------- README headline
 
+def time_to_accuracy_rows() -> dict:
+    """Every quoted time-to-accuracy file as rows of the two tables (more hosts; compressed
+    on one host), with the first one's command and where hosts took turns."""
+    out = {"hosts": [], "compressed": [], "command": None, "turns": {}}
+    for page in expanded(time_to_accuracy.PAGES, []):
+        data, _ = load_quotable(REPO / page.json)
+        if data is not None and page.name.startswith("time_to_accuracy-mnist"):
+            row = time_to_accuracy.hosts_row(data, page.name)
+            compressed = time_to_accuracy.compressed_row(data, page.name)
+            out["hosts"] += [row] if row else []
+            out["compressed"] += [compressed] if compressed else []
+            if row or compressed:
+                out["command"] = out["command"] or data["command"]
+                out["turns"].update(time_to_accuracy.taking_turns(data))
+    return out
+
+
 def headline_block() -> str:
     """The README's headline: time to accuracy first (a claim, a row per workload on more
     hosts, then a row per use case for the compressed schemes), then one table row per
     fast-host throughput page, a footnote for S and D and the hardware, and
     the command that reproduces the first. The long form of every page's headline is in
     docs/benchmarks/README.md."""
-    lines, cpus, command = [HEADLINE_BEGIN], {"tta": set(), "fast": set()}, None
-    turns = {}  # hosts -> D where a figure above had them take turns on the cores
-    hosts_rows, compressed_rows = [], []  # two tables: more hosts; compressed on one host
-    for page in expanded(time_to_accuracy.PAGES, []):
-        data, _ = load_quotable(REPO / page.json)
-        if data is not None and page.name.startswith("time_to_accuracy-mnist"):
-            row = time_to_accuracy.hosts_row(data, page.name)
-            compressed = time_to_accuracy.compressed_row(data, page.name)
-            hosts_rows += [row] if row else []
-            compressed_rows += [compressed] if compressed else []
-            if row or compressed:
-                cpus["tta"].add(data["cpu_model"])
-                command = command or data["command"]
-                turns.update(time_to_accuracy.taking_turns(data))
+    tta = time_to_accuracy_rows()
+    hosts_rows, compressed_rows, command, turns = (tta["hosts"], tta["compressed"],
+                                                   tta["command"], tta["turns"])
+    shown = time_to_accuracy.headline_rows(hosts_rows) + compressed_rows  # the CPUs named
+    lines, cpus = [HEADLINE_BEGIN], {"tta": {r["cpu"] for r in shown}, "fast": set()}
     claim = time_to_accuracy.headline_claim(hosts_rows, compressed_rows)
     lines += [claim, ""] if claim else []
     for table in (time_to_accuracy.hosts_table(hosts_rows),
