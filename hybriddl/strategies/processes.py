@@ -56,7 +56,7 @@ class Processes(CoreWorkersStrategy):
         super().setup(model)
         set_torch_threads(1)
         numel = sum(p.numel() for p in _trained(model))
-        dtype = _trained(model)[0].dtype  # gradients in the model's own precision
+        dtype = next((p.dtype for p in _trained(model)), torch.float32)  # the model's own
         _check_shared_memory(model, numel * dtype.itemsize * (self.workers - 1))
         model.share_memory()
         context = mp.get_context("spawn")
