@@ -58,12 +58,13 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
     alone = copy.deepcopy(model)
     hosts = connect(compression=PowerSGD(2, rounds=rounds), overlap=overlap)
     calls, sent, made, seconds = [], [], [], []
-    iallreduce, average = hosts.iallreduce, hosts._average
+    # The whole-gradient scheme's exchanges: every host's wire gathered, summed in rank order.
+    gather, average = hosts.iallgather_logical, hosts._average
     sent_before = [hosts.traffic.bytes_sent]
 
-    def counted(wire, received):
+    def counted(wire, gathered):
         made.append(wire.nbytes)
-        return iallreduce(wire, received)
+        return gather(wire, gathered)
 
     def counting(share):
         # From the end of the last step: a first phase sent during backward counts too.
@@ -80,7 +81,7 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
         sent_before[0] = hosts.traffic.bytes_sent  # the set-up's own exchanges not counted
 
     attached = hosts.attach
-    hosts.iallreduce, hosts._average, hosts.attach = counted, counting, attach
+    hosts.iallgather_logical, hosts._average, hosts.attach = counted, counting, attach
     start = sum(SHARES[:hosts.rank])
     train(hosts, model, batches, (start, start + SHARES[hosts.rank]), hooks=overlap)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()

@@ -474,7 +474,8 @@ def test_a_checkpoint_keeps_each_hosts_errors_in_a_file_of_its_own(tmp_path):
 
     def saved_by(rank, steps):
         keeper = Checkpointer.__new__(Checkpointer)  # only what keep_errors_apart reads
-        keeper.run_dir, keeper.hosts = tmp_path, SimpleNamespace(rank=rank, size=2)
+        keeper.run_dir, keeper.hosts = tmp_path, SimpleNamespace(
+            rank=rank, size=2, logical_count=2, logical_ranks=range(rank, rank + 1))
         keeper.position = resumption.Position(steps_done=steps)
         return keeper.keep_errors_apart(state(float(rank + 1)))
 
@@ -750,6 +751,41 @@ def test_two_ranks_resumed_equal_them_uninterrupted(images, tmp_path, scheme, mo
     metrics = json.loads((cut / METRICS).read_text())
     assert metrics["config"]["host_parallel"]["scheme"] == scheme
     assert metrics["config"]["hosts"]["compression"] == "powersgd:2"
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.beside  # equality of what its own ranks leave, nothing timed
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+@pytest.mark.parametrize("compression, extra", [("powersgd:2", ["--overlap"]),
+                                                ("powersgd:2:rounds=2", [])])
+def test_a_compressed_run_on_three_ranks_resumed_on_two_then_three_ends_as_uninterrupted(
+        images, tmp_path, compression, extra):
+    """A compressed run that loses a host goes on as its 3 logical ranks on 2 hosts (one
+    host runs two of them in turn, each with its own errors, and the wires are summed in
+    logical order), so it trains as on 3 hosts to the bit, and back on 3 hosts it takes
+    each logical rank's errors from the files the 2 hosts kept."""
+    from hybriddl.run.resumption import ERRORS_APART, errors_file
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    common = ["-m", "hybriddl"]
+    flags = ["--batch-size", "6", "--compression", compression]  # 2 steps an epoch, 2 epochs
+    done = mpirun(3, [*common, *train_args(images, straight, *flags, *extra)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = mpirun(3, [*common, *train_args(images, cut, *flags, "--max-steps", "2")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = mpirun(2, [*common, "train", "--resume", str(cut), "--max-steps", "3"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = torch.load(cut / "checkpoint.pt", weights_only=True)["compression"]
+    assert saved[ERRORS_APART] == {"hosts": 3, "steps_done": 3}
+    for rank in (1, 2):  # logical rank 1's written by host 0, 2's by host 1
+        assert torch.load(cut / errors_file(rank, 3), weights_only=True)["steps_done"] == 3
+    done = mpirun(3, [*common, "train", "--resume", str(cut), "--max-steps", "4"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert max_difference(straight, cut) == 0.0
+    resumes = json.loads((cut / METRICS).read_text())["resumes"]
+    assert [r["hosts"]["count"] for r in resumes] == [2, 3]
+    assert resumes[0]["logical_hosts"] == 3 and "logical_hosts" not in resumes[1]
 
 
 @pytest.mark.parametrize("rank, rounds", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])

@@ -194,9 +194,12 @@ class WholeGradientAverager(Averager):
         self._phase_positions = ([early, [i for i in everything if i not in set(early)]]
                                  if early else [everything])
         self._early_pending: set[int] = set()
-        # Each phase's exchange once sent: (wire, its host copy, the sum).
+        # Each phase's exchange once sent: (wire, its host copy, every logical rank's wire).
         self._phases_sent: list[tuple] = []
         self._step_begun = False
+        # On a host that runs several logical ranks (`take_part`): each phase's wires, one
+        # per part, computed as each part's gradient is done.
+        self._part_wires: list[list[torch.Tensor]] = []
         # emulate --compression-seconds: the scheme's compute padded to the hosts' (else None).
         self._pace = pace()
 
@@ -211,10 +214,32 @@ class WholeGradientAverager(Averager):
 
     def arm(self, scale: float) -> None:
         super().arm(scale)
-        if len(self._phase_positions) > 1:
+        parts = len(self.hosts.logical_ranks)
+        # Several logical ranks: each part's backward ends before its wire is made.
+        if len(self._phase_positions) > 1 and parts == 1:
             self._early_pending = {id(self.parameters[i]) for i in self._phase_positions[0]}
         self._phases_sent = []
         self._step_begun = False
+        self._part_wires = [[] for _ in self._phase_positions] if parts > 1 else []
+
+    def take_part(self, part: int, scale: float) -> None:
+        """Logical part `part` of this host's (hosts/mpi.py `use_logical`) has its gradient in
+        `.grad`: its wire for every phase, as that logical rank's own host would make it
+        (`scale`: its n_l/N), then its gradients cleared for the next part."""
+        with timed(self._pace):
+            if not self._step_begun:
+                self.compression.begin_step([p.shape for p in self.parameters])
+                self._step_begun = True
+            for p in self.parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif scale != 1.0:
+                    p.grad.mul_(scale)
+            gradients = [p.grad for p in self.parameters]
+            for phase, wires in enumerate(self._part_wires):
+                wires.append(self.compression.local_wire(gradients, phase, part))
+            for gradient in gradients:
+                gradient.zero_()
 
     def _early_gradient_ready(self, param: nn.Parameter) -> None:
         """A gradient of the first phase is written; the last one sends the phase."""
@@ -240,6 +265,9 @@ class WholeGradientAverager(Averager):
                 if self._scale != 1.0:
                     p.grad.mul_(self._scale)
             wire = self.compression.local_wire([p.grad for p in self.parameters], phase)
+        self._post(wire)
+
+    def _post(self, wire: torch.Tensor) -> None:
         progress = self.hosts.progress
         with progress.lock if progress else contextlib.nullcontext():
             self._phases_sent.append(self._start(wire))
@@ -247,22 +275,46 @@ class WholeGradientAverager(Averager):
                 progress.wake()
 
     def _start(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`wire`'s allreduce started from host memory: (wire, the host copy MPI reads,
-        the buffer its sum arrives in), each kept until the sum is taken."""
+        """`wire` (this host's logical ranks' wires in turn) gathered from every host,
+        started from host memory: (wire, the host copy MPI reads, the buffer every logical
+        rank's arrives in), each kept until the sum is taken (`_summed`).
+
+        Gathered and summed here in logical-rank order, not MPI's allreduce: the sum's
+        bits are then those of the logical ranks, whatever host runs which, so a compressed
+        run resumed on fewer hosts trains as the uninterrupted one, bit for bit (PowerSGD's
+        error feedback carries any rounding of another order into every later step).
+        The same bytes a host receives as through a ring allreduce at 2 hosts, H/2 times
+        them at H hosts: a compressed wire is its factors, small beside the gradient."""
         host_wire = to_host(wire.detach())
-        received = host_empty(host_wire.shape, host_wire.dtype, wire.device)
-        self._send(host_wire, received)
-        return wire, host_wire, received
+        per_part = host_wire.numel() // len(self.hosts.logical_ranks)
+        gathered = host_empty((self.hosts.logical_count * per_part,), host_wire.dtype,
+                              wire.device)
+        self._requests.extend(self.hosts.iallgather_logical(host_wire, gathered))
+        self.hosts.traffic.sent(host_wire.nbytes)
+        return wire, host_wire, gathered
+
+    def _summed(self, sent: tuple) -> torch.Tensor:
+        """The sum of a started exchange's logical wires, in logical-rank order, on the
+        wire's device."""
+        wire, _, gathered = sent
+        rows = gathered.view(self.hosts.logical_count, -1)
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total.add_(row)
+        return back_to(total, wire)
 
     def average(self) -> None:
         try:
             progress = self.hosts.progress
             if progress:
                 progress.release()
+            if self._part_wires:  # several logical ranks: every part's wire is made
+                for wires in self._part_wires:
+                    self._post(torch.cat(wires))
             for phase in range(len(self._phases_sent), len(self._phase_positions)):
                 self._send_phase(phase)
             self.hosts.wait(self._requests, "averaging gradients")
-            totals = [back_to(received, wire) for wire, _, received in self._phases_sent]
+            totals = [self._summed(sent) for sent in self._phases_sent]
             # A round that depends on the sums so far (PowerSGD's Q after its P).
             while True:
                 with timed(self._pace):
@@ -270,9 +322,9 @@ class WholeGradientAverager(Averager):
                 if wire is None:
                     break
                 self._requests = []
-                _, _kept, received = self._start(wire)  # _kept: MPI reads it
+                sent = self._start(wire)  # kept while MPI reads it
                 self.hosts.wait(self._requests, "averaging gradients")
-                totals.append(back_to(received, wire))
+                totals.append(self._summed(sent))
             gradients = [p.grad for p in self.parameters]
             # The approximations are written into the gradients where they can be.
             with timed(self._pace):
@@ -285,6 +337,7 @@ class WholeGradientAverager(Averager):
         finally:
             self.armed = False
             self._phases_sent = []
+            self._part_wires = []
 
     def wire_bytes(self) -> int:
         return self.compression.wire_bytes([p.shape for p in self.parameters])

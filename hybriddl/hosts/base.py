@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
+from hybriddl.data.sharding import split_bounds
 from hybriddl.emulation.pace import pace, step_done, timed
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
@@ -91,6 +92,9 @@ class Hosts:
         self.notes: list[str] = []  # things the user should know, for the CLI to show
         self.weights = [1.0] * self.size
         self.balance = "even"
+        # A compressed run resumed on fewer hosts than it started on runs its logical ranks
+        # (`use_logical`): (first, stop) of each host's, in rank order; None: a rank each.
+        self.logical_blocks: list[tuple[int, int]] | None = None
         # Bytes per second the slowest host's link carried when measured (link_rate);
         # None alone or before: what --host-parallel auto predicts communication with.
         self.link_bytes_per_second: float | None = None
@@ -147,9 +151,49 @@ class Hosts:
         `built_from_seed` (every host built the model from the run's seed), hosts compare a
         digest and send the parameters only where they differ."""
 
+    # ------------------------------------------------------------------ logical ranks
+    @property
+    def logical_count(self) -> int:
+        """The ranks the run's sums are over: the host count it started on, where a
+        compressed run goes on with fewer (`use_logical`); else this run's host count."""
+        return self.logical_blocks[-1][1] if self.logical_blocks else self.size
+
+    @property
+    def logical_ranks(self) -> range:
+        """The logical ranks this host runs, in order (its own rank alone, but where a
+        compressed run goes on with fewer hosts)."""
+        return range(*self.logical_blocks[self.rank]) if self.logical_blocks \
+            else range(self.rank, self.rank + 1)
+
+    def use_logical(self, count: int) -> bool:
+        """Run `count` logical ranks, the host count a compressed run started on, on these
+        fewer hosts, each host a block of them in turn, so the run trains as it would have
+        on `count` hosts, to the bit. False where these hosts cannot (one host without MPI,
+        more hosts than `count`, shares that are not even, or an exact scheme): the run then
+        goes on with this host count's sums."""
+        return False
+
+    def parts(self, share: HostShare) -> list[tuple[int, int]]:
+        """(start, stop) of each logical rank's rows within this host's `share`."""
+        if not self.logical_blocks:
+            return [(0, share.samples)]
+        bounds = split_bounds(share.global_samples, [1.0] * self.logical_count)
+        first = bounds[self.logical_ranks[0]][0]
+        return [(bounds[r][0] - first, bounds[r][1] - first) for r in self.logical_ranks]
+
+    def part_done(self, part: int, samples: int, global_samples: int) -> None:
+        """Logical part `part` of this host's has its gradient of `samples` rows in `.grad`:
+        hand it to the averaging, which clears `.grad` for the next part."""
+        raise RuntimeError("part_done without use_logical")
+
     # ------------------------------------------------------------------ one step
     def share(self, batch: GlobalBatch) -> HostShare:
-        """This host's part of a global batch, proportional to its weight."""
+        """This host's part of a global batch, proportional to its weight (its logical
+        ranks' parts, where it runs several: `use_logical`)."""
+        if self.logical_blocks:
+            bounds = split_bounds(len(batch.indices), [1.0] * self.logical_count)
+            first, stop = self.logical_ranks[0], self.logical_ranks[-1]
+            return HostShare(batch, batch.part(bounds[first][0], bounds[stop][1]))
         return HostShare.of(batch, self.weights, self.rank)
 
     @contextlib.contextmanager
@@ -221,13 +265,15 @@ class Hosts:
             else {"name": self.compression.name}
 
     def restore_compression(self, saved_name: str, saved: dict | None,
-                            holds_error: bool | None = None) -> str | None:
+                            holds_error: bool | None = None,
+                            more_errors: list | None = None) -> str | None:
         """Continue the compression from a checkpoint: `saved_name`, the scheme it was
         written under, and `saved`, its `compression_state` (after `attach`), with the
         errors this host takes where it `holds_error` (default: rank 0, as checkpoints that
-        kept the hosts' errors summed have it). A line to show when that scheme is not this
-        run's, or its state does not fit (the compression then starts afresh); None when
-        the run simply goes on."""
+        kept the hosts' errors summed have it), and, on a host that runs several logical
+        ranks (`use_logical`), `more_errors`: those of its others, in order (None: zero).
+        A line to show when that scheme is not this run's, or its state does not fit (the
+        compression then starts afresh); None when the run simply goes on."""
         now = self.compression.name
         if saved:  # the scheme that ran (the config may say auto)
             saved_name = saved.get("name", saved_name)
@@ -242,6 +288,8 @@ class Hosts:
                 raise ValueError("it has none")
             self.compression.load_checkpoint_state(
                 saved, holds_error=self.rank == 0 if holds_error is None else holds_error)
+            for part, errors in enumerate(more_errors or [], start=1):
+                self.compression.load_part_errors(part, errors)
         except ValueError as exc:
             return (f"--compression {now}: the checkpoint's state does not fit this run ({exc}); "
                     "its factors and errors start afresh")

@@ -36,6 +36,8 @@ from hybriddl.hosts.compression import Compression
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.hosts.averaging import Averager, averager_for, back_to, host_empty, to_host
 from hybriddl.hosts.fusion import DEFAULT_BUCKET_BYTES
+from hybriddl.hosts.scheme import WHOLE_GRADIENT
+from hybriddl.data.sharding import split_bounds
 from hybriddl.hosts.beater import BeatSender
 from hybriddl.hosts.heartbeat import INTERVAL_SECONDS, SILENCE_SECONDS, Heartbeat
 from hybriddl import failpoints
@@ -738,6 +740,29 @@ class MPIHosts(Hosts):
     def progress(self) -> ProgressThread | None:
         """The thread that drives requests while this host computes, where one runs."""
         return self._progress
+
+    # ------------------------------------------------------------------ logical ranks
+    def use_logical(self, count: int) -> bool:
+        if (self._alone or count <= self.size or len(set(self.weights)) > 1
+                or self.averager is None or self.compression.kind != WHOLE_GRADIENT):
+            return False
+        self.logical_blocks = split_bounds(count, [1.0] * self.size)
+        self.compression.use_parts(len(self.logical_ranks))
+        return True
+
+    def part_done(self, part: int, samples: int, global_samples: int) -> None:
+        self.averager.take_part(part, samples / global_samples if global_samples else 0.0)
+
+    def iallgather_logical(self, wire: torch.Tensor, gathered: torch.Tensor) -> list:
+        """Requests that gather every host's `wire` (its logical ranks' wires in turn, CPU
+        tensors) into `gathered`, in logical-rank order."""
+        per_part = wire.numel() // len(self.logical_ranks)
+        counts = [(stop - first) * per_part for first, stop in
+                  (self.logical_blocks or [(r, r + 1) for r in range(self.size)])]
+        try:
+            return [self.comm.Iallgatherv(_as_mpi(wire), [_as_mpi(gathered), counts])]
+        except self.MPI.Exception as exc:
+            raise self._failure(exc, "averaging gradients") from None
 
     def _arm(self, share) -> None:
         if self._alone:

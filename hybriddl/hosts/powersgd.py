@@ -172,6 +172,10 @@ class PowerSGD(WireScheme):
         self._phase_of: dict = {}  # group id / dense position -> 0 or 1 (split_phases)
         self._group_key: dict[int, int] = {}
         self._local: dict[int, torch.Tensor] = {}
+        # Logical ranks this host runs (`use_parts`): each one's errors and step factors; the
+        # groups' `error` points at the selected part's (part 0's between steps).
+        self._part_errors: list[list[torch.Tensor]] = []
+        self._locals: list[dict[int, torch.Tensor]] = [self._local]
 
     def mpi_sum(self, MPI):
         """(datatype, op) MPI sums the wire with: factors and dense tensors are float32,
@@ -314,6 +318,8 @@ class PowerSGD(WireScheme):
                                        torch.zeros((k, rows, cols), device=device)))
         self._group_key = {i: id(group) for group in self._groups for i in group.indices}
         self._phase_of = {}
+        self._part_errors, self._locals = [], [{}]
+        self._select(0)
         self.step = 0
         if not dense_matrices:
             return []
@@ -408,6 +414,43 @@ class PowerSGD(WireScheme):
     def _in_phase(self, key, phase: int) -> bool:
         return self._phase_of.get(key, 0) == phase
 
+    # ------------------------------------------------------------------ logical ranks
+    def use_parts(self, count: int) -> None:
+        """Run `count` logical ranks on this host (a run resumed on fewer hosts than it
+        started on, hosts/mpi.py `use_logical`): each keeps errors of its own, its wire is
+        `local_wire(..., part=j)`, and `next_round` gives every part's wire in turn; part 0
+        holds the errors the groups show between steps. After `setup`."""
+        if count < 1 or self._shapes is None:
+            raise ValueError("use_parts(count >= 1) after setup")
+        self._part_errors = [[group.error for group in self._groups]] + [
+            [torch.zeros_like(group.error) for group in self._groups] for _ in range(count - 1)]
+        self._locals = [{} for _ in range(count)]
+        self._select(0)
+
+    @property
+    def parts(self) -> int:
+        return len(self._locals)
+
+    def _select(self, part: int) -> None:
+        """Point the groups' errors and this step's factors at logical part `part`'s."""
+        if self._part_errors:
+            for group, error in zip(self._groups, self._part_errors[part]):
+                group.error = error
+        self._local = self._locals[part]
+
+    def part_errors(self, part: int) -> list[torch.Tensor]:
+        """Logical part `part`'s errors, on the CPU (its checkpoint file's)."""
+        errors = self._part_errors[part] if self._part_errors else [g.error for g in self._groups]
+        return [error.cpu().clone() for error in errors]
+
+    def load_part_errors(self, part: int, errors: Sequence[torch.Tensor] | None) -> None:
+        """Logical part `part`'s errors from a checkpoint (None: zero)."""
+        mine = self._part_errors[part] if self._part_errors else [g.error for g in self._groups]
+        if errors is not None and [e.shape for e in errors] != [m.shape for m in mine]:
+            raise ValueError("its errors are of other shapes")
+        for target, error in zip(mine, errors if errors is not None else [None] * len(mine)):
+            target.zero_() if error is None else target.copy_(error)
+
     def begin_step(self, shapes: Sequence[Sequence[int]]) -> None:
         """Start a step with gradients of these shapes (those `setup` was given): the
         factor it uses orthogonalised."""
@@ -417,7 +460,8 @@ class PowerSGD(WireScheme):
                              f"given {shapes}")
         self._exact_step = self.step < self.start
         self._sends_q = (self.step - self.start) % 2 == 0
-        self._local: dict[int, torch.Tensor] = {}
+        self._locals = [{} for _ in range(self.parts)]
+        self._select(0)
         self._round = 0
         if self._exact_step or self.rounds == 2:
             return  # two rounds: P = M Q from last step's Q as it was summed
@@ -429,10 +473,13 @@ class PowerSGD(WireScheme):
     def compressing(self) -> bool:
         return not self._exact_step
 
-    def local_wire(self, gradients: Sequence[torch.Tensor], phase: int = 0) -> torch.Tensor:
+    def local_wire(self, gradients: Sequence[torch.Tensor], phase: int = 0,
+                   part: int = 0) -> torch.Tensor:
         """This host's part of the phase's allreduce: the factors of its matrices (this
         host's error buffers updated) and its dense gradients, as one flat tensor on the
-        state's device; every gradient of the phase is read here and not after."""
+        state's device; every gradient of the phase is read here and not after. `part`:
+        the logical rank of this host's whose gradients these are (`use_parts`)."""
+        self._select(part)
         device = self._device()
         if self._exact_step:
             parts = [g.reshape(-1).to(device) for i, g in enumerate(gradients)
@@ -494,21 +541,24 @@ class PowerSGD(WireScheme):
         in_chunks = self._in_chunks(device)
         offset, summed = 0, []
         for group in self._groups:
-            mine = self._local[id(group)]
+            mine = self._locals[0][id(group)]
             summed.append(totals[0][offset:offset + mine.numel()].view(mine.shape))
             offset += mine.numel()
         for group, done in zip(self._groups, self._orthogonalised(summed)):
             group.p.copy_(done)
-        parts = []
-        for group in self._groups:
-            if in_chunks:
-                mine = torch.stack([local_factor(group.error[j], None, group.p[j], True)
-                                    for j in range(len(group.indices))])
-            else:
-                mine = torch.bmm(group.p.transpose(1, 2), group.error).transpose(1, 2)
-                group.error.baddbmm_(group.p, mine.transpose(1, 2), alpha=-1)
-            self._local[id(group)] = mine
-            parts.append(mine.reshape(-1))
+        parts = []  # every logical part's wire in turn (one, but on a host of fewer)
+        for part in range(self.parts):
+            self._select(part)
+            for group in self._groups:
+                if in_chunks:
+                    mine = torch.stack([local_factor(group.error[j], None, group.p[j], True)
+                                        for j in range(len(group.indices))])
+                else:
+                    mine = torch.bmm(group.p.transpose(1, 2), group.error).transpose(1, 2)
+                    group.error.baddbmm_(group.p, mine.transpose(1, 2), alpha=-1)
+                self._local[id(group)] = mine
+                parts.append(mine.reshape(-1))
+        self._select(0)
         return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
     def finish_step(self, totals: Sequence[torch.Tensor],
@@ -553,7 +603,8 @@ class PowerSGD(WireScheme):
                 if self._in_phase(i, phase):
                     summed = take(phase, math.prod(shapes[i])).view(shapes[i])
                     outputs[i] = self._place(outputs[i], summed)
-        self._local = {}
+        self._locals = [{} for _ in range(self.parts)]
+        self._select(0)
         self.step += 1
         return outputs
 
@@ -575,7 +626,8 @@ class PowerSGD(WireScheme):
                     target = torch.empty(self._shapes[i], device=device)
                 outer_products(group.p[j], group.q[j], target.view(group.shape), in_chunks)
                 outputs[i] = target
-        self._local = {}
+        self._locals = [{} for _ in range(self.parts)]
+        self._select(0)
         self.step += 1
         return outputs
 
@@ -636,12 +688,14 @@ class PowerSGD(WireScheme):
         if shapes != self._shapes:
             raise ValueError("it is of other gradients (another model, or the other "
                              "--host-parallel scheme)")
-        for group, p, q, error in zip(self._groups, state["p"], state["q"], state["error"]):
-            if p.shape != group.p.shape or q.shape != group.q.shape or error.shape != group.error.shape:
+        errors = state["error"] if holds_error else [None] * len(self._groups)
+        for group, p, q, error in zip(self._groups, state["p"], state["q"], errors):
+            if p.shape != group.p.shape or q.shape != group.q.shape or (
+                    error is not None and error.shape != group.error.shape):
                 raise ValueError("its factors are of other shapes")
             group.p.copy_(p)
             group.q.copy_(q)
-            if holds_error:
+            if error is not None:
                 group.error.copy_(error)
             else:
                 group.error.zero_()

@@ -226,18 +226,24 @@ class Checkpointer:
         where the others' are (`resumption.ERRORS_APART`); every other host writes its
         errors to a file of its own, now, and keeps its newest few. No exchange: summing
         the errors over the link cost AlexNet's model size per host at every checkpoint."""
-        if self.hosts.size == 1 or "error" not in state:
+        if self.hosts.logical_count == 1 or "error" not in state:
             return state
         steps = self.position.steps_done
+        # A host that runs several logical ranks (hosts `use_logical`) keeps each one's apart.
+        for part, rank in enumerate(self.hosts.logical_ranks):
+            if rank == 0:
+                continue
+            errors = state["error"] if part == 0 else self.hosts.compression.part_errors(part)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(self.run_dir / errors_file(rank, steps),
+                              {"error": errors, "steps_done": steps})
+            written = sorted(int(path.stem.rsplit("step", 1)[1]) for path in
+                             self.run_dir.glob(errors_file(rank, "*")))
+            for old in written[:-ERRORS_KEPT]:
+                (self.run_dir / errors_file(rank, old)).unlink(missing_ok=True)
         if self.hosts.rank == 0:
-            return {**state, ERRORS_APART: {"hosts": self.hosts.size, "steps_done": steps}}
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(self.run_dir / errors_file(self.hosts.rank, steps),
-                          {"error": state["error"], "steps_done": steps})
-        written = sorted(int(path.stem.rsplit("step", 1)[1]) for path in
-                         self.run_dir.glob(errors_file(self.hosts.rank, "*")))
-        for old in written[:-ERRORS_KEPT]:
-            (self.run_dir / errors_file(self.hosts.rank, old)).unlink(missing_ok=True)
+            return {**state, ERRORS_APART: {"hosts": self.hosts.logical_count,
+                                            "steps_done": steps}}
         return state
 
     def holds_the_model(self) -> bool:

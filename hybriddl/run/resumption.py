@@ -21,6 +21,7 @@ from __future__ import annotations
 import pickle
 import zipfile
 from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -324,6 +325,36 @@ def compression_for_host(checkpoint: Checkpoint, run_dir: str | Path, rank: int,
             return ({**state, "error": total}, True, line) if total else (state, False, line)
         total = errors if total is None else [a.add_(b) for a, b in zip(total, errors)]
     return {**state, "error": total}, True, None
+
+
+def logical_count(checkpoint: Checkpoint) -> int | None:
+    """The logical ranks a compressed checkpoint's errors are kept by (the host count its
+    run started on), None where it kept none apart."""
+    apart = (checkpoint.compression or {}).get(ERRORS_APART)
+    return int(apart["hosts"]) if apart else None
+
+
+def compression_by_logical_rank(checkpoint: Checkpoint, run_dir: str | Path,
+                                ranks: Sequence[int]) -> tuple[dict, list, str | None]:
+    """What a host that runs logical `ranks` (`Hosts.use_logical`) resumes its compression
+    from: (the state, with its first rank's errors, or None; the other ranks' errors, in
+    order, None for one that could not be read; a line to show where one could not)."""
+    saved = checkpoint.compression
+    apart = saved[ERRORS_APART]
+    state = {key: value for key, value in saved.items() if key != ERRORS_APART}
+    errors, line = [], None
+    for rank in ranks:
+        if rank == 0:
+            errors.append(state["error"])
+            continue
+        path = Path(run_dir) / errors_file(rank, apart["steps_done"])
+        try:
+            errors.append(safe_load(path)["error"])
+        except (UnreadableFile, KeyError, TypeError) as exc:
+            errors.append(None)
+            line = (f"--compression {state.get('name')}: the checkpoint's errors of logical "
+                    f"rank {rank} could not be read ({path}: {exc}); they start at zero")
+    return {**state, "error": errors[0]}, errors[1:], line
 
 
 def check_same_data(checkpoint: Checkpoint, data: dict) -> None:

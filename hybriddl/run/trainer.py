@@ -336,6 +336,9 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
                     average_over_hosts(stats.samples)
 
                 def gradients(strategy, x, y, share=share):
+                    if len(hosts.logical_ranks) > 1:
+                        return logical_gradients(scheme, strategy, hosts, x, y, share,
+                                                 sample_keys(seed, epoch, share.part.indices))
                     return scheme.gradients(strategy, x, y, share)
 
                 try:
@@ -381,6 +384,19 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             "train_loss": hosts.mean_over_hosts(progress.settle(), progress.samples),
             "data_wait_seconds": progress.data_wait_seconds,
             "started_at": started_at, "ended_at": time.time(), **traffic}
+
+
+def logical_gradients(scheme, strategy, hosts, x, y, share, keys) -> StepStats:
+    """The step's gradients on a host that runs several logical ranks (a compressed run
+    resumed on fewer hosts: `Hosts.use_logical`): each one's rows in turn, as its own host
+    computed them, handed to the averaging before the next."""
+    samples, loss_sum = 0, 0.0
+    for part, (start, stop) in enumerate(hosts.parts(share)):
+        with dropout_keys(keys[start:stop]):
+            stats = scheme.gradients(strategy, x[start:stop], y[start:stop], share)
+        hosts.part_done(part, stats.samples, share.global_samples)
+        samples, loss_sum = samples + stats.samples, loss_sum + stats.loss_sum
+    return StepStats(samples, loss_sum)
 
 
 def inject_faults(rank: int, steps_done: int, model) -> None:
@@ -524,11 +540,21 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
         "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan}
-    saved, holds_error, unread = resumption.compression_for_host(
-        prepared.resume, prepared.run_dir, hosts.rank, hosts.size)
+    ran = saved_compression(prepared.resume)
+    # A compressed run goes on with fewer hosts than it started on as its logical ranks.
+    started_on = resumption.logical_count(prepared.resume)
+    more = None
+    if (started_on and ran == hosts.compression.name and isinstance(scheme, DataParallel)
+            and hosts.use_logical(started_on)):
+        saved, more, unread = resumption.compression_by_logical_rank(
+            prepared.resume, prepared.run_dir, hosts.logical_ranks)
+        holds_error = saved.get("error") is not None
+        resume["logical_hosts"] = started_on
+    else:
+        saved, holds_error, unread = resumption.compression_for_host(
+            prepared.resume, prepared.run_dir, hosts.rank, hosts.size)
     # A scheme other than the checkpoint's says so alone: it takes none of the errors.
-    if note := hosts.restore_compression(saved_compression(prepared.resume), saved,
-                                         holds_error) or unread:
+    if note := hosts.restore_compression(ran, saved, holds_error, more) or unread:
         resume["compression"] = note
         metrics["config"]["hosts"].setdefault("notes", []).append(note)  # shown at start
     metrics["config"]["compression"] = config.compression
