@@ -9,7 +9,10 @@ gradients' part leaves during backward), then the rounds that depend on the sums
 (`next_round`), then the approximation written into the gradients.
 
 The transport (hosts/mpi.py's `MPIHosts`) answers `iallreduce(wire, received)` (requests
-summing a CPU tensor over hosts), `wait(requests, what)` (every wait, with its heartbeat
+summing a CPU tensor over hosts; the buckets'), `iallgather_logical(wire, gathered)` (every
+logical rank's wire, in rank order: the whole gradient's, summed here in that order, so a run
+resumed on fewer hosts as its logical ranks sums the same bits), `logical_ranks` and
+`logical_count`, `wait(requests, what)` (every wait, with its heartbeat
 and deadline), `traffic` and `progress` (the thread that drives requests while backward
 runs, or None). Hosts keep transport and membership; this module keeps the arithmetic of
 a step's exchange.

@@ -24,8 +24,9 @@ factors are summed, so the approximation is of the mean gradient over the global
 Each host's error is the part of its own M outside the shared factor's span; their sum
 is the mean's M minus the approximation, so what is applied depends only on the mean
 gradient: 1 host and H hosts train the same mathematics (to float rounding), and a
-checkpoint keeps each host's errors apart (no exchange; any host count may resume it, the
-errors summed on one host).
+checkpoint keeps each host's errors apart (no exchange; any host count may resume it: fewer
+hosts as the logical ranks it started on, each part's errors its own (`use_parts`), the
+same bits; more, the errors summed on one host).
 
 Every host computes the approximation from the same summed factor, the same bits: the
 factor is orthogonalised in float64 (LAPACK's rounding, which depends on the CPU,
