@@ -441,6 +441,74 @@ def resumed_two_hosts(resume) -> None:
             assert torch.allclose(got, want, atol=1e-6)
 
 
+def logical_steps(hosts, contributions, rounds: int) -> list[list[list[torch.Tensor]]]:
+    """`hosts`: (PowerSGD, the logical ranks it runs) in rank order; each step every host
+    makes its logical ranks' wires in turn, they are summed in logical-rank order (as
+    hosts/averaging.py gathers them), and each host's outputs per step are returned."""
+    shapes = [g.shape for g in contributions[0][0]]
+    outputs = [[] for _ in hosts]
+    for gradients in contributions:
+        for compression, ranks in hosts:
+            compression.begin_step(shapes)
+
+        def in_order(wires):
+            total = wires[0].clone()
+            for wire in wires[1:]:
+                total.add_(wire)
+            return total
+
+        totals = [in_order([compression.local_wire(gradients[rank], 0, part)
+                            for compression, ranks in hosts
+                            for part, rank in enumerate(ranks)])]
+        more = [compression.next_round(totals) for compression, _ in hosts]
+        if more[0] is not None:
+            totals.append(in_order([piece for wire, (_, ranks) in zip(more, hosts)
+                                    for piece in wire.chunk(len(ranks))]))
+        for h, (compression, _) in enumerate(hosts):
+            outputs[h].append([o.clone() for o in compression.finish_step(totals)])
+    return outputs
+
+
+def with_parts(compression: PowerSGD, shapes, parts: int) -> PowerSGD:
+    compression.setup(shapes)
+    if parts > 1:
+        compression.use_parts(parts)
+    return compression
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_logical_ranks_on_fewer_hosts_give_the_same_bits_as_their_own_hosts(rounds):
+    """3 logical ranks on 3 hosts, on 2 (ranks 0-1 on one, each part its own errors) and on
+    1: every step's approximation is the same, bit for bit; and 2 hosts resumed from the 3
+    hosts' states, each logical rank's errors put back into its part, go on as the 3 did."""
+    steps, cut, shapes = 6, 3, [g.shape for g in small_gradients()]
+    contributions = [[[g / 3 for g in small_gradients(seed=10 * s + r)] for r in range(3)]
+                     for s in range(steps)]
+    three = [(with_parts(PowerSGD(2, rounds=rounds), shapes, 1), [r]) for r in range(3)]
+    straight = logical_steps(three, contributions, rounds)
+    for layout in ([[0, 1], [2]], [[0, 1, 2]]):
+        fewer = [(with_parts(PowerSGD(2, rounds=rounds), shapes, len(ranks)), ranks)
+                 for ranks in layout]
+        got = logical_steps(fewer, contributions, rounds)
+        for step in range(steps):
+            for a, b in zip(got[0][step], straight[0][step]):
+                assert torch.equal(a, b), (layout, step)
+    first = [(with_parts(PowerSGD(2, rounds=rounds), shapes, 1), [r]) for r in range(3)]
+    logical_steps(first, contributions[:cut], rounds)
+    states = [compression.checkpoint_state() for compression, _ in first]
+    resumed = [(with_parts(PowerSGD(2, rounds=rounds), shapes, 2), [0, 1]),
+               (with_parts(PowerSGD(2, rounds=rounds), shapes, 1), [2])]
+    for compression, ranks in resumed:
+        compression.load_checkpoint_state(states[ranks[0]])
+        for part, rank in enumerate(ranks[1:], start=1):
+            compression.load_part_errors(part, states[rank]["error"])
+    assert all(torch.equal(a, b) for a, b in zip(resumed[0][0].part_errors(1), states[1]["error"]))
+    after = logical_steps(resumed, contributions[cut:], rounds)
+    for step in range(steps - cut):
+        for a, b in zip(after[1][step], straight[0][cut + step]):
+            assert torch.equal(a, b), step
+
+
 def test_two_hosts_resumed_from_their_own_errors_continue_as_uninterrupted():
     """A checkpoint keeps each host's errors apart: on the same host count each takes its
     own back."""
