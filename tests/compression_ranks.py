@@ -58,13 +58,13 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
     alone = copy.deepcopy(model)
     hosts = connect(compression=PowerSGD(2, rounds=rounds), overlap=overlap)
     calls, sent, made, seconds = [], [], [], []
-    # The whole-gradient scheme's exchanges: every host's wire gathered, summed in rank order.
-    gather, average = hosts.iallgather_logical, hosts._average
+    # The whole-gradient scheme's exchanges: every host's wire summed in logical-rank order.
+    start_sum, average = hosts.start_logical_sum, hosts._average
     sent_before = [hosts.traffic.bytes_sent]
 
-    def counted(wire, gathered):
+    def counted(wire):
         made.append(wire.nbytes)
-        return gather(wire, gathered)
+        return start_sum(wire)
 
     def counting(share):
         # From the end of the last step: a first phase sent during backward counts too.
@@ -81,7 +81,7 @@ def main(out: str, overlap: bool = False, rounds: int = 1) -> None:
         sent_before[0] = hosts.traffic.bytes_sent  # the set-up's own exchanges not counted
 
     attached = hosts.attach
-    hosts.iallgather_logical, hosts._average, hosts.attach = counted, counting, attach
+    hosts.start_logical_sum, hosts._average, hosts.attach = counted, counting, attach
     start = sum(SHARES[:hosts.rank])
     train(hosts, model, batches, (start, start + SHARES[hosts.rank]), hooks=overlap)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()

@@ -88,21 +88,6 @@ def test_powersgd_sends_rank_r_factors_of_every_matrix_and_the_rest_dense(alexne
     assert exchange.allreduces_per_step == 1
 
 
-def test_a_whole_gradient_wire_is_gathered_from_every_host(alexnet):
-    """PowerSGD's wire is gathered and summed in logical-rank order (hosts/averaging.py),
-    so each host sends it to the H-1 others in H-1 rounds: a ring allreduce's bytes at 2
-    hosts, H/2 times them at H; buckets keep the ring's 2(H-1)/H in 2(H-1) rounds."""
-    link = Link(GIGABIT, 1e-3)
-    payload = gradient_exchange("powersgd:2", alexnet.parameters).payload_bytes
-    for hosts in (2, 4):
-        step = predict(Scheme("data", "powersgd:2"), alexnet, hosts, 32, 1.0, link)
-        assert step.nic_bytes == pytest.approx((hosts - 1) * payload)
-        assert step.latency_seconds == pytest.approx((hosts - 1) * 1e-3)
-    assert not gradient_exchange("none", alexnet.parameters).gathered
-    exact = predict(Scheme("data"), alexnet, 4, 32, 1.0, link)
-    assert exact.nic_bytes == pytest.approx(2 * 3 / 4 * 4 * ALEXNET_PARAMETERS)
-
-
 def test_a_step_is_compute_plus_wire_plus_latency_rounds_plus_compression(alexnet):
     link = Link(GIGABIT, 1e-3)
     data = predict(Scheme("data"), alexnet, 2, 32, 1.0, link)

@@ -9,10 +9,10 @@ gradients' part leaves during backward), then the rounds that depend on the sums
 (`next_round`), then the approximation written into the gradients.
 
 The transport (hosts/mpi.py's `MPIHosts`) answers `iallreduce(wire, received)` (requests
-summing a CPU tensor over hosts; the buckets'), `iallgather_logical(wire, gathered)` (every
-logical rank's wire, in rank order: the whole gradient's, summed here in that order, so a run
-resumed on fewer hosts as its logical ranks sums the same bits), `logical_ranks` and
-`logical_count`, `wait(requests, what)` (every wait, with its heartbeat
+summing a CPU tensor over hosts; the buckets'), `start_logical_sum(wire)` (the whole
+gradient's: every logical rank's wire summed in logical-rank order, so a run resumed on
+fewer hosts as its logical ranks sums the same bits), `logical_ranks`, `wait(requests,
+what)` (every wait, with its heartbeat
 and deadline), `traffic` and `progress` (the thread that drives requests while backward
 runs, or None). Hosts keep transport and membership; this module keeps the arithmetic of
 a step's exchange.
@@ -277,34 +277,28 @@ class WholeGradientAverager(Averager):
             if progress:
                 progress.wake()
 
-    def _start(self, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`wire` (this host's logical ranks' wires in turn) gathered from every host,
-        started from host memory: (wire, the host copy MPI reads, the buffer every logical
-        rank's arrives in), each kept until the sum is taken (`_summed`).
+    def _start(self, wire: torch.Tensor) -> tuple:
+        """`wire` (this host's logical ranks' wires in turn) summed over every logical
+        rank, in logical-rank order (hosts/mpi.py `LogicalSum`), started from host memory:
+        (wire, its host copy, the sum under way), each kept until the sum is taken.
 
-        Gathered and summed here in logical-rank order, not MPI's allreduce: the sum's
-        bits are then those of the logical ranks, whatever host runs which, so a compressed
+        Not MPI's allreduce, whose order is set by the host count: in logical-rank order
+        the sum has the same bits whatever host runs which logical rank, so a compressed
         run resumed on fewer hosts trains as the uninterrupted one, bit for bit (PowerSGD's
-        error feedback carries any rounding of another order into every later step).
-        The same bytes a host receives as through a ring allreduce at 2 hosts, H/2 times
-        them at H hosts: a compressed wire is its factors, small beside the gradient."""
+        error feedback carries any other rounding into every later step)."""
         host_wire = to_host(wire.detach())
-        per_part = host_wire.numel() // len(self.hosts.logical_ranks)
-        gathered = host_empty((self.hosts.logical_count * per_part,), host_wire.dtype,
-                              wire.device)
-        self._requests.extend(self.hosts.iallgather_logical(host_wire, gathered))
+        exchange = self.hosts.start_logical_sum(host_wire)
+        self._requests.extend(exchange.requests)
         self.hosts.traffic.sent(host_wire.nbytes)
-        return wire, host_wire, gathered
+        return wire, host_wire, exchange
 
-    def _summed(self, sent: tuple) -> torch.Tensor:
-        """The sum of a started exchange's logical wires, in logical-rank order, on the
-        wire's device."""
-        wire, _, gathered = sent
-        rows = gathered.view(self.hosts.logical_count, -1)
-        total = rows[0].clone()
-        for row in rows[1:]:
-            total.add_(row)
-        return back_to(total, wire)
+    def _summed(self, started: list[tuple]) -> list[torch.Tensor]:
+        """The sums of started exchanges whose first part is done, on their wires' devices:
+        each host's slice summed, then gathered."""
+        self._requests = [request for _, _, exchange in started
+                          for request in exchange.gather()]
+        self.hosts.wait(self._requests, "averaging gradients")
+        return [back_to(exchange.total, wire) for wire, _, exchange in started]
 
     def average(self) -> None:
         try:
@@ -317,7 +311,7 @@ class WholeGradientAverager(Averager):
             for phase in range(len(self._phases_sent), len(self._phase_positions)):
                 self._send_phase(phase)
             self.hosts.wait(self._requests, "averaging gradients")
-            totals = [self._summed(sent) for sent in self._phases_sent]
+            totals = self._summed(self._phases_sent)
             # A round that depends on the sums so far (PowerSGD's Q after its P).
             while True:
                 with timed(self._pace):
@@ -327,7 +321,7 @@ class WholeGradientAverager(Averager):
                 self._requests = []
                 sent = self._start(wire)  # kept while MPI reads it
                 self.hosts.wait(self._requests, "averaging gradients")
-                totals.append(self._summed(sent))
+                totals += self._summed([sent])
             gradients = [p.grad for p in self.parameters]
             # The approximations are written into the gradients where they can be.
             with timed(self._pace):

@@ -211,6 +211,54 @@ class RunningExchange(Exchange):
         return self._finish()
 
 
+class LogicalSum:
+    """A sum of every logical rank's wire (hosts/base.py `logical_ranks`) in logical-rank
+    order, whatever host runs which: the same bits on any host count that runs them.
+
+    Two exchanges, as a ring allreduce's bytes (2(H-1)/H of the wire out of each host):
+    each host sends every other host that host's slice of each of its wires (one
+    alltoallv), and adds the slices it then holds in logical-rank order (`reduce`); then
+    the summed slices are gathered on every host (allgatherv, `gather`), and `total`
+    holds the sum. MPI's allreduce would sum in an order set by the host count, and
+    PowerSGD's error feedback carries that rounding into every later step."""
+
+    def __init__(self, hosts: MPIHosts, wire: torch.Tensor):
+        self._hosts = hosts
+        parts = len(hosts.logical_ranks)
+        n = wire.numel() // parts
+        blocks = hosts.logical_blocks or [(r, r + 1) for r in range(hosts.size)]
+        self._bounds = split_bounds(n, [1.0] * hosts.size)
+        first, stop = self._bounds[hosts.rank]
+        mine = stop - first
+        rows = wire.view(parts, n)
+        # To each host, this host's wires' slices of that host's, one wire after another.
+        self._send = torch.cat([rows[:, a:b].reshape(-1) for a, b in self._bounds])
+        self._copies = torch.empty((hosts.logical_count, mine), dtype=wire.dtype)
+        self._copies[blocks[hosts.rank][0]:blocks[hosts.rank][1]] = rows[:, first:stop]
+        others = [j != hosts.rank for j in range(hosts.size)]
+        outgoing = ([parts * (b - a) if other else 0 for (a, b), other in zip(self._bounds, others)],
+                    [parts * a for a, _ in self._bounds])
+        incoming = ([(b - a) * mine if other else 0 for (a, b), other in zip(blocks, others)],
+                    [a * mine for a, _ in blocks])
+        self.requests = [hosts.comm.Ialltoallv([_as_mpi(self._send), outgoing],
+                                               [_as_mpi(self._copies), incoming])]
+        self.total = torch.empty(n, dtype=wire.dtype)
+        self._slice: torch.Tensor | None = None
+
+    def gather(self) -> list:
+        """Once `requests` are done: this host's slice summed in logical-rank order, and
+        the requests that gather every host's into `total`."""
+        self._slice = self._copies[0].clone()
+        for copy in self._copies[1:]:
+            self._slice.add_(copy)
+        sizes = [b - a for a, b in self._bounds]
+        try:
+            return [self._hosts.comm.Iallgatherv(
+                _as_mpi(self._slice), [_as_mpi(self.total), (sizes, [a for a, _ in self._bounds])])]
+        except self._hosts.MPI.Exception as exc:
+            raise self._hosts._failure(exc, "averaging gradients") from None
+
+
 class MPIHosts(Hosts):
     """The hosts of a run launched by mpirun: one rank each."""
 
@@ -753,14 +801,11 @@ class MPIHosts(Hosts):
     def part_done(self, part: int, samples: int, global_samples: int) -> None:
         self.averager.take_part(part, samples / global_samples if global_samples else 0.0)
 
-    def iallgather_logical(self, wire: torch.Tensor, gathered: torch.Tensor) -> list:
-        """Requests that gather every host's `wire` (its logical ranks' wires in turn, CPU
-        tensors) into `gathered`, in logical-rank order."""
-        per_part = wire.numel() // len(self.logical_ranks)
-        counts = [(stop - first) * per_part for first, stop in
-                  (self.logical_blocks or [(r, r + 1) for r in range(self.size)])]
+    def start_logical_sum(self, wire: torch.Tensor) -> LogicalSum:
+        """The sum of every logical rank's wire, in logical-rank order, started: `wire` is
+        this host's logical ranks' wires in turn (a CPU tensor)."""
         try:
-            return [self.comm.Iallgatherv(_as_mpi(wire), [_as_mpi(gathered), counts])]
+            return LogicalSum(self, wire)
         except self.MPI.Exception as exc:
             raise self._failure(exc, "averaging gradients") from None
 

@@ -53,7 +53,6 @@ from torch import nn
 
 from hybriddl.errors import UsageError
 from hybriddl.hosts.compression import AUTO, EXACT, parse_compression, planned_compressions
-from hybriddl.hosts.scheme import WHOLE_GRADIENT
 from hybriddl.hybrid.classifier import NotSplittable, plan
 
 # The split's features and their gradients on the wire (--feature-dtype): float32 is exact;
@@ -188,10 +187,6 @@ class GradientExchange:
     # Of the payload, what leaves during backward with --overlap (PowerSGD's first phase:
     # the trailing gradients' factors, hosts/mpi.py); 0 where the exchange waits for the end.
     early_bytes: float = 0.0
-    # A whole-gradient scheme's wire is gathered from every host and summed in logical-rank
-    # order (hosts/averaging.py): each host sends it to H-1 others, in H-1 rounds, where a
-    # ring allreduce sends 2(H-1)/H of it in 2(H-1).
-    gathered: bool = False
 
 
 def gradient_exchange(name: str, shapes) -> GradientExchange:
@@ -200,8 +195,7 @@ def gradient_exchange(name: str, shapes) -> GradientExchange:
     compression = compression_object(name)
     return GradientExchange(name, float(compression.wire_bytes(shapes)),
                             int(compression.allreduces_per_step), bool(compression.exact),
-                            float(compression.early_wire_bytes(shapes)),
-                            compression.kind == WHOLE_GRADIENT)
+                            float(compression.early_wire_bytes(shapes)))
 
 
 # --------------------------------------------------------------------------- compute
@@ -296,10 +290,8 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
     ring = (hosts - 1) / hosts
     averaged = shapes.parameters if scheme.host_parallel == "data" else shapes.averaged_in_hybrid
     gradients = gradient_exchange(scheme.compression, averaged)
-    per_byte, per_exchange = ((hosts - 1, hosts - 1) if gradients.gathered
-                              else (2 * ring, 2 * (hosts - 1)))
-    nic = nic_gradients = per_byte * gradients.payload_bytes
-    rounds = gradients.allreduces_per_step * per_exchange
+    nic = nic_gradients = 2 * ring * gradients.payload_bytes
+    rounds = gradients.allreduces_per_step * 2 * (hosts - 1)
     extra, estimated, overlappable = 0.0, False, 0.0
     if costs is not None:
         extra, estimated = compression_object(scheme.compression).compute_seconds(
@@ -307,7 +299,7 @@ def predict(scheme: Scheme, shapes: ModelShapes, hosts: int, global_batch: int,
     if overlap and gradients.early_bytes:
         # The first phase's factors leave beside backward (its allreduce's rounds too; the
         # second phase's are the step's one allreduce's).
-        overlappable = per_byte * gradients.early_bytes
+        overlappable = 2 * ring * gradients.early_bytes
     if scheme.host_parallel == "hybrid":
         if not shapes.splittable:
             raise ValueError("the hybrid scheme needs a classifier it can split")
