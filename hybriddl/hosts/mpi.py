@@ -217,9 +217,9 @@ class LogicalSum:
 
     Two exchanges, as a ring allreduce's bytes (2(H-1)/H of the wire out of each host):
     each host sends every other host that host's slice of each of its wires (one
-    alltoallv), and adds the slices it then holds in logical-rank order (`reduce`); then
-    the summed slices are gathered on every host (allgatherv, `gather`), and `total`
-    holds the sum. MPI's allreduce would sum in an order set by the host count, and
+    alltoallv, `requests`); once it is done, `gather` adds the slices this host then holds
+    in logical-rank order and gathers the summed slices on every host (allgatherv) into
+    `total`. MPI's allreduce would sum in an order set by the host count, and
     PowerSGD's error feedback carries that rounding into every later step."""
 
     def __init__(self, hosts: MPIHosts, wire: torch.Tensor):
