@@ -231,8 +231,10 @@ class LogicalSum:
         first, stop = self._bounds[hosts.rank]
         mine = stop - first
         rows = wire.view(parts, n)
-        # To each host, this host's wires' slices of that host's, one wire after another.
-        self._send = torch.cat([rows[:, a:b].reshape(-1) for a, b in self._bounds])
+        # To each host, this host's wires' slices of that host's, one wire after another
+        # (with one wire, the wire itself: its slices in host order).
+        self._send = wire if parts == 1 else torch.cat(
+            [rows[:, a:b].reshape(-1) for a, b in self._bounds])
         self._copies = torch.empty((hosts.logical_count, mine), dtype=wire.dtype)
         self._copies[blocks[hosts.rank][0]:blocks[hosts.rank][1]] = rows[:, first:stop]
         others = [j != hosts.rank for j in range(hosts.size)]
