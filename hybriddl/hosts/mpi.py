@@ -250,9 +250,7 @@ class LogicalSum:
     def gather(self) -> list:
         """Once `requests` are done: this host's slice summed in logical-rank order, and
         the requests that gather every host's into `total`."""
-        self._slice = self._copies[0].clone()
-        for copy in self._copies[1:]:
-            self._slice.add_(copy)
+        self._slice = _in_rank_order(self._copies)
         sizes = [b - a for a, b in self._bounds]
         try:
             return [self._hosts.comm.Iallgatherv(
@@ -701,10 +699,7 @@ class MPIHosts(Hosts):
 
         def summed() -> torch.Tensor:
             copies[self.rank].copy_(tensor[starts[self.rank]:starts[self.rank] + mine])
-            total = copies[0].clone()
-            for copy in copies[1:]:
-                total.add_(copy)
-            return back_to(total, given)
+            return back_to(_in_rank_order(copies), given)
 
         return requests, summed, (tensor, copies)
 
@@ -901,6 +896,15 @@ def _unread_bytes(fd: int) -> int:
     except OSError:
         return 0
     return int.from_bytes(count, sys.byteorder)
+
+
+def _in_rank_order(copies: torch.Tensor) -> torch.Tensor:
+    """The sum of `copies` (one per rank, along the first dimension) added in rank order,
+    in their dtype: the same bits on every host that holds them."""
+    total = copies[0].clone()
+    for copy in copies[1:]:
+        total.add_(copy)
+    return total
 
 
 def _as_mpi(tensor: torch.Tensor) -> np.ndarray:
