@@ -153,6 +153,24 @@ def test_an_exchange_every_host_is_inside_and_nothing_moves_stops_at_the_progres
     assert_resumes_to(run_dir, uninterrupted)
 
 
+def test_a_compressed_exchange_every_host_is_inside_stops_at_the_progress_timeout(
+        images, tmp_path):
+    """PowerSGD's exchange (its wires summed in logical-rank order: an alltoallv, then an
+    allgatherv) is bounded as every exchange is: rank 1 inside it and never driving it, rank
+    0 names it after --progress-timeout and the run stops with its checkpoint."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(run_dir),
+                     "--compression", "powersgd:2", "--checkpoint-every", "1",
+                     "--progress-timeout", "5", faults="stall-inside=1@2")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert time.monotonic() - started < 90
+    assert re.search(r"nothing of exchange (\d+) \(averaging gradients\) completed for [5-9] s "
+                     r"while every host is alive and inside it", output), output[-3000:]
+    assert (run_dir / CHECKPOINT).is_file()
+
+
 def test_hosts_inside_different_exchanges_and_nothing_moves_stop_at_the_progress_timeout(
         images, tmp_path, uninterrupted):
     """Rank 1 says it entered the exchange after rank 0's (as a host that skipped a

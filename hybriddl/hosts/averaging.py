@@ -297,7 +297,7 @@ class WholeGradientAverager(Averager):
         each host's slice summed, then gathered."""
         self._requests = [request for _, _, exchange in started
                           for request in exchange.gather()]
-        self.hosts.wait(self._requests, "averaging gradients")
+        self.hosts.wait(self._requests, "averaging gradients", continues=True)
         return [back_to(exchange.total, wire) for wire, _, exchange in started]
 
     def average(self) -> None:

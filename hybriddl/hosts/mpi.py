@@ -400,8 +400,11 @@ class MPIHosts(Hosts):
         }
 
     # ------------------------------------------------------------------ waiting
-    def wait(self, requests: list, what: str) -> None:
+    def wait(self, requests: list, what: str, continues: bool = False) -> None:
         """Complete `requests`, or raise HostFailure naming who failed, or the deadline.
+        `continues`: they are the second part of the exchange waited for last (a
+        `LogicalSum`'s gather), counted as that exchange, so a host still inside its first
+        part is inside the same exchange, not behind.
 
         Liveness comes from the heartbeat, not from how long a transfer takes: at 50 Mbit/s
         AlexNet's gradient (228 MB) takes 36 s, VGG16's 86 s, and nothing bounds that. The
@@ -412,7 +415,7 @@ class MPIHosts(Hosts):
         Request = self.MPI.Request
         heartbeat = self.heartbeat if self.heartbeat and self.heartbeat.running else None
         started = progressed = time.monotonic()
-        self._exchanges += 1
+        self._exchanges += 0 if continues else 1
         if heartbeat:
             heartbeat.report(self._exchanges, inside=True)
         if failpoints.armed("stall-ahead") and heartbeat:
