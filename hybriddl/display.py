@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 
 from rich.console import Console
@@ -12,8 +13,23 @@ from rich.table import Table
 from hybriddl.hosts.scheme import EXACT
 from hybriddl.tuning.observer import TuneObserver
 
-console = Console(stderr=True, emoji=False)  # user input like "powersgd:two" is not an emoji code
-out = Console(emoji=False)
+# Where output goes to a file or a pipe (a SLURM job's log, mpirun's forwarded output) and
+# COLUMNS is unset, rich draws at 80 columns: compare's table came out with its cells cut to
+# a letter or two ("co…") and longer lines broken. A log has no width; there it gets this.
+LOG_WIDTH = 200
+
+
+def terminal_console(stderr: bool = False) -> Console:
+    """A console for stdout or stderr: the terminal's width on a terminal, COLUMNS where
+    set, else LOG_WIDTH. No emoji: user input like "powersgd:two" is not an emoji code."""
+    console = Console(stderr=stderr, emoji=False)
+    if console.is_terminal or "COLUMNS" in os.environ:
+        return console
+    return Console(stderr=stderr, emoji=False, width=LOG_WIDTH)
+
+
+console = terminal_console(stderr=True)
+out = terminal_console()
 
 
 def stop_progress(progress: Progress) -> None:
@@ -44,7 +60,7 @@ class TuneDisplay(TuneObserver):
         if not self.enabled:
             return
         if reason:
-            console.print(f"hybriddl: {reason}", markup=False, highlight=False)
+            console.print(f"hybriddl: {reason}", markup=False, highlight=False, soft_wrap=True)
         self.progress.start()
         self.task = self.progress.add_task("", total=len(candidates), round="")
 

@@ -289,6 +289,32 @@ def test_the_table_names_each_rows_scheme_and_local_strategy():
     assert cells[:3] == ["hybrid", "data", "processes K=2"]
 
 
+
+def test_the_table_comes_whole_into_a_log_and_at_the_terminals_width_on_one(monkeypatch):
+    """Printed to a file or a pipe (a SLURM log), rich drew 80 columns: compare's 13 columns
+    came out as "co…", "sc…". There it gets display.LOG_WIDTH; COLUMNS, where set, rules."""
+    from hybriddl import display
+    from hybriddl.compare.outputs import COLUMNS, table_cells
+
+    row = {"name": "ddp-powersgd", "scheme": "ddp", "local_strategy": "ddp (4 processes)",
+           "compression": "powersgd r=2", "ranks": 4, "seconds_per_step": 1.25,
+           "seconds_per_step_vs_hybrid": 1.5, "host_nic_bytes_per_step": [1.2e5, 1.1e5],
+           "host_nic_bytes_theory": [1e5, 1e5], "allreduce": "ring",
+           "host_nic_bytes_vs_hybrid": 0.04, "host_peak_rss_bytes": [1.6e9, 1.6e9],
+           "host_peak_rss_vs_hybrid": 1.9}
+    table = display.comparison_table({"contenders": [row]}, COLUMNS,
+                                     table_cells({"contenders": [row]}))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    log = display.terminal_console()
+    assert not log.is_terminal and log.width == display.LOG_WIDTH
+    with log.capture() as drawn:
+        log.print(table)
+    assert "…" not in drawn.get() and "ddp-powersgd" in drawn.get()
+    for _, header, _ in COLUMNS:
+        assert header.split()[0] in drawn.get()
+    monkeypatch.setenv("COLUMNS", "60")
+    assert display.terminal_console().width == 60
+
 class PlannedHosts:
     """What compare.plan asks of EmulatedHosts, without namespaces: the launch lines."""
 
