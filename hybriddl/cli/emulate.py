@@ -102,7 +102,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from hybriddl.display import terminal_console
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -123,7 +123,7 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     # Emulating hosts needs root, so the ranks run as root too.
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    console = Console(stderr=True)
+    console = terminal_console(stderr=True)
     # Ctrl-C and SIGTERM (a job scheduler, kill) must tear the hosts down, also when the
     # shell that started us ignores SIGINT (a background job of a script does).
     for signum in (signal.SIGINT, signal.SIGTERM):

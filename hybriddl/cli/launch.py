@@ -71,7 +71,7 @@ def split_training(command: list[str]) -> tuple[list[str], Path]:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from hybriddl.display import terminal_console
 
     from hybriddl.launch.launcher import (LaunchConfig, Launcher, LaunchObserver,
                                           read_hostfile)
@@ -87,7 +87,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           run_dir=run_dir, min_hosts=args.min_hosts, restarts=args.restarts,
                           rsh_agent=rsh_agent, mca=dict(args.mca or []),
                           probe_seconds=args.probe_seconds, retry_delay=args.retry_delay)
-    console = Console(stderr=True)
+    console = terminal_console(stderr=True)
 
     class Lines(LaunchObserver):
         def on_launch(self, attempt, hosts, argv) -> None:
