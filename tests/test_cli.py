@@ -62,3 +62,26 @@ def test_every_command_has_its_module_and_is_listed_in_the_help(capsys):
             build_parser(command).parse_args([command, "--help"])
         assert help_asked.value.code == 0
         assert capsys.readouterr().out.startswith(f"usage: hybriddl {command} "), command
+
+
+@pytest.mark.parametrize("argv, code, says", [
+    (["--help"], 0, "    launch  "), (["--version"], 0, "hybriddl 0.1.0"),
+    (["trian"], 2, "invalid choice: 'trian'"), ([], 2, "required: command"),
+])
+def test_help_version_and_a_mistyped_command_load_no_torch(argv, code, says, tmp_path):
+    """They are answered from the commands' names and help lines (cli/commands.py), in a
+    fraction of a second: train's flags import torch and torchvision, some 7 s here."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hybriddl", *argv],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=hybriddl_env())
+    assert done.returncode == code, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line]
+    assert "hybriddl.cli.commands" in imported
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "torchvision")]
+    assert says in done.stdout + done.stderr
+
+
+def test_the_names_alone_give_the_whole_parsers_help():
+    whole, names = (build_parser(names_only=light).format_help() for light in (False, True))
+    assert names == whole

@@ -13,6 +13,7 @@ import sys
 from hybriddl import __version__
 from hybriddl.cli.allocator import (add_flag as add_allocator_flag, run_on_chosen_allocator,
                                     start_on_settled_allocator)
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.display import console, show_error
 from hybriddl.errors import StorageError, TrainingError, TrainingInterrupted, UsageError
 
@@ -24,20 +25,21 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-# The modules of cli/, one per command, in the order `hybriddl --help` lists them.
-COMMANDS = ("train", "compare", "tune", "report", "info", "emulate", "evaluate", "predict", "launch")
-
-
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, names_only: bool = False) -> argparse.ArgumentParser:
     """The command line; with `command`, only that command's parser: its module alone is
     imported, so that emulate and launch, which only start processes, start in a fraction
-    of a second without loading torch."""
+    of a second without loading torch. With `names_only`, the commands by name and help
+    line alone (COMMANDS), no module imported: what `--help`, `--version` and a mistyped
+    command need, answered in a fraction of a second too."""
     parser = OneLineErrorParser(prog="hybriddl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hybriddl {__version__}")
     add_allocator_flag(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     for name in COMMANDS if command is None else (command,):
-        importlib.import_module(f"hybriddl.cli.{name}").add_parser(commands)
+        if names_only:
+            commands.add_parser(name, help=COMMANDS[name])
+        else:
+            importlib.import_module(f"hybriddl.cli.{name}").add_parser(commands)
     return parser
 
 
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     where needed, starts again on it; called with `argv` it runs in this process as it is."""
     if argv is None:
         start_on_settled_allocator(sys.argv[1:])  # before torch is imported, where it can
-    args = build_parser(command_named(sys.argv[1:] if argv is None else argv)).parse_args(argv)
+    named = command_named(sys.argv[1:] if argv is None else argv)
+    if named is None:  # --help, --version or no command: argparse answers and exits here
+        build_parser(names_only=True).parse_args(argv)
+    args = build_parser(named).parse_args(argv)
     try:
         if argv is None:
             run_on_chosen_allocator(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.flags import add_data_flags, add_fp16_flag, add_measure_flags, default_of
 from hybriddl.cli.settings import compare_config
 from hybriddl.cli.workload_flags import add_link_flags, add_workload_flags
@@ -14,9 +15,7 @@ from hybriddl.strategies import STRATEGIES, Flat
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    compare = commands.add_parser(
-        "compare", help="hybrid vs Horovod's model vs PyTorch DDP on emulated hosts: speed, "
-                        "bytes per host NIC, memory")
+    compare = commands.add_parser("compare", help=COMMANDS["compare"])
     add_compare_arguments(compare)
     compare.set_defaults(handler=cmd_compare)
     return compare

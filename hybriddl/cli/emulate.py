@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.workload_flags import add_link_flags, add_mca_flag, add_workload_flags
 from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_cores_per_host,
                                       duration_seconds, quota_of)
@@ -54,9 +55,7 @@ are not scaled; an exchange between hosts that take turns waits for the other's 
 def add_parser(commands) -> argparse.ArgumentParser:
     """Register `emulate` on the CLI's subparsers."""
     emulate = commands.add_parser(
-        "emulate", help="run a command under mpirun across H emulated hosts (network "
-        "namespaces, needs root) and report the bytes each host's NIC sent and received",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "emulate", help=COMMANDS["emulate"], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     emulate.add_argument("--hosts", type=int, required=True, help="H emulated hosts")
     emulate.add_argument("--cores-per-host", type=int,
                          help="C cores per host; when H x C exceeds the machine's cores, time "

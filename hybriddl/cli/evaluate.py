@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.display import evaluation_table, files_table, out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    evaluate = commands.add_parser(
-        "evaluate", help="a run's model on a labelled ImageFolder: accuracy, per-class "
-                         "precision, recall and F1, confusion matrix (JSON and PNG)")
+    evaluate = commands.add_parser("evaluate", help=COMMANDS["evaluate"])
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a finished run of 'train'")
     evaluate.add_argument("--data", required=True, metavar="DIR",
                           help="an ImageFolder (one subfolder per class) whose class names are "

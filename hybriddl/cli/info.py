@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.display import host_table, out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    info = commands.add_parser("info", help="this host: cores, RAM, GPUs, library versions")
+    info = commands.add_parser("info", help=COMMANDS["info"])
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=cmd_info)
     return info

@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.workload_flags import add_mca_flag
 from hybriddl.errors import UsageError
 
@@ -20,9 +21,7 @@ RUN_DIR_FLAGS = ("--run-dir", "--resume", "--resume-if-exists")
 
 def add_parser(commands) -> argparse.ArgumentParser:
     """Register `launch` on the CLI's subparsers."""
-    launch = commands.add_parser(
-        "launch", help="run 'train' under mpirun, one rank per host of a hostfile; relaunch "
-        "from the checkpoint on the hosts that still answer when one is lost")
+    launch = commands.add_parser("launch", help=COMMANDS["launch"])
     launch.add_argument("--hostfile", required=True,
                         help="Open MPI hostfile: one host per line (slots are ignored: one "
                              "rank per host)")

@@ -6,13 +6,12 @@ import argparse
 import os
 import sys
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.display import out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    predict = commands.add_parser(
-        "predict", help="a run's model on images: file, class and probability per image, "
-                        "as CSV on stdout (or --output FILE)")
+    predict = commands.add_parser("predict", help=COMMANDS["predict"])
     predict.add_argument("run_dir", metavar="RUN_DIR", help="a finished run of 'train'")
     predict.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR",
                          help="image files, or folders searched for image files")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_hosts_flags,
                                 add_numerics_flags, add_profile_dir_flag, add_seed_flag,
                                 add_strategy_flags, default_of)
@@ -18,7 +19,7 @@ from hybriddl.usecases import DEFAULT_USECASE, get_usecase
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    train = commands.add_parser("train", help="train a use case on this host (or under mpirun)")
+    train = commands.add_parser("train", help=COMMANDS["train"])
     add_training_args(train)
     train.set_defaults(handler=cmd_train)
     return train

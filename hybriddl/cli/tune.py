@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.flags import (add_accumulate_flag, add_data_flags, add_numerics_flags,
                                 add_profile_dir_flag, add_tuning_flags)
 from hybriddl.cli.workload_flags import add_workload_flags
@@ -15,8 +16,7 @@ from hybriddl.tuning.tuner import tune_settings
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    tune = commands.add_parser("tune", help="measure every feasible local strategy here, keep the "
-                               "fastest as this host's profile")
+    tune = commands.add_parser("tune", help=COMMANDS["tune"])
     add_tune_args(tune)
     tune.set_defaults(handler=cmd_tune)
     return tune
