@@ -55,7 +55,8 @@ are not scaled; an exchange between hosts that take turns waits for the other's 
 def add_parser(commands) -> argparse.ArgumentParser:
     """Register `emulate` on the CLI's subparsers."""
     emulate = commands.add_parser(
-        "emulate", help=COMMANDS["emulate"], epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "emulate", help=COMMANDS["emulate"], epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     emulate.add_argument("--hosts", type=int, required=True, help="H emulated hosts")
     emulate.add_argument("--cores-per-host", type=int,
                          help="C cores per host; when H x C exceeds the machine's cores, time "
