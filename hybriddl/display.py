@@ -23,9 +23,9 @@ def terminal_console(stderr: bool = False) -> Console:
     """A console for stdout or stderr: the terminal's width on a terminal, COLUMNS where
     set, else LOG_WIDTH. No emoji: user input like "powersgd:two" is not an emoji code."""
     console = Console(stderr=stderr, emoji=False)
-    if console.is_terminal or "COLUMNS" in os.environ:
-        return console
-    return Console(stderr=stderr, emoji=False, width=LOG_WIDTH)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = LOG_WIDTH
+    return console
 
 
 console = terminal_console(stderr=True)
