@@ -110,6 +110,9 @@ def test_two_emulated_hosts_train_what_one_sequential_process_trains(tmp_path):
     done = emulate("--hosts", "2", "--report", str(report), "--", "hybriddl", *train,
                    "--run-dir", str(tmp_path / "emulated"))
     assert done.returncode == 0, done.stderr[-3000:]
+    # Into a pipe, the ranks were told it is not a terminal (machine/terminal.py): the
+    # epoch table came without colour codes, although Open MPI gave them one.
+    assert "Epochs" in done.stdout and "\x1b[" not in done.stdout
     alone = subprocess.run([sys.executable, "-m", "hybriddl", *train, "--run-dir",
                             str(tmp_path / "alone")], capture_output=True, text=True,
                            timeout=300, env=hybriddl_env())

@@ -88,6 +88,8 @@ def test_a_lost_host_sits_out_one_relaunch_and_the_run_ends_as_uninterrupted(tmp
                 seen.update(p.pid for p in ranks.values())
                 placed[host].kill()
             assert launcher.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-3000:]
+            # The ranks write into the launcher's log: told it is no terminal, no colours.
+            assert "\x1b[" not in (tmp_path / "log.txt").read_text()
         finally:
             if launcher.poll() is None:
                 launcher.kill()

@@ -195,6 +195,8 @@ def test_usr1_checkpoints_requeues_and_the_next_allocation_resumes_exactly(
     assert resumes[0]["hosts"]["names"] == ["node1", "node2"]
     output = job_output(fields)
     assert "requeueing job" in output and "restart 1" in output
+    # mpirun gives each rank a terminal, but the job's log is a file: no colour codes.
+    assert "Epochs" in output and "\x1b[" not in output
 
     # The finished job submitted again does not train again.
     model_written = (run_dir / MODEL).stat().st_mtime_ns

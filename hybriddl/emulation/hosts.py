@@ -55,6 +55,7 @@ import psutil
 
 from hybriddl.errors import UsageError
 from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
+from hybriddl.machine.terminal import rank_output_flags
 
 PREFIX = "hybriddl-emu-"
 SUBNET = "198.18.0.0/24"
@@ -833,6 +834,7 @@ class EmulatedHosts:
             argv += ["-x", f"{COMPRESSION_SECONDS_VARIABLE}={self.compression_seconds!r}"]
         if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
             argv += ["-x", FAILPOINTS_VARIABLE]
+        argv += rank_output_flags()
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
         return self.on_host(0, argv)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from hybriddl.errors import UsageError
 from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
+from hybriddl.machine.terminal import rank_output_flags
 from hybriddl.run.failure_record import (LAUNCHED_ENV, STOP_GLOB, clear_failures,
                                          read_failures)
 from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
@@ -288,6 +289,7 @@ class Launcher:
                 "--mca", "plm_rsh_agent", config.rsh_agent, "-x", LAUNCHED_ENV]
         if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
             argv += ["-x", FAILPOINTS_VARIABLE]
+        argv += rank_output_flags()
         for key, value in config.mca.items():
             argv += ["--mca", key, str(value)]
         return argv + [*config.command, *config.train_args,
