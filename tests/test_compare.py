@@ -320,9 +320,10 @@ class PlannedHosts:
 
     count, addresses = H, ["198.18.0.1", "198.18.0.2"]
 
-    def mpirun(self, command, ranks_per_host=1, mca=None, mpirun=None):
+    def mpirun(self, command, ranks_per_host=1, mca=None, mpirun=None, logged=False):
         options = [word for key, value in (mca or {}).items() for word in ("--mca", key, value)]
-        return ["mpirun", "--ranks-per-host", str(ranks_per_host), *options, *command]
+        told = ["--logged"] if logged else []
+        return ["mpirun", "--ranks-per-host", str(ranks_per_host), *options, *told, *command]
 
     def on_host(self, index, argv):
         return ["on-host", str(index), *argv]
@@ -364,6 +365,9 @@ def test_the_compressed_peers_are_their_schemes_with_what_they_send(monkeypatch,
     rest = [word for i, word in enumerate(ring) if i not in mca_words]
     assert rest == [word.replace("flat-mpi", "flat-ring") for word in default]
     assert planned("flat-ring").algorithm == "ring"
+    # Every MPI contender's ranks are told their output goes to its log, not a terminal.
+    assert all("--logged" in planned(name).commands()[0]
+               for name in ("flat-mpi", "flat-ring", "flat-fp16", "hybrid", "data-powersgd"))
     # hybriddl's own PowerSGD at the same rank, on the hybrid's and data's hosts.
     for name, scheme in (("hybrid-powersgd", "data"), ("data-powersgd", "data")):
         (argv,) = planned(name).commands()

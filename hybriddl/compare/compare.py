@@ -159,16 +159,20 @@ def plan(config: CompareConfig, cluster: EmulatedHosts, result_root: Path, name:
     # workers may need more workers than cores when hosts are small (said in the notes).
     flat = ["--strategy", Flat.name, "--overlap", "--fusion-mib", str(HOROVOD_FUSION_MIB)]
     mpirun = mpi_launcher() if kind.scheme != "ddp" else None
+
+    def ranks_of(command: list[str], **options) -> list[str]:
+        # Their output goes to the contender's log (run_contender), whatever this process's is.
+        return cluster.mpirun(command, mpirun=mpirun, logged=True, **options)
+
     launches = {
-        "hybrid": lambda: cluster.mpirun(worker("--strategy", config.local_strategy, *workers,
-                                                "--oversubscribe", "--overlap",
-                                                "--host-parallel", split), mpirun=mpirun),
-        "data": lambda: cluster.mpirun(worker("--strategy", config.local_strategy, *workers,
-                                              "--oversubscribe", "--overlap",
-                                              "--host-parallel", "data"), mpirun=mpirun),
-        FLAT_MPI: lambda: cluster.mpirun(worker(*flat), ranks_per_host=k, mpirun=mpirun),
-        FLAT_RING: lambda: cluster.mpirun(worker(*flat), ranks_per_host=k, mca=RING_ALLREDUCE,
-                                          mpirun=mpirun),
+        "hybrid": lambda: ranks_of(worker("--strategy", config.local_strategy, *workers,
+                                          "--oversubscribe", "--overlap",
+                                          "--host-parallel", split)),
+        "data": lambda: ranks_of(worker("--strategy", config.local_strategy, *workers,
+                                        "--oversubscribe", "--overlap",
+                                        "--host-parallel", "data")),
+        FLAT_MPI: lambda: ranks_of(worker(*flat), ranks_per_host=k),
+        FLAT_RING: lambda: ranks_of(worker(*flat), ranks_per_host=k, mca=RING_ALLREDUCE),
         "ddp": lambda: [cluster.on_host(i, python + [
             "hybriddl.cli.compare_ddp", "--processes", str(config.workers), "--hosts",
             str(cluster.count), "--host-index", str(i), "--master-addr", cluster.addresses[0],

@@ -800,16 +800,18 @@ class EmulatedHosts:
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv]
 
     def mpirun(self, command: list[str], ranks_per_host: int = 1,
-               mca: dict[str, str] | None = None, mpirun: str | None = None) -> list[str]:
+               mca: dict[str, str] | None = None, mpirun: str | None = None,
+               logged: bool = False) -> list[str]:
         """argv that runs `command` under mpirun with `ranks_per_host` ranks on every host
-        (started from host 0; `mca` adds or overrides Open MPI parameters)."""
+        (started from host 0; `mca` adds or overrides Open MPI parameters; `logged`: its
+        output will go to a log file, whatever this process's is)."""
         if ranks_per_host < 1:
             raise UsageError(f"--ranks-per-host {ranks_per_host}: give at least 1")
-        return self.mpirun_options(ranks_per_host, mca, mpirun) + [
+        return self.mpirun_options(ranks_per_host, mca, mpirun, logged) + [
             "-np", str(ranks_per_host * self.count), *command]
 
     def mpirun_options(self, ranks_per_host: int = 1, mca: dict[str, str] | None = None,
-                       mpirun: str | None = None) -> list[str]:
+                       mpirun: str | None = None, logged: bool = False) -> list[str]:
         """mpirun and its options for these hosts, without -np: append `-np N COMMAND`
         (or several `: -np N COMMAND` apps). Each host has `ranks_per_host` slots, filled
         in order (also across apps): rank r runs on host r // ranks_per_host."""
@@ -834,7 +836,7 @@ class EmulatedHosts:
             argv += ["-x", f"{COMPRESSION_SECONDS_VARIABLE}={self.compression_seconds!r}"]
         if os.environ.get(FAILPOINTS_VARIABLE):  # the faults a test injects, on every host
             argv += ["-x", FAILPOINTS_VARIABLE]
-        argv += rank_output_flags()
+        argv += rank_output_flags(logged=logged)
         for key, value in parameters.items():
             argv += ["--mca", key, str(value)]
         return self.on_host(0, argv)

@@ -17,9 +17,13 @@ from typing import TextIO
 NOT_A_TERMINAL = "TTY_COMPATIBLE=0"
 
 
-def rank_output_flags(output: TextIO | None = None) -> list[str]:
+def rank_output_flags(output: TextIO | None = None, *, logged: bool = False) -> list[str]:
     """mpirun's `-x` flag that tells its ranks their output is not a terminal, where
-    `output` (what mpirun's stdout is: this process's by default) is not one; else none."""
+    `output` (what mpirun's stdout is: this process's by default) is not one, or where
+    `logged`: mpirun's output goes to a log file whatever this process's is (compare's
+    contenders); else none."""
+    if logged:
+        return ["-x", NOT_A_TERMINAL]
     stream = sys.stdout if output is None else output
     try:
         terminal = stream.isatty()
