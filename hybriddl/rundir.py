@@ -18,6 +18,13 @@ MODEL = "model.pt"
 CHECKPOINT = "checkpoint.pt"
 
 
+def errors_file(rank: int, steps_done: int | str) -> str:
+    """The name of host `rank`'s compression errors at optimizer step `steps_done`, which a
+    compressed run's hosts other than rank 0 keep beside its checkpoint (`rank` and
+    `steps_done` "*": the pattern of them all)."""
+    return f"compression-rank{rank}-step{steps_done}.pt"
+
+
 def check_storage(run_dir: Path, needed_bytes: int) -> None:
     """Before a run starts: RUN_DIR (or the folder it will be made in) is writable and its
     file system has `needed_bytes` free; otherwise a UsageError naming both figures."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from emulated import can_emulate
 from hybriddl.emulation import EmulatedHosts
 from hybriddl.cli.launch import split_training
 from hybriddl.launch.emulated import launch_on
-from hybriddl.launch.launcher import EVENTS, read_hostfile
+from hybriddl.launch.launcher import EVENTS, LaunchConfig, Launcher, read_hostfile
+from hybriddl.run.failure_record import REFUSED
 from hybriddl.errors import UsageError
 from hybriddl.rundir import MODEL
 
@@ -51,6 +53,98 @@ def test_bad_launch_input_is_one_line_and_exit_2(tmp_path):
     done = run_cli("launch", "--hostfile", str(tmp_path / "none"), "--", "train",
                    "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_missing_agent_mpirun_or_a_binary_hostfile_is_one_line_and_exit_2(cli_here, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1\n")
+    run = ["--", "train", "--run-dir", str(tmp_path / "run")]
+    done = cli_here("launch", "--hostfile", str(hosts), "--rsh-agent", "no-such-agent -x", *run)
+    assert done.returncode == 2 and "--rsh-agent 'no-such-agent -x'" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    with pytest.raises(UsageError, match="mpirun not found"):
+        LaunchConfig(["node1"], ["train"], tmp_path / "run", rsh_agent="true",
+                     mpirun=str(tmp_path / "no-mpirun")).checked()
+    hosts.write_bytes(b"\xff\xfe\x00binary")
+    done = cli_here("launch", "--hostfile", str(hosts), "--rsh-agent", "true", *run)
+    assert done.returncode == 2 and "not a text file" in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def quiet_launcher(run_dir: Path, attempts, restarts: int = 3) -> Launcher:
+    """A Launcher on two hosts that always answer, whose launches are `attempts`: each
+    writes the ranks' records it returns into the run directory and exits with its code."""
+    config = LaunchConfig(["h0", "h1"], ["train"], run_dir, restarts=restarts,
+                          rsh_agent="true", mpirun=shutil.which("true"), retry_delay=0)
+    launcher = Launcher(config)
+    results = iter(attempts)
+
+    def attempt(number, hosts):
+        code, records = next(results)
+        run_dir.mkdir(exist_ok=True)
+        for record in records:
+            (run_dir / f"rank{record['rank']}-failure.json").write_text(json.dumps(
+                {"host": hosts[record["rank"]], "lost": {}, "at": 0.0, "steps": 0,
+                 "first_step_at": None, "last_step_at": None, "mean_step_seconds": None,
+                 **record}))
+        return code
+
+    launcher._attempt = attempt
+    return launcher
+
+
+def refused(rank: int, message: str) -> dict:
+    return {"rank": rank, "cause": REFUSED, "message": message}
+
+
+def test_a_refusal_after_the_hosts_started_is_tried_once_more_and_stops_when_repeated(
+        monkeypatch, tmp_path):
+    """Bad input that only the started hosts see (a checkpoint that does not match the
+    flags) stops at the second identical refusal, not after every restart; a refusal that
+    goes away (room freed on a full disk) is relaunched as before."""
+    from hybriddl.launch import launcher as module
+
+    monkeypatch.setattr(module, "answering", lambda hosts, agent, seconds: dict.fromkeys(hosts, True))
+    changed = [refused(0, "--resume run: --batch-size would make another run"),
+               refused(1, "--resume run: --batch-size would make another run")]
+    launcher = quiet_launcher(tmp_path / "changed", [(2, changed)] * 4)
+    assert launcher.run() == 2
+    assert [e.attempt for e in launcher.events] == [1, 2]
+    assert launcher.events[0].action.startswith("relaunch on h0,h1")
+    assert launcher.events[1].action == "stop: the training refused its input again the same way (exit 2)"
+    full = [refused(1, "--run-dir run: 1.0 MB free there; free some space")]
+    launcher = quiet_launcher(tmp_path / "full", [(2, full), (0, [])])
+    assert launcher.run() == 0 and len(launcher.events) == 1
+    # A launch whose mpirun the launcher had to end (a signal) exits as a shell says so.
+    launcher = quiet_launcher(tmp_path / "killed", [(-9, [{"rank": 0, "cause": "RuntimeError",
+                                                          "message": "boom"}])], restarts=0)
+    assert launcher.run() == 128 + 9
+    assert launcher.events[0].action == "stop: --restarts 0 spent"
+
+
+def test_a_failed_starts_files_are_cleared_only_where_a_launch_ran(tmp_path):
+    """Before a launch, the files a failed first attempt left (no checkpoint yet), a
+    compressed run's other hosts' errors among them, go, so that the fresh start is
+    accepted; but not in a directory no launch ran in, such as a --measure-only run's:
+    the trainer refuses it, and nothing of it is lost."""
+    launcher = quiet_launcher(tmp_path / "any", [])
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    kept = {"metrics.json", "rank0-pidstat.csv", "rank0-sar.csv"}
+    for name in kept:
+        (measured / name).write_text("x")
+    launcher._prepare_run_dir(measured, 1)
+    assert {p.name for p in measured.iterdir()} == kept
+    launched = tmp_path / "launched"
+    launched.mkdir()
+    left = {"metrics.json", "rank1-sar.csv", "rank1-failure.json", "compression-rank1-step50.pt"}
+    for name in left | {EVENTS}:
+        (launched / name).write_text("{}\n")
+    launcher._prepare_run_dir(launched, 1)
+    assert list(launched.iterdir()) == [] and launcher._unwritten == ["{}\n"]
+    # This launcher's own failed first attempt, which left no record (its ranks killed).
+    launcher._prepare_run_dir(measured, 2)
+    assert list(measured.iterdir()) == []
 
 
 @pytest.mark.skipif(not can_emulate(), reason="emulated hosts need root, ip, tc and unshare")

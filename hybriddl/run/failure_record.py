@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from hybriddl.errors import StorageError
+from hybriddl.errors import StorageError, UsageError
 from hybriddl.machine.naming import host_name
 from hybriddl.files import atomic_write_json
 
@@ -25,6 +25,8 @@ STOP_GLOB = "rank*-stopped.json"
 # Set by `hybriddl launch` for its ranks: a run started by hand leaves no such files.
 LAUNCHED_ENV = "HYBRIDDL_LAUNCHED"
 HOST_LOST, STORAGE, INTERRUPTED = "host lost", "storage", "interrupted"
+# A rank refused its input (exit 2), whichever UsageError said so.
+REFUSED = UsageError.__name__
 
 
 class StepsSeen:
@@ -54,6 +56,8 @@ def cause_of(exc: BaseException) -> str:
         return HOST_LOST
     if isinstance(exc, StorageError):
         return STORAGE
+    if isinstance(exc, UsageError):
+        return REFUSED
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED
     return type(exc).__name__

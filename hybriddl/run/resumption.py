@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hybriddl.errors import UsageError
-from hybriddl.rundir import CHECKPOINT, MODEL
+from hybriddl.rundir import CHECKPOINT, MODEL, errors_file
 
 FORMAT = 1
 
@@ -287,12 +287,6 @@ def resumed_settings(checkpoint: Checkpoint, given: dict, run_dir: str | Path) -
 # state says how many hosts and which step (`ERRORS_APART`).
 ERRORS_APART = "errors_apart"
 ERRORS_KEPT = 3  # a host's newest error files kept: the checkpoint's, and those before it
-
-
-def errors_file(rank: int, steps_done: int | str) -> str:
-    """The name of host `rank`'s errors at optimizer step `steps_done` in a run directory
-    (`steps_done` "*": the pattern of them all)."""
-    return f"compression-rank{rank}-step{steps_done}.pt"
 
 
 def compression_for_host(checkpoint: Checkpoint, run_dir: str | Path, rank: int,
