@@ -190,10 +190,14 @@ def test_the_progress_deadline_grows_on_a_link_too_slow_for_its_parts():
     from hybriddl.hosts.mpi import MPIHosts, PIECE_BYTES, PROGRESS_PARTS
 
     hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: only the arithmetic
-    hosts.progress_timeout, hosts.link_bytes_per_second = 60.0, None
+    hosts.progress_timeout, hosts.link_bytes_per_second, hosts.time_scale = 60.0, None, 1.0
     assert hosts.progress_deadline() == 60.0  # not measured: the flag's
     hosts.link_bytes_per_second = 125e6  # 1 Gbit/s: parts take a fraction of a second
     assert hosts.progress_deadline() == 60.0
     hosts.link_bytes_per_second = 125e3  # 1 Mbit/s
     assert hosts.progress_deadline() == pytest.approx(PROGRESS_PARTS * PIECE_BYTES / 125e3)
     assert hosts.progress_deadline() > 250
+    # Emulated hosts slowed S x D = 4 times: the flag's seconds and the rate measured (in
+    # emulated time) both stand for 4 times the wall seconds.
+    hosts.progress_timeout, hosts.time_scale = 60.0 * 4, 4.0
+    assert hosts.progress_deadline() == pytest.approx(4 * PROGRESS_PARTS * PIECE_BYTES / 125e3)

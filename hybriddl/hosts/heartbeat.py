@@ -304,7 +304,8 @@ class Heartbeat:
     def lost(self) -> dict[int, str]:
         """The peers lost so far (rank -> why), empty while every peer is heard."""
         listened = self._listened_until
-        lost = {peer: why for peer, why in self._failed.items()
+        # Copies: the listening thread adds peers to these while this one reads them.
+        lost = {peer: why for peer, why in list(self._failed.items())
                 if peer >= 0 and peer not in self._left}
         for peer, heard in list(self._heard.items()):
             if peer not in lost and peer not in self._left and listened - heard > self.silence:
@@ -319,7 +320,7 @@ class Heartbeat:
         host cut off between two exchanges), and such a peer is named by `lost` after the
         silence instead."""
         listened, recent = self._listened_until, RECENT_BEATS * self.interval
-        return sorted(peer for peer, state in self._progress.items()
+        return sorted(peer for peer, state in list(self._progress.items())
                       if state // 2 < exchanges and not state % 2 and peer not in self._left
                       and listened - self._heard.get(peer, listened) <= recent)
 

@@ -454,9 +454,10 @@ class MPIHosts(Hosts):
     def progress_deadline(self) -> float:
         """Seconds an exchange every host is inside may go without a part completing:
         --progress-timeout, or where the link measured at start is slower, the time
-        PROGRESS_PARTS parts (8 MiB each) take on it: a slow link is not a stall."""
+        PROGRESS_PARTS parts (8 MiB each) take on it: a slow link is not a stall. In wall
+        seconds, as the flag's: on emulated hosts the rate measured is in emulated time."""
         rate = self.link_bytes_per_second
-        parts = PROGRESS_PARTS * PIECE_BYTES / rate if rate else 0.0
+        parts = PROGRESS_PARTS * PIECE_BYTES / rate * self.time_scale if rate else 0.0
         return max(self.progress_timeout, parts)
 
     def _stuck(self, heartbeat, what: str, seconds: float) -> HostFailure:
