@@ -201,3 +201,41 @@ def test_the_progress_deadline_grows_on_a_link_too_slow_for_its_parts():
     # emulated time) both stand for 4 times the wall seconds.
     hosts.progress_timeout, hosts.time_scale = 60.0 * 4, 4.0
     assert hosts.progress_deadline() == pytest.approx(4 * PROGRESS_PARTS * PIECE_BYTES / 125e3)
+
+
+def test_an_mpi_error_the_progress_thread_meets_is_raised_by_the_wait_not_lost():
+    """The progress thread's Testall may be the call that meets an exchange's error; MPI
+    then frees the requests, and the waiting thread's Testsome finds them done. The wait
+    must raise the error (one line naming what failed), not return with half-summed
+    buffers."""
+    from hybriddl.hosts.mpi import HostFailure, MPIHosts, ProgressThread
+
+    class FakeMPI:
+        class Exception(Exception):
+            def Get_error_string(self):
+                return "MPI_ERR_PROC_FAILED: process failure"
+
+        class Request:
+            @staticmethod
+            def Testall(requests):
+                raise FakeMPI.Exception()
+
+            @staticmethod
+            def Testsome(requests):
+                return None  # every request freed: nothing left to wait for
+
+    thread = ProgressThread(FakeMPI)
+    try:
+        thread.track(["a request"])
+        thread.wake()
+        deadline = time.monotonic() + 30
+        while thread.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(thread.failure, FakeMPI.Exception)
+        hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: only the wait
+        hosts.MPI, hosts.comm, hosts.heartbeat, hosts._progress = FakeMPI, object(), None, thread
+        hosts._exchanges, hosts._deadline_armed, hosts.timeout = 0, False, 60.0
+        with pytest.raises(HostFailure, match="failed while averaging gradients .*process failure"):
+            hosts.wait(["a request"], "averaging gradients")
+    finally:
+        thread.close()

@@ -141,6 +141,9 @@ class ProgressThread:
         self._driven: list[list] = []  # exchanges left running (MPIHosts.start_*)
         self._wake = threading.Event()
         self._stopping = False
+        # An MPI error met here: the requests it failed may be freed, so that the waiting
+        # thread sees them done; `MPIHosts.wait` raises it instead.
+        self.failure: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="hybriddl-mpi-progress",
                                         daemon=True)
         self._thread.start()
@@ -182,8 +185,8 @@ class ProgressThread:
                 pending = [*(self._requests or ()), *(r for d in self._driven for r in d)]
                 try:
                     idle = not pending or self.MPI.Request.Testall(pending)
-                except self.MPI.Exception:
-                    idle = True  # the waiting thread meets the same error and reports it
+                except self.MPI.Exception as exc:
+                    self.failure, idle = exc, True
                 if idle:
                     self._wake.clear()
             time.sleep(self.INTERVAL_SECONDS)
@@ -445,6 +448,8 @@ class MPIHosts(Hosts):
                         "a host hung or the network is down (see --host-timeout)")
                 # Release the GIL so the prefetch thread keeps assembling batches.
                 time.sleep(0)
+            if self._progress is not None and self._progress.failure is not None:
+                raise self._progress.failure  # met by the progress thread first
         except self.MPI.Exception as exc:
             raise self._failure(exc, what) from None
         finally:
