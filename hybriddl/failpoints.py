@@ -6,6 +6,8 @@ free when it is unset (one dictionary lookup where a point sits).
 
 - `stall-start=R`: host R never comes to the first exchange between hosts (the heartbeat's
   set-up), as a host whose start hangs;
+- `stall-heartbeat=R`: host R answers the others' roll call, then never comes to the
+  heartbeat's set-up (its addresses exchanged between hosts): a host that hangs in between;
 - `stall-exchange=R@N`: host R stops entering exchanges after its step N, while its
   heartbeat goes on beating: a host alive that no longer takes part;
 - `drift=R@N`: after step N, host R adds one unit in the last place to the first element
@@ -36,6 +38,7 @@ from hybriddl.errors import UsageError
 VARIABLE = "HYBRIDDL_FAILPOINTS"
 # name -> (pattern of its value, an example)
 POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
+          "stall-heartbeat": (r"(\d+)", "stall-heartbeat=1"),
           "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
           "drift": (r"(\d+)@(\d+)", "drift=1@2"),
           "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30"),

@@ -61,6 +61,20 @@ def test_a_host_that_never_starts_is_named_by_the_first_exchange(images, tmp_pat
 
 
 @pytest.mark.beside
+def test_a_host_that_hangs_after_the_roll_call_is_not_waited_for_for_ever(images, tmp_path):
+    """Between the roll call and the heartbeat no beat is heard yet: the heartbeat's own
+    exchange of addresses waits within the roll call's deadline, and the run stops."""
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
+                     "--host-timeout", "5", faults="stall-heartbeat=1", timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert re.search(r"no answer from the other hosts for 20 s while exchanging settings",
+                     output), output[-3000:]
+    assert time.monotonic() - started < 90
+
+
+@pytest.mark.beside
 def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
     """No thread of rank 1 runs for 30 s (twice the 15 s of silence that names a host
     lost): its beats come from a process of its own (hosts/beater.py), so rank 0 waits

@@ -303,12 +303,15 @@ class MPIHosts(Hosts):
         self._deadline_armed = False
         # Exchanges entered since attach(): the heartbeat tells the others (see wait).
         self._exchanges = 0
+        self._progress: ProgressThread | None = None  # drives exchanges beside compute
         self.initial_parameters: str | None = None  # how broadcast_parameters made them equal
         if failpoints.fires("stall-start", self.rank):
             failpoints.stall_for_ever()
         # No heartbeat exists before its own set-up: every host answers within the deadline
         # or is named, rather than the others waiting for ever.
         self._roll_call("starting the heartbeat between hosts")
+        if failpoints.fires("stall-heartbeat", self.rank):
+            failpoints.stall_for_ever()
         self.heartbeat = self._start_heartbeat(sender)
         # Before training, hosts may spend minutes on a data cache or on tuning: while the
         # heartbeat hears them, set-up waits need no deadline (attach() arms it).
@@ -324,7 +327,6 @@ class MPIHosts(Hosts):
         self._alone = False  # attached on one rank with an exact scheme: nothing to average
         self.overlapping = False  # hooks attached: gradients leave during backward
         self._hooks: list = []
-        self._progress: ProgressThread | None = None
         self._closed = False
 
     def _roll_call(self, what: str) -> None:
@@ -365,12 +367,24 @@ class MPIHosts(Hosts):
         # A shorter --host-timeout names a silent host sooner too, but a few beats it takes.
         interval = INTERVAL_SECONDS * self.time_scale
         silence = min(SILENCE_SECONDS * self.time_scale, max(self.timeout, 3 * interval))
+        # No heartbeat hears the others yet: its own exchanges of addresses wait within the
+        # roll call's deadline, as the roll call does, or a host that hangs in between
+        # would hold the others for ever.
+        timeout, self.timeout = self.timeout, max(self.timeout, ROLL_CALL_SECONDS * self.time_scale)
+        self._deadline_armed = True
         try:
             return Heartbeat(self.allgather, self.rank, self.size, interval=interval,
                              silence=silence, sender=sender)
         except OSError as exc:
-            raise HostFailure(f"rank {self.rank} cannot listen for the other hosts' heartbeat "
-                              f"({exc.strerror or exc})") from None
+            failure = HostFailure(f"rank {self.rank} cannot listen for the other hosts' "
+                                  f"heartbeat ({exc.strerror or exc})")
+            failure.hosts = self  # MPI is up: the caller takes every rank down
+            raise failure from None
+        except HostFailure as failure:
+            failure.hosts = self
+            raise
+        finally:
+            self.timeout = timeout
 
     # ------------------------------------------------------------------ machines
     def _divide_cores(self) -> list[int]:
