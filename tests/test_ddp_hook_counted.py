@@ -3,18 +3,40 @@ gloo group of this process. On its own module: a test that runs alone would make
 tests/test_compare.py's module of emulated runs wait for it (tests/two_at_once.py)."""
 
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from conftest import hybriddl_env
 
-# A gloo group in this process on a loopback port: on two workers (tests/two_at_once.py) the
-# worker that had just run it aborted once (SIGABRT in a native thread, no Python frame, in
-# the next test's teardown; DDP's reducer, still alive then, is the suspect), so it runs with
-# no other test beside it there, and frees what holds the group before destroying it.
+
+def in_a_child(check, **env: str) -> None:
+    """Run `check`, a function of this module, in a child Python, which leaves with
+    os._exit once its assertions passed. A gloo group and DDP's reducer in a pytest worker
+    aborted it, twice: "terminate called after throwing an instance of 'std::system_error'
+    what(): Resource deadlock avoided" (a C++ thread joining itself as it is destroyed),
+    SIGABRT in a native thread during the next test, and the second time (2026-11-30, AMD
+    EPYC) pytest-xdist's run waited for ever for the dead worker's tests. In a child such an
+    end cannot reach the worker, and os._exit skips the destructors."""
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); "
+            f"import {Path(__file__).stem} as tests; tests.{check.__name__}(); "
+            "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300, env=hybriddl_env(**env))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# Each holds a gloo group on a loopback port: alone (tests/two_at_once.py), in a child.
 @pytest.mark.alone
 def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
+    in_a_child(counted_powersgd)
+
+
+def counted_powersgd():
     """torch's powerSGD_hook, counted: two vanilla allreduces of the whole gradient (the least
     start_powerSGD_iter torch allows), then its factors and small tensors only; a
     min_compression_rate given reaches the hook (at 6 the convolution, whose rank-2 factors
@@ -58,7 +80,14 @@ def test_ddp_powersgd_runs_in_one_bucket_and_compresses_from_its_third_step():
 
 
 @pytest.mark.alone
-def test_ddp_powersgd_is_paced_like_hybriddls_under_compression_seconds(monkeypatch):
+def test_ddp_powersgd_is_paced_like_hybriddls_under_compression_seconds():
+    from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE, TIME_SCALE_VARIABLE
+
+    # At time scale 1, whatever the environment of the tests says.
+    in_a_child(paced_powersgd, **{COMPRESSION_SECONDS_VARIABLE: "0.25", TIME_SCALE_VARIABLE: "1"})
+
+
+def paced_powersgd():
     """As `emulate --compression-seconds 0.25` tells a DDP host (emulation/pace.py): each
     step the hook compresses ends 0.25 s (time scale 1) after it started, its CPU time here
     counted in; its two vanilla allreduces first are not padded."""
@@ -66,11 +95,8 @@ def test_ddp_powersgd_is_paced_like_hybriddls_under_compression_seconds(monkeypa
 
     from hybriddl.compare.ddp_peer import CommHook, gloo_group, wrap
     from hybriddl.compare.local_peers import _free_loopback_port
-    from hybriddl.emulation.hosts import COMPRESSION_SECONDS_VARIABLE, TIME_SCALE_VARIABLE
     from hybriddl.machine.cpu_threads import torch_threads
 
-    monkeypatch.setenv(COMPRESSION_SECONDS_VARIABLE, "0.25")
-    monkeypatch.delenv(TIME_SCALE_VARIABLE, raising=False)
     hook = CommHook("powersgd", rank=2)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 3))
