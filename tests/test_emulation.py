@@ -8,6 +8,7 @@ when interrupted or killed. Needs root and iproute2; skipped (saying so) otherwi
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -399,6 +400,29 @@ def test_hosts_that_fill_the_machine_run_d_times_slower_serial_and_parallel(tmp_
         # phase read 1.30x in one run, 1.87x in the other, AMD EPYC, 2026-11-27).
         assert max(together) > 1.6 * alone and min(together) < 3.85 * alone, \
             (name, [t / alone for t in together], seconds)
+
+
+def test_emulated_hosts_tell_the_ranks_unless_their_output_reaches_this_terminal(
+        monkeypatch, tmp_path):
+    """What emulate (and the scripts) and compare's contenders start: `mpirun` follows this
+    process's stdout, and a contender's ranks, whose output goes to its log, are told."""
+    from hybriddl.machine.terminal import NOT_A_TERMINAL
+
+    told = ["-x", NOT_A_TERMINAL]
+    cluster = EmulatedHosts(hosts=2, cores_per_host=1)
+    cluster.folder = tmp_path  # where the hostfile goes; nothing is created
+
+    def says(argv: list[str]) -> bool:
+        return any(argv[i:i + 2] == told for i in range(len(argv)))
+
+    primary, secondary = os.openpty()
+    with open(secondary, "w") as terminal:
+        monkeypatch.setattr(sys, "stdout", terminal)
+        assert not says(cluster.mpirun(["true"]))
+        assert says(cluster.mpirun(["true"], logged=True))
+        monkeypatch.setattr(sys, "stdout", io.StringIO())
+        assert says(cluster.mpirun(["true"]))
+    os.close(primary)
 
 
 def test_hosts_that_take_turns_send_messages_eagerly_and_hosts_side_by_side_do_not(tmp_path):

@@ -57,30 +57,6 @@ def test_a_terminal_asks_nothing_and_a_file_or_pipe_tells_the_ranks():
         assert rank_output_flags(terminal, logged=True) == ["-x", NOT_A_TERMINAL]
     os.close(primary)
 
-
-def test_emulated_hosts_tell_the_ranks_unless_their_output_reaches_this_terminal(
-        monkeypatch, tmp_path):
-    """What emulate (and the scripts) and compare's contenders start: `mpirun` follows this
-    process's stdout, and a contender's ranks, whose output goes to its log, are told."""
-    from hybriddl.emulation.hosts import EmulatedHosts
-
-    told = ["-x", NOT_A_TERMINAL]
-    cluster = EmulatedHosts(hosts=2, cores_per_host=1)
-    cluster.folder = tmp_path  # where the hostfile goes; nothing is created
-
-    def says(argv: list[str]) -> bool:
-        return any(argv[i:i + 2] == told for i in range(len(argv)))
-
-    primary, secondary = os.openpty()
-    with open(secondary, "w") as terminal:
-        monkeypatch.setattr(sys, "stdout", terminal)
-        assert not says(cluster.mpirun(["true"]))
-        assert says(cluster.mpirun(["true"], logged=True))
-        monkeypatch.setattr(sys, "stdout", io.StringIO())
-        assert says(cluster.mpirun(["true"]))
-    os.close(primary)
-
-
 def test_a_rank_told_its_terminal_is_not_one_draws_no_colour_at_a_logs_width():
     """Without the variable a rank's console draws colour codes at 80 columns on the
     terminal mpirun gives it; with it, plain text at display.LOG_WIDTH."""
