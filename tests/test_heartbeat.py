@@ -31,17 +31,21 @@ class Ranks:
     build theirs at once), exchanging their addresses through a plain allgather."""
 
     def __init__(self, count: int, interval: float = 0.1, silence: float = 1.0,
-                 senders: bool = False):
+                 senders: bool = False, join: bool = True):
         self.values: list = [None] * count
         # With `senders`, each rank's beats leave from a process of its own (hosts/beater.py).
         self.senders = [BeatSender.start(interval) if senders else None for _ in range(count)]
         self._barrier = threading.Barrier(count)
         self.beats: list[Heartbeat | None] = [None] * count
-        threads = [threading.Thread(target=self._start, args=(r, count, interval, silence))
-                   for r in range(count)]
-        for thread in threads:
+        self._threads = [threading.Thread(target=self._start, args=(r, count, interval, silence))
+                         for r in range(count)]
+        for thread in self._threads:
             thread.start()
-        for thread in threads:
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        for thread in self._threads:
             thread.join(timeout=30)
         assert all(self.beats), "a heartbeat did not start"
 
@@ -121,6 +125,49 @@ def test_a_silent_peer_is_named_after_the_silence_and_not_before():
         assert re.fullmatch(r"silent for \d s", lost[1]) and not ranks.beats[0].ended
     finally:
         ranks.close()
+
+
+@timed
+def test_a_peer_still_connecting_to_the_lower_ranks_is_not_silent_until_it_could_have(monkeypatch):
+    """A rank connects to the lower ranks one after another, up to CONNECT_SECONDS per
+    address that does not answer (a firewalled NIC, a docker bridge): its silence counts
+    from its connection, and one that never connects is named once it could have."""
+    monkeypatch.setattr(heartbeat_module, "CONNECT_SECONDS", 0.5)
+    go = threading.Event()
+    connect = Heartbeat._connect
+
+    def slow_to_rank_1(self, peer, addresses, port):
+        if self.rank == 2 and peer == 1:
+            go.wait(timeout=30)  # still trying the addresses before rank 1's
+        connect(self, peer, addresses, port)
+
+    monkeypatch.setattr(Heartbeat, "_connect", slow_to_rank_1)
+    ranks = Ranks(3, silence=1.0, join=False)
+    try:
+        first = wait_until(lambda: ranks.beats[1], 10)
+        started = time.monotonic()
+        # Past the silence, within the time rank 2 may take: 2 x 0.5 s per address of
+        # ranks 0 and 1, and the silence.
+        wait_until(lambda: first._listened_until > started + 1.2, 5)
+        assert 2 not in first._connections and first.lost() == {}
+        go.set()
+        ranks.join()
+        wait_until(lambda: all(len(beat._progress) == 2 for beat in ranks.beats), 5)
+        assert [beat.lost() for beat in ranks.beats] == [{}, {}, {}]
+    finally:
+        go.set()
+        ranks.close()
+    go.clear()
+    never = Ranks(3, silence=1.0, join=False)
+    try:
+        first = wait_until(lambda: never.beats[1], 10)
+        lost = wait_until(first.lost, 10)
+        assert list(lost) == [2] and re.fullmatch(r"its heartbeat did not connect in \d s",
+                                                  lost[2]), lost
+    finally:
+        go.set()
+        never.join()
+        never.close()
 
 
 @timed

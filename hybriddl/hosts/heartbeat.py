@@ -125,14 +125,22 @@ class Heartbeat:
         self.beats_sent = 0
         self.cpu_seconds = 0.0  # this thread's own CPU time: what it takes from training
         self._stopping = threading.Event()
-        now = time.monotonic()
-        self._heard = {peer: now for peer in self.peers}
+        # peer -> when last heard, from the moment its connection was made: a peer still
+        # connecting is not silent (see `_connect_by`).
+        self._heard: dict[int, float] = {}
         # Silence counts only while this thread listened: a thread kept from running (a
         # long call holding the GIL, this process stopped and resumed) must not take the
         # beats still waiting in the kernel's buffers for silence.
-        self._listened_until = now
+        self._listened_until = time.monotonic()
         table = allgather((self._token, self.addresses, self._listener.getsockname()[1]))
         self._run_token = table[0][0]
+        # A higher rank connects to the lower ranks one after another, trying each one's
+        # addresses in order, up to CONNECT_SECONDS to connect and as long for the answer
+        # per address: it is lost only when it has not connected once all of that has
+        # passed, and the silence after it.
+        trying = 2 * CONNECT_SECONDS * sum(len(addresses) for _, addresses, _ in table[:rank + 1])
+        self._connecting_since = time.monotonic()
+        self._connect_by = self._connecting_since + trying + silence
         self._thread = threading.Thread(target=self._run, name="hybriddl-heartbeat", daemon=True)
         self._thread.start()  # it answers the hellos of higher ranks
         for peer in self.peers:
@@ -173,6 +181,7 @@ class Heartbeat:
             _no_delay(connection)
             with self._lock:
                 self._connections[peer] = connection
+            self._heard.setdefault(peer, time.monotonic())
             if self.sender:
                 self.sender.add(peer, connection)
             return
@@ -215,6 +224,7 @@ class Heartbeat:
                 self._connections[peer] = connection
                 self._failed.pop(peer, None)
                 self.ended.discard(peer)
+            self._heard.setdefault(peer, time.monotonic())
             if previous is not None:
                 previous.close()
             try:  # answered once registered: the peer counts on the connection from then on
@@ -307,8 +317,14 @@ class Heartbeat:
         # Copies: the listening thread adds peers to these while this one reads them.
         lost = {peer: why for peer, why in list(self._failed.items())
                 if peer >= 0 and peer not in self._left}
-        for peer, heard in list(self._heard.items()):
-            if peer not in lost and peer not in self._left and listened - heard > self.silence:
+        for peer in self.peers:
+            if peer in lost or peer in self._left:
+                continue
+            heard = self._heard.get(peer)
+            if heard is None and listened > self._connect_by:
+                lost[peer] = ("its heartbeat did not connect in "
+                              f"{listened - self._connecting_since:.0f} s")
+            elif heard is not None and listened - heard > self.silence:
                 lost[peer] = f"silent for {listened - heard:.0f} s"
         return lost
 
