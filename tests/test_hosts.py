@@ -203,6 +203,41 @@ def test_the_progress_deadline_grows_on_a_link_too_slow_for_its_parts():
     assert hosts.progress_deadline() == pytest.approx(4 * PROGRESS_PARTS * PIECE_BYTES / 125e3)
 
 
+def test_an_exchange_sent_as_one_large_request_has_its_time_on_a_slow_link():
+    """The classifier's exchanges and a compressed run's sum go as one request each, not in
+    8 MiB pieces: VGG16's classifier inputs, hybrid, 4 hosts, batch 512, are one 38 MB
+    gather, 61 s at 5 Mbit/s, with no part completing before its end. Its deadline is that
+    request's time, not a piece's."""
+    from hybriddl.hosts.mpi import MPIHosts, PIECE_BYTES
+    from hybriddl.hosts.traffic import TrafficMeter
+
+    hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: the arithmetic and what is waited
+    hosts.progress_timeout, hosts.link_bytes_per_second, hosts.time_scale = 60.0, 625e3, 1.0
+    gathered = 38 * 10**6
+    assert hosts.progress_deadline() < gathered / 625e3  # a piece's: it would be named stuck
+    assert hosts.progress_deadline(gathered) > 2 * gathered / 625e3
+
+    waited = {}
+
+    def wait(requests, what, continues=False, largest=PIECE_BYTES):
+        waited[what] = largest
+
+    class Comm:
+        def Iallgatherv(self, *arrays, root=None):
+            return "request"
+
+        Iallreduce = Igatherv = Iallgatherv
+
+    hosts.wait, hosts.comm, hosts.traffic = wait, Comm(), TrafficMeter()
+    hosts.rank, hosts.size, hosts.MPI = 0, 4, type("MPI", (), {"SUM": None})
+    rows = torch.zeros(3 * 2**20 // 4, 4)  # 12 MiB of rows from each of 4 hosts
+    hosts.allgather_rows(rows, [len(rows)] * 4)
+    hosts.allreduce_sum(rows)
+    hosts.gather_rows(rows, [len(rows)] * 4)
+    assert sorted(waited.values()) == [rows.nbytes, 4 * rows.nbytes, 4 * rows.nbytes]
+    assert min(waited.values()) > PIECE_BYTES
+
+
 def test_an_mpi_error_the_progress_thread_meets_is_raised_by_the_wait_not_lost():
     """The progress thread's Testall may be the call that meets an exchange's error; MPI
     then frees the requests, and the waiting thread's Testsome finds them done. The wait

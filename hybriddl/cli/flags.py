@@ -122,7 +122,8 @@ def add_hosts_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--progress-timeout", type=float,
                        help="stop when every host is alive and inside the same exchange and no "
                             "part of it completed for this many seconds (default: "
-                            f"{DEFAULT_PROGRESS_SECONDS:.0f}; a part is at most 8 MiB): a "
+                            f"{DEFAULT_PROGRESS_SECONDS:.0f}, or on a slow link the time of 4 "
+                            "parts of 8 MiB, or of one request sent whole where larger): a "
                             "collective the hosts entered differently, or a data path that "
                             "drops packets while the heartbeat's passes")
 

@@ -67,6 +67,7 @@ class Averager(ABC):
         self.buckets = buckets
         self._scale = 1.0
         self._requests: list = []
+        self._largest = 0
         self.armed = False
         # The gradients the scheme takes whole (WHOLE_GRADIENT), in parameter order.
         self.parameters: list[nn.Parameter] = []
@@ -85,6 +86,7 @@ class Averager(ABC):
         """A step begins: each host will send `scale` (n_h/N) of its gradient."""
         self._scale = scale
         self._requests = []
+        self._largest = 0  # the largest request's bytes, where one is sent whole
         progress = self.hosts.progress
         if progress:
             progress.track(self._requests)
@@ -289,6 +291,7 @@ class WholeGradientAverager(Averager):
         host_wire = to_host(wire.detach())
         exchange = self.hosts.start_logical_sum(host_wire)
         self._requests.extend(exchange.requests)
+        self._largest = max(self._largest, host_wire.nbytes)
         self.hosts.traffic.sent(host_wire.nbytes)
         return wire, host_wire, exchange
 
@@ -297,7 +300,8 @@ class WholeGradientAverager(Averager):
         each host's slice summed, then gathered."""
         self._requests = [request for _, _, exchange in started
                           for request in exchange.gather()]
-        self.hosts.wait(self._requests, "averaging gradients", continues=True)
+        self.hosts.wait(self._requests, "averaging gradients", continues=True,
+                        largest=self._largest)
         return [back_to(exchange.total, wire) for wire, _, exchange in started]
 
     def average(self) -> None:
@@ -310,7 +314,7 @@ class WholeGradientAverager(Averager):
                     self._post(torch.cat(wires))
             for phase in range(len(self._phases_sent), len(self._phase_positions)):
                 self._send_phase(phase)
-            self.hosts.wait(self._requests, "averaging gradients")
+            self.hosts.wait(self._requests, "averaging gradients", largest=self._largest)
             totals = self._summed(self._phases_sent)
             # A round that depends on the sums so far (PowerSGD's Q after its P).
             while True:
@@ -320,7 +324,7 @@ class WholeGradientAverager(Averager):
                     break
                 self._requests = []
                 sent = self._start(wire)  # kept while MPI reads it
-                self.hosts.wait(self._requests, "averaging gradients")
+                self.hosts.wait(self._requests, "averaging gradients", largest=self._largest)
                 totals += self._summed([sent])
             gradients = [p.grad for p in self.parameters]
             # The approximations are written into the gradients where they can be.

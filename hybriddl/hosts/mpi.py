@@ -51,7 +51,8 @@ PRODUCTION_HINT = "production runs use one rank per host (mpirun -npernode 1)"
 # Each fusion bucket leaves as allreduces of about this size (see MPIHosts._post).
 PIECE_BYTES = 8 * 2**20
 # An exchange's parts in flight at once a slow link must carry before the progress deadline
-# (`MPIHosts.progress_deadline`): at 1 Mbit/s, 4 x 8 MiB take 268 s.
+# (`MPIHosts.progress_deadline`): at 1 Mbit/s, 4 x 8 MiB take 268 s. A part is a piece of
+# at most about 8 MiB, or a larger request sent whole (`wait`'s `largest`).
 PROGRESS_PARTS = 4
 # The link measurement at start: large enough that latency is a small part of it.
 LINK_PROBE_BYTES = 8 * 2**20
@@ -210,7 +211,8 @@ class RunningExchange(Exchange):
 
     def result(self) -> torch.Tensor:
         self._hosts._driver().drop(self._requests)
-        self._hosts.wait(self._requests, self._what)
+        largest = max((tensor.nbytes for tensor in self._keep), default=PIECE_BYTES)
+        self._hosts.wait(self._requests, self._what, largest=largest)
         return self._finish()
 
 
@@ -417,11 +419,13 @@ class MPIHosts(Hosts):
         }
 
     # ------------------------------------------------------------------ waiting
-    def wait(self, requests: list, what: str, continues: bool = False) -> None:
+    def wait(self, requests: list, what: str, continues: bool = False,
+             largest: int = PIECE_BYTES) -> None:
         """Complete `requests`, or raise HostFailure naming who failed, or the deadline.
         `continues`: they are the second part of the exchange waited for last (a
         `LogicalSum`'s gather), counted as that exchange, so a host still inside its first
-        part is inside the same exchange, not behind.
+        part is inside the same exchange, not behind. `largest`: the bytes of the largest
+        request through this host, where one is larger than a piece (`progress_deadline`).
 
         Liveness comes from the heartbeat, not from how long a transfer takes: at 50 Mbit/s
         AlexNet's gradient (228 MB) takes 36 s, VGG16's 86 s, and nothing bounds that. The
@@ -452,7 +456,7 @@ class MPIHosts(Hosts):
                         raise self._lost(lost, what)
                     if late and (behind := heartbeat.behind(self._exchanges)):
                         raise self._not_coming(behind, what)
-                    if (self._deadline_armed and now - progressed > self.progress_deadline()
+                    if (self._deadline_armed and now - progressed > self.progress_deadline(largest)
                             and heartbeat.inside_from(self._exchanges)):
                         raise self._stuck(heartbeat, what, now - progressed)
                     listen = now + 0.1
@@ -470,13 +474,15 @@ class MPIHosts(Hosts):
             if heartbeat:
                 heartbeat.report(self._exchanges, inside=False)
 
-    def progress_deadline(self) -> float:
+    def progress_deadline(self, largest: int = PIECE_BYTES) -> float:
         """Seconds an exchange every host is inside may go without a part completing:
         --progress-timeout, or where the link measured at start is slower, the time
-        PROGRESS_PARTS parts (8 MiB each) take on it: a slow link is not a stall. In wall
-        seconds, as the flag's: on emulated hosts the rate measured is in emulated time."""
+        PROGRESS_PARTS parts (8 MiB each, or `largest` bytes where a request is larger)
+        take on it: a slow link is not a stall. In wall seconds, as the flag's: on emulated
+        hosts the rate measured is in emulated time."""
         rate = self.link_bytes_per_second
-        parts = PROGRESS_PARTS * PIECE_BYTES / rate * self.time_scale if rate else 0.0
+        part = max(PIECE_BYTES, largest)
+        parts = PROGRESS_PARTS * part / rate * self.time_scale if rate else 0.0
         return max(self.progress_timeout, parts)
 
     def _stuck(self, heartbeat, what: str, seconds: float) -> HostFailure:
@@ -607,7 +613,7 @@ class MPIHosts(Hosts):
             data = tensor.detach()
             staged.append((data, to_host(data)))
         requests = [self.comm.Ibcast(host.numpy(), root=0) for _, host in staged]
-        self.wait(requests, what)
+        self.wait(requests, what, largest=max((host.nbytes for _, host in staged), default=0))
         for data, host in staged:
             if host is not data:
                 data.copy_(host)
@@ -660,13 +666,13 @@ class MPIHosts(Hosts):
         out = host_empty((sum(counts), *tensor.shape[1:]), tensor.dtype, given.device)
         sizes = [c * row for c in counts]
         self.wait([self.comm.Iallgatherv(_as_mpi(tensor), [_as_mpi(out), sizes])],
-                   "exchanging classifier inputs")
+                   "exchanging classifier inputs", largest=out.nbytes)
         self.traffic.sent(tensor.nbytes)
         return back_to(out, given)
 
     def reduce_scatter_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        requests, summed, _ = self._post_rows_sum(tensor, counts)
-        self.wait(requests, ROWS_SUM)
+        requests, summed, keep = self._post_rows_sum(tensor, counts)
+        self.wait(requests, ROWS_SUM, largest=max(kept.nbytes for kept in keep))
         return summed()
 
     def reduce_scatter_half_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -680,7 +686,7 @@ class MPIHosts(Hosts):
         # Out of place, through libnbc's ring (set in _initialise): every host ends with
         # the same bits, so the classifier's replicated layers stay identical.
         self.wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
-                   "summing a classifier layer's partial outputs")
+                   "summing a classifier layer's partial outputs", largest=out.nbytes)
         self.traffic.sent(tensor.nbytes)
         return back_to(out, given)
 
@@ -739,7 +745,8 @@ class MPIHosts(Hosts):
             if self.rank == 0 else None
         target = [_as_mpi(out), [c * row for c in counts]] if out is not None else None
         self.wait([self.comm.Igatherv(_as_mpi(tensor), target, root=0)],
-                   "gathering the classifier's slices")
+                   "gathering the classifier's slices",
+                   largest=sum(counts) * row * tensor.element_size())
         if self.rank != 0:
             self.traffic.sent(tensor.nbytes)
         return None if out is None else back_to(out, given)
