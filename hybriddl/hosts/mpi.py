@@ -331,13 +331,18 @@ class MPIHosts(Hosts):
         self._hooks: list = []
         self._closed = False
 
+    def _set_up_seconds(self) -> float:
+        """The deadline of the waits before the heartbeat hears the others: --host-timeout,
+        ROLL_CALL_SECONDS at least, in wall seconds."""
+        return max(self.timeout, ROLL_CALL_SECONDS * self.time_scale)
+
     def _roll_call(self, what: str) -> None:
         """Every other rank answers within --host-timeout (ROLL_CALL_SECONDS at least), or
         HostFailure names those that did not (an allgather would only say that someone is
         missing)."""
         if self.size == 1:
             return
-        deadline = max(self.timeout, ROLL_CALL_SECONDS * self.time_scale)
+        deadline = self._set_up_seconds()
         others = [r for r in range(self.size) if r != self.rank]
         token = np.ones(1, dtype=np.uint8)
         answers = {r: np.zeros(1, dtype=np.uint8) for r in others}
@@ -372,7 +377,7 @@ class MPIHosts(Hosts):
         # No heartbeat hears the others yet: its own exchanges of addresses wait within the
         # roll call's deadline, as the roll call does, or a host that hangs in between
         # would hold the others for ever.
-        timeout, self.timeout = self.timeout, max(self.timeout, ROLL_CALL_SECONDS * self.time_scale)
+        timeout, self.timeout = self.timeout, self._set_up_seconds()
         self._deadline_armed = True
         try:
             return Heartbeat(self.allgather, self.rank, self.size, interval=interval,
