@@ -122,6 +122,34 @@ def test_a_refusal_after_the_hosts_started_is_tried_once_more_and_stops_when_rep
     assert launcher.events[0].action == "stop: --restarts 0 spent"
 
 
+def test_a_record_an_earlier_attempt_wrote_late_is_not_read_as_this_ones(monkeypatch, tmp_path):
+    """A cut-off host's ranks of the attempt before may still write their record into a
+    shared run directory after the relaunch cleared it: each record says its attempt, and
+    the launcher reads only the failed attempt's."""
+    from hybriddl.launch import launcher as module
+    from hybriddl.run.failure_record import LAUNCHED_ENV, StepsSeen, read_failures, record_failure
+
+    monkeypatch.setattr(module, "answering", lambda hosts, agent, seconds: dict.fromkeys(hosts, True))
+    # Attempt 2: rank 1 killed (no record of its own), rank 0 names it; rank 1's file is
+    # attempt 1's, written late by the cut-off host, which named rank 0 silent earlier.
+    named = {"rank": 0, "cause": "host lost", "lost": {"1": "h1"}, "message": "rank 1 silent",
+             "attempt": 2, "at": 20.0}
+    stale = {"rank": 1, "cause": "host lost", "lost": {"0": "h0"}, "message": "rank 0 silent",
+             "attempt": 1, "at": 10.0}
+    launcher = quiet_launcher(tmp_path / "run", [(1, []), (1, [named, stale])], restarts=1)
+    assert launcher.run() == 1
+    assert [(e.attempt, e.cause, e.host) for e in launcher.events] == [
+        (1, "exit 1", None), (2, "host lost", "h1")]
+    assert launcher.events[1].detail == "rank 1 silent"
+    # Ranks write the attempt the launcher gave them.
+    run_dir = tmp_path / "written"
+    run_dir.mkdir()
+    monkeypatch.setenv(LAUNCHED_ENV, "3")
+    record_failure(run_dir, 0, RuntimeError("boom"), StepsSeen(None))
+    assert [r["attempt"] for r in read_failures(run_dir)] == [3]
+    assert read_failures(run_dir, attempt=2) == [] and len(read_failures(run_dir, attempt=3)) == 1
+
+
 def test_a_failed_starts_files_are_cleared_only_where_a_launch_ran(tmp_path):
     """Before a launch, the files a failed first attempt left (no checkpoint yet), a
     compressed run's other hosts' errors among them, go, so that the fresh start is

@@ -249,8 +249,8 @@ class Launcher:
                 return 0
             if self.stop_signal is not None:
                 return self._stopped(attempt, self._progress(
-                    read_failures(run_dir, STOP_GLOB), started, started_steps, hosts))
-            records = read_failures(run_dir)
+                    read_failures(run_dir, STOP_GLOB, attempt), started, started_steps, hosts))
+            records = read_failures(run_dir, attempt=attempt)
             lost = self._lost_hosts(records, hosts, self._answering_at_failure)
             failed_attempt = self._progress(records, started, started_steps, hosts)
             cause = next((r["cause"] for r in records if r["cause"] != "host lost"), None) \
@@ -297,7 +297,7 @@ class Launcher:
             hostfile.write_text("".join(f"{host} slots=1\n" for host in hosts))
             argv = self._mpirun_argv(hosts, hostfile)
             self.observer.on_launch(attempt, hosts, argv)
-            env = {**os.environ, LAUNCHED_ENV: "1"}
+            env = {**os.environ, LAUNCHED_ENV: str(attempt)}
             # A session of its own: Ctrl-C on the terminal reaches the launcher only, which
             # passes it on as SIGUSR1 (a checkpoint); mpirun would kill the ranks at once.
             with self._lock:

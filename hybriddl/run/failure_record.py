@@ -22,7 +22,8 @@ from hybriddl.files import atomic_write_json
 
 FAILURE_GLOB = "rank*-failure.json"
 STOP_GLOB = "rank*-stopped.json"
-# Set by `hybriddl launch` for its ranks: a run started by hand leaves no such files.
+# Set by `hybriddl launch` for its ranks, to the attempt's number (from 1): a run started by
+# hand leaves no such files, and a record says which attempt wrote it.
 LAUNCHED_ENV = "HYBRIDDL_LAUNCHED"
 HOST_LOST, STORAGE, INTERRUPTED = "host lost", "storage", "interrupted"
 # A rank refused its input (exit 2), whichever UsageError said so.
@@ -93,20 +94,32 @@ def _write(run_dir: str | Path | None, name: str, record: dict) -> None:
     if not os.environ.get(LAUNCHED_ENV) or run_dir is None or not Path(run_dir).is_dir():
         return
     try:
-        atomic_write_json(Path(run_dir) / name, record)
+        atomic_write_json(Path(run_dir) / name, {**record, "attempt": launch_attempt()})
     except (OSError, StorageError):
         pass
 
 
-def read_failures(run_dir: str | Path, pattern: str = FAILURE_GLOB) -> list[dict]:
+def launch_attempt() -> int | None:
+    """The launch attempt this rank belongs to (LAUNCHED_ENV), None outside a launch."""
+    try:
+        return int(os.environ.get(LAUNCHED_ENV, ""))
+    except ValueError:
+        return None
+
+
+def read_failures(run_dir: str | Path, pattern: str = FAILURE_GLOB,
+                  attempt: int | None = None) -> list[dict]:
     """Every rank's failure record (or with STOP_GLOB, stop record) in `run_dir`, by rank
-    (unreadable ones skipped)."""
+    (unreadable ones skipped); with `attempt`, only that attempt's: a cut-off host's ranks
+    of an earlier attempt may still write theirs, late, into a shared run directory."""
     records = []
     for path in sorted(Path(run_dir).glob(pattern)):
         try:
-            records.append(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
-            pass
+            continue
+        if attempt is None or record.get("attempt") in (None, attempt):
+            records.append(record)
     return sorted(records, key=lambda record: record.get("rank", 0))
 
 
