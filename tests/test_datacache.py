@@ -366,3 +366,51 @@ def test_an_imagefolder_bigger_than_the_old_memory_limit_trains(tmp_path, monkey
     metrics = trainer.run(prepared)
     assert [e["steps"] for e in metrics["epochs"]] == [2]
     assert metrics["config"]["data"]["train_images"] == 8  # 2 of each class of 6 held out
+
+
+def test_a_stop_in_one_hosts_cache_build_stops_every_host_together(tmp_path, monkeypatch):
+    """A host whose data is ready goes on to the hosts' next exchange: when another host's
+    build is stopped, every host stops after the data, together (the ready one waited in
+    that exchange while the stopped one left), each saying why, with the signal's exit code."""
+    from hybriddl.hosts.cluster import SingleHost
+    from hybriddl.run import trainer
+    from hybriddl.strategies import StrategyOptions
+
+    class OneOfTwo(SingleHost):
+        """Rank `rank` of 2; the other rank's allgather value is `other`."""
+        size = 2
+
+        def __init__(self, rank: int, other):
+            super().__init__()
+            self.rank, self.other, self.told = rank, other, []
+
+        def allgather(self, value):
+            self.told.append(value)
+            return [value, self.other] if self.rank == 0 else [self.other, value]
+
+    class Stop:
+        signum = signal.SIGTERM
+
+    monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)  # every image is a sync point
+    root = write_imagefolder(tmp_path / "images", per_class=6,
+                             classes={"fire": (230, 80, 10), "smoke": (150, 150, 150)})
+
+    def config(rank: int):
+        return trainer.TrainConfig(
+            usecase="SimpleBig", model="squeezenet1_1", data=str(root),
+            data_cache=str(tmp_path / f"cache{rank}"), image_size=32, batch_size=4, epochs=1,
+            strategy="sequential", strategy_options=StrategyOptions(), monitor_interval=0,
+            run_dir=str(tmp_path / "run"), val_fraction=0.25).resolved()
+
+    stopped = OneOfTwo(0, 0)  # its build stopped by SIGTERM: it tells the other host
+    with pytest.raises(building.CacheBuildInterrupted, match="images kept") as caught:
+        trainer.prepare(config(0), hosts=stopped, stop=Stop())
+    assert stopped.told == [signal.SIGTERM] and caught.value.exit_code == 143
+    ready = OneOfTwo(1, int(signal.SIGTERM))  # its data ready, no stop of its own
+    with pytest.raises(building.CacheBuildInterrupted,
+                       match="stopped while rank 0 built its data cache") as caught:
+        trainer.prepare(config(1), hosts=ready)
+    assert ready.told == [0] and caught.value.exit_code == 143
+    assert not (tmp_path / "run").exists()
+    # With no stop anywhere, the data is the run's.
+    assert len(trainer.prepare(config(1), hosts=OneOfTwo(1, 0)).split.train) == 8

@@ -21,6 +21,7 @@ import torch
 from hybriddl import data as datamod
 from hybriddl import failpoints
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
+from hybriddl.data.cache.building import CacheBuildInterrupted
 from hybriddl.data.loading import load_data
 from hybriddl.data.sharding import split_counts
 from hybriddl.run import resumption
@@ -118,11 +119,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
                       lambda model: copies * held_state_bytes(config.compression, model))
     auto = config.strategy == AUTO
     strategy = None if auto else make_strategy(config.strategy, config.strategy_options)
-    split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
-                      classes=config.classes, val_fraction=config.val_fraction,
-                      progress=observer.on_data_progress, cache_dir=config.data_cache,
-                      stop_signal=lambda: stop.signum if stop else None,
-                      strict=config.strict_data)
+    split = _data_on_every_host(config, observer, hosts, stop)
     if config.batch_size > len(split.train):
         # A global batch cut down to the data would silently train another model.
         raise UsageError(f"--batch-size {config.batch_size} is larger than the "
@@ -150,6 +147,29 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
         resumption.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
     return PreparedRun(config, split, model, strategy, run_dir, choice, resume, start)
+
+
+def _data_on_every_host(config: TrainConfig, observer, hosts, stop: StopRequest | None):
+    """The run's data, or a stop on every host: a stop that ends one host's data cache
+    build ends every host here, together. A host whose data was ready would otherwise wait
+    in the hosts' next exchange while that one left (a collective against its closing
+    barrier)."""
+    split, interrupted = None, None
+    try:
+        split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
+                          classes=config.classes, val_fraction=config.val_fraction,
+                          progress=observer.on_data_progress, cache_dir=config.data_cache,
+                          stop_signal=lambda: stop.signum if stop else None,
+                          strict=config.strict_data)
+    except CacheBuildInterrupted as exc:
+        interrupted = exc
+    signums = hosts.allgather(int(interrupted.signum) if interrupted else 0)
+    if interrupted:
+        raise interrupted
+    for rank, signum in enumerate(signums):
+        if signum:
+            raise CacheBuildInterrupted.on_another_host(signum, rank)
+    return split
 
 
 @dataclass(frozen=True)

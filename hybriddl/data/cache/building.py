@@ -39,6 +39,15 @@ class CacheBuildInterrupted(TrainingInterrupted):
                            "to continue the build")
         self.signum = signum
 
+    @classmethod
+    def on_another_host(cls, signum: int, rank: int) -> CacheBuildInterrupted:
+        """What a host whose data was ready says when rank `rank` stopped in its build."""
+        stopped = cls.__new__(cls)
+        Exception.__init__(stopped, f"stopped while rank {rank} built its data cache; run the "
+                                    "same command again to continue the build")
+        stopped.signum = signum
+        return stopped
+
 
 def check_free_space(directory: Path, needed: int, source: str) -> None:
     free = shutil.disk_usage(directory).free
