@@ -159,6 +159,24 @@ def test_sampler_thread_ends_with_the_block_even_on_error(tmp_path):
     assert (tmp_path / "rank0-pidstat.csv").read_text().startswith("timestamp_unix_s,")
 
 
+def test_rows_a_full_disk_refused_do_not_hide_the_runs_own_error(tmp_path):
+    """The rows a full disk refused are still buffered when the files close, so closing
+    fails too: that must not replace the run's own error (a one-line StorageError) with a
+    traceback, nor leave the monitor half stopped."""
+    import os
+
+    with pytest.raises(RuntimeError, match="the run's own error"):
+        with Monitor(tmp_path, rank=0, interval=INTERVAL) as monitor:
+            full = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC
+            for handle in monitor._files:
+                os.dup2(full, handle.fileno())
+            os.close(full)
+            raise RuntimeError("the run's own error")
+    assert "No space left" in monitor.summary()["error"]
+    assert monitor.stop() is monitor.summary()  # stopped: nothing left to close
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]
+
+
 def test_interval_zero_disables_monitoring(tmp_path):
     with Monitor(tmp_path / "run", rank=0, interval=0) as monitor:
         assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]

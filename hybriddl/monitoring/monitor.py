@@ -118,10 +118,13 @@ class Monitor:
             if time.perf_counter() - self._last >= self.interval / 10 or not self._peaks.samples:
                 self._sample_safely()
         finally:
-            for handle in self._files:
-                handle.close()
-            self._files = []
-            self._thread = None
+            files, self._files, self._thread = self._files, [], None
+            for handle in files:
+                try:
+                    handle.close()
+                except OSError as exc:  # its last rows not written (a full disk): noted, as
+                    # a failed sample is; the run's own error, if any, is the one to show
+                    self._error = self._error or f"{type(exc).__name__}: {exc}"
             self._summary = self._summarise()
         return self._summary
 
