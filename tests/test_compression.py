@@ -567,6 +567,27 @@ def test_a_checkpoint_keeps_each_hosts_errors_in_a_file_of_its_own(tmp_path):
     assert holds_error is False and "errors of host 1 could not be read" in line
 
 
+def test_a_resumed_hosts_error_files_past_its_checkpoint_do_not_push_out_its_own(tmp_path):
+    """A host writes its errors before rank 0's checkpoint completes: after a crash, files
+    past the checkpoint the run resumed from are left. They must not count among the newest
+    kept, or the resumed checkpoint's own file goes while the next checkpoint is still being
+    written, and a crash then resumes that host's errors from zero."""
+    from types import SimpleNamespace
+
+    from hybriddl.run import resumption
+    from hybriddl.run.checkpointer import Checkpointer
+    from hybriddl.run.resumption import errors_file
+
+    for steps in (2, 4, 6, 8):  # the crashed attempt's; rank 0 completed step 4's only
+        torch.save({"error": [], "steps_done": steps}, tmp_path / errors_file(1, steps))
+    keeper = Checkpointer.__new__(Checkpointer)  # only what keep_errors_apart reads
+    keeper.run_dir, keeper.hosts = tmp_path, SimpleNamespace(
+        rank=1, size=2, logical_count=2, logical_ranks=range(1, 2))
+    keeper.position = resumption.Position(steps_done=5)  # resumed at 4, --checkpoint-every 5
+    keeper.keep_errors_apart({"name": "powersgd:2", "error": [torch.ones(1, 3, 2)]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [errors_file(1, s) for s in (2, 4, 5)]
+
+
 def test_the_room_a_run_needs_counts_its_hosts_errors(tmp_path, monkeypatch):
     """A PowerSGD run's errors (each compressed matrix, float32) are counted in the room
     checked at start (trainer.prepare: in rank 0's two checkpoints, in three files of its

@@ -239,7 +239,11 @@ class Checkpointer:
                               {"error": errors, "steps_done": steps})
             written = sorted(int(path.stem.rsplit("step", 1)[1]) for path in
                              self.run_dir.glob(errors_file(rank, "*")))
-            for old in written[:-ERRORS_KEPT]:
+            # Past this step: a crashed attempt's, written before its rank 0's checkpoint
+            # completed. Kept, they would push out the one this run resumed from.
+            past = [old for old in written if old > steps]
+            kept = [old for old in written if old <= steps]
+            for old in past + kept[:-ERRORS_KEPT]:
                 (self.run_dir / errors_file(rank, old)).unlink(missing_ok=True)
         if self.hosts.rank == 0:
             return {**state, ERRORS_APART: {"hosts": self.hosts.logical_count,
