@@ -145,6 +145,41 @@ def test_an_interrupted_build_keeps_the_files_it_skipped(tmp_path, monkeypatch):
     assert torch.equal(every.images[:], fresh.images[:]) and len(every) == 10
 
 
+def test_a_stop_ends_the_wait_for_another_process_building_the_cache(tmp_path, monkeypatch):
+    """A second process (a second rank of the machine, a tune) waits while another builds
+    the cache; a stop requested meanwhile ends that wait, and a folder whose file system
+    cannot lock is one line."""
+    import errno
+    import fcntl
+
+    monkeypatch.setattr(datacache, "LOCK_POLL_SECONDS", 0.01)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    source = sources.SyntheticSource(40)
+    asked = []
+
+    def stop_after_three():
+        asked.append(None)
+        return signal.SIGTERM if len(asked) == 3 else None
+
+    with open(cache / (source.cache_name() + ".lock"), "w") as held:  # another builder's
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(building.CacheBuildInterrupted,
+                           match="waiting for another process to build") as caught:
+            datacache.open_cache(source, cache, stop_signal=stop_after_three)
+    assert len(asked) == 3 and caught.value.exit_code == 143
+    assert not [p for p in cache.iterdir() if p.suffix == ".cache"]
+    _, images = datacache.open_cache(source, cache)  # the lock free: built
+    assert len(images) == 40
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(UsageError, match="cannot lock .* give a local folder"):
+        datacache.open_cache(sources.SyntheticSource(41), cache)
+
+
 def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monkeypatch):
     monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
     root = write_imagefolder(tmp_path / "images", per_class=5)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,12 +37,15 @@ from pathlib import Path
 import torch
 
 from hybriddl.data import Progress
-from hybriddl.data.cache.building import build
+from hybriddl.data.cache.building import CacheBuildInterrupted, build
 from hybriddl.data.cache.layout import read_header, read_records, skipped_list_path
 from hybriddl.data.cache.reading import CacheFile, DiskImages, StreamedImageSet
 from hybriddl.data.sources import Source
 from hybriddl.errors import StorageError, TrainingError, UsageError
 from hybriddl.files import atomic_write_bytes, user_cache_dir
+
+
+LOCK_POLL_SECONDS = 0.2  # how often a process waiting for the cache's lock tries again
 
 
 def default_cache_dir() -> Path:
@@ -81,7 +85,7 @@ def open_cache(source: Source, cache_dir: str | Path | None = None,
     opened = _open_valid(path, source)
     if opened is None:
         _check_writable(directory)
-        with _exclusive(path):
+        with _exclusive(path, source.name, stop_signal):
             # Another process of this machine (a second rank) may have built it meanwhile.
             opened = _open_valid(path, source)
             if opened is None:
@@ -126,9 +130,28 @@ def _check_writable(directory: Path) -> None:
 
 
 @contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _exclusive(path: Path, source: str, stop_signal: Callable[[], int | None]) -> Iterator[None]:
+    """The cache's lock, one process of a machine (or of a shared folder) at a time. While
+    another holds it (building, minutes perhaps) a stop requested here ends the wait: a
+    blocking flock would outlast the stop, and a holder that was stopped would hold this
+    process for ever."""
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if (signum := stop_signal()) is not None:
+                    raise CacheBuildInterrupted.saying(
+                        signum, f"stopped while waiting for another process to build the data "
+                                f"cache of {source} (it holds {lock_path}); run the same command "
+                                "again") from None
+                time.sleep(LOCK_POLL_SECONDS)
+            except OSError as exc:  # a file system without locks (ENOLCK, ENOSYS)
+                raise UsageError(f"--data-cache {path.parent}: cannot lock {lock_path.name} "
+                                 f"there ({exc.strerror}); give a local folder with "
+                                 "--data-cache DIR") from None
         try:
             yield
         finally:
