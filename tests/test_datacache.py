@@ -180,6 +180,48 @@ def test_a_stop_ends_the_wait_for_another_process_building_the_cache(tmp_path, m
         datacache.open_cache(sources.SyntheticSource(41), cache)
 
 
+def test_a_disk_failing_under_the_cache_is_one_line_naming_it(tmp_path, monkeypatch):
+    """EIO while building or reading the cache (a failing disk, an NFS file another host
+    replaced), or a quota met mid-build, is one line naming the file, not a traceback from
+    the prefetcher's thread; what the build synced is kept."""
+    import errno
+
+    monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
+    cache = tmp_path / "cache"
+    writes = []
+
+    def failing_write(fd, data, offset):
+        writes.append(offset)
+        if len(writes) == 5:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_write(fd, data, offset)
+
+    real_write = os.pwrite
+    monkeypatch.setattr(building.os, "pwrite", failing_write)
+    with pytest.raises(TrainingError, match=r"could not be built: Input/output error; check"):
+        datacache.open_cache(sources.SyntheticSource(40), cache)
+    writes.clear()
+    errno_quota = errno.EDQUOT
+
+    def over_quota(fd, data, offset):
+        raise OSError(errno_quota, os.strerror(errno_quota))
+
+    monkeypatch.setattr(building.os, "pwrite", over_quota)
+    with pytest.raises(UsageError, match="no space left for the cache"):
+        datacache.open_cache(sources.SyntheticSource(40), cache)
+    monkeypatch.setattr(building.os, "pwrite", real_write)
+    source = CountingSynthetic(40)
+    _, images = datacache.open_cache(source, cache)
+    assert source.started_at > 0  # went on from what the failed build synced
+
+    def failing_read(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(reading.os, "preadv", failing_read)
+    with pytest.raises(TrainingError, match=r"reading image 0 failed \(Input/output error\)"):
+        images.images[:1]
+
+
 def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monkeypatch):
     monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
     root = write_imagefolder(tmp_path / "images", per_class=5)

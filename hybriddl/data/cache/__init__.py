@@ -27,6 +27,7 @@ module finds a valid cache or has one built, one process of a machine at a time.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -89,7 +90,7 @@ def open_cache(source: Source, cache_dir: str | Path | None = None,
             # Another process of this machine (a second rank) may have built it meanwhile.
             opened = _open_valid(path, source)
             if opened is None:
-                build(path, source, progress, stop_signal)
+                _build(path, source, progress, stop_signal)
                 opened = _open_valid(path, source)
         if opened is None:
             raise TrainingError(f"the data cache {path} did not read back after it was built: "
@@ -97,6 +98,22 @@ def open_cache(source: Source, cache_dir: str | Path | None = None,
     _keep_skipped_list(opened)
     images = DiskImages(opened)
     return opened, StreamedImageSet(images, torch.from_numpy(opened.labels), list(source.classes))
+
+
+def _build(path: Path, source: Source, progress: Progress | None,
+           stop_signal: Callable[[], int | None]) -> None:
+    """`build`, its system errors one line (what was synced is kept for the next run)."""
+    try:
+        build(path, source, progress, stop_signal)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UsageError(f"--data-cache {path.parent}: no space left for the cache of "
+                             f"{source.name}{where}; free some space or give another folder "
+                             "with --data-cache DIR") from None
+        raise TrainingError(f"the data cache {path} could not be built: {exc.strerror}{where}; "
+                            "check the disk, or give another folder with --data-cache DIR; what "
+                            "was written is kept for the next run") from None
 
 
 def _keep_skipped_list(cache: CacheFile) -> None:

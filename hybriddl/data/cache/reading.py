@@ -40,8 +40,13 @@ class CacheFile:
         self._lock = threading.Lock()  # the prefetcher reads on its own thread
 
     def read_row(self, row: int, buffer: memoryview) -> None:
-        if os.preadv(self.fd, [buffer], IMAGES_AT + row * self.row_bytes) == len(buffer) \
-                and zlib.crc32(buffer) == int(self.crcs[row]):
+        try:
+            read = os.preadv(self.fd, [buffer], IMAGES_AT + row * self.row_bytes)
+        except OSError as exc:  # a failing disk, a cache on NFS another host replaced
+            raise TrainingError(f"data cache {self.path}: reading image {row} failed "
+                                f"({exc.strerror}): check the disk, or delete {self.path} and "
+                                "run again to rebuild the cache") from None
+        if read == len(buffer) and zlib.crc32(buffer) == int(self.crcs[row]):
             return
         self._repair(row, buffer)
 
