@@ -177,6 +177,25 @@ def test_rows_a_full_disk_refused_do_not_hide_the_runs_own_error(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]
 
 
+def test_a_resumed_run_appends_after_the_row_a_cut_cut_short(tmp_path):
+    """A row cut short (a full disk, a kill) ends the file without its newline: the resumed
+    run's rows start on a line of their own, so every row stays whole and `report` reads
+    the file; a file with not one whole line starts again with its header."""
+    path = tmp_path / "rank0-pidstat.csv"
+    with Monitor(tmp_path, rank=0, interval=INTERVAL):
+        pass
+    whole = path.read_text()
+    path.write_text(whole + "1764540000.5,12")  # the next row, cut short
+    with Monitor(tmp_path, rank=0, interval=INTERVAL):
+        pass
+    rows = read_rows(path, PIDSTAT_COLUMNS)
+    assert len(rows) >= 2 and path.read_text().startswith(whole)
+    path.write_text("timestamp_unix_s,p")  # the header itself cut short
+    with Monitor(tmp_path, rank=0, interval=INTERVAL):
+        pass
+    assert len(read_rows(path, PIDSTAT_COLUMNS)) >= 1
+
+
 def test_interval_zero_disables_monitoring(tmp_path):
     with Monitor(tmp_path / "run", rank=0, interval=0) as monitor:
         assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -140,6 +141,8 @@ class Monitor:
     # -- sampling ---------------------------------------------------------------
 
     def _open(self, path: Path, columns: tuple[str, ...]):
+        if path.exists() and path.stat().st_size:
+            _drop_cut_row(path)
         new = not path.exists() or path.stat().st_size == 0
         handle = open(path, "a", newline="")
         self._files.append(handle)
@@ -296,3 +299,23 @@ def _host_cpu_pct(before, after) -> tuple[float, float, float, float]:
             100 * (delta("system") + delta("irq") + delta("softirq")) / total,
             100 * delta("iowait") / total,
             100 * delta("idle") / total)
+
+
+
+def _drop_cut_row(path: Path) -> None:
+    """A row a full disk or a kill cut short ends the file without its newline: cut it off
+    before a resumed run appends, or its first row would merge with it mid-file."""
+    with open(path, "rb+") as handle:
+        position = handle.seek(0, os.SEEK_END)
+        handle.seek(position - 1)
+        if handle.read(1) == b"\n":
+            return
+        while position > 0:
+            start = max(0, position - 4096)
+            handle.seek(start)
+            cut = handle.read(position - start).rfind(b"\n")
+            if cut >= 0:
+                handle.truncate(start + cut + 1)
+                return
+            position = start
+        handle.truncate(0)  # not one whole line: the header is written again
