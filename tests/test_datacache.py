@@ -222,6 +222,17 @@ def test_a_disk_failing_under_the_cache_is_one_line_naming_it(tmp_path, monkeypa
         images.images[:1]
 
 
+def test_the_writable_check_leaves_another_hosts_probe_alone(tmp_path):
+    """Hosts sharing a cache folder on NFS may run processes of the same pid: each one's
+    check that it can write there must not take the other's file away under it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    theirs = cache / f".probe-{os.getpid()}"  # another host's process of this pid, checking
+    theirs.write_bytes(b"")
+    datacache.open_cache(sources.SyntheticSource(8), cache)
+    assert theirs.exists()
+
+
 def test_interrupted_build_of_a_since_changed_source_starts_over(tmp_path, monkeypatch):
     monkeypatch.setattr(building, "SYNC_EVERY_SECONDS", 0.0)
     root = write_imagefolder(tmp_path / "images", per_class=5)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -138,9 +138,9 @@ def _keep_skipped_list(cache: CacheFile) -> None:
 def _check_writable(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # A name of its own: hosts sharing the folder may run processes of the same pid.
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+            pass
     except OSError as exc:
         raise UsageError(f"--data-cache {directory}: cannot write there ({exc.strerror}); "
                          "give a writable folder with --data-cache DIR") from None
