@@ -150,6 +150,30 @@ def test_a_record_an_earlier_attempt_wrote_late_is_not_read_as_this_ones(monkeyp
     assert read_failures(run_dir, attempt=2) == [] and len(read_failures(run_dir, attempt=3)) == 1
 
 
+def test_a_stop_while_a_launch_is_prepared_starts_no_mpirun(monkeypatch, tmp_path):
+    """Ctrl-C or SIGTERM while the launcher reads the checkpoint or clears the run directory
+    ends the launch there: an mpirun started then would get the stop before its ranks could
+    take it (killed by it, or training on without a checkpoint)."""
+    import signal as signals
+
+    from hybriddl.launch import launcher as module
+
+    monkeypatch.setattr(module, "answering", lambda hosts, agent, seconds: dict.fromkeys(hosts, True))
+    started = []
+    monkeypatch.setattr(module.subprocess, "Popen", lambda *args, **kwargs: started.append(args))
+    config = LaunchConfig(["h0", "h1"], ["train"], tmp_path / "run", restarts=3,
+                          rsh_agent="true", mpirun=shutil.which("true"), retry_delay=0)
+    launcher = Launcher(config)
+
+    def steps_as_the_stop_comes(run_dir):
+        launcher.request_stop(signals.SIGTERM)
+        return 0
+
+    monkeypatch.setattr(module, "checkpoint_steps", steps_as_the_stop_comes)
+    assert launcher.run() == 128 + signals.SIGTERM and started == []
+    assert [e.cause for e in launcher.events] == ["stopped by SIGTERM"]
+
+
 def test_a_failed_starts_files_are_cleared_only_where_a_launch_ran(tmp_path):
     """Before a launch, the files a failed first attempt left (no checkpoint yet), a
     compressed run's other hosts' errors among them, go, so that the fresh start is

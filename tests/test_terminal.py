@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import hybriddl_env
+from conftest import REPO, hybriddl_env
 from hybriddl.machine.terminal import NOT_A_TERMINAL, rank_output_flags
 
 DRAW = ("from hybriddl.display import out; out.print('[bold]bold[/bold]'); "
@@ -67,3 +67,23 @@ def test_a_rank_told_its_terminal_is_not_one_draws_no_colour_at_a_logs_width():
     told = drawn_on_a_terminal(**{name: value})
     assert "\x1b" not in told and "bold" in told
     assert f"width {LOG_WIDTH}" in told
+
+
+def test_a_closed_terminal_stops_a_supervisor_unless_nohup_ignores_the_hangup():
+    """`launch` and `emulate` start processes in sessions of their own: a hangup that ended
+    the supervisor alone would leave mpirun training unsupervised, or the emulated hosts'
+    namespaces behind. It stops them as SIGTERM does, unless nohup set it ignored."""
+    import signal
+
+    from hybriddl.machine.terminal import stop_signals
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        assert stop_signals() == (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+        assert stop_signals() == (signal.SIGINT, signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    for module in ("launch", "emulate"):  # both install what it says
+        source = (REPO / "hybriddl" / "cli" / f"{module}.py").read_text()
+        assert "in stop_signals()" in source and "(signal.SIGINT, signal.SIGTERM)" not in source

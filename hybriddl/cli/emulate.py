@@ -16,6 +16,7 @@ from hybriddl.emulation.hosts import (EmulationFailed, check_speedup, default_co
                                       duration_seconds, quota_of)
 from hybriddl.errors import UsageError
 from hybriddl.files import check_writable
+from hybriddl.machine.terminal import stop_signals
 from hybriddl.usecases import USECASES
 
 
@@ -124,9 +125,10 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     console = terminal_console(stderr=True)
-    # Ctrl-C and SIGTERM (a job scheduler, kill) must tear the hosts down, also when the
-    # shell that started us ignores SIGINT (a background job of a script does).
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C, SIGTERM (a job scheduler, kill) and a closed terminal must tear the hosts
+    # down, also when the shell that started us ignores SIGINT (a background job of a
+    # script does).
+    for signum in stop_signals():
         signal.signal(signum, _interrupt)
     try:
         return _run(args, command, report, env, console, speed)

@@ -13,6 +13,7 @@ from pathlib import Path
 from hybriddl.cli.commands import COMMANDS
 from hybriddl.cli.workload_flags import add_mca_flag
 from hybriddl.errors import UsageError
+from hybriddl.machine.terminal import stop_signals
 
 # The training's flags that name its run directory: the launcher owns that choice, since
 # every relaunch continues the same run.
@@ -99,10 +100,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
                           soft_wrap=True)
 
     launcher = Launcher(config, Lines())
-    # Ctrl-C and SIGTERM: every rank checkpoints the same step and leaves; a second one
-    # ends them at once.
+    # Ctrl-C, SIGTERM and a closed terminal: every rank checkpoints the same step and
+    # leaves; a second one ends them at once.
     previous = {signum: signal.signal(signum, lambda s, f: launcher.request_stop(s))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+                for signum in stop_signals()}
     try:
         code = launcher.run()
     finally:

@@ -55,7 +55,7 @@ import psutil
 
 from hybriddl.errors import UsageError
 from hybriddl.failpoints import VARIABLE as FAILPOINTS_VARIABLE
-from hybriddl.machine.terminal import rank_output_flags
+from hybriddl.machine.terminal import rank_output_flags, stop_signals
 
 PREFIX = "hybriddl-emu-"
 SUBNET = "198.18.0.0/24"
@@ -744,7 +744,7 @@ class EmulatedHosts:
         if not self._up:
             return
         # A second Ctrl-C (or a SIGTERM) must not leave the teardown half done.
-        stoppers = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+        stoppers = stop_signals() if _main_thread() else ()
         previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stoppers}
         try:
             if self._slicer is not None:  # a frozen process cannot end: let them all run

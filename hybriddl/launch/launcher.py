@@ -220,6 +220,8 @@ class Launcher:
         restarts = 0
         attempt = 0
         while True:
+            if self.stop_signal is not None:  # asked during the wait before a relaunch
+                return self._stopped(attempt, None)
             alive = answering(config.hosts, config.rsh_agent, config.probe_seconds)
             hosts = [h for h in config.hosts if alive[h] and h not in sitting_out]
             if self.stop_signal is not None:
@@ -245,6 +247,8 @@ class Launcher:
             self._prepare_run_dir(run_dir, attempt)
             started = time.time()
             code = self._attempt(attempt, hosts)
+            if code is None:  # a stop before mpirun started: nothing to stop but this
+                return self._stopped(attempt, None)
             if code == 0:
                 return 0
             if self.stop_signal is not None:
@@ -289,7 +293,8 @@ class Launcher:
             failed_attempt["left_out"] = [h for h in config.hosts if h not in hosts]
             self._sleep(config.retry_delay)
 
-    def _attempt(self, attempt: int, hosts: list[str]) -> int:
+    def _attempt(self, attempt: int, hosts: list[str]) -> int | None:
+        """mpirun's exit code, or None where a stop came before it started."""
         handle, name = tempfile.mkstemp(prefix="hybriddl-hosts-", suffix=".txt")
         os.close(handle)
         hostfile = Path(name)
@@ -301,6 +306,8 @@ class Launcher:
             # A session of its own: Ctrl-C on the terminal reaches the launcher only, which
             # passes it on as SIGUSR1 (a checkpoint); mpirun would kill the ranks at once.
             with self._lock:
+                if self.stop_signal is not None:  # asked while this launch was prepared
+                    return None
                 self._process = subprocess.Popen(argv, env=env, start_new_session=True)
             if self.stop_signal is not None:  # a stop that came while starting
                 _signal(self._process, signal.SIGUSR1)

@@ -7,10 +7,13 @@ job's log or any file mpirun's output went to. Only the process that starts mpir
 where that output goes: where it is not a terminal, the ranks are told so through rich's
 own variable, TTY_COMPATIBLE=0 (rich >= 14): no colour codes and no animation, and
 display.py's width for a log.
+
+It also says which signals stop a command that supervises others (`stop_signals`).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import TextIO
 
@@ -30,3 +33,12 @@ def rank_output_flags(output: TextIO | None = None, *, logged: bool = False) -> 
     except (AttributeError, ValueError):  # no isatty, or a closed file
         terminal = False
     return [] if terminal else ["-x", NOT_A_TERMINAL]
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a command supervising processes in sessions of their own
+    (`launch`'s mpirun, `emulate`'s hosts): Ctrl-C, SIGTERM and the terminal's hangup
+    (a closed terminal or ssh session), which would otherwise end the supervisor alone and
+    leave those processes running; not the hangup where it is ignored (`nohup`)."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hangup)
