@@ -133,7 +133,7 @@ def one_rank_mpi_hosts():
     hosts = MPIHosts.__new__(MPIHosts)
     hosts.comm, hosts.MPI = OneRankComm(), SimpleNamespace(SUM="sum")
     hosts.rank, hosts.size, hosts.traffic = 0, 1, TrafficMeter()
-    hosts.wait = lambda requests, what: None
+    hosts.wait = lambda requests, what, **how: None  # continues, largest
     hosts.barrier = lambda: None
     return hosts
 
