@@ -264,10 +264,62 @@ def test_bad_rates_and_missing_commands_are_one_line_and_exit_2(cli_here):
     for args in (["--hosts", "2", "--bandwidth", "fast", "--", "true"],
                  ["--hosts", "0", "--", "true"], ["--hosts", "2"],
                  ["--hosts", "2", "--cores-per-host", "0", "--", "true"],
-                 ["--hosts", "2", "--time-scale", "0.5", "--", "true"]):
+                 ["--hosts", "2", "--time-scale", "0.5", "--", "true"],
+                 ["--hosts", "2", "--time-scale", "inf", "--", "true"]):
         done = cli_here("emulate", *args)
         assert done.returncode == 2, args
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_host_group_that_will_not_go_leaves_the_rest_of_the_teardown_done(tmp_path, monkeypatch):
+    """One cgroup that cannot be removed (busy past its tries) is named, after the other
+    hosts' groups and the hosts' files are gone: the teardown is not cut short by it."""
+    import hybriddl.emulation.hosts as module
+    from hybriddl.emulation.hosts import EmulationFailed
+
+    removed = []
+
+    class Group:
+        def __init__(self, name, fails):
+            self.name, self.fails = name, fails
+
+        def remove(self, grace):
+            if self.fails:
+                raise EmulationFailed(f"cgroup {self.name} still busy")
+            removed.append(self.name)
+
+    monkeypatch.setattr(module, "_namespaces", lambda: [])  # none left to delete
+    cluster = EmulatedHosts.__new__(EmulatedHosts)  # what close() reads, nothing made
+    cluster._up, cluster._slicer, cluster.namespaces, cluster.switch = True, None, [], "switch"
+    cluster.cgroups = [Group("h0", fails=True), Group("h1", fails=False)]
+    cluster.folder = tmp_path / "hosts"
+    cluster.folder.mkdir()
+    with pytest.raises(EmulationFailed, match="cgroup h0 still busy"):
+        cluster.close()
+    assert removed == ["h1"] and not cluster.folder.exists() and not cluster._up
+    assert cluster.cgroups[1] is None
+
+
+def test_hosts_taking_turns_are_never_left_frozen_when_the_turns_fail():
+    """A freezer write refused mid-cycle ends the time slicer: every host is thawed (a
+    frozen host would hold its run for ever) and the failure is kept for the run to name."""
+    from hybriddl.emulation.hosts import TimeSlicer
+
+    class Group:
+        def __init__(self):
+            self.calls = []
+
+        def freeze(self, frozen):
+            self.calls.append(frozen)
+            if frozen and len(self.calls) == 3:  # its second turn's end: refused
+                raise OSError(16, "Device or resource busy")
+
+    groups = [Group(), Group()]
+    slicer = TimeSlicer([[groups[0]], [groups[1]]], share=0.5)
+    slicer.start()
+    slicer.join(timeout=10)
+    assert not slicer.is_alive() and "Device or resource busy" in slicer.failure
+    assert [group.calls[-1] for group in groups] == [False, False]  # both running
 
 
 # ---------------------------------------------------------------------- time scale

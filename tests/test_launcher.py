@@ -65,6 +65,14 @@ def test_a_missing_agent_mpirun_or_a_binary_hostfile_is_one_line_and_exit_2(cli_
     with pytest.raises(UsageError, match="mpirun not found"):
         LaunchConfig(["node1"], ["train"], tmp_path / "run", rsh_agent="true",
                      mpirun=str(tmp_path / "no-mpirun")).checked()
+    for flags, says in ((["--rsh-agent", "ssh -o 'X"], "No closing quotation"),
+                        (["--retry-delay", "inf"], "give 0 or more seconds")):
+        done = cli_here("launch", "--hostfile", str(hosts), *flags, *run)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    done = cli_here("launch", "--hostfile", str(hosts), "--rsh-agent", "true", "--", "train",
+                    "--run-dir=")  # not the current directory
+    assert done.returncode == 2 and "--run-dir needs a directory" in done.stderr, done.stderr
     hosts.write_bytes(b"\xff\xfe\x00binary")
     done = cli_here("launch", "--hostfile", str(hosts), "--rsh-agent", "true", *run)
     assert done.returncode == 2 and "not a text file" in done.stderr, done.stderr

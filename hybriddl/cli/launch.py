@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
@@ -59,7 +60,7 @@ def split_training(command: list[str]) -> tuple[list[str], Path]:
         flag, equals, value = word.partition("=")
         if flag in RUN_DIR_FLAGS:
             value = value if equals else next(words, None)
-            if value is None:
+            if not value:  # none, or empty: the current directory, whose files a relaunch clears
                 raise UsageError(f"{flag} needs a directory")
             run_dirs.append(value)
         else:
@@ -81,7 +82,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if not 0 < args.probe_seconds < float("inf"):  # 0: no host could ever answer
         raise UsageError(f"--probe-seconds {args.probe_seconds}: give a positive number of "
                          "seconds")
-    if not args.retry_delay >= 0:
+    if not 0 <= args.retry_delay < math.inf:
         raise UsageError(f"--retry-delay {args.retry_delay}: give 0 or more seconds")
     config = LaunchConfig(hosts=read_hostfile(args.hostfile), train_args=train_args,
                           run_dir=run_dir, min_hosts=args.min_hosts, restarts=args.restarts,

@@ -454,8 +454,24 @@ class TimeSlicer(threading.Thread):
         super().__init__(daemon=True, name="emulation-time-slicer")
         self.slots, self.share = slots, share
         self._stopping = threading.Event()
+        self.failure: str | None = None  # why slicing stopped on its own, if it did
 
     def run(self) -> None:
+        try:
+            self._slice()
+        except Exception as exc:  # a freezer that refused a write: never leave a host frozen
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._thaw()
+
+    def _thaw(self) -> None:
+        for slot in self.slots:
+            for group in slot:
+                try:
+                    group.freeze(False)
+                except Exception:
+                    pass
+
+    def _slice(self) -> None:
         for slot in self.slots:
             for group in slot:
                 group.freeze(True)
@@ -556,7 +572,7 @@ class EmulatedHosts:
                                  "at once, each held to its share of the cores; leave "
                                  "--time-scale out")
             time_scale = None
-        if time_scale is not None and not time_scale >= 1:
+        if time_scale is not None and not 1 <= time_scale < math.inf:
             raise UsageError(f"--time-scale {time_scale:g}: give 1 or more (at least "
                              f"{fits:g} for {hosts} hosts x {cores_per_host} cores here)")
         self.time_scale = fits if time_scale is None else float(time_scale)
@@ -754,13 +770,19 @@ class EmulatedHosts:
                 if namespace in _namespaces():
                     _kill_namespace_processes(namespace, grace=5)
                     _ip("netns", "delete", namespace, check=False)
+            failed = None  # one group that would not go: the others and the files still do
             for index, group in enumerate(self.cgroups):
                 if group is not None:
-                    group.remove(grace=5)
-                    self.cgroups[index] = None
+                    try:
+                        group.remove(grace=5)
+                        self.cgroups[index] = None
+                    except EmulationFailed as exc:
+                        failed = failed or exc
             if self.folder:
                 shutil.rmtree(self.folder, ignore_errors=True)
             self._up = False
+            if failed is not None:
+                raise failed  # named; the next emulate removes what is left (remove_leftovers)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -883,6 +905,10 @@ class EmulatedHosts:
             stop(process)
             raise
         seconds = time.monotonic() - started
+        if self._slicer is not None and self._slicer.failure:
+            raise EmulationFailed(f"the hosts' turns on the cores stopped during the run "
+                                  f"({self._slicer.failure}): they ran side by side from then "
+                                  "on, so its times are not the emulated hosts'; run it again")
         traffic = [after - early for after, early in zip(self.counters(), before)]
         return EmulatedRun(process.returncode, seconds, traffic, stdout, stderr,
                            self.time_scale, self.dilation.speedup)

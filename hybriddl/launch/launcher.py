@@ -75,7 +75,11 @@ class LaunchConfig:
                              f"{len(self.hosts)} hosts")
         if self.restarts < 0:
             raise UsageError(f"--restarts {self.restarts}: give 0 or more")
-        agent = shlex.split(self.rsh_agent)
+        try:
+            agent = shlex.split(self.rsh_agent)
+        except ValueError as exc:  # an unbalanced quote
+            raise UsageError(f"--rsh-agent {self.rsh_agent!r}: {exc}; quote it as the shell "
+                             "would") from None
         if not agent or shutil.which(agent[0]) is None:
             raise UsageError(f"--rsh-agent {self.rsh_agent!r}: no such program; give the "
                              "command mpirun reaches the hosts with (default: ssh)")
