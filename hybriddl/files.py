@@ -30,15 +30,19 @@ def check_writable(path: str | Path, flag: str, folder: bool = True) -> None:
     file) is to be written, or a UsageError naming `flag`. Tried, not guessed: a temporary
     file in the nearest folder that exists, removed at once (/proc and /sys refuse it)."""
     path = Path(path)
-    if folder and path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {path} is a file: give a folder")
-    if not folder and path.is_dir():
-        raise UsageError(f"{flag} {path} is a folder: give a file path")
-    existing = path if folder else path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UsageError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        if folder and path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {path} is a file: give a folder")
+        if not folder and path.is_dir():
+            raise UsageError(f"{flag} {path} is a folder: give a file path")
+        existing = path if folder else path.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise UsageError(f"{flag} {path}: {existing} is a file, not a folder")
+    except OSError as exc:  # a folder on the way this user cannot search
+        raise UsageError(f"{flag} {path}: cannot look there ({exc.strerror}); choose a place "
+                         "you can write to") from None
     try:
         handle, name = tempfile.mkstemp(prefix=".hybriddl-write-check-", dir=existing)
         os.close(handle)

@@ -85,9 +85,14 @@ def default_run_dir(usecase: str, root: str = "runs") -> Path:
 
 def check_new_run_dir(path: Path) -> None:
     """Refuse to mix two runs in one folder; called before any file is written."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--run-dir {path} is a file: give a directory path")
-    if path.is_dir() and any(path.iterdir()):
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--run-dir {path} is a file: give a directory path")
+        holds_files = path.is_dir() and any(path.iterdir())
+    except OSError as exc:  # a folder this user cannot read or search
+        raise UsageError(f"--run-dir {path}: cannot look in it ({exc.strerror}); choose a "
+                         "directory you can write to") from None
+    if holds_files:
         raise UsageError(f"--run-dir {path} already holds files: choose a new directory "
                          "(or --resume it to continue that run)")
 
@@ -101,3 +106,8 @@ def load_metrics(run_dir: Path) -> dict:
                          "'hybriddl train'") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path} is not valid JSON ({exc.msg}): the run directory is damaged") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not a text file: the run directory is damaged") from None
+    except OSError as exc:  # unreadable, or a folder of that name
+        raise UsageError(f"{path}: cannot read it ({exc.strerror}); give a run directory "
+                         "made by 'hybriddl train'") from None

@@ -145,6 +145,9 @@ CASES = {
                               "cannot continue the run in somewhere"),
     "seed_beyond_64_bits": (flags("--seed", str(2 ** 64)), "--seed 18446744073709551616"),
     "tune_budget_nan": (flags("--tune-budget", "nan"), "--tune-budget nan"),
+    "fusion_mib_nan": (flags("--fusion-mib", "nan"), "--fusion-mib nan"),
+    "fusion_mib_inf": (flags("--fusion-mib", "inf"), "--fusion-mib inf"),
+    "weights_empty": (flags("--weights", ""), "--weights '': give a state_dict"),
     # /proc takes no file, even from root, whom the access check lets through.
     "profile_dir_not_writable": (flags("--profile-dir", "/proc/hybriddl-profiles"),
                                  "--profile-dir /proc/hybriddl-profiles/"),
@@ -190,6 +193,11 @@ OUTPUTS = {
     # and what is not a place at all
     "train_run_dir_empty": (["train", "--max-steps", "1", "--run-dir", ""],
                             "--run-dir '': give a directory"),
+    # a name the file system refuses to look up (as a folder this user cannot search)
+    "train_run_dir_name_too_long": (["train", "--max-steps", "1", "--run-dir", "TMP/" + "r" * 300],
+                                    "cannot look in it (File name too long)"),
+    "report_output_name_too_long": (["report", "RUN", "--output", "TMP/" + "o" * 300],
+                                    "cannot look there (File name too long)"),
     "emulate_command_missing": (["emulate", "--hosts", "1", "--", "/nonexistent/hybriddl-cmd"],
                                 "/nonexistent/hybriddl-cmd: no such command"),
     "launch_probe_seconds_zero": (["launch", "--hostfile", "/nonexistent", "--probe-seconds", "0",

@@ -85,3 +85,21 @@ def test_help_version_and_a_mistyped_command_load_no_torch(argv, code, says, tmp
 def test_the_names_alone_give_the_whole_parsers_help():
     whole, names = (build_parser(names_only=light).format_help() for light in (False, True))
     assert names == whole
+
+
+def test_a_system_error_no_check_foresaw_is_one_line_naming_the_file(monkeypatch, capsys):
+    """An OSError a command did not turn into its own line (an I/O error, a folder this user
+    cannot search) ends the command with one line naming the file, exit 1, not a traceback."""
+    import errno
+    import os
+
+    import hybriddl.cli.info as info
+    from hybriddl.cli import main
+
+    def failing(args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), "/data/shard-3")
+
+    monkeypatch.setattr(info, "cmd_info", failing)
+    assert main(["info"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "hybriddl: error: /data/shard-3: Input/output error", err

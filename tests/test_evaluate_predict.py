@@ -206,12 +206,21 @@ def test_predict_to_stdout_writes_no_row_before_a_file_that_is_no_image(cli_here
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("case", ["no_run", "missing_image", "bad_output", "bad_batch"])
+@pytest.mark.parametrize("case", ["no_run", "missing_image", "bad_output", "output_a_folder",
+                                  "metrics_not_an_object", "bad_batch"])
 def test_other_bad_input_is_one_line(cli_here, run_dir, photos, tmp_path, case):
+    (tmp_path / "out.csv").mkdir()
+    listed = tmp_path / "listed"  # a run whose metrics.json is JSON, but not an object
+    listed.mkdir()
+    (listed / "metrics.json").write_text("[]")
     command = {
         "no_run": ["predict", str(tmp_path), str(photos)],
         "missing_image": ["predict", str(run_dir), str(tmp_path / "nowhere.png")],
         "bad_output": ["predict", str(run_dir), str(photos), "--output", str(tmp_path / "p.txt")],
+        # refused before the images are read, not after (exit 1, the work lost)
+        "output_a_folder": ["predict", str(run_dir), str(photos), "--output",
+                            str(tmp_path / "out.csv")],
+        "metrics_not_an_object": ["predict", str(listed), str(photos)],
         "bad_batch": ["evaluate", str(run_dir), "--data", str(photos), "--batch-size", "0"],
     }[case]
     one_line_refusal(cli_here(*command))

@@ -135,6 +135,8 @@ def test_partial_last_row_is_tolerated_but_a_damaged_middle_row_is_not(tmp_path)
     ("json", "is not valid JSON"),
     ("no-epochs", "no finished epoch"),
     ("csv-header", "does not start with the monitor's header"),
+    ("binary", "is not a text file"),
+    ("a-folder", "cannot read it"),
 ])
 def test_bad_run_directory_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, damage, message):
     from hybriddl.cli import main
@@ -145,6 +147,11 @@ def test_bad_run_directory_is_one_line_exit_2_and_writes_nothing(tmp_path, capsy
         (bad / METRICS).unlink()
     elif damage == "json":
         (bad / METRICS).write_text((bad / METRICS).read_text()[:40])
+    elif damage == "binary":  # a model.pt copied over it
+        (bad / METRICS).write_bytes(b"\x80\x02\xff\xfe" * 8)
+    elif damage == "a-folder":
+        (bad / METRICS).unlink()
+        (bad / METRICS).mkdir()
     elif damage == "no-epochs":
         metrics = json.loads((bad / METRICS).read_text())
         (bad / METRICS).write_text(json.dumps({**metrics, "epochs": []}))

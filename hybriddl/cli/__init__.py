@@ -82,4 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         console.print("hybriddl: interrupted", markup=False)
         return 130
+    except OSError as exc:  # a file or folder no check foresaw: one line naming it
+        where = f"{exc.filename}: " if exc.filename else ""
+        show_error("error: ", f"{where}{exc.strerror or exc}")
+        return 1
 

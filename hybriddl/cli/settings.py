@@ -7,6 +7,7 @@ contenders' into MeasureSettings. Flags left out (None) take the settings' own d
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, fields
 
 from hybriddl.compare.settings import CompareConfig, MeasureSettings
@@ -109,6 +110,8 @@ def train_flags(args: argparse.Namespace) -> TrainFlags:
                         ("--resume-if-exists", args.resume_if_exists)):
         if value is not None and not value.strip():
             raise UsageError(f"{flag} '{value}': give a directory")
+    if args.weights is not None and not args.weights.strip():  # would train from scratch
+        raise UsageError(f"--weights '{args.weights}': give a state_dict file or a weights name")
     run_dir, resume, finished = args.run_dir, args.resume, False
     if args.resume_if_exists is not None:
         # For job schedulers: --resume RUN_DIR with a checkpoint there, a new run in RUN_DIR
@@ -166,6 +169,8 @@ def connect_options(args: argparse.Namespace) -> dict:
     """`hosts_options` but the compression (which train settles with its other flags)."""
     options = {"overlap": args.overlap}
     if args.fusion_mib is not None:
+        if not 0 < args.fusion_mib < math.inf:
+            raise UsageError(f"--fusion-mib {args.fusion_mib:g}: give a positive number of MiB")
         options["bucket_bytes"] = int(args.fusion_mib * 2**20)
     if args.host_timeout is not None:
         options["timeout"] = args.host_timeout

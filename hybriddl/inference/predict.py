@@ -13,7 +13,7 @@ from typing import TextIO
 from hybriddl.errors import UsageError
 from hybriddl.inference.images import ImageReader, image_files
 from hybriddl.inference.trained import TrainedModel, batched
-from hybriddl.files import write_atomically
+from hybriddl.files import check_writable, write_atomically
 
 COLUMNS = ("file", "class", "probability")
 FORMATS = (".csv", ".json")
@@ -52,6 +52,7 @@ def output_format(path: str | Path) -> str:
         raise UsageError(f"--output {path}: name a .csv or .json file")
     if not Path(path).parent.is_dir():
         raise UsageError(f"--output {path}: folder {Path(path).parent} does not exist")
+    check_writable(path, "--output", folder=False)  # before the images are read, not after
     return suffix
 
 

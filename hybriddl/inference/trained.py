@@ -44,7 +44,8 @@ def load_trained(run_dir: str | Path) -> TrainedModel:
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such directory; give the run directory of a "
                          "finished 'hybriddl train'")
-    config = load_metrics(run_dir).get("config", {})
+    metrics = load_metrics(run_dir)
+    config = metrics.get("config", {}) if isinstance(metrics, dict) else {}
     try:
         model_name, image_size = config["model"], int(config["image_size"])
         classes = [str(name) for name in config["data"]["classes"]]
