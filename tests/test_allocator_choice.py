@@ -230,3 +230,21 @@ def test_freed_memory_is_given_back_on_every_allocator():
         assert done.returncode == 0, done.stderr
         # glibc keeps freed memory by mallopt; the others do by design and are left alone.
         assert done.stdout.split() == [name, str(name == "glibc"), "True"]
+
+
+def test_auto_measures_without_keeping_where_the_cache_folder_cannot_be_written(
+        tmp_path, two_installed, monkeypatch):
+    # XDG_CACHE_HOME under a file (or a read-only home): every command failed before.
+    (tmp_path / "a-file").write_text("")
+    timer, cache = Timer(), tmp_path / "a-file" / "hybriddl" / "allocator-h.json"
+    choice = allocator.settle("auto", timer, cache=cache)
+    assert (choice.name, choice.how, timer.calls) == ("glibc", "measured", [["tcmalloc", "glibc"]])
+    assert "kept in" not in choice.notes[0]
+    assert "not kept" in choice.notes[1] and "XDG_CACHE_HOME" in choice.notes[1]
+    # A cache file that cannot be written (a full disk) is said, and the run goes on.
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(allocator, "atomic_write_json", full)
+    choice = allocator.settle("auto", timer, cache=tmp_path / "allocator-h.json")
+    assert choice.how == "measured" and "not kept in" in choice.notes[0]
+    assert "No space left on device" in choice.notes[0]

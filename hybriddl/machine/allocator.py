@@ -276,33 +276,55 @@ def measured_choice(names: list[str], measure: Measure, path: Path,
                     on_measuring: Callable[[list[str], Path], None]) -> AllocatorChoice:
     """The cached choice when its facts still hold, else one measured now and kept. One
     process of the machine measures at a time (a lock beside the cache file); the others
-    wait for it and read its choice."""
+    wait for it and read its choice. Where the cache's folder cannot be written, the
+    choice is measured now and not kept (a note says why and what to do)."""
     facts = choice_facts(names)
     cached = _read_choice(path, facts)
     if cached:
         return AllocatorChoice(cached, "cached")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "w")
+    except OSError as exc:
+        choice = _measured_now(names, measure, path, on_measuring)
+        choice.notes.append(f"allocator: the choice is not kept ({path.parent}: "
+                            f"{exc.strerror or exc}); it is measured again at every start: "
+                            "set XDG_CACHE_HOME to a folder you can write")
+        return choice
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cached = _read_choice(path, facts)
         if cached:
             return AllocatorChoice(cached, "cached")
-        on_measuring(names, path)
-        seconds = measure(names)
-        medians = {name: sorted(s)[(len(s) - 1) // 2] for name, s in seconds.items() if s}
-        if not medians:
-            return AllocatorChoice(GLIBC, "fallback", [
-                "no allocator could be measured on this host: running on glibc's"])
-        choice = min(medians, key=medians.get)
-        missing = [name for name in names if name not in medians]
-        atomic_write_json(path, {"version": CACHE_VERSION, "host": host_name(),
-                                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                 "facts": facts, "round_seconds": seconds,
-                                 "median_seconds": medians, "choice": choice})
+        return _measured_now(names, measure, path, on_measuring, facts)
+
+
+def _measured_now(names: list[str], measure: Measure, path: Path,
+                  on_measuring: Callable[[list[str], Path], None],
+                  facts: dict | None = None) -> AllocatorChoice:
+    """The fastest of `names` measured now; kept at `path` with `facts` when facts are given."""
+    on_measuring(names, path)
+    seconds = measure(names)
+    medians = {name: sorted(s)[(len(s) - 1) // 2] for name, s in seconds.items() if s}
+    if not medians:
+        return AllocatorChoice(GLIBC, "fallback", [
+            "no allocator could be measured on this host: running on glibc's"])
+    choice = min(medians, key=medians.get)
+    missing = [name for name in names if name not in medians]
+    kept = ""
+    if facts is not None:
+        try:
+            atomic_write_json(path, {"version": CACHE_VERSION, "host": host_name(),
+                                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                     "facts": facts, "round_seconds": seconds,
+                                     "median_seconds": medians, "choice": choice})
+            kept = f"; kept in {path}"
+        except OSError as exc:  # a full disk: the run goes on, the next start measures again
+            kept = f"; not kept in {path} ({exc.strerror or exc})"
     summary = ", ".join(f"{name} {medians[name]:.3f}" for name in sorted(medians, key=medians.get))
     left_out = f"; {', '.join(missing)} failed to run, left out" if missing else ""
     return AllocatorChoice(choice, "measured", [
-        f"allocator: {choice}, the fastest here (s/step: {summary}{left_out}); kept in {path}"])
+        f"allocator: {choice}, the fastest here (s/step: {summary}{left_out}){kept}"])
 
 
 def _read_choice(path: Path, facts: dict) -> str | None:
