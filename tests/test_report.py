@@ -181,3 +181,34 @@ def test_runs_with_the_same_configuration_and_folder_name_stay_apart(tmp_path):
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| #1 run | sequential, 1 host (#1 run) |" in text
     assert "| 1.20× |" in table_row(text, "#2 run")
+
+
+@pytest.mark.parametrize("failing", ["report.md", "speedup.png"])
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_file(tmp_path, capsys, monkeypatch,
+                                                              failing):
+    from hybriddl import files
+    from hybriddl.cli import main
+
+    real_fsync = files.os.fsync
+
+    def fsync(fd):  # the disk fills while this file is written
+        if files.os.readlink(f"/proc/self/fd/{fd}").split("/")[-1].startswith(f".{failing}"):
+            raise OSError(28, "No space left on device")
+        real_fsync(fd)
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    seq = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
+    output = tmp_path / "out"
+    assert main(["report", str(seq), "--output", str(output)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert f"writing {output / failing} failed: No space left on device" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not list(output.glob(".*tmp*")) and not (output / failing).exists()
+
+
+def test_a_hand_edited_float_global_batch_is_shown_not_a_traceback(tmp_path):
+    run = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
+    metrics = json.loads((run / METRICS).read_text())
+    metrics["config"]["global_batch"] = 32.0
+    (run / METRICS).write_text(json.dumps(metrics))
+    write_report([run], tmp_path / "out")
+    assert "| 32.0 |" in table_row((tmp_path / "out" / "report.md").read_text(), "seq")

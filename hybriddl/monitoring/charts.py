@@ -13,13 +13,13 @@ Every PNG is written whole or not at all (`save_figure`).
 
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from hybriddl.files import write_atomically
 from hybriddl.monitoring.monitor import MIB
 
 BAR_COLOR = "#4C72B0"
@@ -231,14 +231,10 @@ def _wrap_label(label: str) -> str:
 
 
 def save_figure(figure: Figure, path: Path | str) -> Path:
-    """PNG written whole or not at all (a temporary file, then a rename)."""
+    """PNG written whole or not at all (files.write_atomically: a failed write is one
+    StorageError naming the file and the free space)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        figure.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomically(path, lambda handle: figure.savefig(handle, format="png", dpi=110))
     return path
 
 

@@ -9,12 +9,12 @@ rank's resource timeline (monitoring/charts.py draws them) and report.md.
 from __future__ import annotations
 
 import csv
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybriddl.errors import UsageError
+from hybriddl.files import atomic_write_bytes
 from hybriddl.monitoring.charts import (epoch_time_chart, markdown_table, resource_chart,
                                         speedup_chart, throughput_chart)
 from hybriddl.monitoring.monitor import MIB, PIDSTAT_COLUMNS, SAR_COLUMNS, sar_file
@@ -182,8 +182,8 @@ def scaling_rows(runs: list[RecordedRun]) -> tuple[list[dict], str]:
 
 
 SCALING_COLUMNS = [
-    ("run", "run", "{}"), ("label", "configuration", "{}"), ("global_batch", "global batch", "{:d}"),
-    ("image_size", "image px", "{:d}"), ("epochs", "epochs", "{:d}"),
+    ("run", "run", "{}"), ("label", "configuration", "{}"), ("global_batch", "global batch", "{}"),
+    ("image_size", "image px", "{}"), ("epochs", "epochs", "{}"),
     ("epoch_seconds", "epoch s (median)", "{:.2f}"), ("images_per_second", "images/s (median)", "{:.1f}"),
     ("speedup", "speedup", "{:.2f}×"), ("cpu_avg_pct", "CPU avg %", "{:.0f}"),
     ("cpu_peak_pct", "CPU peak %", "{:.0f}"), ("rss_peak_mib", "peak RSS MiB", "{:.0f}"),
@@ -256,8 +256,6 @@ def write_report(run_dirs: list[Path | str], output: Path | str) -> list[Path]:
         "between them).\n\n" + "\n".join(sections)
     )
     report = output / REPORT
-    tmp = report.with_name(f".{REPORT}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, report)
+    atomic_write_bytes(report, text.encode())
     written.append(report)
     return written
