@@ -200,6 +200,13 @@ OUTPUTS = {
                                     "cannot look there (File name too long)"),
     "emulate_command_missing": (["emulate", "--hosts", "1", "--", "/nonexistent/hybriddl-cmd"],
                                 "/nonexistent/hybriddl-cmd: no such command"),
+    # an empty path names the current directory: the run's, the images', the data's
+    "predict_image_empty": (["predict", "RUN", ""], "argument IMAGE_OR_DIR: invalid path"),
+    "predict_output_empty": (["predict", "RUN", "RUN", "--output", ""],
+                             "argument --output: invalid path"),
+    "evaluate_data_empty": (["evaluate", "RUN", "--data", ""], "argument --data: invalid path"),
+    "evaluate_run_dir_empty": (["evaluate", "", "--data", "RUN"], "argument RUN_DIR: invalid path"),
+    "report_run_dir_empty": (["report", ""], "argument RUN_DIR: invalid path"),
     "launch_probe_seconds_zero": (["launch", "--hostfile", "/nonexistent", "--probe-seconds", "0",
                                    "--", "train", "--run-dir", "TMP/run"],
                                   "--probe-seconds 0.0: give a positive number"),

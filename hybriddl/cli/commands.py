@@ -19,3 +19,14 @@ COMMANDS = {
     "launch": "run 'train' under mpirun, one rank per host of a hostfile; relaunch from the "
               "checkpoint on the hosts that still answer when one is lost",
 }
+
+
+def a_path(text: str) -> str:
+    """argparse's type for a file or folder argument: an empty one (`""`, an unset shell
+    variable) would name the current directory and read or write there."""
+    if not text.strip():
+        raise ValueError("empty")
+    return text
+
+
+a_path.__name__ = "path (not empty)"  # argparse's "invalid path (not empty) value: ''"

@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hybriddl.cli.commands import COMMANDS
+from hybriddl.cli.commands import COMMANDS, a_path
 from hybriddl.display import evaluation_table, files_table, out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
     evaluate = commands.add_parser("evaluate", help=COMMANDS["evaluate"])
-    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a finished run of 'train'")
-    evaluate.add_argument("--data", required=True, metavar="DIR",
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=a_path, help="a finished run of 'train'")
+    evaluate.add_argument("--data", required=True, metavar="DIR", type=a_path,
                           help="an ImageFolder (one subfolder per class) whose class names are "
                                "the run's")
-    evaluate.add_argument("--output", metavar="DIR",
+    evaluate.add_argument("--output", metavar="DIR", type=a_path,
                           help="folder for evaluation.json and confusion_matrix.png "
                                "(default: RUN_DIR/evaluation)")
     evaluate.add_argument("--batch-size", type=int, default=32,

@@ -6,16 +6,16 @@ import argparse
 import os
 import sys
 
-from hybriddl.cli.commands import COMMANDS
+from hybriddl.cli.commands import COMMANDS, a_path
 from hybriddl.display import out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
     predict = commands.add_parser("predict", help=COMMANDS["predict"])
-    predict.add_argument("run_dir", metavar="RUN_DIR", help="a finished run of 'train'")
-    predict.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR",
+    predict.add_argument("run_dir", metavar="RUN_DIR", type=a_path, help="a finished run of 'train'")
+    predict.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR", type=a_path,
                          help="image files, or folders searched for image files")
-    predict.add_argument("--output", metavar="FILE",
+    predict.add_argument("--output", metavar="FILE", type=a_path,
                          help="write to FILE instead, CSV or JSON by its extension")
     predict.add_argument("--batch-size", type=int, default=32,
                          help="images per forward pass (default: 32)")

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from hybriddl.cli.commands import COMMANDS
+from hybriddl.cli.commands import COMMANDS, a_path
 from hybriddl.display import files_table, out
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
     report = commands.add_parser("report", help=COMMANDS["report"])
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories made by 'train'")
-    report.add_argument("--output", default="report", help="folder for the charts and report.md "
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=a_path,
+                        help="run directories made by 'train'")
+    report.add_argument("--output", default="report", type=a_path, help="folder for the charts and report.md "
                         "(default: ./report)")
     report.set_defaults(handler=cmd_report)
     return report
