@@ -204,3 +204,17 @@ def test_named_weights_that_cannot_be_used_are_one_line(cli_here, photos, offlin
     line = one_line_refusal(done)
     assert words in line and value in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_scalar_that_differs_in_shape_is_named_not_an_index_error():
+    import torch
+
+    from hybriddl.run.weights import replaced_head
+
+    own = {"bn.num_batches_tracked": torch.tensor(0), "fc.weight": torch.zeros(2, 4)}
+    state = {"bn.num_batches_tracked": torch.zeros(1), "fc.weight": torch.zeros(2, 4)}
+    assert replaced_head(["bn.num_batches_tracked"], own, state, 2) is None
+    assert replaced_head(["bn.num_batches_tracked"], state, own, 1) is None
+    state = {"fc.weight": torch.zeros(5, 4), "fc.bias": torch.zeros(5)}
+    own = {"fc.weight": torch.zeros(2, 4), "fc.bias": torch.zeros(2)}
+    assert replaced_head(["fc.bias", "fc.weight"], own, state, 2) == "fc"

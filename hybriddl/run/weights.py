@@ -147,7 +147,8 @@ def replaced_head(different: list[str], own: dict, state: dict, num_classes: int
     if len(layers) != 1:
         return None
     return layers.pop() if all(
-        own[name].shape[0] == num_classes and state[name].shape[1:] == own[name].shape[1:]
+        own[name].dim() > 0 and state[name].dim() > 0  # a scalar has no class count
+        and own[name].shape[0] == num_classes and state[name].shape[1:] == own[name].shape[1:]
         for name in different) else None
 
 
