@@ -8,6 +8,7 @@ when interrupted or killed. Needs root and iproute2; skipped (saying so) otherwi
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -321,6 +322,28 @@ def test_hosts_taking_turns_are_never_left_frozen_when_the_turns_fail():
     assert not slicer.is_alive() and "Device or resource busy" in slicer.failure
     assert [group.calls[-1] for group in groups] == [False, False]  # both running
 
+
+
+def test_stopping_an_mpirun_whose_rank_outlives_it_does_not_wait_for_the_rank():
+    """A killed mpirun's rank that lives on holds the pipes: reading them to their end
+    waited for the rank (for ever, on a frozen host)."""
+    import time
+
+    from hybriddl.emulation.hosts import stop
+
+    # The stand-in for mpirun ignores SIGTERM; its child, the rank, keeps its stdout.
+    process = subprocess.Popen(["sh", "-c", "trap '' TERM; echo started; sleep 60 & wait"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        assert process.stdout.readline() == b"started\n"
+        started = time.monotonic()
+        stop(process, grace=0.5)
+        assert time.monotonic() - started < 10
+        assert process.returncode == -signal.SIGKILL and process.stdout.closed
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the rank, left to the teardown
+            os.killpg(process.pid, signal.SIGKILL)
 
 # ---------------------------------------------------------------------- time scale
 def test_time_scale_is_hosts_times_cores_over_the_machines_cores():

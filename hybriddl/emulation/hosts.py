@@ -926,14 +926,22 @@ _AGENT_LINK_CHECK = (
 
 
 def stop(process: subprocess.Popen, grace: float = 10) -> None:
-    """End an mpirun we started: SIGTERM first (mpirun then ends its ranks), then SIGKILL."""
+    """End an mpirun we started: SIGTERM first (mpirun then ends its ranks), then SIGKILL.
+    What it printed is read for at most `grace` more seconds: a rank that outlives a killed
+    mpirun holds its pipes open (the hosts' teardown ends it)."""
     if process.poll() is None:
         process.terminate()
         try:
             process.communicate(timeout=grace)
         except subprocess.TimeoutExpired:
             process.kill()
-    process.communicate()
+    try:
+        process.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.wait()  # killed: reaped at once
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def _main_thread() -> bool:
