@@ -272,6 +272,16 @@ def test_bad_rates_and_missing_commands_are_one_line_and_exit_2(cli_here):
         assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
 
 
+def test_a_rank_count_of_zero_is_refused_before_a_host_is_made(monkeypatch, capsys):
+    from hybriddl.cli import main
+    from hybriddl.emulation import hosts
+
+    made = []
+    monkeypatch.setattr(hosts, "EmulatedHosts", lambda **how: made.append(how))
+    assert main(["emulate", "--hosts", "2", "--ranks-per-host", "0", "--", "true"]) == 2
+    assert made == [] and "--ranks-per-host 0: give at least 1" in capsys.readouterr().err
+
+
 def test_a_host_group_that_will_not_go_leaves_the_rest_of_the_teardown_done(tmp_path, monkeypatch):
     """One cgroup that cannot be removed (busy past its tries) is named, after the other
     hosts' groups and the hosts' files are gone: the teardown is not cut short by it."""

@@ -114,6 +114,8 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     elif shutil.which(command[0]) is None:  # not mpirun's banner on every host
         raise UsageError(f"{command[0]}: no such command; give a program on PATH or its path "
                          "after '--'")
+    if args.ranks_per_host < 1:  # before a host step is measured or a host is made
+        raise UsageError(f"--ranks-per-host {args.ranks_per_host}: give at least 1")
     speed = _speed_flags(args)
     report = Path(args.report) if args.report else None
     if report and not report.parent.is_dir():
