@@ -244,3 +244,14 @@ def test_a_16_bit_image_reads_in_use_as_in_training(tmp_path):
     trained_on = square_scaler(32)(open_rgb(path)[0])
     assert torch.equal(seen, trained_on)
     assert 100 < float(seen.float().mean()) < 155  # a ramp from black to white, not white
+
+
+def test_a_data_folder_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    from hybriddl.errors import UsageError
+    from hybriddl.inference import evaluate
+
+    def unreadable(root):  # what a folder of another user's, mode 0700, gives (root reads all)
+        raise PermissionError(13, "Permission denied", str(root))
+    monkeypatch.setattr(evaluate, "find_classes", unreadable)
+    with pytest.raises(UsageError, match="--data .*: cannot read it \\(Permission denied\\)"):
+        evaluate.labelled_images(tmp_path, ["a", "b"])

@@ -56,6 +56,9 @@ def labelled_images(folder: str | Path, classes: list[str]) -> tuple[str, list[t
     except FileNotFoundError:
         raise UsageError(f"--data {folder}: no class subfolders; put the images of each class "
                          f"in a subfolder named as the run's classes ({', '.join(classes)})") from None
+    except OSError as exc:  # a folder this user cannot read
+        raise UsageError(f"--data {folder}: cannot read it ({exc.strerror or exc}); give a "
+                         "folder you can read") from None
     unknown = [name for name in found if name not in classes]
     if unknown:
         raise UsageError(f"--data {folder}: classes {', '.join(unknown)} are not the run's "
