@@ -8,6 +8,8 @@ free when it is unset (one dictionary lookup where a point sits).
   set-up), as a host whose start hangs;
 - `stall-heartbeat=R`: host R answers the others' roll call, then never comes to the
   heartbeat's set-up (its addresses exchanged between hosts): a host that hangs in between;
+- `die-data=R`: host R's process is killed (SIGKILL) once its data is loaded, before the
+  hosts agree that every host's data is ready: a host lost during the run's set-up;
 - `stall-exchange=R@N`: host R stops entering exchanges after its step N, while its
   heartbeat goes on beating: a host alive that no longer takes part;
 - `drift=R@N`: after step N, host R adds one unit in the last place to the first element
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 
@@ -39,6 +42,7 @@ VARIABLE = "HYBRIDDL_FAILPOINTS"
 # name -> (pattern of its value, an example)
 POINTS = {"stall-start": (r"(\d+)", "stall-start=1"),
           "stall-heartbeat": (r"(\d+)", "stall-heartbeat=1"),
+          "die-data": (r"(\d+)", "die-data=1"),
           "stall-exchange": (r"(\d+)@(\d+)", "stall-exchange=1@3"),
           "drift": (r"(\d+)@(\d+)", "drift=1@2"),
           "busy": (r"(\d+)@(\d+):(\d+)", "busy=1@2:30"),
@@ -112,6 +116,11 @@ def hold_the_gil(seconds: int) -> None:
     other thread of this process waits, the heartbeat's among them."""
     import ctypes
     ctypes.PyDLL(None).sleep(ctypes.c_uint(seconds))
+
+
+def die() -> None:
+    """This process is killed, as by the kernel's OOM killer: nothing of it runs after."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def stall_for_ever() -> None:

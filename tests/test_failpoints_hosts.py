@@ -74,6 +74,20 @@ def test_a_host_that_hangs_after_the_roll_call_is_not_waited_for_for_ever(images
     assert time.monotonic() - started < 90
 
 
+def test_a_host_lost_while_the_hosts_agree_on_the_data_is_named_by_the_other(images, tmp_path):
+    """The agreement after each host's data (a stop in one host's cache build ends every
+    host) waits like every exchange of the set-up: a host that died there is named."""
+    started = time.monotonic()
+    done = two_ranks(*TRAIN, "--data", str(images), "--run-dir", str(tmp_path / "run"),
+                     faults="die-data=1", timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert re.search(r"rank 1 on host \S+ failed while exchanging settings", output), \
+        output[-3000:]
+    assert time.monotonic() - started < 90
+    assert not (tmp_path / "run" / MODEL).exists()
+
+
 @pytest.mark.beside
 def test_a_rank_holding_the_gil_for_30_s_is_not_named_lost(images, tmp_path):
     """No thread of rank 1 runs for 30 s (twice the 15 s of silence that names a host

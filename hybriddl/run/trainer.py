@@ -163,6 +163,8 @@ def _data_on_every_host(config: TrainConfig, observer, hosts, stop: StopRequest 
                           strict=config.strict_data)
     except CacheBuildInterrupted as exc:
         interrupted = exc
+    if failpoints.fires("die-data", hosts.rank):
+        failpoints.die()
     signums = hosts.allgather(int(interrupted.signum) if interrupted else 0)
     if interrupted:
         raise interrupted
