@@ -242,9 +242,12 @@ def test_auto_measures_without_keeping_where_the_cache_folder_cannot_be_written(
     assert "kept in" not in choice.notes[0]
     assert "not kept" in choice.notes[1] and "XDG_CACHE_HOME" in choice.notes[1]
     # A cache file that cannot be written (a full disk) is said, and the run goes on.
-    def full(path, data):
+    from hybriddl import files
+
+    def full(fd):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(allocator, "atomic_write_json", full)
+    monkeypatch.setattr(files.os, "fsync", full)
     choice = allocator.settle("auto", timer, cache=tmp_path / "allocator-h.json")
-    assert choice.how == "measured" and "not kept in" in choice.notes[0]
+    assert choice.how == "measured" and "not kept (writing" in choice.notes[0]
     assert "No space left on device" in choice.notes[0]
+    assert list(tmp_path.glob("*allocator-h.json*")) == [tmp_path / "allocator-h.json.lock"]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from hybriddl.errors import UsageError
+from hybriddl.errors import StorageError, UsageError
 from hybriddl.files import atomic_write_json, user_cache_dir
 from hybriddl.machine.hostinfo import cpu_model, usable_cores
 from hybriddl.machine.naming import host_name
@@ -319,8 +319,8 @@ def _measured_now(names: list[str], measure: Measure, path: Path,
                                      "facts": facts, "round_seconds": seconds,
                                      "median_seconds": medians, "choice": choice})
             kept = f"; kept in {path}"
-        except OSError as exc:  # a full disk: the run goes on, the next start measures again
-            kept = f"; not kept in {path} ({exc.strerror or exc})"
+        except StorageError as exc:  # a full disk: the run goes on, the next start measures again
+            kept = f"; not kept ({exc})"
     summary = ", ".join(f"{name} {medians[name]:.3f}" for name in sorted(medians, key=medians.get))
     left_out = f"; {', '.join(missing)} failed to run, left out" if missing else ""
     return AllocatorChoice(choice, "measured", [
