@@ -209,12 +209,13 @@ def test_wrong_schema_version_is_a_clear_problem(tmp_path):
     lambda r: r["candidates"][0].update(status="maybe"),
     lambda r: r["candidates"][0].update(seconds_per_step=None),
     lambda r: r.update(pick={"name": "threads", "workers": 2}),  # dropped, so not a pick
+    lambda r: r["candidates"][0].update(timed_steps=float("inf")),  # Infinity, hand-edited
 ])
 def test_damaged_profile_is_a_clear_problem(tmp_path, damage):
     path = save_profile(a_profile(), profile_path(tmp_path, SETTINGS, host="node1"))
     record = json.loads(path.read_text())
     damage(record)
-    path.write_text(json.dumps(record))
+    path.write_text(json.dumps(record))  # Infinity as Python's json writes and reads it
     with pytest.raises(ProfileError, match="hybriddl tune"):
         load_profile(path)
     assert not lookup(tmp_path).usable

@@ -250,7 +250,7 @@ class Profile:
                           measurement=dict(record.get("measurement") or {}),
                           created=str(record.get("created", "")),
                           hybriddl=str(record.get("hybriddl", "")))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # int(Infinity)
             raise ProfileError(f"{source} is damaged ({type(exc).__name__}: {exc}): "
                                "run 'hybriddl tune' to write a new one") from None
         profile.pick_result  # a pick that names no measured candidate is damage too
