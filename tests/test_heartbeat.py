@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -263,6 +264,26 @@ def test_where_the_beats_process_ends_the_heartbeats_thread_beats_again():
         assert ranks.beats[0].lost() == {} and ranks.beats[1].sender is None
     finally:
         ranks.close()
+
+
+def test_the_beats_process_outlasts_a_schedulers_sigterm_to_the_process_group():
+    """scancel signals every process of the job: the rank stops with its hosts, beating."""
+    import signal
+
+    def ignored() -> int:
+        status = Path(f"/proc/{sender._process.pid}/status").read_text()
+        return int(status.split("SigIgn:")[1].split()[0], 16)
+
+    sender = BeatSender.start(0.1)
+    try:
+        wait_until(lambda: ignored() & 1 << (signal.SIGINT - 1), 10)  # its handlers are set
+        sender._process.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            sender._process.wait(timeout=1)  # a process that does not ignore it ends at once
+        assert sender.running
+    finally:
+        sender.close()
+    assert not sender.running
 
 
 def test_the_beats_process_tells_a_stopped_rank_from_a_running_one():

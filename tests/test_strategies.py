@@ -424,3 +424,30 @@ def test_processes_refuse_a_too_small_shared_memory(monkeypatch, tmp_path):
         with pytest.raises(UsageError, match="shared memory"):
             local.setup(slim_model("alexnet"))
     assert child_pids() == before
+
+
+def test_processes_workers_outlast_a_schedulers_sigterm_and_name_their_failures(tmp_path):
+    """scancel and a SLURM time limit signal the whole process group: the master stops at
+    the step's end and ends its workers, which must live that long. A worker's failure
+    is one line; a worker killed between steps is named, not a broken pipe."""
+    model = slim_model("alexnet")
+    x, y = batches("alexnet")[0]
+    def keys():
+        return dropout_keys(sample_keys(7, 0, torch.arange(len(y))))
+    with make_strategy("processes", StrategyOptions(workers=3, oversubscribe=True)) as local:
+        local.setup(model)
+        first, second = local.processes
+        os.kill(first.pid, signal.SIGTERM)
+        first.join(timeout=2)  # it is not to end: a dead worker ends at once
+        assert first.is_alive()
+        with keys():
+            assert local.compute_gradients(x, y).samples == len(y)
+        local.connections[0].send(("step", 0, 1, 1, ["not a key"]))  # its own error
+        failure = local._reply(1, "done")
+        assert isinstance(failure, TrainingError) and "\n" not in str(failure)
+        assert str(failure).startswith("local worker process 1 failed: ValueError: "), failure
+        second.kill()
+        second.join(timeout=30)
+        with keys(), pytest.raises(TrainingError,
+                                 match=r"local worker process 2 died \(exit code -9\)"):
+            local.compute_gradients(x, y)

@@ -154,8 +154,11 @@ def run(control: socket.socket, interval: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    # Ctrl-C goes to the whole process group: the rank handles it, and ends this.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and a scheduler's SIGTERM or SIGUSR1 (scancel, a time limit), go to the whole
+    # process group: the rank handles them, stops with the other hosts, and ends this. Its
+    # beats go on meanwhile, or the others would name it lost while it stops.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     control = socket.socket(fileno=int(argv[0]))
     run(control, float(argv[1]))
 

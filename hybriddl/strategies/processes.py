@@ -91,8 +91,7 @@ class Processes(CoreWorkersStrategy):
             a, b = parts[rank]
             keys = current_keys(a, b)
             # Plain ints: a pickled tensor would travel through yet another shared segment.
-            self.connections[rank - 1].send(("step", a, b, n,
-                                             None if keys is None else keys.tolist()))
+            self._send(rank, ("step", a, b, n, None if keys is None else keys.tolist()))
         set_torch_threads(1)
         try:
             a, b = parts[0]
@@ -119,22 +118,32 @@ class Processes(CoreWorkersStrategy):
                 and len(self.inputs[0]) >= len(x) and self.inputs[0].dtype == x.dtype)
         if not fits:
             self.inputs = (torch.empty_like(x).share_memory_(), torch.empty_like(y).share_memory_())
-            for connection in self.connections:
-                connection.send(("inputs", *self.inputs))
+            for rank in range(1, len(self.connections) + 1):
+                self._send(rank, ("inputs", *self.inputs))
         self.inputs[0][:len(x)].copy_(x)
         self.inputs[1][:len(y)].copy_(y)
+
+    def _send(self, rank: int, message: tuple) -> None:
+        """`message` to worker `rank`, or the TrainingError that says it died."""
+        try:
+            self.connections[rank - 1].send(message)
+        except OSError:  # a broken pipe: the OOM killer took it between steps
+            raise self._died(rank) from None
+
+    def _died(self, rank: int) -> TrainingError:
+        process = self.processes[rank - 1]
+        process.join(timeout=1.0)
+        return TrainingError(f"local worker process {rank} died (exit code "
+                             f"{process.exitcode}): see its error above")
 
     def _reply(self, rank: int, what: str):
         """The worker's answer, or the TrainingError that says why there is none."""
         try:
             reply = self.connections[rank - 1].recv()
         except (EOFError, OSError):
-            process = self.processes[rank - 1]
-            process.join(timeout=1.0)
-            return TrainingError(f"local worker process {rank} died (exit code "
-                                 f"{process.exitcode}): see its error above")
+            return self._died(rank)
         if reply[0] == "error":
-            return TrainingError(f"local worker process {rank} failed:\n{reply[1]}")
+            return TrainingError(f"local worker process {rank} failed: {reply[1]}")
         assert reply[0] == what, reply
         return reply[1] if len(reply) > 1 else None
 
@@ -147,10 +156,7 @@ class Processes(CoreWorkersStrategy):
         for process in self.processes:
             process.join(timeout=1.0)
             if process.is_alive():  # still inside a step: its work is of no use any more
-                process.terminate()
-                process.join(timeout=5.0)
-            if process.is_alive():
-                process.kill()
+                process.kill()  # (it ignores SIGTERM, see _worker_main)
                 process.join()
         for connection in self.connections:
             connection.close()
@@ -188,9 +194,15 @@ def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
     return views
 
 
+WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
 def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, options) -> None:
     """One local worker process: wait for a sub-batch, leave its gradient in grad_buffer."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the master, which stops us
+    # Ctrl-C, and a scheduler's SIGTERM or SIGUSR1 to the whole process group (scancel, a
+    # time limit), reach the master too: it stops at the step's end and then stops us.
+    for signum in WORKER_IGNORES:
+        signal.signal(signum, signal.SIG_IGN)
     set_torch_threads(1)
     keep_freed_memory()
     for p, g in zip(_trained(model), _views(grad_buffer, model)):
@@ -212,7 +224,8 @@ def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, option
                     model, inputs[0][a:b], inputs[1][a:b], n, options,
                     None if keys is None else torch.tensor(keys, dtype=torch.int64))
                 connection.send(("done", loss_sum))
-            except Exception:
-                connection.send(("error", traceback.format_exc()))
+            except Exception as exc:
+                traceback.print_exc()  # the whole of it on the terminal; one line to the master
+                connection.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0]))
     except (EOFError, OSError):
         return  # the master is gone
