@@ -65,11 +65,11 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         fsync_directory(path.parent)
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C in a long write (predict's) leaves no file either
         with contextlib.suppress(OSError):  # on a read-only file system even a no-op fails
             tmp.unlink(missing_ok=True)
-        if isinstance(exc, UsageError):  # the content's own fault (an unreadable image)
-            raise
+        if isinstance(exc, UsageError) or not isinstance(exc, Exception):
+            raise  # the content's own fault (an unreadable image), or an interruption
         cause = os_error(exc)
         if cause is None:
             raise

@@ -366,3 +366,19 @@ def test_resume_with_more_max_steps_continues_inside_the_cut_epoch(images, tmp_p
     assert max_abs_difference(final_parameters(run_dir),
                               final_parameters(uninterrupted(0.0))) <= 1e-6
 
+
+
+def test_an_interruption_inside_an_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """Ctrl-C during `predict --output`'s write (the whole prediction runs inside it)."""
+    from hybriddl.files import atomic_write_bytes, write_atomically
+
+    path = tmp_path / "predictions.csv"
+    atomic_write_bytes(path, b"old\n")
+
+    def interrupted(handle):
+        handle.write(b"half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(path, interrupted)
+    assert [p.name for p in tmp_path.iterdir()] == ["predictions.csv"]
+    assert path.read_bytes() == b"old\n"
