@@ -200,6 +200,8 @@ OUTPUTS = {
                                     "cannot look there (File name too long)"),
     "emulate_command_missing": (["emulate", "--hosts", "1", "--", "/nonexistent/hybriddl-cmd"],
                                 "/nonexistent/hybriddl-cmd: no such command"),
+    "evaluate_output": (["evaluate", "RUN", "--data", "RUN", "--output", "/proc/hybriddl-x"],
+                        "--output /proc/hybriddl-x: cannot write in /proc"),
     # an empty path names the current directory: the run's, the images', the data's
     "predict_image_empty": (["predict", "RUN", ""], "argument IMAGE_OR_DIR: invalid path"),
     "predict_output_empty": (["predict", "RUN", "RUN", "--output", ""],

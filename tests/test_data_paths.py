@@ -78,3 +78,17 @@ def test_train_with_a_relative_data_folder(cli, tmp_path):
     assert "Traceback" not in done.stderr
     source = json.loads((tmp_path / "run" / METRICS).read_text())["config"]["data"]["source"]
     assert source == f"imagefolder:{(tmp_path / 'photos').resolve()}"
+
+
+def test_a_symbolic_link_loop_is_one_line_for_train_and_evaluate(cli_here, tmp_path):
+    from hybriddl.errors import UsageError
+    from hybriddl.inference.evaluate import labelled_images
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    done = cli_here("train", "--data", str(loop), "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert f"--data {loop}: cannot follow it" in done.stderr
+    with pytest.raises(UsageError, match="cannot follow it"):
+        labelled_images(loop, ["a", "b"])  # evaluate's, once the run's model is read

@@ -26,11 +26,15 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from hybriddl.inference.evaluate import evaluate, save_evaluation
+    from hybriddl.files import check_writable
     from hybriddl.inference.trained import load_trained
 
+    output = args.output or Path(args.run_dir) / "evaluation"
+    if Path(args.run_dir).is_dir():  # (a missing run is named first, by load_trained)
+        check_writable(output, "--output")  # before the whole evaluation
     trained = load_trained(args.run_dir)
     evaluation = evaluate(trained, args.data, args.batch_size)
-    written = save_evaluation(evaluation, args.output or Path(args.run_dir) / "evaluation")
+    written = save_evaluation(evaluation, output)
     out.print(f"accuracy [bold]{evaluation.accuracy:.3f}[/] of {evaluation.model} on "
               f"{evaluation.images} images of {evaluation.data}", highlight=False)
     out.print(evaluation_table(evaluation))

@@ -63,7 +63,10 @@ def local_folder(text: str) -> str:
     """A folder given on the command line, in the one spelling the data layer uses."""
     if not text:
         return text  # left as given, so the error names what was typed
-    return str(Path(text).expanduser().resolve())
+    try:
+        return str(Path(text).expanduser().resolve())
+    except (RuntimeError, OSError) as exc:  # a symbolic link loop (RuntimeError before 3.13)
+        raise UsageError(f"--data {text}: cannot follow it ({exc}); give a folder") from None
 
 
 # --------------------------------------------------------------------------- streamed splits
