@@ -389,7 +389,10 @@ def test_compare_refuses_a_powersgd_rank_below_1_and_fp16_twice(cli_here, tmp_pa
     for args, says in ((["--contenders", "ddp-powersgd", "--powersgd-rank", "0"],
                         "--powersgd-rank 0: give a rank of 1 or more"),
                        (["--contenders", "ddp,ddp-fp16", "--fp16-allreduce"],
-                        "ddp-fp16 name their own")):
+                        "ddp-fp16 name their own"),
+                       # (the second hybrid's folder was refused after the first one ran)
+                       (["--contenders", "hybrid,ddp,hybrid"],
+                        "hybrid given twice; name each contender once")):
         done = cli_here("compare", *SMALL, "--output", str(output), *args)
         assert done.returncode == 2 and says in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1

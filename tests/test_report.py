@@ -212,3 +212,11 @@ def test_a_hand_edited_float_global_batch_is_shown_not_a_traceback(tmp_path):
     (run / METRICS).write_text(json.dumps(metrics))
     write_report([run], tmp_path / "out")
     assert "| 32.0 |" in table_row((tmp_path / "out" / "report.md").read_text(), "seq")
+
+
+def test_a_monitor_file_with_a_field_past_the_csv_limit_is_damage_not_a_traceback(tmp_path):
+    run = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
+    with open(run / "rank0-sar.csv", "a") as handle:
+        handle.write("\0" * 200_000 + "\n")  # a crash's tail of NULs
+    with pytest.raises(UsageError, match="rank0-sar.csv .*the run directory is damaged"):
+        write_report([run], tmp_path / "out")

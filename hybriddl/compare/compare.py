@@ -91,6 +91,10 @@ def prepare(config: CompareConfig, observer=None) -> tuple[CompareConfig, Path]:
     if unknown or not config.contenders:
         raise UsageError(f"--contenders {','.join(config.contenders)}: choose among "
                          f"{', '.join(KNOWN)}")
+    repeated = sorted({name for name in config.contenders if config.contenders.count(name) > 1})
+    if repeated:
+        raise UsageError(f"--contenders {','.join(config.contenders)}: {', '.join(repeated)} "
+                         "given twice; name each contender once")
     if config.powersgd_rank < 1:
         raise UsageError(f"--powersgd-rank {config.powersgd_rank}: give a rank of 1 or more")
     compressed = [name for name in config.contenders if KNOWN[name].compression != EXACT]

@@ -101,7 +101,7 @@ def read_samples(path: Path, columns: tuple[str, ...]) -> list[dict]:
     try:
         with open(path, newline="") as handle:
             rows = list(csv.reader(handle))
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:  # csv: a field of NULs past its limit
         raise UsageError(f"cannot read {path} ({exc}): the run directory is damaged") from None
     if not rows or tuple(rows[0]) != columns:
         raise UsageError(f"{path} does not start with the monitor's header: the run directory "
