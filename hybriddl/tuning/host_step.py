@@ -13,8 +13,9 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from hybriddl.strategies import IntraOp, StrategyOptions, StrategySpec
-from hybriddl.tuning.benchmark import measure_strategy, sample_batch
+from hybriddl.tuning.benchmark import measure_strategy, sample_batch, timing_model
 from hybriddl.tuning.tuner import embedded_images, tune_settings
+from hybriddl.usecases import check_image_size
 
 # Enough to see the spread of a step without spending the time of a run: the first step
 # (allocations, oneDNN's kernel choices) untimed.
@@ -57,6 +58,9 @@ def measure_host_step(usecase: str, cores: int, *, model: str | None = None,
     compute is assumed to scale with cores, as the emulated hosts assume."""
     settings = tune_settings(usecase, model, image_size, batch_size)
     images = embedded_images(settings)
+    # An image too small for the model is one line here, as in tune, not torch's error.
+    check_image_size(timing_model(settings.model, len(images.classes)), settings.image_size,
+                     len(images.classes))
     threads = min(cores, len(os.sched_getaffinity(0)))
     x, y = sample_batch(images, settings.batch_size, settings.image_size)
     timing = measure_strategy(IntraOp.name, StrategyOptions(workers=threads,
