@@ -460,3 +460,49 @@ def test_the_ddp_peer_refuses_a_min_compression_rate_without_its_hook_or_below_1
     assert stop.value.code == 2
     assert "--powersgd-min-rate" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_failed_contender_keeps_what_the_contenders_before_it_measured(tmp_path, monkeypatch):
+    """A comparison of hours whose last contender fails (OOM) wrote nothing, and the same
+    --output was refused after: every contender had to run again."""
+    from hybriddl.compare import compare
+    from hybriddl.compare.settings import CompareConfig, MeasureSettings
+    from hybriddl.errors import TrainingError
+
+    class Hosts:  # the emulated hosts, not needed here: the contenders are stand-ins
+        names, notes = ["h0", "h1"], []
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def run(contender, log):
+        if contender.name == "ddp":
+            raise TrainingError("the ddp contender failed (exit 137): Killed (full log: x)")
+
+    records = [{"timed_steps": 1, "step_seconds": [0.5], "gradient_bytes": 1000, "host": host,
+                "nic_bytes_sent": 100, "comm_bytes": 50, "peak_rss_bytes": 1,
+                "strategy": {"name": "sequential"}, "host_parallel": {"scheme": "data"}}
+               for host in ("h0", "h1")]
+    monkeypatch.setattr(compare, "EmulatedHosts", Hosts)
+    monkeypatch.setattr(compare, "plan", lambda config, cluster, root, name:
+                        compare.Contender(name, 2, ["x"], "ring"))
+    monkeypatch.setattr(compare, "run_contender", run)
+    monkeypatch.setattr(compare, "read_rank_results", lambda folder, ranks: records)
+    config = CompareConfig(MeasureSettings(batch_size=8), hosts=2, workers_per_host=1,
+                           contenders=("data", "ddp", "hybrid"))
+    output = tmp_path / "out"
+    with pytest.raises(TrainingError, match=r"the ddp contender failed \(exit 137\): Killed .*; "
+                                            r"what the 1 contender\(s\) before it measured is "
+                                            r"written to .*comparison.json"):
+        compare.run_comparison(config, output)
+    written = json.loads((output / RESULT).read_text())
+    assert [row["name"] for row in written["contenders"]] == ["data"]
+    assert written["unfinished"]["contender"] == "ddp"
+    assert "unfinished: the ddp contender failed (exit 137): Killed (full log: x); the " \
+        "contenders after ddp did not run" in (output / REPORT).read_text()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hybriddl.compare.outputs import write_outputs
+from hybriddl.compare.outputs import RESULT, write_outputs
 from hybriddl.compare.settings import (FLAT_MPI, FLAT_RING, FP16, KNOWN, POWERSGD, CompareConfig,
                                        ContenderKind)
 from hybriddl.compare.stepmeter import HOST_NIC, read_rank_results
@@ -218,7 +218,9 @@ def hybrid_scheme(local_strategy: str) -> str:
 def run_comparison(config: CompareConfig, output: Path,
                    on_contender: Callable[[Contender], None] = lambda c: None) -> dict:
     """Run every contender one after the other on the same emulated hosts; returns the
-    comparison (also written)."""
+    comparison (also written). Where one fails, the contenders that finished before it are
+    written, the comparison naming it unfinished, and its TrainingError is raised."""
+    failure = None
     with EmulatedHosts(config.hosts, bandwidth=config.bandwidth,
                        latency=config.latency) as cluster:
         result_root = output / "contenders"
@@ -229,10 +231,16 @@ def run_comparison(config: CompareConfig, output: Path,
             on_contender(contender)
             (result_root / contender.name).mkdir(parents=True)
             logs.mkdir(parents=True, exist_ok=True)
-            run_contender(contender, logs / f"{contender.name}.log")
-            records = read_rank_results(result_root / contender.name, contender.ranks)
+            try:
+                run_contender(contender, logs / f"{contender.name}.log")
+                records = read_rank_results(result_root / contender.name, contender.ranks)
+            except TrainingError as exc:
+                failure = {"contender": name, "error": str(exc)}
+                break
             results.append(summarize(contender, records, config, cluster.names))
         notes = list(cluster.notes)
+    if failure is not None and not results:
+        raise TrainingError(failure["error"])
     comparison = {
         "config": {**asdict(config.settings), "hosts": config.hosts,
                    "workers_per_host": config.workers_per_host,
@@ -245,8 +253,12 @@ def run_comparison(config: CompareConfig, output: Path,
                     "oversubscribed": config.workers > len(os.sched_getaffinity(0)),
                     "emulation_notes": notes},
         "contenders": with_ratios(results),
+        "unfinished": failure,  # the contender that failed, or None
     }
     write_outputs(comparison, output)
+    if failure is not None:
+        raise TrainingError(f"{failure['error']}; what the {len(results)} contender(s) before "
+                            f"it measured is written to {output / RESULT}")
     return comparison
 
 

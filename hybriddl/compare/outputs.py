@@ -60,6 +60,9 @@ def notes(comparison: dict) -> list[str]:
              "tensors)"]
     lines += [f"{c['name']}: {c['note']}" for c in comparison["contenders"] if c.get("note")]
     lines += machine.get("emulation_notes", [])
+    if unfinished := comparison.get("unfinished"):
+        lines.append(f"unfinished: {unfinished['error']}; the contenders after "
+                     f"{unfinished['contender']} did not run")
     if machine["oversubscribed"]:
         lines.append(f"oversubscribed: {machine['workers']} workers on "
                      f"{machine['usable_cores']} cores, so speeds are not those of separate hosts")
