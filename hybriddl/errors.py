@@ -24,13 +24,25 @@ class TrainingInterrupted(Exception):
 
     def __init__(self, run_dir, signum: int, epoch: int, step: int):
         self.run_dir, self.signum, self.epoch, self.step = run_dir, signum, epoch, step
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        super().__init__(f"stopped by {name} at epoch {epoch + 1}, step {step}; checkpoint "
-                         f"written; continue with: hybriddl train --resume {run_dir}")
+        super().__init__(f"stopped by {signal_name(signum)} at epoch {epoch + 1}, step {step}; "
+                         f"checkpoint written; continue with: hybriddl train --resume {run_dir}")
+
+    @classmethod
+    def saying(cls, signum: int, message: str):
+        """A stop with `message` of its own (a stop before the run's first step: nothing
+        to resume, so no checkpoint to name)."""
+        stopped = cls.__new__(cls)
+        Exception.__init__(stopped, message)
+        stopped.signum = signum
+        return stopped
 
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

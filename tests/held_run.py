@@ -12,6 +12,7 @@ As a script (`python held_run.py PAUSED GO N WHERE hybriddl-args...`) it runs
   any-step      the same, at the trainer's optimizer step, whatever the strategy;
   prepare       before the run is prepared (data loaded, strategy picked), as a host
                 building a data cache or tuning is.
+  tune          before a visit of `--strategy auto`'s tune (the N-th candidate measured).
 So a test signals or kills a run at a known step without sleeping or timing anything.
 The parent side is `Held`.
 """
@@ -150,6 +151,9 @@ def _main(argv: list[str]) -> int:
     elif where == "prepare":
         import hybriddl.run.trainer
         _hold_at_call(hybriddl.run.trainer, "prepare", pause_at, hold)
+    elif where == "tune":
+        import hybriddl.tuning.tuner
+        _hold_at_call(hybriddl.tuning.tuner, "_visit_one", pause_at, hold)
     elif where == "step":
         _hold_at_call(hybriddl.strategies.sequential.Sequential, "compute_gradients", pause_at,
                       hold)

@@ -382,3 +382,21 @@ def test_an_interruption_inside_an_atomic_write_leaves_the_old_file_and_no_tempo
         write_atomically(path, interrupted)
     assert [p.name for p in tmp_path.iterdir()] == ["predictions.csv"]
     assert path.read_bytes() == b"old\n"
+
+
+def test_a_stop_while_auto_tunes_ends_the_tune_at_its_step_and_writes_nothing(images, tmp_path):
+    """The signal handler only sets a flag: the tune used to go on to its budget, then
+    train a step, before the run stopped (under SLURM, SIGKILL came first)."""
+    run_dir, profiles = tmp_path / "run", tmp_path / "profiles"
+    args = train_args(images, run_dir, None, "--profile-dir", str(profiles),
+                      "--tune-budget", "600")
+    args[args.index("sequential")] = "auto"
+    child = Held(tmp_path, args, pause_at=2, where="tune")  # before the second visit
+    child.process.send_signal(signal.SIGTERM)
+    child.release()
+    code, err = child.finish()
+    assert code == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].endswith(
+        "stopped by SIGTERM while tuning this host's strategy, before any step: no profile or "
+        "run was written; run the same command again"), err
+    assert not run_dir.exists() and not list(profiles.glob("**/*.json"))

@@ -861,3 +861,60 @@ def test_tune_with_accumulate_measures_every_candidate_with_it(cli, tmp_path):
     assert profile.candidates[0].choice.name == "sequential"
     assert profile.candidates[0].speedup == 1.0  # still the baseline of the speedups
     assert "accumulate=2" in profile.pick.label
+
+
+def test_a_stop_while_tuning_ends_the_visit_at_its_step_and_saves_nothing():
+    """`train --strategy auto`'s signal handler only sets a flag: the tune went on to its
+    budget (2 minutes by default) before the run could stop."""
+    import signal
+
+    from hybriddl.tuning.tuner import TuneInterrupted
+
+    clock, steps = FakeClock(), []
+    costs = {"sequential": 4.0, "intraop K=2": 2.5, "threads K=2": 2.0, "processes K=2": 2.2}
+    measure = cost_measure(clock, by_label(costs))
+
+    def counted(choice, keep_going):
+        return measure(choice, lambda step, seconds: steps.append(choice.label) or
+                       keep_going(step, seconds))
+    stop = {"signum": None}
+
+    def stop_signal():  # SIGTERM during the second candidate's third step
+        if steps[-3:] == ["intraop K=2"] * 3:
+            stop["signum"] = int(signal.SIGTERM)
+        return stop["signum"]
+    with pytest.raises(TuneInterrupted, match="stopped by SIGTERM while tuning") as caught:
+        measure_candidates([BASELINE, INTRAOP2, THREADS2, PROCESSES2], counted, budget=1000,
+                           clock=clock, stop_signal=stop_signal)
+    assert caught.value.exit_code == 143
+    assert steps == ["sequential"] * 6 + ["intraop K=2"] * 3  # nothing after the stop's step
+
+
+def test_a_stop_in_one_hosts_tune_stops_every_host_together():
+    """Each host's tune ends in one agreement (trainer._stopped_together), made by every
+    host, tuning or not: a host whose tune was stopped leaves, and the others with it."""
+    import signal
+
+    from hybriddl.run.trainer import _stopped_together
+    from hybriddl.tuning.tuner import TuneInterrupted
+
+    class Rank1Of2:
+        rank, size = 1, 2
+
+        def __init__(self, other):
+            self.other, self.told = other, []
+
+        def allgather(self, value):
+            self.told.append(value)
+            return [self.other, value]
+
+    ready = Rank1Of2(int(signal.SIGTERM))  # rank 0 was stopped while it tuned
+    with pytest.raises(TuneInterrupted, match="stopped while rank 0 tuned its strategy") as caught:
+        _stopped_together(ready, None, TuneInterrupted.on_another_host)
+    assert ready.told == [0] and caught.value.exit_code == 143
+    stopped = Rank1Of2(0)
+    with pytest.raises(TuneInterrupted, match="stopped by SIGINT while tuning"):
+        _stopped_together(stopped, TuneInterrupted(int(signal.SIGINT)),
+                          TuneInterrupted.on_another_host)
+    assert stopped.told == [int(signal.SIGINT)]
+    _stopped_together(Rank1Of2(0), None, TuneInterrupted.on_another_host)  # nobody stopped

@@ -30,7 +30,7 @@ from hybriddl.hosts.cluster import SingleHost
 from hybriddl.hosts.compression import EXACT, held_state_bytes, parse_compression
 from hybriddl.hosts.scheme import WireScheme
 from hybriddl.hosts.replicas import ReplicaCheck
-from hybriddl.errors import TrainingError, UsageError
+from hybriddl.errors import TrainingError, TrainingInterrupted, UsageError
 from hybriddl.hybrid.classifier import NotSplittable
 from hybriddl.hybrid.parallel import (DataParallel, HybridParallel, choose, held_bytes,
                                       traffic_bytes)
@@ -44,7 +44,7 @@ from hybriddl.run.target import AccuracyTarget
 from hybriddl.step import make_optimizer, optimizer_step
 from hybriddl.run.weights import load_start_weights
 from hybriddl.strategies import LocalStrategy, StepStats, make_strategy
-from hybriddl.tuning.tuner import AUTO, auto_strategy, tune_settings
+from hybriddl.tuning.tuner import AUTO, TuneInterrupted, auto_strategy, tune_settings
 from hybriddl.usecases import build_model, check_image_size
 
 
@@ -97,7 +97,8 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     resumption.resumed_settings for how its settings and the flags given combine).
     The `hosts` (connected; default: this one alone) share each global batch: auto
     profiles this host's share of it; without --run-dir every rank names rank 0's new
-    run directory. A `stop` requested while a data cache is built ends the build, resumable.
+    run directory. A `stop` requested while a data cache is built ends the build, resumable;
+    one while `--strategy auto` tunes ends the tune, nothing kept (every host stops).
     """
     if None in (config.model, config.image_size, config.batch_size, config.epochs, config.lr,
                 config.momentum):
@@ -134,11 +135,18 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
     if strategy is not None:
         strategy.check_model(model)  # before the run directory exists
         check_host_parallel(config, model, strategy)
-    choice = None
+    choice, picked, interrupted = None, None, None
     if auto:
         # Tuning draws random numbers of its own; the run's stream must not see them.
         with torch.random.fork_rng(devices=[]):
-            picked, choice = auto_pick(config, split.train, observer, hosts.size)
+            try:
+                picked, choice = auto_pick(config, split.train, observer, hosts.size,
+                                           lambda: stop.signum if stop else None)
+            except TuneInterrupted as exc:
+                interrupted = exc
+    # Every host, tuning or not (the hosts' exchanges stay the same on each).
+    _stopped_together(hosts, interrupted, TuneInterrupted.on_another_host)
+    if auto:
         strategy = make_strategy(picked.strategy, picked.strategy_options)
         check_host_parallel(config, model, strategy)
         # The run stays "auto" (a resume picks again); the host's weight is the pick's.
@@ -150,10 +158,7 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
 
 
 def _data_on_every_host(config: TrainConfig, observer, hosts, stop: StopRequest | None):
-    """The run's data, or a stop on every host: a stop that ends one host's data cache
-    build ends every host here, together. A host whose data was ready would otherwise wait
-    in the hosts' next exchange while that one left (a collective against its closing
-    barrier)."""
+    """The run's data, or a stop on every host (`_stopped_together`)."""
     split, interrupted = None, None
     try:
         split = load_data(config.data, variant=config.case.dataset, image_size=config.image_size,
@@ -165,13 +170,21 @@ def _data_on_every_host(config: TrainConfig, observer, hosts, stop: StopRequest 
         interrupted = exc
     if failpoints.fires("die-data", hosts.rank):
         failpoints.die()
+    _stopped_together(hosts, interrupted, CacheBuildInterrupted.on_another_host)
+    return split
+
+
+def _stopped_together(hosts, interrupted: TrainingInterrupted | None, elsewhere) -> None:
+    """A stop that ended one host's own work before the first step (its data cache build,
+    its tune) ends every host here, together; `elsewhere(signum, rank)` is what the others
+    raise. A host that went on would otherwise wait in the hosts' next exchange while that
+    one left (a collective against its closing barrier)."""
     signums = hosts.allgather(int(interrupted.signum) if interrupted else 0)
     if interrupted:
         raise interrupted
     for rank, signum in enumerate(signums):
         if signum:
-            raise CacheBuildInterrupted.on_another_host(signum, rank)
-    return split
+            raise elsewhere(signum, rank)
 
 
 @dataclass(frozen=True)
@@ -205,7 +218,8 @@ def settle(prepared: PreparedRun, hosts) -> SettledRun:
     return SettledRun(prepared, scheme, parse_compression(scheme.compression))
 
 
-def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[TrainConfig, dict]:
+def auto_pick(config: TrainConfig, images, observer, hosts_count: int,
+              stop_signal=lambda: None) -> tuple[TrainConfig, dict]:
     """`--strategy auto` settled: this host's profiled pick (tuned first when no profile fits).
 
     The profile is measured at this host's share of the global batch. Returns the
@@ -217,7 +231,7 @@ def auto_pick(config: TrainConfig, images, observer, hosts_count: int) -> tuple[
                                            host_batch, config.strategy_options.precision,
                                            config.strategy_options.accumulate),
                              images, directory=config.profile_dir, budget=config.tune_budget,
-                             observer=observer)
+                             observer=observer, stop_signal=stop_signal)
     throughput = (config.throughput if config.throughput is not None
                   else decision.profile.pick_result.images_per_second)
     # The profile was measured with the run's --accumulate (it is one of its settings).

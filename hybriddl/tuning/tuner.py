@@ -54,7 +54,7 @@ import torch
 from hybriddl.tuning.benchmark import StepTiming, measure_strategy, sample_batch, timing_model
 from hybriddl.tuning.observer import TuneObserver
 from hybriddl.data import ImageSet, synthetic_split
-from hybriddl.errors import UsageError
+from hybriddl.errors import TrainingInterrupted, UsageError, signal_name
 from hybriddl.files import check_writable
 from hybriddl.tuning.profiles import (DROPPED, MEASURED, CandidateResult, Profile, Settings,
                                find_profile, fingerprint, profile_dir,
@@ -177,11 +177,29 @@ def scouts(candidates: list[StrategySpec], kinds: list[str]) -> list[int]:
     return devices + baseline + guess
 
 
+
+class TuneInterrupted(TrainingInterrupted):
+    """A stop (SIGTERM, SIGINT) while `--strategy auto` tuned this host: no profile saved."""
+
+    def __init__(self, signum: int):
+        Exception.__init__(self, f"stopped by {signal_name(signum)} while tuning this host's "
+                           "strategy, before any step: no profile or run was written; run "
+                           "the same command again")
+        self.signum = signum
+
+    @classmethod
+    def on_another_host(cls, signum: int, rank: int) -> TuneInterrupted:
+        """What a host says when rank `rank` was stopped while it tuned."""
+        return cls.saying(signum, f"stopped while rank {rank} tuned its strategy, before any "
+                                  "step: nothing was written; run the same command again")
+
+
 def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budget: float,
                        warmup: int = 1, steps: int = 5, rounds: int = 1, second_look: int = 0,
                        clock: Callable[[], float] = time.monotonic,
                        observer: TuneObserver | None = None,
-                       kind_of: Callable[[StrategySpec], str] = candidate_kind
+                       kind_of: Callable[[StrategySpec], str] = candidate_kind,
+                       stop_signal: Callable[[], int | None] = lambda: None
                        ) -> list[CandidateResult]:
     """Measure the candidates in interleaved rounds within the budget (see the module docstring).
 
@@ -191,6 +209,9 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
     (`second_look_group`).
     A candidate's seconds per step is the median of its visits' figures; the lowest and
     highest visit figures are its spread.
+
+    A stop (`stop_signal` answers its signal number) ends the visit at its step's end and
+    raises TuneInterrupted.
     """
     observer = observer or TuneObserver()
     started = clock()
@@ -249,6 +270,8 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
                 return False
         observer.on_round_start(number, len(racing), second)
         for position, index in enumerate(racing):
+            if signum := stop_signal():
+                raise TuneInterrupted(signum)
             state = states[index]
             now = clock()
             left = max(budget - (now - started), 0.0)
@@ -265,7 +288,7 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
                 state.stop(("not started: " if not state.figures else "left the race: ") + why)
                 continue
             _visit_one(index, state, measure, now + share, share, is_baseline, warmup, steps,
-                       clock, observer)
+                       clock, observer, stop_signal)
             state.visit_seconds = clock() - now
         return True
 
@@ -292,6 +315,8 @@ def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budg
         if state.once is not None:
             state.notes.append(f"measured in the first round only ({state.once}): the "
                                "speedups' reference, not a contender")
+    if signum := stop_signal():  # in the last visit
+        raise TuneInterrupted(signum)
     results = [state.result(steps, rounds) for state in states]
     for index, result in enumerate(results):
         observer.on_candidate_end(index, result)
@@ -353,12 +378,14 @@ class _Candidate:
 
 
 def _visit_one(index, state, measure, deadline, share, is_baseline, warmup, steps, clock,
-               observer) -> None:
+               observer, stop_signal) -> None:
     seen: list[float] = []
 
     def keep_going(step: int, seconds: float) -> bool:
         seen.append(seconds)
         observer.on_candidate_step(index, step, seconds)
+        if stop_signal():
+            return False  # measure_candidates raises TuneInterrupted next
         if is_baseline and step + 1 <= warmup:
             return True
         # The fastest step so far predicts the next; the first carries one-off costs.
@@ -446,8 +473,10 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
               warmup: int = TUNE_WARMUP_STEPS, steps: int = TUNE_TIMED_STEPS,
               rounds: int = TUNE_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
               observer: TuneObserver | None = None, reason: str | None = None,
-              host: HostResources | None = None, clock: Callable[[], float] = time.monotonic) -> Profile:
-    """Measure every feasible candidate on real batches of `images`; the profile, unsaved."""
+              host: HostResources | None = None, clock: Callable[[], float] = time.monotonic,
+              stop_signal: Callable[[], int | None] = lambda: None) -> Profile:
+    """Measure every feasible candidate on real batches of `images`; the profile, unsaved.
+    A stop (`stop_signal`) ends it at a step's end: TuneInterrupted."""
     if not 0 < budget < float("inf"):  # nan too
         raise UsageError(f"--budget {budget}: give a positive number of seconds")
     if steps < 1 or warmup < 0:
@@ -479,7 +508,7 @@ def tune_host(settings: Settings, images: ImageSet, *, budget: float,
     started = clock()
     results = measure_candidates(candidates, measure, budget=budget, warmup=warmup, steps=steps,
                                  rounds=rounds, second_look=second_look, clock=clock,
-                                 observer=observer)
+                                 observer=observer, stop_signal=stop_signal)
     pick = select_pick(results)
     fastest = min((r for r in results if r.measured), key=lambda r: r.seconds_per_step)
     if pick != fastest.choice:
@@ -568,8 +597,10 @@ def tune_settings(usecase: str, model: str | None = None, image_size: int | None
 def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None = None,
                   budget: float = AUTO_BUDGET_SECONDS, steps: int = AUTO_TIMED_STEPS,
                   rounds: int = AUTO_ROUNDS, second_look: int = SECOND_LOOK_ROUNDS,
-                  observer: TuneObserver | None = None) -> AutoDecision:
-    """This host's profiled pick for `settings`; tunes (and saves the profile) when none fits."""
+                  observer: TuneObserver | None = None,
+                  stop_signal: Callable[[], int | None] = lambda: None) -> AutoDecision:
+    """This host's profiled pick for `settings`; tunes (and saves the profile) when none
+    fits. A stop while it tunes (`stop_signal`) saves nothing: TuneInterrupted."""
     lookup = find_profile(profile_dir(directory), settings)
     if lookup.usable:
         return AutoDecision(lookup.profile, lookup.path)
@@ -577,7 +608,8 @@ def auto_strategy(settings: Settings, images: ImageSet, *, directory: str | None
     # Where the profile will be kept can take it, before the budget is spent.
     check_writable(lookup.path, "--profile-dir", folder=False)
     profile = tune_host(settings, images, budget=budget, steps=steps, rounds=rounds,
-                        second_look=second_look, observer=observer, reason=reason)
+                        second_look=second_look, observer=observer, reason=reason,
+                        stop_signal=stop_signal)
     save_profile(profile, lookup.path)
     return AutoDecision(profile, lookup.path, tuned_because=lookup.problem)
 

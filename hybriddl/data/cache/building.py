@@ -40,13 +40,6 @@ class CacheBuildInterrupted(TrainingInterrupted):
         self.signum = signum
 
     @classmethod
-    def saying(cls, signum: int, message: str) -> CacheBuildInterrupted:
-        stopped = cls.__new__(cls)
-        Exception.__init__(stopped, message)
-        stopped.signum = signum
-        return stopped
-
-    @classmethod
     def on_another_host(cls, signum: int, rank: int) -> CacheBuildInterrupted:
         """What a host whose data was ready says when rank `rank` stopped in its build."""
         return cls.saying(signum, f"stopped while rank {rank} built its data cache; run the "
