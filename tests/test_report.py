@@ -220,3 +220,20 @@ def test_a_monitor_file_with_a_field_past_the_csv_limit_is_damage_not_a_tracebac
         handle.write("\0" * 200_000 + "\n")  # a crash's tail of NULs
     with pytest.raises(UsageError, match="rank0-sar.csv .*the run directory is damaged"):
         write_report([run], tmp_path / "out")
+
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda m: m["config"].update(hosts=2), "AttributeError"),
+    (lambda m: m["config"]["strategy"].update(workers="four"), "ValueError"),
+    (lambda m: m["monitor"]["network"]["lo"].pop("rx_bytes"), "KeyError"),
+    (lambda m: m["epochs"][0].update(seconds=float("inf")), "finite positive 'seconds'"),
+])
+def test_a_hand_edited_metrics_file_is_one_line_naming_it(tmp_path, edit, says):
+    run = make_run(tmp_path / "seq", {"name": "sequential"}, [10.0])
+    metrics = json.loads((run / METRICS).read_text())
+    edit(metrics)
+    (run / METRICS).write_text(json.dumps(metrics))
+    with pytest.raises(UsageError, match=f"{METRICS}: .*{says}"):
+        write_report([run], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -9,6 +9,7 @@ rank's resource timeline (monitoring/charts.py draws them) and report.md.
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,12 @@ def load_run(run_dir: Path | str) -> RecordedRun:
     problem = _metrics_problem(metrics)
     if problem:
         raise UsageError(f"{run_dir / METRICS}: {problem}")
+    try:  # what the table reads of it, each field of the type train writes
+        configuration_label(metrics["config"]), local_workers(metrics["config"])
+        _with_monitor_columns({"monitor": metrics.get("monitor")})
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise UsageError(f"{run_dir / METRICS}: a field is not what 'hybriddl train' writes "
+                         f"({type(exc).__name__}: {exc}); the file was edited or is damaged") from None
     run = RecordedRun(run_dir, metrics)
     for pidstat_path in sorted(run_dir.glob("rank*-pidstat.csv")):
         rank_text = pidstat_path.name[len("rank"):-len("-pidstat.csv")]
@@ -90,9 +97,9 @@ def _metrics_problem(metrics) -> str | None:
         return "no finished epoch: give runs that completed at least one epoch"
     for record in epochs:
         if not isinstance(record, dict) or not all(
-                isinstance(record.get(key), (int, float)) and record[key] > 0
+                isinstance(record.get(key), (int, float)) and 0 < record[key] < math.inf
                 for key in ("seconds", "images_per_second")):
-            return "an epoch record lacks positive 'seconds' and 'images_per_second'"
+            return "an epoch record lacks finite positive 'seconds' and 'images_per_second'"
     return None
 
 
