@@ -118,24 +118,31 @@ def save_evaluation(evaluation: Evaluation, output: str | Path) -> list[Path]:
     return [output / RESULT, output / CHART]
 
 
+MOST_LABELLED = 40  # classes whose names and counts the confusion chart shows
+
+
 def confusion_chart(evaluation: Evaluation) -> bytes:
     """The confusion matrix as a PNG: counts in the cells, true classes down, predicted across."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
 
     classes, matrix = evaluation.classes, evaluation.confusion_matrix
-    side = 1.6 + 0.6 * len(classes)
+    # Names and counts for a few classes; past MOST_LABELLED (an ImageNet's 1,000) the
+    # chart keeps its size and shows the matrix alone, the class indices on its axes.
+    labelled = len(classes) <= MOST_LABELLED
+    side = 1.6 + 0.6 * min(len(classes), MOST_LABELLED)
     figure = Figure(figsize=(side + 1.2, side), layout="constrained")
     axes = figure.add_subplot()
     image = axes.imshow(matrix, cmap="Blues", vmin=0)
     figure.colorbar(image, ax=axes, label="images")
-    axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
-    axes.set_yticks(range(len(classes)), classes)
-    axes.set_xlabel("predicted class")
-    axes.set_ylabel("true class")
+    if labelled:
+        axes.set_xticks(range(len(classes)), classes, rotation=45, ha="right")
+        axes.set_yticks(range(len(classes)), classes)
+    axes.set_xlabel("predicted class" + ("" if labelled else " (index; names in evaluation.json)"))
+    axes.set_ylabel("true class" + ("" if labelled else " (index)"))
     axes.set_title(f"{evaluation.model}: accuracy {evaluation.accuracy:.3f} "
                    f"({evaluation.images} images)", fontsize="medium")
     high = max((max(row) for row in matrix), default=0)
-    for i, row in enumerate(matrix):
+    for i, row in enumerate(matrix if labelled else ()):
         for j, count in enumerate(row):
             axes.text(j, i, str(count), ha="center", va="center",
                       color="white" if count > high / 2 else "black")
