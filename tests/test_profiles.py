@@ -246,3 +246,38 @@ def test_profiled_throughput_is_the_picks_images_per_second(tmp_path):
     assert profiles.profiled_throughput(SETTINGS, tmp_path) == 2.0
     other = Settings("ComplexSmall", "vgg16", image_size=32, batch_size=5)
     assert profiles.profiled_throughput(other, tmp_path) is None
+
+
+def test_a_profile_folder_that_cannot_be_searched_is_a_problem_not_a_traceback(tmp_path,
+                                                                                monkeypatch):
+    """As a user without search permission on it (root searches every folder)."""
+    import pathlib
+
+    real = pathlib.Path.exists
+
+    def exists(path, *args, **kwargs):
+        if tmp_path in path.parents:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "exists", exists)
+    found = lookup(tmp_path)
+    assert not found.usable and found.problem == f"cannot look in {tmp_path} (Permission denied)"
+
+
+def test_tune_into_a_folder_that_cannot_be_searched_is_one_line_exit_2(tmp_path, monkeypatch,
+                                                                       capsys):
+    import pathlib
+
+    from hybriddl.cli import main
+
+    locked = tmp_path / "locked"
+    real = pathlib.Path.is_dir
+
+    def is_dir(path):
+        if locked in (path, *path.parents):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(pathlib.Path, "is_dir", is_dir)
+    assert main(["tune", "--budget", "3", "--output", str(locked / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot look there (Permission denied)" in err and len(err.strip().splitlines()) == 1

@@ -40,7 +40,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     settings = tune_settings(args.usecase, args.model, args.image_size, args.batch_size,
                              args.precision, args.accumulate)
     output = Path(args.output or profiles.profile_path(profiles.profile_dir(args.profile_dir), settings))
-    if output.is_dir():
+    try:
+        is_folder = output.is_dir()
+    except OSError:  # a folder on the way this user cannot search: check_writable says so
+        is_folder = False
+    if is_folder:
         raise UsageError(f"--output {output} is a directory: give a file path such as "
                          f"{profiles.profile_path(output, settings)}")
     # Where the profile goes can take it, before the tuning the budget pays for.

@@ -310,9 +310,13 @@ def find_profile(directory: str | os.PathLike, settings: Settings, *, host: str 
     """
     host = host or this_host()
     path = profile_path(directory, settings, host)
-    if not path.exists():
-        legacy = legacy_profile_path(directory, settings.usecase, host)
-        if legacy.exists():
+    legacy = legacy_profile_path(directory, settings.usecase, host)
+    try:
+        found, old = path.exists(), legacy.exists()
+    except OSError as exc:  # a folder this user cannot search: auto's write check says what to do
+        return ProfileLookup(path, problem=f"cannot look in {path.parent} ({exc.strerror or exc})")
+    if not found:
+        if old:
             found = _check_profile(legacy, settings, host, current_fingerprint)
             return found if found.usable else ProfileLookup(path, problem=found.problem)
         return ProfileLookup(path, problem=f"no profile at {path}")
