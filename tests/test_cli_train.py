@@ -230,3 +230,35 @@ def test_a_one_sample_forward_through_batchnorm_is_one_line(cli, tmp_path):
     assert "Traceback" not in done.stderr
     assert "a forward pass of one sample reached BatchNorm" in lines[-1]
     assert "fewer --workers or --accumulate chunks" in lines[-1]
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    (lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+                                    "has a total capacity of 79.11 GiB\nmore"), "GPU"),
+    (lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                          "can't allocate memory: you tried to allocate 4194304000 bytes."),
+     "host"),
+])
+def test_running_out_of_memory_mid_run_is_one_line_saying_what_to_lower(tmp_path, monkeypatch,
+                                                                        capsys, error, says):
+    from hybriddl.cli import main
+    from hybriddl.strategies.sequential import Sequential
+
+    real, steps = Sequential.compute_gradients, []
+
+    def out_of_memory(self, x, y):  # the second step does not fit
+        steps.append(1)
+        if len(steps) == 2:
+            raise error()
+        return real(self, x, y)
+    monkeypatch.setattr(Sequential, "compute_gradients", out_of_memory)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--model", "squeezenet1_1", "--image-size", "32", "--batch-size", "4",
+                 "--epochs", "1", "--strategy", "sequential", "--checkpoint-every", "1",
+                 "--monitor-interval", "0", "--run-dir", str(run_dir)]) == 1
+    err = capsys.readouterr().err.strip()  # the progress bar's lines, then one
+    assert "Traceback" not in err and "\nmore" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"hybriddl: training stopped: out of {says} memory (")
+    assert "lower --batch-size, or give --accumulate N" in last
+    assert (run_dir / "checkpoint.pt").exists()  # the first step's, kept

@@ -256,7 +256,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
-    with strategy, contextlib.ExitStack() as monitoring:
+    with strategy, contextlib.ExitStack() as monitoring, _out_of_memory_named():
         settled = settle(prepared, hosts)
         scheme = settled.scheme
         hosts.use_compression(settled.wire)
@@ -339,6 +339,23 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                 atomic_torch_save(run_dir / MODEL, {name: tensor.cpu()
                                                     for name, tensor in whole.items()})
     return metrics
+
+
+@contextlib.contextmanager
+def _out_of_memory_named():
+    """A device or host out of memory mid-run is one line saying what to lower, not
+    torch's traceback (the tuner drops such a candidate; a named strategy meets it here)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).strip()
+        where = ("GPU" if isinstance(exc, torch.OutOfMemoryError) else
+                 "host" if "can't allocate memory" in text else None)
+        if where is None:
+            raise
+        raise TrainingError(f"out of {where} memory ({text.splitlines()[0][:200]}): lower "
+                            "--batch-size, or give --accumulate N (the same step in N chunks); "
+                            "the last checkpoint is kept") from None
 
 
 # torch's message when a training-mode BatchNorm gets one value per channel.
