@@ -112,3 +112,36 @@ def paced_powersgd():
         gc.collect()
     assert max(seconds[:2]) < 0.15  # vanilla allreduces of a small model: milliseconds
     assert min(seconds[2:]) >= 0.25 and short == 0
+
+
+def test_the_local_ddp_peer_reads_its_ranks_reports_while_it_joins_them():
+    """A rank's report of thousands of steps fills the queue's pipe (64 KiB) and the rank
+    waits for it to be read before it ends: joining first, then reading, waited for ever."""
+    from hybriddl.compare.local_peers import measure_ddp, reports_while_joining
+
+    class Queue:
+        def __init__(self, items):
+            self.items = list(items)
+
+        def empty(self):
+            return not self.items
+
+        def get(self):
+            return self.items.pop(0)
+
+    class Ranks:  # ended only once their reports were read, as ranks blocked in put()
+        def __init__(self, queue):
+            self.queue, self.joins = queue, 0
+
+        def join(self, timeout=None):
+            assert timeout is not None, "a join without a timeout waits on a full pipe"
+            self.joins += 1
+            return self.queue.empty()
+
+    queue = Queue([(1, [0.1] * 10_000), (0, [0.2] * 10_000)])
+    ranks = Ranks(queue)
+    assert sorted(reports_while_joining(ranks, queue))[0][0] == 0 and ranks.joins == 1
+    # And the peer itself, two spawned gloo ranks on a small model.
+    timing = measure_ddp(2, "squeezenet1_1", 3, torch.randn(4, 3, 32, 32),
+                         torch.randint(3, (4,)), warmup=0, steps=2)
+    assert timing.batch_size == 4 and len(timing.step_seconds) == 2

@@ -64,17 +64,31 @@ def measure_ddp(processes: int, model_name: str, num_classes: int, x: torch.Tens
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = _free_loopback_port()
-    # start_processes joins every rank and, if one fails, stops the others and raises.
-    mp.start_processes(_ddp_rank, nprocs=processes, start_method="spawn",
-                       args=(processes, port, results, model_name, num_classes, x, y, warmup,
-                             steps, lr, momentum, seed))
-    reports = sorted(results.get() for _ in range(processes))
+    ranks = mp.start_processes(_ddp_rank, nprocs=processes, start_method="spawn", join=False,
+                               args=(processes, port, results, model_name, num_classes, x, y,
+                                     warmup, steps, lr, momentum, seed))
+    reports = sorted(reports_while_joining(ranks, results))
     seconds = reports[0][1]
     here = tree_memory()
     rss, pss, hwm = (here[i] + sum(r[2 + i] for r in reports) for i in range(3))
     return StepTiming({"name": "ddp", "backend": "gloo", "processes": processes}, len(y),
                       statistics.median(seconds), seconds, rss, peak_pss_bytes=pss,
                       peak_hwm_bytes=hwm)
+
+
+def reports_while_joining(ranks, results) -> list:
+    """Every rank's report, read while the ranks are joined: a rank whose report fills the
+    queue's pipe (64 KiB: thousands of steps' times) waits for it to be read before it
+    can end. The join raises where a rank failed, having stopped the others."""
+    reports = []
+    while True:
+        while not results.empty():
+            reports.append(results.get())
+        if ranks.join(timeout=0.1):
+            break
+    while not results.empty():
+        reports.append(results.get())
+    return reports
 
 
 def _ddp_rank(rank, world, port, results, model_name, num_classes, x, y, warmup, steps, lr,
