@@ -27,6 +27,17 @@ class TrainingInterrupted(Exception):
         super().__init__(f"stopped by {signal_name(signum)} at epoch {epoch + 1}, step {step}; "
                          f"checkpoint written; continue with: hybriddl train --resume {run_dir}")
 
+    # A stop before the run's first step (a subclass's): what it ended, as the other hosts
+    # say it, and what to do then.
+    ended = "prepared the run"
+    again = "run the same command again"
+
+    @classmethod
+    def on_another_host(cls, signum: int, rank: int):
+        """What a host says when rank `rank` was stopped in its own work before the first
+        step (every host stops there together)."""
+        return cls.saying(signum, f"stopped while rank {rank} {cls.ended}; {cls.again}")
+
     @classmethod
     def saying(cls, signum: int, message: str):
         """A stop with `message` of its own (a stop before the run's first step: nothing

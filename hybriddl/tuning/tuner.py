@@ -187,11 +187,8 @@ class TuneInterrupted(TrainingInterrupted):
                            "the same command again")
         self.signum = signum
 
-    @classmethod
-    def on_another_host(cls, signum: int, rank: int) -> TuneInterrupted:
-        """What a host says when rank `rank` was stopped while it tuned."""
-        return cls.saying(signum, f"stopped while rank {rank} tuned its strategy, before any "
-                                  "step: nothing was written; run the same command again")
+    ended = "tuned its strategy, before any step"
+    again = "nothing was written; run the same command again"
 
 
 def measure_candidates(candidates: list[StrategySpec], measure: Measure, *, budget: float,

@@ -39,11 +39,7 @@ class CacheBuildInterrupted(TrainingInterrupted):
                            "to continue the build")
         self.signum = signum
 
-    @classmethod
-    def on_another_host(cls, signum: int, rank: int) -> CacheBuildInterrupted:
-        """What a host whose data was ready says when rank `rank` stopped in its build."""
-        return cls.saying(signum, f"stopped while rank {rank} built its data cache; run the "
-                                  "same command again to continue the build")
+    ended, again = "built its data cache", "run the same command again to continue the build"
 
 
 def check_free_space(directory: Path, needed: int, source: str) -> None:
