@@ -1046,3 +1046,45 @@ def test_a_scheme_registered_alone_is_parsed_planned_and_averaged_with(bf16_regi
     bucket.flat.copy_(summed)
     buckets.scatter(bucket)
     assert torch.equal(bucket.flat, want) and torch.equal(bucket.slot(0), model[2].bias.grad)
+
+
+def test_a_whole_gradient_scheme_by_the_recipe_alone_needs_nothing_else():
+    """ARCHITECTURE.md's recipe for a WHOLE_GRADIENT scheme names `setup`, `aggregate`,
+    `begin_step` / `local_wire` / `finish_step`: the averaging also asks `next_round` every
+    step, and a resume on fewer hosts `use_parts` and `load_part_errors` (AttributeError)."""
+    from hybriddl.hosts.cluster import SingleHost
+    from hybriddl.hosts.scheme import WHOLE_GRADIENT, WireScheme
+
+    class Whole(WireScheme):  # exact, one round, stateless: the recipe's methods only
+        name = syntax = "whole"
+        help = "the whole gradient at once"
+        exact, kind = True, WHOLE_GRADIENT
+
+        def wire_bytes(self, model_or_shapes):
+            return 4 * sum(torch.Size(s).numel() for s in model_or_shapes)
+
+        def setup(self, shapes, names, device):
+            return []
+
+        def begin_step(self, gradients):
+            self.gradients = gradients
+
+        def local_wire(self):
+            return torch.cat([g.flatten() for g in self.gradients])
+
+        def finish_step(self, totals, out=None):
+            flat, offset = totals[0], 0
+            for gradient in self.gradients:
+                yield flat[offset:offset + gradient.numel()].view_as(gradient)
+                offset += gradient.numel()
+
+        def aggregate(self, gradients, hosts):
+            return gradients
+
+    scheme = Whole()
+    assert scheme.next_round([torch.zeros(3)]) is None  # one round
+    scheme.use_parts(2)
+    scheme.load_part_errors(1, None)
+    hosts = SingleHost()
+    hosts.compression, hosts._compressed = scheme, [nn.Parameter(torch.zeros(3))]
+    assert hosts.restore_compression("whole", {"name": "whole"}, more_errors=[None]) is None

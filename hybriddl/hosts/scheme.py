@@ -120,3 +120,18 @@ class WireScheme(ABC):
 
     def load_checkpoint_state(self, state: dict, holds_error: bool = True) -> None:
         """A stateless scheme continues from its name alone."""
+
+    # ---------------------------------------------- WHOLE_GRADIENT: what a one-round,
+    # stateless scheme need not write (PowerSGD overrides each).
+    def next_round(self, totals) -> object | None:
+        """After the step's allreduces so far (`totals`, summed over hosts), this host's wire
+        for one more round that depends on them, or None: one round is all it needs."""
+        return None
+
+    def use_parts(self, count: int) -> None:
+        """This host runs `count` logical ranks (a run resumed on fewer hosts), each with
+        state of its own: a stateless scheme holds none."""
+
+    def load_part_errors(self, part: int, errors) -> None:
+        """The checkpointed state of this host's logical rank `part` (see `use_parts`): a
+        stateless scheme holds none."""
