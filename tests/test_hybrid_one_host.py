@@ -298,3 +298,22 @@ def test_the_convolutions_go_in_one_bucket_where_backward_hides_little_of_the_wi
     assert convolution_bucket_bytes(None) == CONVOLUTION_BUCKET_BYTES
     assert convolution_bucket_bytes({"rows": [], "chosen": {"scheme": "data"}}) == \
         CONVOLUTION_BUCKET_BYTES
+
+
+def test_the_replica_check_covers_the_classifier_tensors_no_host_slices():
+    """The replicated last layer and a row split's bias are whole on every host and updated
+    there from every host's features, never averaged: hosts whose arithmetic rounds
+    differently drift there, and the check looked at the convolutions only."""
+    class SecondHost(SingleHost):
+        rank, size = 1, 2
+
+    model = build_model("alexnet", 3)
+    scheme = HybridParallel()
+    scheme.setup(model, make_strategy("sequential"), SecondHost())
+    names = [name for name, _ in scheme.replicated(model)]
+    assert "features.0.weight" in names
+    assert {"classifier.4.bias", "classifier.6.weight", "classifier.6.bias"} <= set(names)
+    assert not {"classifier.1.weight", "classifier.1.bias", "classifier.4.weight"} & set(names)
+    # Checked, not averaged: each host updates them itself, after its own gradient.
+    classifier = {id(p) for p in model.classifier.parameters()}
+    assert classifier <= scheme.local.parameters

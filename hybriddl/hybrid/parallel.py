@@ -162,12 +162,22 @@ class HybridParallel(DataParallel):
         # the replicated last layers' gradients are the global mean already): the split
         # layers' last weight gradients, then their update, while the convolutions'
         # gradients cross the wire (step.py `optimizer_step`).
-        averaged = {id(tensor) for _, tensor in self.replicated(model)}
+        averaged = {id(tensor) for _, tensor in self._convolutions(model)}
         self.local = LocalUpdate(frozenset(id(p) for p in model.parameters()
                                            if id(p) not in averaged), self.weight_gradients)
 
     def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """The convolutions: each host holds its own slices of the classifier."""
+        """What every host holds the same: the convolutions (averaged) and the classifier's
+        tensors no host slices (its replicated last layer, a row split's bias), whose
+        gradients each host computes from every host's features, unaveraged: hosts whose
+        arithmetic rounds differently (other thread counts, a GPU beside CPUs) drift there."""
+        sliced = self.split.parameter_slices(model)
+        return [*self._convolutions(model),
+                *((name, p) for name, p in model.named_parameters()
+                  if name.startswith("classifier.") and name not in sliced)]
+
+    @staticmethod
+    def _convolutions(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         convolutions = split_at_classifier(model)[0]
         names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
         return [(names.get(id(t), "?"), t)
