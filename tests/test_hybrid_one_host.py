@@ -317,3 +317,32 @@ def test_the_replica_check_covers_the_classifier_tensors_no_host_slices():
     # Checked, not averaged: each host updates them itself, after its own gradient.
     classifier = {id(p) for p in model.classifier.parameters()}
     assert classifier <= scheme.local.parameters
+
+
+def test_batchnorm_running_statistics_are_averaged_before_validation_not_named_drift():
+    """Each host updates BatchNorm's running statistics from its own rows: the replica
+    check named the hosts as differing at every check (and a strict run stopped at its
+    first) on any BatchNorm model across hosts. They are each host's own between
+    validations, and averaged over the hosts before each."""
+    from hybriddl.hybrid.parallel import running_statistics
+
+    class TwoHosts(SingleHost):
+        rank, size = 0, 2
+
+        def allreduce_sum(self, tensor, what=""):  # the other host's statistics are 3 more
+            self.what = what
+            return tensor + (tensor + 3)
+
+    model = build_model("resnet18", 3)
+    names = [name for name, _ in DataParallel().replicated(model)]
+    assert "bn1.weight" in names and "bn1.num_batches_tracked" in names
+    assert not [name for name in names if "running_" in name]
+    statistics = running_statistics(model)
+    assert len(statistics) == 2 * sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    before = [t.clone() for t in statistics]
+    hosts = TwoHosts()
+    DataParallel().average_statistics(model, hosts)
+    assert all(torch.allclose(t, b + 1.5) for t, b in zip(statistics, before))
+    assert hosts.what == "averaging the hosts' running statistics"
+    DataParallel().average_statistics(model, SingleHost())  # one host: nothing to average
+    assert all(torch.allclose(t, b + 1.5) for t, b in zip(statistics, before))

@@ -111,6 +111,20 @@ def test_two_hosts_match_sequential_with_the_global_batch(images, sequential, tm
     assert epoch["val_accuracy"] == epoch_of(sequential)[1]["val_accuracy"]
 
 
+def test_two_hosts_of_a_batchnorm_model_are_not_named_as_differing(images, tmp_path):
+    """Each host's BatchNorm running statistics come from its own rows: the replica check
+    named the hosts as differing at every check, and --strict-equal stopped the run at
+    its first. They are averaged over the hosts before each validation instead."""
+    run_dir = tmp_path / "run"  # 18 images: 3 steps of 3 rows per host
+    done = mpirun((2, ["train", "--model", "resnet18", "--image-size", "32", "--batch-size",
+                       "6", "--epochs", "1", "--strategy", "sequential", "--check-every", "1",
+                       "--strict-equal", "--data", str(images), "--run-dir", str(run_dir)]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert metrics["replicas"]["checks"] >= 3 and metrics["replicas"]["mismatches"] == []
+    assert metrics["epochs"][0]["val_accuracy"] is not None
+
+
 @pytest.mark.parametrize("layouts", ["both channels_last", "rank 0 only", "one rank"])
 def test_two_hosts_with_channels_last_weights_match_sequential(images, sequential, tmp_path,
                                                               layouts):

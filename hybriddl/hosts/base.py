@@ -346,8 +346,9 @@ class Hosts:
         """reduce_scatter_rows of a float16 or bfloat16 tensor, summed in that dtype."""
         return tensor
 
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over hosts of `tensor`, the same bits on every host."""
+    def allreduce_sum(self, tensor: torch.Tensor, what: str = "") -> torch.Tensor:
+        """The sum over hosts of `tensor`, the same bits on every host (`what`: what the
+        exchange is, as a failure names it)."""
         return tensor
 
     # The same exchanges left running while this host computes: `result()` waits for it.

@@ -685,13 +685,14 @@ class MPIHosts(Hosts):
         the split's features' gradients with --feature-dtype."""
         return self.reduce_scatter_rows(tensor, counts)
 
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def allreduce_sum(self, tensor: torch.Tensor,
+                      what: str = "summing a classifier layer's partial outputs") -> torch.Tensor:
         given, tensor = tensor, to_host(tensor.detach())
         out = host_empty(tensor.shape, tensor.dtype, given.device)
         # Out of place, through libnbc's ring (set in _initialise): every host ends with
         # the same bits, so the classifier's replicated layers stay identical.
-        self.wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)],
-                   "summing a classifier layer's partial outputs", largest=out.nbytes)
+        self.wait([self.comm.Iallreduce(_as_mpi(tensor), _as_mpi(out), self.MPI.SUM)], what,
+                  largest=out.nbytes)
         self.traffic.sent(tensor.nbytes)
         return back_to(out, given)
 

@@ -59,6 +59,13 @@ CONVOLUTION_BUCKET_BYTES = 2**20
 ONE_BUCKET_BELOW_HIDDEN_SHARE = 0.1
 
 
+def running_statistics(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm's running means and variances, which each host updates from its own rows."""
+    return [buffer for module in model.modules()
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+            for buffer in (module.running_mean, module.running_var) if buffer is not None]
+
+
 class DataParallel:
     """The whole model on every host; the whole gradient averaged."""
 
@@ -96,8 +103,27 @@ class DataParallel:
         return state
 
     def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of what every host holds the same of the model: all of it."""
-        return [*model.named_parameters(), *model.named_buffers()]
+        """(name, tensor) of what every host holds the same of the model: all of it but the
+        running statistics (`average_statistics`)."""
+        own = {id(t) for t in running_statistics(model)}
+        return [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
+                if id(t) not in own]
+
+    def average_statistics(self, model: nn.Module, hosts) -> None:
+        """Every host's BatchNorm running statistics (each from its own rows of every batch,
+        so never the same across hosts) averaged over the hosts (collective, where the model
+        has any): before each validation, so that every host validates the same model and
+        rank 0 keeps it. As DDP's broadcast_buffers, but from every host's rows."""
+        statistics = running_statistics(model)
+        if not statistics or hosts.size == 1:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in statistics])
+        mean = hosts.allreduce_sum(flat, "averaging the hosts' running statistics") / hosts.size
+        offset = 0
+        with torch.no_grad():
+            for t in statistics:
+                t.copy_(mean[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def validation_logits(self, strategy: LocalStrategy, sample: Callable[[], torch.Tensor]):
         """How a host takes its rows of each validation batch (run/trainer.py `evaluate`):
@@ -180,8 +206,9 @@ class HybridParallel(DataParallel):
     def _convolutions(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         convolutions = split_at_classifier(model)[0]
         names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        own = {id(t) for t in running_statistics(model)}
         return [(names.get(id(t), "?"), t)
-                for t in [*convolutions.parameters(), *convolutions.buffers()]]
+                for t in [*convolutions.parameters(), *convolutions.buffers()] if id(t) not in own]
 
     def validation_logits(self, strategy: LocalStrategy, sample: Callable[[], torch.Tensor]):
         """Each host's rows of a validation batch through the convolutions, and every host's

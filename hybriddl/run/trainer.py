@@ -560,6 +560,8 @@ def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch
     model.eval()
     parts, logits_of = 1, None
     if hosts is not None and scheme is not None and hosts.size > 1:
+        scheme.average_statistics(model, hosts)  # (BatchNorm's: each host's own till now)
+
         def sample():  # a batch to time, where the scheme has yet to settle how to share
             return transform(images.images[:batch_size])
         if (logits_of := scheme.validation_logits(strategy, sample)) is not None:
