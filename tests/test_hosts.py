@@ -274,3 +274,49 @@ def test_an_mpi_error_the_progress_thread_meets_is_raised_by_the_wait_not_lost()
             hosts.wait(["a request"], "averaging gradients")
     finally:
         thread.close()
+
+
+def test_an_mpi_error_as_an_exchange_starts_is_one_line_naming_what_failed():
+    """Open MPI may refuse to start a collective with a process it knows failed: the error
+    came from the call that starts it, outside the wait, and reached the user as a
+    traceback. Each exchange's method names it as the wait does."""
+    from hybriddl.hosts.mpi import HostFailure, MPIHosts
+    from hybriddl.hosts.traffic import TrafficMeter
+
+    class FakeMPI:
+        SUM = MAX = IN_PLACE = None
+
+        class Exception(Exception):
+            def Get_error_string(self):
+                return "MPI_ERR_PROC_FAILED: process failure"
+
+    class Comm:
+        def refuse(self, *args, **kwargs):
+            raise FakeMPI.Exception()
+
+        Iallgather = Iallgatherv = Ibcast = Ibarrier = Iallreduce = Igatherv = refuse
+
+        def Get_failed(self):
+            raise NotImplementedError  # no ULFM: the heartbeat would name the host
+
+        def Get_size(self):
+            return 2
+
+    hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: the calls that start exchanges
+    hosts.MPI, hosts.comm, hosts.heartbeat, hosts.traffic = FakeMPI, Comm(), None, TrafficMeter()
+    hosts.rank, hosts.size = 0, 2
+    rows = torch.zeros(4, 3)
+    for call, what in ((lambda: hosts.allgather(1), "exchanging settings"),
+                       (lambda: hosts.broadcast_object(1), "receiving rank 0's settings"),
+                       (hosts.barrier, "waiting for every host"),
+                       (lambda: hosts.any_true(False), "agreeing whether to stop"),
+                       (lambda: hosts.mean_over_hosts(1.0, 2), "averaging the loss"),
+                       (lambda: hosts.broadcast_tensors([rows], "receiving a tensor"),
+                        "receiving a tensor"),
+                       (lambda: hosts.allgather_rows(rows, [4, 4]), "exchanging classifier"),
+                       (lambda: hosts.allreduce_sum(rows, "summing statistics"),
+                        "summing statistics"),
+                       (lambda: hosts.gather_rows(rows, [4, 4]), "gathering the classifier")):
+        with pytest.raises(HostFailure, match=f"communication between hosts failed while "
+                                              f"{what}.*process failure"):
+            call()

@@ -16,7 +16,9 @@ heartbeat is heard but which does not come to an exchange meets the deadline
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
+import inspect
 import math
 import os
 import pickle
@@ -262,6 +264,24 @@ class LogicalSum:
                 _as_mpi(self._slice), [_as_mpi(self.total), (sizes, [a for a, _ in self._bounds])])]
         except self._hosts.MPI.Exception as exc:
             raise self._hosts._failure(exc, "averaging gradients") from None
+
+
+def _naming(what: str | None = None):
+    """A decorator of an exchange's method: an MPI error raised as the exchange starts
+    (Open MPI refuses to start a collective with a process it knows failed) is the one-line
+    HostFailure `wait` raises for one it meets later, naming the failed host where it can;
+    `what`: what the exchange is (None: the method's own `what` argument)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def named(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except self.MPI.Exception as exc:
+                said = what or inspect.signature(method).bind(self, *args, **kwargs) \
+                    .arguments.get("what") or "exchanging with the other hosts"
+                raise self._failure(exc, said) from None
+        return named
+    return decorate
 
 
 class MPIHosts(Hosts):
@@ -547,6 +567,7 @@ class MPIHosts(Hosts):
         return HostFailure(f"communication between hosts failed while {what} ({reason})")
 
     # ------------------------------------------------------------------ small values
+    @_naming("exchanging settings")
     def _allgather_on(self, comm, value) -> list:
         payload = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
         sizes = np.zeros(comm.Get_size(), dtype=np.int64)
@@ -562,6 +583,7 @@ class MPIHosts(Hosts):
     def allgather(self, value) -> list:
         return self._allgather_on(self.comm, value)
 
+    @_naming("receiving rank 0's settings")
     def broadcast_object(self, value):
         payload = pickle.dumps(value) if self.rank == 0 else b""
         size = np.array([len(payload)], dtype=np.int64)
@@ -573,9 +595,11 @@ class MPIHosts(Hosts):
             self.traffic.sent(8 + buffer.size)
         return pickle.loads(buffer.tobytes())
 
+    @_naming("waiting for every host")
     def barrier(self) -> None:
         self.wait([self.comm.Ibarrier()], "waiting for every host")
 
+    @_naming("agreeing whether to stop")
     def any_true(self, flag: bool) -> bool:
         value = np.array([1 if flag else 0], dtype=np.int32)
         self.wait([self.comm.Iallreduce(self.MPI.IN_PLACE, value, self.MPI.MAX)],
@@ -583,6 +607,7 @@ class MPIHosts(Hosts):
         self.traffic.sent(value.nbytes)
         return bool(value[0])
 
+    @_naming("averaging the loss")
     def mean_over_hosts(self, total: float, samples: int) -> float:
         sums = np.array([total, samples], dtype=np.float64)
         self.wait([self.comm.Iallreduce(self.MPI.IN_PLACE, sums, self.MPI.SUM)],
@@ -611,6 +636,7 @@ class MPIHosts(Hosts):
         self.broadcast_tensors([*model.parameters(), *model.buffers()],
                                "receiving rank 0's initial parameters")
 
+    @_naming()
     def broadcast_tensors(self, tensors: list[torch.Tensor], what: str) -> None:
         """Rank 0's values of `tensors` written into every host's, in place."""
         staged = []
@@ -665,6 +691,7 @@ class MPIHosts(Hosts):
         return max(self.allgather(mine))
 
     # ------------------------------------------------------------------ tensors
+    @_naming("exchanging classifier inputs")
     def allgather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         given, tensor = tensor, to_host(tensor.detach())
         row = _row_elements(tensor)
@@ -685,6 +712,7 @@ class MPIHosts(Hosts):
         the split's features' gradients with --feature-dtype."""
         return self.reduce_scatter_rows(tensor, counts)
 
+    @_naming()
     def allreduce_sum(self, tensor: torch.Tensor,
                       what: str = "summing a classifier layer's partial outputs") -> torch.Tensor:
         given, tensor = tensor, to_host(tensor.detach())
@@ -744,6 +772,7 @@ class MPIHosts(Hosts):
             self._progress = ProgressThread(self.MPI)
         return self._progress
 
+    @_naming("gathering the classifier's slices")
     def gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         given, tensor = tensor, to_host(tensor.detach())
         row = _row_elements(tensor)
