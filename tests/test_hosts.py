@@ -320,3 +320,32 @@ def test_an_mpi_error_as_an_exchange_starts_is_one_line_naming_what_failed():
         with pytest.raises(HostFailure, match=f"communication between hosts failed while "
                                               f"{what}.*process failure"):
             call()
+
+
+def test_a_heartbeat_that_stopped_on_a_fault_of_its_own_is_named_by_the_deadline():
+    """A rank's heartbeat thread that met an error of its own (too many open files) stops,
+    and the waits go on without it: the deadline's line named a hung host or network, and
+    the cause was never shown."""
+    from hybriddl.hosts.mpi import HostFailure, MPIHosts
+
+    class FakeMPI:
+        class Exception(Exception):
+            pass
+
+        class Request:
+            @staticmethod
+            def Testsome(requests):
+                return []  # nothing completes
+
+    class StoppedHeartbeat:
+        running = False
+        fault = "the heartbeat stopped ([Errno 24] Too many open files)"
+
+    hosts = MPIHosts.__new__(MPIHosts)  # no MPI started: only the wait
+    hosts.MPI, hosts.comm, hosts.heartbeat, hosts._progress = FakeMPI, object(), \
+        StoppedHeartbeat(), None
+    hosts._exchanges, hosts._deadline_armed, hosts.timeout = 0, True, 0.2
+    with pytest.raises(HostFailure, match=r"no answer from the other hosts for 0 s while "
+                                          r"averaging gradients; .*this rank's heartbeat had "
+                                          r"stopped earlier: .*Too many open files"):
+        hosts.wait(["a request"], "averaging gradients")

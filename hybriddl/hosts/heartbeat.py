@@ -157,6 +157,11 @@ class Heartbeat:
         """The beating thread is alive (it stops only on close or on a fault of its own)."""
         return self._thread.is_alive()
 
+    @property
+    def fault(self) -> str | None:
+        """Why the beating thread stopped on a fault of its own (None: it did not)."""
+        return self._failed.get(-1)
+
     # ------------------------------------------------------------------ connecting
     def _connect(self, peer: int, addresses: list[str], port: int) -> None:
         errors = []

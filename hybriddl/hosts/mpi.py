@@ -488,7 +488,8 @@ class MPIHosts(Hosts):
                 if late and not heartbeat:
                     raise HostFailure(
                         f"no answer from the other hosts for {self.timeout:.0f} s while {what}; "
-                        "a host hung or the network is down (see --host-timeout)")
+                        "a host hung or the network is down (see --host-timeout)"
+                        + self._heartbeat_fault())
                 # Release the GIL so the prefetch thread keeps assembling batches.
                 time.sleep(0)
             if self._progress is not None and self._progress.failure is not None:
@@ -498,6 +499,12 @@ class MPIHosts(Hosts):
         finally:
             if heartbeat:
                 heartbeat.report(self._exchanges, inside=False)
+
+    def _heartbeat_fault(self) -> str:
+        """Why this rank's heartbeat stopped, where a fault of its own stopped it: the
+        deadline is all that named a lost host from then on."""
+        fault = self.heartbeat.fault if self.heartbeat else None
+        return f"; this rank's heartbeat had stopped earlier: {fault}" if fault else ""
 
     def progress_deadline(self, largest: int = PIECE_BYTES) -> float:
         """Seconds an exchange every host is inside may go without a part completing:
