@@ -518,3 +518,12 @@ def test_a_profiles_compute_and_a_probes_are_predicted_alike_under_a_time_scale(
     assert plans[0]["inputs"]["compute_seconds"] == pytest.approx(wall / scale)
     assert profiled == probed
     assert plans[1]["chosen"] == plans[0]["chosen"]
+
+
+def test_a_powersgd_variant_with_other_work_has_a_measured_cost_of_its_own():
+    """powersgd:2 and powersgd:2:min_rate=200 (fewer matrices as factors) shared one measured
+    cost: the planned rows of one showed the other's."""
+    keys = {PowerSGD(2).measured_key("data"), PowerSGD(2, min_rate=200).measured_key("data"),
+            PowerSGD(2, rounds=2).measured_key("data"), PowerSGD(4).measured_key("data"),
+            PowerSGD(2).measured_key("hybrid")}
+    assert len(keys) == 5 and PowerSGD(2).measured_key("data") == "data:2"

@@ -244,7 +244,9 @@ class PowerSGD(WireScheme):
         return seconds, True
 
     def measured_key(self, scope: str) -> str:
-        return f"{scope}:{self.rank}" + (f":rounds={self.rounds}" if self.rounds != 1 else "")
+        """One key per work done: the rank, the rounds and which matrices go as factors."""
+        return (f"{scope}:{self.rank}" + (f":rounds={self.rounds}" if self.rounds != 1 else "")
+                + (f":min_rate={self.min_rate}" if self.min_rate != 1 else ""))
 
     def measure_seconds(self, gradients: Sequence[torch.Tensor]) -> float:
         """Seconds of one step of `aggregate` with the allreduce left out, on `gradients` as
