@@ -500,6 +500,9 @@ class ScaledHosts:
     def broadcast_object(self, value):
         return value
 
+    def samples_of(self, global_batch: int) -> int:  # even shares
+        return global_batch // self.size
+
 
 def test_a_profiles_compute_and_a_probes_are_predicted_alike_under_a_time_scale(monkeypatch):
     """Both are wall seconds on this machine: the profile's (host batch / images/s) is
@@ -527,3 +530,38 @@ def test_a_powersgd_variant_with_other_work_has_a_measured_cost_of_its_own():
             PowerSGD(2, rounds=2).measured_key("data"), PowerSGD(4).measured_key("data"),
             PowerSGD(2).measured_key("hybrid")}
     assert len(keys) == 5 and PowerSGD(2).measured_key("data") == "data:2"
+
+
+def test_the_probe_times_this_hosts_share_of_the_batch_as_balanced(monkeypatch):
+    """Under --balance throughput a host computes its weight's share, not the even one: the
+    probe timed B/H rows on every host, and the plan took the slowest host's compute from
+    a share it does not compute (2 hosts at 100 and 300 images/s: twice the real step)."""
+    from hybriddl.hosts.cluster import SingleHost
+    from hybriddl.hybrid import parallel
+    from hybriddl.strategies import make_strategy
+
+    class Faster(SingleHost):  # rank 0 of two, three times the other's throughput
+        size, rank, overlap, time_scale = 2, 0, False, 1.0
+
+        def link_rate(self):
+            return GIGABIT
+
+        def link_latency(self):
+            return 1e-4
+
+        def allgather(self, value):
+            return [value] * self.size
+
+        def broadcast_object(self, value):
+            return value
+
+    timed = []
+    monkeypatch.setattr(parallel, "probe_compute",
+                        lambda model, batch, size: timed.append(batch) or 0.1)
+    monkeypatch.setattr(HostCosts, "measure", classmethod(lambda cls: COSTS))
+    hosts = Faster()
+    hosts.weights = [3.0, 1.0]
+    assert hosts.samples_of(64) == 48
+    parallel.choose("data", build_model("squeezenet1_1", 3), make_strategy("sequential"), hosts,
+                    64, 32, None)
+    assert timed[0] == 48

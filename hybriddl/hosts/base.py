@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hybriddl.data import GlobalBatch, HostShare
-from hybriddl.data.sharding import split_bounds
+from hybriddl.data.sharding import split_bounds, split_counts
 from hybriddl.emulation.pace import pace, step_done, timed
 from hybriddl.errors import TrainingError, UsageError
 from hybriddl.machine.naming import host_name
@@ -185,6 +185,11 @@ class Hosts:
         """Logical part `part` of this host's has its gradient of `samples` rows in `.grad`:
         hand it to the averaging, which clears `.grad` for the next part."""
         raise RuntimeError("part_done without use_logical")
+
+    def samples_of(self, global_batch: int) -> int:
+        """How many of a global batch of `global_batch` samples this host computes (its
+        weight's share, after `agree`): what the planner times and predicts."""
+        return split_counts(global_batch, self.weights)[self.rank]
 
     # ------------------------------------------------------------------ one step
     def share(self, batch: GlobalBatch) -> HostShare:

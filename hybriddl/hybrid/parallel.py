@@ -490,8 +490,8 @@ def choose(asked: str, model: nn.Module, strategy: LocalStrategy, hosts, global_
     cores = len(getattr(hosts, "cores", None) or []) or None
     time_alone = None  # one host's whole global batch, where the plan needs it
     if compute_seconds is None:  # no profile: time this host's share once (wall seconds)
-        compute_seconds = probe_in_threads(model, -(-global_batch // hosts.size), image_size,
-                                           cores, 1.0)
+        share = max(1, hosts.samples_of(global_batch))  # its weight's (--balance)
+        compute_seconds = probe_in_threads(model, share, image_size, cores, 1.0)
         time_alone = functools.partial(probe_in_threads, model, global_batch, image_size,
                                        cores, scale)
     compute = max(hosts.allgather(compute_seconds / scale))

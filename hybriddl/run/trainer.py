@@ -207,7 +207,7 @@ def settle(prepared: PreparedRun, hosts) -> SettledRun:
     strategy is set up (the planner may time a step on it)."""
     config = prepared.config
     hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
-    host_batch = -(-config.batch_size // hosts.size)
+    host_batch = hosts.samples_of(config.batch_size)  # its weight's share (--balance)
     # The exchange planned per link (hybrid/planner.py): --host-parallel, --compression
     # and --feature-dtype settled together where they are auto.
     scheme = choose(config.host_parallel, prepared.model, prepared.strategy, hosts,
