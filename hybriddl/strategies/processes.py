@@ -153,10 +153,16 @@ class Processes(CoreWorkersStrategy):
                 connection.send(("stop",))
             except OSError:
                 pass
+        # A worker told to stop returns at once, but its interpreter's teardown (torch's)
+        # outlasts a second: every worker is killed after STOP_SECONDS in all (they ignore
+        # SIGTERM, see _worker_main). A failing run's one line waits for this, and mpirun
+        # kills the rank within about two seconds of another's death.
+        deadline = time.monotonic() + STOP_SECONDS
         for process in self.processes:
-            process.join(timeout=1.0)
-            if process.is_alive():  # still inside a step: its work is of no use any more
-                process.kill()  # (it ignores SIGTERM, see _worker_main)
+            process.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
                 process.join()
         for connection in self.connections:
             connection.close()
@@ -195,6 +201,7 @@ def _views(flat: torch.Tensor, model) -> list[torch.Tensor]:
 
 
 WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_SECONDS = 0.2  # what `close` gives the workers to end before it kills them
 
 
 def _worker_main(rank: int, connection, model, grad_buffer: torch.Tensor, options) -> None:
