@@ -355,7 +355,7 @@ def _out_of_memory_named():
             raise
         raise TrainingError(f"out of {where} memory ({text.splitlines()[0][:200]}): lower "
                             "--batch-size, or give --accumulate N (the same step in N chunks); "
-                            "the last checkpoint is kept") from None
+                            "any checkpoint written is kept") from None
 
 
 # torch's message when a training-mode BatchNorm gets one value per channel.
