@@ -102,7 +102,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hybriddl import failpoints
-    from hybriddl.data.loading import data_notes, data_repairs
+    from hybriddl.data.loading import data_repairs
     from hybriddl.hosts.cluster import connect
     from hybriddl.run import trainer
     from hybriddl.run.failure_record import StepsSeen, record_failure, record_stop
@@ -131,8 +131,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             for line in [*idle, *flags.idle, *(flags.alone if hosts.size == 1 else ())]:
                 display.warn(line)  # a flag that does nothing here is not ignored silently
             prepared = trainer.prepare(config, display, resume, hosts=hosts, stop=stop)
-            for line in data_notes(prepared.split):
-                display.warn(line)
             metrics = trainer.run(prepared, steps, hosts, stop=stop,
                                   figures_only=args.measure_only)
             for line in data_repairs(prepared.split):

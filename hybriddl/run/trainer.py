@@ -22,7 +22,7 @@ from hybriddl import data as datamod
 from hybriddl import failpoints
 from hybriddl.dropout import MASKS, dropout_keys, sample_keys
 from hybriddl.data.cache.building import CacheBuildInterrupted
-from hybriddl.data.loading import load_data
+from hybriddl.data.loading import data_notes, load_data
 from hybriddl.data.sharding import split_counts
 from hybriddl.run import resumption
 from hybriddl.run.checkpointer import Checkpointer
@@ -168,6 +168,8 @@ def _data_on_every_host(config: TrainConfig, observer, hosts, stop: StopRequest 
                           strict=config.strict_data)
     except CacheBuildInterrupted as exc:
         interrupted = exc
+    for line in data_notes(split) if split else ():  # files skipped, images converted
+        observer.on_warning(line)
     if failpoints.fires("die-data", hosts.rank):
         failpoints.die()
     _stopped_together(hosts, interrupted, CacheBuildInterrupted.on_another_host)
@@ -265,6 +267,7 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                      and prepared.start_weights is None)
         replicas = ReplicaCheck(hosts, [] if figures_only else scheme.replicated(model),
                                 config.check_every, config.strict_equal)
+        optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         # Started only now: every rank is past prepare()'s check that the run dir is new.
         monitor = monitoring.enter_context(Monitor(run_dir, hosts.rank, config.monitor_interval))
         metrics = resumed_metrics(prepared, hosts, scheme) if prepared.resume else {
@@ -275,7 +278,6 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                                 config.stop_at_target, metrics.get("target"))
         if not figures_only:  # every validation, on the run's clock; kept in every checkpoint
             metrics["target"] = target.record
-        optimizer = make_optimizer(model.parameters(), config.lr, config.momentum)
         keeper = monitoring.enter_context(Checkpointer(
             run_dir, hosts, stop, model, optimizer, metrics, checkpoint_about(prepared, metrics),
             config.checkpoint_every, layout=scheme, writes=not figures_only))
