@@ -177,6 +177,22 @@ def test_rows_a_full_disk_refused_do_not_hide_the_runs_own_error(tmp_path):
     assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]
 
 
+def test_a_file_that_cannot_be_opened_leaves_none_open(tmp_path):
+    """The sar file refused (here: a folder in its place) after the pidstat file opened:
+    start() fails with that error and closes what it had opened (stop() had nothing to
+    close, so the handle leaked), and a later start opens both afresh."""
+    monitor = Monitor(tmp_path, rank=0, interval=INTERVAL)
+    monitor.sar_path.mkdir()
+    with pytest.raises(IsADirectoryError):
+        monitor.start()
+    assert monitor._files == [] and monitor._thread is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybriddl-monitor")]
+    monitor.sar_path.rmdir()
+    with monitor:
+        pass
+    assert len(monitor._files) == 0 and monitor.sar_path.read_text().startswith("timestamp")
+
+
 def test_a_resumed_run_appends_after_the_row_a_cut_cut_short(tmp_path):
     """A row cut short (a full disk, a kill) ends the file without its newline: the resumed
     run's rows start on a line of their own, so every row stays whole and `report` reads

@@ -93,8 +93,14 @@ class Monitor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._stop.clear()
         # Appending lets a resumed run continue its files; the header is written once.
-        self._pidstat = self._open(self.pidstat_path, PIDSTAT_COLUMNS)
-        self._sar = self._open(self.sar_path, SAR_COLUMNS)
+        try:
+            self._pidstat = self._open(self.pidstat_path, PIDSTAT_COLUMNS)
+            self._sar = self._open(self.sar_path, SAR_COLUMNS)
+        except BaseException:  # one could not be opened: none is left open (stop() skips)
+            for handle in self._files:
+                handle.close()
+            self._files = []
+            raise
         self._peaks = _Peaks()
         self._started_unix = time.time()
         self._started = self._last = time.perf_counter()
