@@ -237,3 +237,13 @@ def test_a_hand_edited_metrics_file_is_one_line_naming_it(tmp_path, edit, says):
     with pytest.raises(UsageError, match=f"{METRICS}: .*{says}"):
         write_report([run], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_suffixed_name_does_not_take_another_runs_charts(tmp_path):
+    """Runs named a, a-2 and a: the second `a` was suffixed with the count of names used
+    (2), which is the other run's name, and its charts replaced that run's."""
+    runs = [make_run(tmp_path / parent / name, {"name": "sequential"}, [10.0 + i])
+            for i, (parent, name) in enumerate((("x", "a"), ("y", "a-2"), ("z", "a")))]
+    written = write_report(runs, tmp_path / "out")
+    charts = [p.name for p in written if p.name.startswith("resources-")]
+    assert len(charts) == len(set(charts)) == 3, charts

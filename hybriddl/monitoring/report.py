@@ -234,7 +234,9 @@ def write_report(run_dirs: list[Path | str], output: Path | str) -> list[Path]:
         if not run.ranks:
             sections.append(f"### {run.name}\n\nNo monitor files (the run had --monitor-interval 0).\n")
             continue
-        name = run.name if run.name not in used_names else f"{run.name}-{len(used_names)}"
+        name, again = run.name, 1
+        while name in used_names:  # another run's folder had its name (or this suffixed one)
+            name, again = f"{run.name}-{again}", again + 1
         used_names.add(name)
         monitor = run.metrics.get("monitor") or {}
         images = []
