@@ -124,7 +124,7 @@ def benchmark_page(page: Page, data: dict) -> str:
     lines = [f"# {page.title}", "",
              GENERATED.format(source=f"`{page.json}`"), "",
              f"- **setting**: {page.setting(data)}",
-             f"- **command**: `{p['command']}`",
+             f"- **command**: `{p['command']}`" + renamed_since(p["command"], page.json),
              f"- **date**: {measured_date(data)}",
              f"- **CPU**: {p['cpu_model']}, {p['cores']} cores",
              *([f"- **GPU**: {data['gpu_name']}"] if data.get("gpu_name") else []),
@@ -153,6 +153,18 @@ def benchmark_page(page: Page, data: dict) -> str:
     if notes:
         lines += [notes, ""]
     return "\n".join(lines)
+
+
+def renamed_since(command: str, json_path: str) -> str:
+    """Where the command wrote a results file under another name than the one quoted (the
+    file was renamed after the run), the page says so rather than show a name that is not
+    there."""
+    words = command.split()
+    written = next((words[i + 1] for i, word in enumerate(words[:-1]) if word == "--output"),
+                   None)
+    if written is None or not written.endswith(".json") or Path(written) == Path(json_path):
+        return ""
+    return f" (written as `{written}`, moved to this name since)"
 
 
 def expanded(pages: list[Page], skipped: list[str]) -> list[Page]:

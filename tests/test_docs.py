@@ -208,3 +208,18 @@ def test_one_run_of_write_docs_links_a_new_pages_chart_from_the_readme(tmp_path,
     assert (tmp_path / "docs" / "benchmarks" / f"{name}.png").stat().st_size > 0
     assert f"](docs/benchmarks/{name}.png)" in readme.read_text()
     assert docs.differences() == []
+
+
+def test_a_page_says_where_its_command_wrote_a_results_file_since_moved():
+    """A results file moved after its run (out of /tmp, or renamed): the quoted command
+    names a file that is not there, and the page says so; where the command wrote the
+    file quoted, nothing is added."""
+    docs = write_docs()
+    quoted = "results/time_to_accuracy-x.json"
+    assert docs.renamed_since("python s.py --output /tmp/t.json --seeds 1", quoted) == \
+        " (written as `/tmp/t.json`, moved to this name since)"
+    assert docs.renamed_since(f"python s.py --output {quoted}", quoted) == ""
+    assert docs.renamed_since("python s.py --steps 3", quoted) == ""
+    page = (REPO / "docs" / "benchmarks" /
+            "time_to_accuracy-mnist-SimpleBig-1core-powersgd.md").read_text()
+    assert "moved to this name since" in page
