@@ -144,13 +144,13 @@ def prepare(config: TrainConfig, observer: TrainingObserver | None = None,
                                            lambda: stop.signum if stop else None)
             except TuneInterrupted as exc:
                 interrupted = exc
+        if picked is not None:
+            strategy = make_strategy(picked.strategy, picked.strategy_options)
+            check_host_parallel(config, model, strategy)
+            # The run stays "auto" (a resume picks again); the host's weight is the pick's.
+            config = replace(config, throughput=picked.throughput)
     # Every host, tuning or not (the hosts' exchanges stay the same on each).
     _stopped_together(hosts, interrupted, TuneInterrupted.on_another_host)
-    if auto:
-        strategy = make_strategy(picked.strategy, picked.strategy_options)
-        check_host_parallel(config, model, strategy)
-        # The run stays "auto" (a resume picks again); the host's weight is the pick's.
-        config = replace(config, throughput=picked.throughput)
     if resume is not None:
         resumption.check_same_data(resume, datamod.describe(split))
         model.load_state_dict(resume.model)  # before setup, so local workers start from it
