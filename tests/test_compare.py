@@ -8,6 +8,8 @@ interpreter starts to every run."""
 import json
 import os
 import shutil
+import sys
+import time
 
 import pytest
 import torch
@@ -506,3 +508,24 @@ def test_a_failed_contender_keeps_what_the_contenders_before_it_measured(tmp_pat
     assert written["unfinished"]["contender"] == "ddp"
     assert "unfinished: the ddp contender failed (exit 137): Killed (full log: x); the " \
         "contenders after ddp did not run" in (output / REPORT).read_text()
+
+
+def test_a_contender_host_that_fails_stops_the_others_at_once(tmp_path):
+    """One of a DDP contender's host processes fails at its start: the others (here: one
+    that would wait ten minutes, as gloo's rendezvous waits 30) are stopped at once and the
+    failure is named, not waited out."""
+    import psutil
+
+    from hybriddl.compare import compare
+    from hybriddl.errors import TrainingError
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    failing = [sys.executable, "-c", "import sys; print('no route to h0'); sys.exit(3)"]
+    contender = compare.Contender("ddp", 2, [sleeper, failing], "ring")
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match=r"the ddp contender failed \(exit 3\): "
+                                            r"no route to h0"):
+        compare.run_contender(contender, tmp_path / "ddp.log")
+    assert time.monotonic() - started < 60
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] and p.info["cmdline"][-1:] == ["import time; time.sleep(600)"]]

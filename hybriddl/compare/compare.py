@@ -274,16 +274,30 @@ def run_contender(contender: Contender, log: Path) -> None:
         children = [subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, env=env)
                     for argv in contender.commands()]
         try:
-            codes = [child.wait() for child in children]
-        except BaseException:
+            codes = wait_for_all(children)
+        finally:
             for child in children:
-                stop_child(child)
-            raise
-    failed = [code for code in codes if code != 0]
+                if child.poll() is None:
+                    stop_child(child)
+    failed = [code for code in codes if code not in (None, 0)]  # None: stopped, as it waited
     if failed:
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
         raise TrainingError(f"the {contender.name} contender failed (exit {failed[0]}): "
                             f"{last[-1].strip() if last else 'no output'} (full log: {log})")
+
+
+def wait_for_all(children: list[subprocess.Popen], poll_seconds: float = 0.2) -> list:
+    """Each child's exit code once all have ended, or as soon as one fails: a DDP host
+    that failed at its start left the others waiting in gloo's rendezvous (30 minutes by
+    default) or in their first collective. The caller stops any still running."""
+    while True:
+        codes = [child.poll() for child in children]
+        if None not in codes or any(code not in (None, 0) for code in codes):
+            return codes
+        try:
+            next(child for child in children if child.poll() is None).wait(poll_seconds)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def stop_child(child: subprocess.Popen) -> None:
