@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -251,3 +252,24 @@ def test_auto_measures_without_keeping_where_the_cache_folder_cannot_be_written(
     assert choice.how == "measured" and "not kept (writing" in choice.notes[0]
     assert "No space left on device" in choice.notes[0]
     assert list(tmp_path.glob("*allocator-h.json*")) == [tmp_path / "allocator-h.json.lock"]
+
+
+def test_a_lock_another_process_keeps_is_waited_for_a_bounded_time(tmp_path, two_installed,
+                                                                   monkeypatch):
+    """Another process holds the measurement's lock and never lets go (stopped with
+    Ctrl-Z, say): this start waited for ever; it measures alone after the bound, keeps
+    nothing (the holder may still write), and says why."""
+    import fcntl
+
+    monkeypatch.setattr(allocator, "LOCK_WAIT_SECONDS", 0.5)
+    cache = tmp_path / "allocator-h.json"
+    with open(tmp_path / "allocator-h.json.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: flock treats it as another holder
+        started = time.monotonic()
+        choice = allocator.settle("auto", Timer(), cache=cache)
+    assert time.monotonic() - started < 30
+    assert (choice.name, choice.how) == ("glibc", "measured")
+    assert "not kept" in choice.notes[-1] and "held by another process" in choice.notes[-1]
+    assert not cache.exists()
+    assert allocator.settle("auto", Timer(), cache=cache).how == "measured"  # and now kept
+    assert cache.exists()

@@ -129,6 +129,10 @@ CHOICES = ("auto", *ALLOCATORS)
 ENV = "HYBRIDDL_ALLOCATOR"  # what --allocator says when it is left out
 PRELOADED_ENV = "HYBRIDDL_ALLOCATOR_PRELOADED"  # set by the re-execution: the settled choice
 CACHE_VERSION = 1
+# How long a start waits for another process's measurement (a few seconds of steps on each
+# allocator, longer on a loaded host) before it measures alone, keeping nothing.
+LOCK_WAIT_SECONDS = 300.0
+LOCK_POLL_SECONDS = 0.2
 
 
 def library_path(name: str) -> str | None:
@@ -292,11 +296,31 @@ def measured_choice(names: list[str], measure: Measure, path: Path,
                             "set XDG_CACHE_HOME to a folder you can write")
         return choice
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _locked(lock, LOCK_WAIT_SECONDS):
+            choice = _measured_now(names, measure, path, on_measuring)
+            choice.notes.append(
+                f"allocator: the choice is not kept ({lock.name} was held by another process "
+                f"for {LOCK_WAIT_SECONDS:g} s: one stopped, or measuring on a loaded host); "
+                "it is measured again at the next start")
+            return choice
         cached = _read_choice(path, facts)
         if cached:
             return AllocatorChoice(cached, "cached")
         return _measured_now(names, measure, path, on_measuring, facts)
+
+
+def _locked(handle, seconds: float) -> bool:
+    """`handle` locked exclusively within `seconds`: False where another process (stopped,
+    or measuring for longer than that) kept it; a blocking lock waited for it for ever."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_SECONDS)
 
 
 def _measured_now(names: list[str], measure: Measure, path: Path,
