@@ -154,3 +154,31 @@ def test_the_payload_holds_the_staged_tensors_themselves_not_copies():
                          strategy={}).to_payload()
     assert payload["model"]["weight"] is staged["weight"]
     assert payload["position"] == {"epoch": 0, "step": 0, "steps_done": 0}
+
+
+def test_a_checkpoint_keeps_the_hosts_mean_of_batchnorms_running_statistics(tmp_path):
+    """Each host updates BatchNorm's running statistics from its own rows; a checkpoint
+    kept rank 0's own, so a resumed run validated (and kept in model.pt) other statistics
+    than the uninterrupted one, whose validation averages them over the hosts first."""
+    from hybriddl.hybrid.parallel import DataParallel
+
+    class TwoHosts(SingleHost):
+        rank, size = 0, 2
+
+        def allreduce_sum(self, tensor, what=""):  # the other host's statistics are 4 more
+            return tensor + (tensor + 4)
+
+        def mean_over_hosts(self, value, samples):
+            return value / max(samples, 1)
+
+    model = nn.Sequential(nn.Conv2d(3, 2, 1), nn.BatchNorm2d(2))
+    model(torch.randn(4, 3, 2, 2))  # rank 0's own statistics
+    own = model[1].running_mean.clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    about = {"config": {}, "identity": {}, "strategy": {}}
+    with Checkpointer(tmp_path, TwoHosts(), StopRequest(), model, optimizer, {"epochs": []},
+                      about, layout=DataParallel()) as keeper:
+        keeper.save(EpochProgress())
+    saved = resumption.load(tmp_path).model
+    assert torch.allclose(saved["1.running_mean"], own + 2)
+    assert torch.allclose(saved["1.running_var"], model[1].running_var)  # the live model's too

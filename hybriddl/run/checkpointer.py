@@ -197,6 +197,11 @@ class Checkpointer:
         self.wait_for_write()  # its staging buffers are about to be overwritten
         if self._preparing is not None:
             self._staging, self._preparing = self._preparing.result(), None
+        if self.layout is not None:
+            # BatchNorm's running statistics, each host's own till now: the checkpoint
+            # keeps their mean, as validation sees it, not rank 0's (collective; linear
+            # updates, so averaging now changes nothing any later validation sees).
+            self.layout.average_statistics(self.model, self.hosts)
         whole = self._whole_state()  # collective where the model is split across hosts
         self._staged_steps = self.position.steps_done
         if self.hosts.rank != 0:
