@@ -300,12 +300,50 @@ def _kernels(device: torch.device) -> _Kernels:
     return kernels if kernels.compiled else _EAGER
 
 
+class KeyedStochasticDepth(nn.Module):
+    """torchvision's StochasticDepth in "row" mode (EfficientNet, ConvNeXt, Swin, MaxViT:
+    a residual branch dropped per sample) with each sample's keep from its key, as
+    KeyedDropout's masks: torchvision's draws from the global RNG, which a checkpoint
+    restores as rank 0's on every host and which threads and worker processes share or
+    do not. Without keys it is torchvision's."""
+
+    def __init__(self, p: float, layer: int = 0):
+        super().__init__()
+        self.p, self.mode, self.layer = p, "row", layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keys = current_keys()
+        if keys is None:
+            from torchvision.ops import stochastic_depth
+
+            return stochastic_depth(x, self.p, self.mode, True)
+        if len(keys) != len(x):
+            raise RuntimeError(f"stochastic depth got {len(x)} samples but {len(keys)} sample "
+                               "keys: slice the keys like the batch")
+        keep = keep_mask(keys, self.layer, 0, 1, self.p, x.device).to(x.dtype)
+        if self.p < 1.0:
+            keep = keep / (1.0 - self.p)
+        return x * keep.view(len(x), *[1] * (x.dim() - 1))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, mode={self.mode}, layer={self.layer}"
+
+
 def key_dropout(model: nn.Module) -> nn.Module:
-    """Replace the model's nn.Dropout modules, in place, by KeyedDropout (numbered in order)."""
+    """Replace the model's nn.Dropout modules, and torchvision's row-wise StochasticDepth,
+    in place, by KeyedDropout and KeyedStochasticDepth (numbered in order)."""
+    from torchvision.ops import StochasticDepth
+
     layer = 0
     for parent in model.modules():
         for name, child in parent.named_children():
             if type(child) is nn.Dropout:
                 setattr(parent, name, KeyedDropout(child.p, layer % 2 ** _LAYER_BITS))
-                layer += 1
+            elif type(child) is StochasticDepth and child.mode == "row":
+                setattr(parent, name, KeyedStochasticDepth(child.p, layer % 2 ** _LAYER_BITS))
+            else:
+                continue
+            layer += 1
     return model

@@ -285,3 +285,35 @@ def test_keyed_dropout_forward_and_backward_are_the_same_on_cpu_and_cuda(monkeyp
     assert dropout._kernels(torch.device("cuda")) is dropout.compiled_kernels()
     assert torch.equal(gradient("cuda"), on_cpu)
     assert dropout.compiled_kernels().compiled, dropout.compiled_kernels().fallback
+
+def test_stochastic_depth_is_keyed_per_sample_like_dropout():
+    """EfficientNet's (and ConvNeXt's, Swin's, MaxViT's) stochastic depth drops a residual
+    branch per sample from the global RNG: a checkpoint restores rank 0's RNG on every
+    host, and threads or worker processes draw in their own order. Keyed, a sample's drop
+    is the same whatever batch, host or RNG state it is computed in."""
+    from torchvision.ops import StochasticDepth
+
+    from hybriddl.dropout import KeyedStochasticDepth
+
+    model = build_model("efficientnet_b0", 10)
+    assert not [m for m in model.modules() if type(m) is StochasticDepth]
+    depth = [m for m in model.modules() if isinstance(m, KeyedStochasticDepth)]
+    assert len(depth) == 16 and len({m.layer for m in depth}) == 16
+    assert [m.layer for m in model.modules() if isinstance(m, KeyedDropout)] == [16]
+    layer = KeyedStochasticDepth(0.3, layer=5).train()
+    keys = sample_keys(1, 0, torch.arange(4000))
+    x = torch.ones(4000, 2, 3, 3)
+    torch.manual_seed(0)
+    with dropout_keys(keys):
+        whole = layer(x)
+    torch.manual_seed(1)  # another RNG state: the same drops
+    with dropout_keys(keys[:1000]):
+        first = layer(x[:1000])
+    with dropout_keys(keys[1000:]):
+        rest = layer(x[1000:])
+    assert torch.equal(torch.cat([first, rest]), whole)
+    rows = whole.flatten(1)
+    assert torch.equal(rows.amin(1), rows.amax(1))  # a whole sample is kept or dropped
+    kept = (rows[:, 0] > 0).float().mean().item()
+    assert abs(kept - 0.7) < 0.03 and torch.allclose(rows[rows > 0], torch.tensor(1 / 0.7))
+    assert torch.equal(layer.eval()(x), x)
