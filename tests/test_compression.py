@@ -878,6 +878,27 @@ def test_a_compressed_run_on_three_ranks_resumed_on_two_then_three_ends_as_unint
     assert resumes[0]["logical_hosts"] == 3 and "logical_hosts" not in resumes[1]
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.beside  # what its own ranks leave, nothing timed
+@pytest.mark.skipif(not MPIRUN.exists(), reason=f"no mpirun at {MPIRUN}")
+def test_a_compressed_hybrid_run_resumed_on_fewer_hosts_goes_on(images, tmp_path):
+    """The hybrid scheme's classifier slices follow the hosts there are: resumed on fewer
+    hosts it does not run the logical ranks the data scheme does (it took that path and
+    a rank failed at its first step with a traceback, "host share N is not the split's
+    M"); rank 0 takes the hosts' errors summed, as on any other host count."""
+    run = tmp_path / "run"
+    flags = ["--host-parallel", "hybrid", "--model", "alexnet", "--image-size", "64",
+             "--epochs", "1"]
+    done = mpirun(3, ["-m", "hybriddl", *train_args(images, run, *flags, "--max-steps", "1")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = mpirun(2, ["-m", "hybriddl", "train", "--resume", str(run), "--max-steps", "2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = json.loads((run / METRICS).read_text())
+    assert metrics["epochs"][-1]["steps"] == 2 and "logical_hosts" not in metrics["resumes"][0]
+    assert metrics["resumes"][0]["host_parallel"]["scheme"] == "hybrid"
+
+
 @pytest.mark.parametrize("rank, rounds", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
 def test_no_rank_freezes_the_layers_behind_a_zero_initialised_head(rank, rounds):
     """At the first step every gradient behind a zero head is exactly zero: its factor

@@ -75,6 +75,9 @@ class DataParallel:
     plan: dict | None = None
     compression = EXACT
     feature_dtype = EXACT_FEATURES
+    # A compressed run resumed on fewer hosts goes on as the logical ranks it started on
+    # (each host computes its ranks' rows in turn, run/trainer.py `logical_gradients`).
+    runs_logical_ranks = True
 
     def __init__(self, reason: str = ""):
         self.reason = reason
@@ -142,6 +145,10 @@ class HybridParallel(DataParallel):
     """Convolutions data-parallel, the classifier's linear layers split across hosts."""
 
     name = "hybrid"
+    # The classifier's slices follow the hosts there are, not the ranks the run started on:
+    # resumed on another host count, rank 0 takes the hosts' errors summed
+    # (resumption.compression_for_host), as a data run that cannot run logical ranks.
+    runs_logical_ranks = False
 
     def __init__(self, reason: str = ""):
         super().__init__(reason)

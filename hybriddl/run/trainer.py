@@ -601,7 +601,7 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     # A compressed run goes on with fewer hosts than it started on as its logical ranks.
     started_on = resumption.logical_count(prepared.resume)
     more = None
-    if (started_on and ran == hosts.compression.name and isinstance(scheme, DataParallel)
+    if (started_on and ran == hosts.compression.name and scheme.runs_logical_ranks
             and hosts.use_logical(started_on)):
         saved, more, unread = resumption.compression_by_logical_rank(
             prepared.resume, prepared.run_dir, hosts.logical_ranks)
