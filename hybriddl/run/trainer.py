@@ -414,6 +414,13 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             if loss.due(stats.loss_sum, now) or keeper.saves_next_step():
                 loss.read(progress, now, f"epoch {epoch + 1}, step {step + 1}", keeper.kept)
             observer.on_step(epoch, step, share.global_samples, now - step_started, loss.last)
+            at_target = False
+            # A validation due at this step comes before its checkpoint, which keeps it (a
+            # stop or --checkpoint-every there lost it: the resumed run never made it).
+            if validate is not None and validate.due(keeper.position.steps_done + 1):
+                at_target = validate.after_step(epoch, keeper.position.steps_done + 1,
+                                                progress.steps)
+                last = time.perf_counter()  # validation is not the next step's time
             if validate is not None:
                 validate.target.tick()  # the clock a checkpoint of this step carries
             keeper.step_done(progress)
@@ -421,11 +428,8 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             if replicas is not None and (line := replicas.after_step(
                     keeper.position.steps_done, step_seconds[-1])):
                 observer.on_warning(line)
-            if validate is not None and validate.due(keeper.position.steps_done):
-                stop = validate.after_step(epoch, keeper.position.steps_done, progress.steps)
-                last = time.perf_counter()  # validation is not the next step's time
-                if stop:
-                    break
+            if at_target:
+                break
     # A GPU step returns once queued: the epoch's clock stops when its last step has run.
     strategy.synchronize()
     progress.seconds += time.perf_counter() - last
