@@ -346,3 +346,32 @@ def test_batchnorm_running_statistics_are_averaged_before_validation_not_named_d
     assert hosts.what == "averaging the hosts' running statistics"
     DataParallel().average_statistics(model, SingleHost())  # one host: nothing to average
     assert all(torch.allclose(t, b + 1.5) for t, b in zip(statistics, before))
+
+
+def test_where_every_host_validates_every_row_rank_0s_count_decides_for_all():
+    """The hybrid scheme where sharing validation does not pay: every host takes every row
+    and kept its own count, so under --stop-at-target a host whose replicated last layer
+    differed by an ulp could stop alone while the others trained on (a hang)."""
+    from hybriddl.data import ImageSet
+    from hybriddl.run.trainer import evaluate
+
+    class SecondOfTwo(SingleHost):
+        rank, size = 1, 2
+
+        def allgather(self, value):
+            self.gathered = value
+            return [3, value]  # rank 0 counted 3 of the 4 right
+
+    class NotShared(DataParallel):
+        def validation_logits(self, strategy, sample):
+            return None
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    with make_strategy("sequential") as strategy:
+        strategy.setup(model)
+        images = ImageSet(torch.zeros(4, 3, 2, 2, dtype=torch.uint8),
+                          torch.tensor([0, 1, 0, 1]), ["a", "b"])
+        hosts = SecondOfTwo()
+        accuracy, shared_by = evaluate(strategy, images, lambda x: x.float(), 2, hosts,
+                                       NotShared())
+    assert (accuracy, shared_by) == (0.75, 1) and hosts.gathered == 2  # its own: half right

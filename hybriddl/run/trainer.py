@@ -587,6 +587,11 @@ def evaluate(strategy: LocalStrategy, images: datamod.ImageSet, transform, batch
     model.train(was_training)
     if parts > 1:
         correct = sum(hosts.allgather(correct))
+    elif hosts is not None and hosts.size > 1:
+        # Every host took every row: rank 0's count is every host's, so that a
+        # --stop-at-target stops all alike (the hybrid scheme's replicated last layer
+        # may differ by an ulp between replica checks; a host that stopped alone hung).
+        correct = hosts.allgather(correct)[0]
     return correct / len(images), parts
 
 
