@@ -152,6 +152,21 @@ def test_a_resume_asked_to_stop_before_where_the_run_is_is_refused_and_changes_n
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 
+def test_a_resume_asked_for_the_epochs_a_run_has_trained_past_is_refused(images, tmp_path,
+                                                                        capsys):
+    """A run cut inside its second epoch, resumed with --epochs 1: the loop had nothing to
+    do, and the run counted as finished with a step of epoch 2 in its model."""
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--max-steps", str(STEPS_PER_EPOCH + 1))) == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--epochs 1: the run in" in err and "1 step(s) into epoch 2" in err, err
+    assert len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
 def test_without_a_target_every_epochs_validation_is_on_the_clock(images, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(train_args(images, run_dir)) == 0

@@ -145,6 +145,10 @@ def settled_config(given: dict, resume: str | None = None
             raise UsageError(f"--epochs {config.epochs}: the run in {resume} has done "
                              f"{done.epoch} epochs already; give more to continue it, or "
                              "leave --epochs out")
+        if config.epochs == done.epoch and done.step > 0:  # it has trained past them
+            raise UsageError(f"--epochs {config.epochs}: the run in {resume} is {done.step} "
+                             f"step(s) into epoch {done.epoch + 1} already; give more to "
+                             "continue it, or leave --epochs out")
     idle = [line for line in (
         idle_workers(config.strategy, options.workers),
         idle_devices(config.strategy, options.devices),
