@@ -19,7 +19,7 @@ from held_run import Held, wait_for
 from held_fixtures import images, no_held_run_left  # noqa: F401  (fixtures)
 from hybriddl.run import resumption
 from hybriddl.hosts.cluster import SingleHost
-from hybriddl.run.checkpointer import Checkpointer, stage
+from hybriddl.run.checkpointer import Checkpointer, capture_rng, stage
 from hybriddl.run.resumption import Checkpoint, EpochProgress, Position
 from hybriddl.run.shutdown import StopRequest
 from hybriddl.cli import main
@@ -182,3 +182,38 @@ def test_a_checkpoint_keeps_the_hosts_mean_of_batchnorms_running_statistics(tmp_
     saved = resumption.load(tmp_path).model
     assert torch.allclose(saved["1.running_mean"], own + 2)
     assert torch.allclose(saved["1.running_var"], model[1].running_var)  # the live model's too
+
+
+def test_a_resumed_momentum_buffer_is_laid_out_as_its_parameter(tmp_path):
+    """A checkpoint of a run without --channels-last resumed with it (or the reverse, or an
+    auto pick that changed it): load_state_dict kept the saved buffer's layout, and torch's
+    fused SGD, which pairs elements in memory order, applied the momentum to other
+    elements at the first step."""
+    torch.manual_seed(0)
+    plain = nn.Conv2d(3, 4, 3)
+    saved_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.randn(2, 3, 5, 5)).sum().backward()
+    saved_optimizer.step()  # a momentum buffer in the default layout
+    checkpoint = Checkpoint(config={}, identity={}, position=Position(0, 1, 1),
+                            progress=EpochProgress(), model=plain.state_dict(),
+                            optimizer=saved_optimizer.state_dict(), rng=capture_rng(),
+                            metrics={}, strategy={})
+
+    def resumed(channels_last: bool) -> torch.Tensor:
+        model = nn.Conv2d(3, 4, 3)
+        model.load_state_dict(plain.state_dict())
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        about = {"config": {}, "identity": {}, "strategy": {}}
+        with Checkpointer(tmp_path / str(channels_last), SingleHost(), StopRequest(), model,
+                          optimizer, {"epochs": []}, about, writes=False) as keeper:
+            keeper.restore(checkpoint, 0.1, 0.9)
+        buffer = optimizer.state[model.weight]["momentum_buffer"]
+        assert buffer.stride() == model.weight.stride()
+        for parameter in model.parameters():
+            parameter.grad = torch.ones_like(parameter)
+        optimizer.step()
+        return model.weight.detach().contiguous()
+
+    assert torch.equal(resumed(True), resumed(False))

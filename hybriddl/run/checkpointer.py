@@ -113,6 +113,15 @@ class Checkpointer:
         self.optimizer.load_state_dict(state)
         for group in self.optimizer.param_groups:  # a resumed run may change these
             group["lr"], group["momentum"] = lr, momentum
+            for parameter in group["params"]:
+                # A buffer saved in another memory layout (a run resumed with or without
+                # --channels-last, or a pick of --strategy auto that changed it) is laid out
+                # as its parameter: fused SGD pairs their elements in memory order
+                # (step.py `unfuse_where_layouts_differ`), and would scramble the update.
+                held = self.optimizer.state.get(parameter, {})
+                buffer = held.get("momentum_buffer")
+                if buffer is not None and buffer.stride() != parameter.stride():
+                    held["momentum_buffer"] = torch.empty_like(parameter).copy_(buffer)
         restore_rng(checkpoint.rng)
         self.position = Position(**asdict(checkpoint.position))
         progress = checkpoint.progress
