@@ -349,3 +349,36 @@ def test_a_heartbeat_that_stopped_on_a_fault_of_its_own_is_named_by_the_deadline
                                           r"averaging gradients; .*this rank's heartbeat had "
                                           r"stopped earlier: .*Too many open files"):
         hosts.wait(["a request"], "averaging gradients")
+
+
+@pytest.mark.parametrize("key, mine, theirs", [("eval_every", 1, 2),
+                                                ("checkpoint_every", None, 5),
+                                                ("stop_at_target", True, False),
+                                                ("check_every", 10, 20),
+                                                ("target_accuracy", 0.9, 0.8)])
+def test_hosts_given_other_collective_gates_are_refused_before_training(key, mine, theirs):
+    """--eval-every, --checkpoint-every, --check-every and the target decide when every host
+    enters a collective (a validation, a checkpoint, a replica check, a stop): hosts given
+    other values started and hung at the first step one entered alone."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from hybriddl.run.settings import TrainConfig
+    from hybriddl.run.trainer import settings_hosts_share
+
+    class TwoHosts(SingleHost):
+        rank, size = 0, 2
+        other: dict = {}
+
+        def allgather(self, value):
+            return [value, {**value, **self.other} if isinstance(value, dict) else value]
+
+    config = replace(TrainConfig(usecase="SimpleBig").resolved(), **{key: mine})
+    prepared = SimpleNamespace(config=config, split=SimpleNamespace(train=[0] * 8))
+    settings = settings_hosts_share(prepared)
+    hosts = TwoHosts()
+    hosts.agree(settings, "even", None)  # the same everywhere: agreed
+    hosts.other = {key: theirs}
+    with pytest.raises(UsageError, match=f"hosts disagree on {key} \\(rank 0 has {mine!r}, "
+                                         f"rank 1 has {theirs!r}\\)"):
+        hosts.agree(settings, "even", None)

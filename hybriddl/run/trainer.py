@@ -650,11 +650,14 @@ def checkpoint_about(prepared: PreparedRun, metrics: dict) -> dict:
 
 
 def settings_hosts_share(prepared: PreparedRun) -> dict:
-    """What every host must have identically (the data's path may differ, not its size)."""
+    """What every host must have identically (the data's path may differ, not its size):
+    the model's numbers, and what decides when the hosts enter a collective (a validation,
+    a checkpoint, a replica check, a stop at the target): hosts given other values hung."""
     config = prepared.config
     return {**{key: getattr(config, key) for key in (
         "usecase", "model", "image_size", "batch_size", "epochs", "max_steps", "lr",
-        "momentum", "dropout", "seed", "host_parallel", "compression", "feature_dtype")},
+        "momentum", "dropout", "seed", "host_parallel", "compression", "feature_dtype",
+        "eval_every", "target_accuracy", "stop_at_target", "checkpoint_every", "check_every")},
         "train_images": len(prepared.split.train)}
 
 
