@@ -201,3 +201,17 @@ def test_a_validation_due_at_a_stopped_step_is_kept_by_its_checkpoint(images, ev
     assert main(["train", "--resume", str(run_dir)]) == 0
     evaluations = target_of(run_dir)["evaluations"]
     assert [e["step"] for e in evaluations] == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+
+
+def test_a_resume_records_the_settings_it_changed_from_what_to_what(images, tmp_path):
+    """--lr, --momentum, --dropout given at a resume: the config record took the new lr and
+    momentum (the steps before lost theirs) and kept the old dropout the model no longer
+    had."""
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--epochs", "1")) == 0
+    assert main(["train", "--resume", str(run_dir), "--epochs", "2", "--lr", "0.01",
+                 "--dropout", "0.3"]) == 0
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert metrics["resumes"][0]["changed"] == {"epochs": [1, 2], "lr": [0.05, 0.01],
+                                                "dropout": [0.0, 0.3]}
+    assert (metrics["config"]["lr"], metrics["config"]["dropout"]) == (0.01, 0.3)

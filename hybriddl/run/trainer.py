@@ -599,13 +599,19 @@ def resumed_metrics(prepared: PreparedRun, hosts, scheme) -> dict:
     """The checkpoint's metrics, noting where this run took over and how it runs."""
     config, metrics = prepared.config, prepared.resume.metrics
     position = prepared.resume.position
-    # A resumed run may be extended or given another learning rate: the record follows.
-    metrics["config"].update(epochs=config.epochs, max_steps=config.max_steps, lr=config.lr,
-                             momentum=config.momentum, checkpoint_every=config.checkpoint_every)
+    # A resumed run may be extended or given another learning rate: the record follows,
+    # and the resume says what it changed (from, to), so the steps before keep theirs.
+    now = {"epochs": config.epochs, "max_steps": config.max_steps, "lr": config.lr,
+           "momentum": config.momentum, "dropout": config.dropout,
+           "checkpoint_every": config.checkpoint_every}
+    changed = {name: [metrics["config"].get(name), value] for name, value in now.items()
+               if metrics["config"].get(name) != value}
+    metrics["config"].update(now)
     resume = {
         "epoch": position.epoch + 1, "step": position.step, "steps_done": position.steps_done,
         "strategy": prepared.strategy.describe(), "hosts": hosts.describe(),
-        "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan}
+        "host_parallel": host_parallel_record(prepared, hosts, scheme), "plan": scheme.plan,
+        **({"changed": changed} if changed else {})}
     ran = saved_compression(prepared.resume)
     # A compressed run goes on with fewer hosts than it started on as its logical ranks.
     started_on = resumption.logical_count(prepared.resume)
