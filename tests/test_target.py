@@ -215,3 +215,17 @@ def test_a_resume_records_the_settings_it_changed_from_what_to_what(images, tmp_
     assert metrics["resumes"][0]["changed"] == {"epochs": [1, 2], "lr": [0.05, 0.01],
                                                 "dropout": [0.0, 0.3]}
     assert (metrics["config"]["lr"], metrics["config"]["dropout"]) == (0.01, 0.3)
+
+
+def test_resuming_a_run_that_stopped_at_its_target_changes_nothing(images, every_step,
+                                                                  tmp_path):
+    """Its checkpoint leaves out the epoch it stopped inside (to resume inside it), and the
+    resume rewrote metrics.json from it: the epoch in which the target was reached was gone,
+    and a resume that trained nothing was recorded."""
+    accuracy, step = first_reaching(every_step["evaluations"])
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--eval-every", "1", "--target-accuracy",
+                           str(accuracy), "--stop-at-target")) == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before

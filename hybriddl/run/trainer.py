@@ -36,7 +36,7 @@ from hybriddl.hybrid.parallel import (DataParallel, HybridParallel, choose, held
                                       traffic_bytes)
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.rundir import (METRICS, MODEL, check_new_run_dir, check_run_storage,
-                             default_run_dir)
+                             default_run_dir, load_metrics)
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
@@ -256,6 +256,12 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     hosts = hosts or SingleHost()
     stop = stop or StopRequest()
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
+    if prepared.resume is not None and AccuracyTarget(
+            config.target_accuracy, config.eval_every, config.stop_at_target,
+            prepared.resume.metrics.get("target")).should_stop():
+        # It stopped at the target the flags still give: nothing to train, nothing written
+        # (its checkpoint leaves out the epoch it stopped inside, which metrics.json holds).
+        return load_metrics(prepared.run_dir)
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring, _out_of_memory_named():
