@@ -229,3 +229,18 @@ def test_resuming_a_run_that_stopped_at_its_target_changes_nothing(images, every
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_resuming_a_run_with_no_step_left_writes_nothing_and_says_so(images, tmp_path,
+                                                                     capsys):
+    """A run cut by --max-steps inside an epoch, resumed as it is: it validated once more
+    (a second evaluation at the same step) and rewrote metrics.json from its checkpoint,
+    which leaves out the epoch it was cut inside."""
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--eval-every", "1", "--max-steps", "2")) == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "has done its 2 steps (--max-steps): nothing left to train, nothing written" in err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before

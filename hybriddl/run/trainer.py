@@ -256,11 +256,11 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     hosts = hosts or SingleHost()
     stop = stop or StopRequest()
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
-    if prepared.resume is not None and AccuracyTarget(
-            config.target_accuracy, config.eval_every, config.stop_at_target,
-            prepared.resume.metrics.get("target")).should_stop():
-        # It stopped at the target the flags still give: nothing to train, nothing written
-        # (its checkpoint leaves out the epoch it stopped inside, which metrics.json holds).
+    if prepared.resume is not None and (why := _nothing_left(prepared)):
+        # Nothing written: its checkpoint leaves out an epoch it stopped inside (to resume
+        # inside it), which metrics.json holds; rewritten from it, that record was lost.
+        observer.on_warning(f"the run in {prepared.run_dir} {why}: nothing left to train, "
+                            "nothing written (give more --epochs or --max-steps to go on)")
         return load_metrics(prepared.run_dir)
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
@@ -347,6 +347,19 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                 atomic_torch_save(run_dir / MODEL, {name: tensor.cpu()
                                                     for name, tensor in whole.items()})
     return metrics
+
+
+def _nothing_left(prepared: PreparedRun) -> str | None:
+    """Why a resumed run has no step left to take with the settings given (None: it has)."""
+    config, done = prepared.config, prepared.resume.position
+    if AccuracyTarget(config.target_accuracy, config.eval_every, config.stop_at_target,
+                      prepared.resume.metrics.get("target")).should_stop():
+        return f"stopped at its target, val accuracy {config.target_accuracy:g}"
+    if config.max_steps is not None and done.steps_done >= config.max_steps:
+        return f"has done its {config.max_steps} steps (--max-steps)"
+    if done.epoch >= config.epochs:
+        return f"has done its {config.epochs} epochs"
+    return None
 
 
 @contextlib.contextmanager
