@@ -9,6 +9,7 @@ update. Nothing here knows which strategy ran.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import platform
 import resource
@@ -36,7 +37,7 @@ from hybriddl.hybrid.parallel import (DataParallel, HybridParallel, choose, held
                                       traffic_bytes)
 from hybriddl.monitoring.monitor import Monitor
 from hybriddl.rundir import (METRICS, MODEL, check_new_run_dir, check_run_storage,
-                             default_run_dir, load_metrics)
+                             default_run_dir)
 from hybriddl.files import atomic_write_json, atomic_torch_save, remove_partial_writes
 from hybriddl.run.settings import TrainConfig
 from hybriddl.run.shutdown import StopRequest
@@ -261,7 +262,10 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
         # inside it), which metrics.json holds; rewritten from it, that record was lost.
         observer.on_warning(f"the run in {prepared.run_dir} {why}: nothing left to train, "
                             "nothing written (give more --epochs or --max-steps to go on)")
-        return load_metrics(prepared.run_dir)
+        try:
+            return json.loads((prepared.run_dir / METRICS).read_text())
+        except (OSError, ValueError):  # gone or damaged: its checkpoint's record
+            return prepared.resume.metrics
     transform = datamod.BatchTransform(config.image_size)
     run_dir = prepared.run_dir
     with strategy, contextlib.ExitStack() as monitoring, _out_of_memory_named():
