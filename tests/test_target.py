@@ -244,3 +244,15 @@ def test_resuming_a_run_with_no_step_left_writes_nothing_and_says_so(images, tmp
     err = capsys.readouterr().err
     assert "has done its 2 steps (--max-steps): nothing left to train, nothing written" in err
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_an_epoch_resumed_inside_says_where_its_per_step_figures_begin(images, tmp_path):
+    """Its steps, samples, seconds and loss sum the whole epoch; its per-step figures are
+    the last attempt's alone, which nothing said."""
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--max-steps", "1")) == 0
+    assert main(["train", "--resume", str(run_dir), "--max-steps", str(2 * STEPS_PER_EPOCH)]) == 0
+    first, second = json.loads((run_dir / METRICS).read_text())["epochs"]
+    assert (first["steps"], first["resumed_after_step"]) == (STEPS_PER_EPOCH, 1)
+    assert len(first["per_step"]["seconds"]) == STEPS_PER_EPOCH - 1
+    assert "resumed_after_step" not in second

@@ -310,9 +310,12 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
                 break
             validate = Validation(strategy, split.val, transform, 2 * config.batch_size,
                                   target, observer, len(batches), hosts, scheme)
+            steps_before = progress.steps  # an attempt before this one took them
             record = train_epoch(epoch, todo, progress, split, transform, model, strategy,
                                  optimizer, hosts, observer, keeper, config.seed, scheme,
                                  None if figures_only else validate, replicas)
+            if steps_before:  # its sums are the epoch's; its per-step figures this attempt's
+                record["resumed_after_step"] = steps_before
             record["val_accuracy"] = None if figures_only else validate.at_epoch_end(
                 epoch, keeper.position.steps_done, progress.steps)
             if validate.shared_by is not None:
