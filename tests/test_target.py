@@ -256,3 +256,19 @@ def test_an_epoch_resumed_inside_says_where_its_per_step_figures_begin(images, t
     assert (first["steps"], first["resumed_after_step"]) == (STEPS_PER_EPOCH, 1)
     assert len(first["per_step"]["seconds"]) == STEPS_PER_EPOCH - 1
     assert "resumed_after_step" not in second
+
+
+def test_a_cut_off_the_validation_grid_is_not_in_the_targets_record(images, every_step,
+                                                                    tmp_path):
+    """--max-steps cut an epoch between two of its validations: the cut's own validation
+    (the epoch line's accuracy) went into the target's record, so a run cut and resumed had
+    an evaluation, and could reach its target at a step, that the run that went on had not."""
+    run_dir = tmp_path / "run"
+    flags = ["--eval-every", "2", "--target-accuracy", "1"]
+    assert main(train_args(images, run_dir, *flags, "--max-steps", "1")) == 0
+    metrics = json.loads((run_dir / METRICS).read_text())
+    assert metrics["epochs"][0]["val_accuracy"] is not None  # the epoch line still has it
+    assert metrics["target"]["evaluations"] == []
+    assert main(["train", "--resume", str(run_dir), "--max-steps", str(2 * STEPS_PER_EPOCH)]) == 0
+    steps = [e["step"] for e in target_of(run_dir)["evaluations"]]
+    assert steps == [2, 3, 4, 6]  # every second step and each epoch's end, as uncut

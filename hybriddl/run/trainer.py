@@ -564,7 +564,10 @@ class Validation:
             return self._last[1]
         accuracy, self.shared_by = evaluate(self.strategy, self.images, self.transform,
                                             self.batch_size, self.hosts, self.scheme)
-        self._taken(accuracy, epoch, steps_done, epoch_steps_done)
+        if epoch_steps_done == self.epoch_steps or self.target.due(steps_done):
+            # Not where --max-steps cut an epoch off the validations' grid: the run that
+            # went on made none there, and its record must be the resumed run's.
+            self._taken(accuracy, epoch, steps_done, epoch_steps_done)
         return accuracy
 
     def _taken(self, accuracy: float, epoch: int, steps_done: int, epoch_steps_done: int,
