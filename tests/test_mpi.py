@@ -279,6 +279,9 @@ def test_hosts_wait_for_one_still_preparing_beyond_the_host_timeout(tmp_path, la
     assert mpirun.returncode == 0, output
     assert time.monotonic() - held_at > 6
     assert json.loads((tmp_path / "run" / METRICS).read_text())["epochs"][0]["steps"] == 1
+    # Said while it waits, once: who, and that nothing bounds the wait but the heartbeat.
+    said = [line for line in output.splitlines() if "still preparing" in line]
+    assert len(said) == 1 and "for rank 1 on host" in said[0], output
 
 
 def poll_for(condition, process: subprocess.Popen) -> float:

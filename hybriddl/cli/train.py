@@ -121,6 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             stop_every_host(exc.hosts, exc, show_host_failure)
         raise
     display = TrainDisplay(enabled=hosts.rank == 0)  # one progress bar, not one per host
+    hosts.on_notice = display.warn  # a long wait for a host still preparing, said once
     stop = StopRequest()
     steps = StepsSeen(display)  # how far this attempt came, should it fail
     try:

@@ -90,6 +90,8 @@ class Hosts:
         # emulate --compression-seconds: the scheme's compute padded to the hosts' (else None).
         self._pace = pace()
         self.notes: list[str] = []  # things the user should know, for the CLI to show
+        # Said while it happens (the CLI shows it): a long wait for a host still preparing.
+        self.on_notice: Callable[[str], None] = lambda line: None
         self.weights = [1.0] * self.size
         self.balance = "even"
         # A compressed run resumed on fewer hosts than it started on runs its logical ranks

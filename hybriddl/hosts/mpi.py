@@ -469,6 +469,7 @@ class MPIHosts(Hosts):
         if failpoints.armed("stall-inside") or failpoints.armed("stall-ahead"):
             failpoints.stall_for_ever()  # inside, its beats say so; it never drives MPI
         listen = 0.0  # when to ask the heartbeat next: not at every poll, which drives MPI
+        waiting_said = self._deadline_armed  # before the first step: a wait is said once
         try:
             # Testsome: each request that completes (a piece of at most 8 MiB) is progress.
             while (done := Request.Testsome(requests)) is not None:
@@ -481,6 +482,10 @@ class MPIHosts(Hosts):
                         raise self._lost(lost, what)
                     if late and (behind := heartbeat.behind(self._exchanges)):
                         raise self._not_coming(behind, what)
+                    if (not waiting_said and now - started > self.timeout
+                            and (behind := heartbeat.behind(self._exchanges))):
+                        waiting_said = True
+                        self.on_notice(self._still_preparing(behind, what, now - started))
                     if (self._deadline_armed and now - progressed > self.progress_deadline(largest)
                             and heartbeat.inside_from(self._exchanges)):
                         raise self._stuck(heartbeat, what, now - progressed)
@@ -537,6 +542,12 @@ class MPIHosts(Hosts):
             f"while every host is alive and {where} (rank {self.rank} on host "
             f"{self.names[self.rank]}: inside exchange {self._exchanges}; {states}): likely "
             f"{cause}; the last checkpoint resumes the run (see --progress-timeout)")
+
+    def _still_preparing(self, behind: list[int], what: str, seconds: float) -> str:
+        who = ", ".join(f"rank {r} on host {self.names[r]}" for r in behind)
+        return (f"waiting {seconds:.0f} s for {who} while {what}: alive (its heartbeat is "
+                "heard), still preparing (its data cache, a tune); no deadline before the first "
+                "step, a host that dies is named")
 
     def _not_coming(self, behind: list[int], what: str) -> HostFailure:
         who = ", ".join(f"rank {r} on host {self.names[r]}" for r in behind)
