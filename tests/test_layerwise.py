@@ -145,3 +145,42 @@ def test_layerwise_gives_the_model_back_as_it_came():
                                                     precision="bf16")) as local:
         local.setup(model)
         assert all(type(m) is not AccumulatingLinear for m in model.modules())
+
+
+def train_with_stochastic_depth(strategy: str, workers: int) -> list[torch.Tensor]:
+    """EfficientNet-B0 (its BatchNorms made identities: sub-batches would change their
+    statistics) with stochastic depth at 0.5, keyed per sample."""
+    from hybriddl.dropout import KeyedStochasticDepth, dropout_keys, sample_keys
+
+    torch.manual_seed(0)
+    model = build_model("efficientnet_b0", 3)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, name, nn.Identity())
+            elif isinstance(child, KeyedStochasticDepth):
+                child.p = 0.5
+    generator = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    try:
+        with make_strategy(strategy, StrategyOptions(workers=workers, oversubscribe=True)) as local:
+            local.setup(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            for step in range(2):
+                x = torch.randn(5, 3, 32, 32, generator=generator)
+                y = torch.randint(3, (5,), generator=generator)
+                optimizer.zero_grad(set_to_none=False)
+                with dropout_keys(sample_keys(0, step, torch.arange(5))):
+                    local.compute_gradients(x, y)
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_layerwise_matches_sequential_with_stochastic_depth_in_the_convolutions():
+    """Its workers' sub-batches ran the convolutions without their samples' keys: the
+    master's thread held the whole batch's (a RuntimeError, 5 keys for 3 samples) and the
+    pool's none (torch's global RNG)."""
+    sequential = train_with_stochastic_depth("sequential", 1)
+    assert_same_parameters(train_with_stochastic_depth("layerwise", 2), sequential)

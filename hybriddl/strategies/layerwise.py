@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 from torch import nn
 
+from hybriddl.dropout import current_keys, dropout_keys
 from hybriddl.errors import UsageError
 from hybriddl.machine.cpu_threads import set_torch_threads
 from hybriddl.machine.hostinfo import usable_cores
@@ -102,11 +103,15 @@ class LayerWise(CoreWorkersStrategy):
         master's threads are the classifier's when it returns."""
         self._parts = sub_batches(len(x), self.workers)
         set_torch_threads(1)
-        futures = [self.pool.submit(_convolutions_forward, self.convolutions, x[a:b], self.options)
+        # Each sub-batch's samples' keys (stochastic depth in the convolutions: EfficientNet's),
+        # set in the thread that runs it: a pool thread has none of its own.
+        futures = [self.pool.submit(_convolutions_forward, self.convolutions, x[a:b], self.options,
+                                    current_keys(a, b))
                    for a, b in self._parts[1:]]
         try:
             a, b = self._parts[0]
-            outputs = [_convolutions_forward(self.convolutions, x[a:b], self.options)]
+            outputs = [_convolutions_forward(self.convolutions, x[a:b], self.options,
+                                             current_keys(a, b))]
         finally:
             wait(futures)  # no worker may still run when this step ends, even on error
         self._outputs = outputs + [future.result() for future in futures]
@@ -146,13 +151,15 @@ class LayerWise(CoreWorkersStrategy):
         self.fused = []
 
 
-def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options) -> torch.Tensor:
+def _convolutions_forward(convolutions: nn.Module, x: torch.Tensor, options,
+                          keys: torch.Tensor | None = None) -> torch.Tensor:
     set_torch_threads(1)  # OpenMP thread counts are per calling thread
     if options.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     # Autocast is thread-local, so each worker enters it; the output stays bfloat16
     # under bf16 (the classifier would cast it to bfloat16 again anyway).
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"), \
+            dropout_keys(keys):
         return convolutions(x)
 
 
