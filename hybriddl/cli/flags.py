@@ -74,7 +74,8 @@ def add_accumulate_flag(parser: argparse.ArgumentParser, where: str) -> None:
     parser.add_argument("--accumulate", type=int, metavar="N",
                         help="compute each host batch in N sequential chunks and add their "
                              "gradients: the same step with activations for one chunk at a "
-                             f"time (less memory; default: {StrategyOptions().accumulate}); {where}")
+                             "time (less memory; a BatchNorm model's batch statistics are each "
+                             f"chunk's; default: {StrategyOptions().accumulate}); {where}")
 
 
 def add_fp16_flag(parser) -> None:
