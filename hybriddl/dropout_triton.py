@@ -14,6 +14,8 @@ the eager ops once per process before it is used (hybriddl.dropout falls back ot
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -76,6 +78,12 @@ def _scale(p: float, dtype: torch.dtype) -> float:
     return scale
 
 
+def _on_its_device(tensor: torch.Tensor):
+    """The tensor's CUDA device made current for a launch (nothing for Triton's interpreter,
+    which runs CPU tensors)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def forward(x: torch.Tensor, keys: torch.Tensor, layer: int, p: float,
             start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x dropped out and the keep mask (booleans), as hybriddl.dropout._forward."""
@@ -85,8 +93,11 @@ def forward(x: torch.Tensor, keys: torch.Tensor, layer: int, p: float,
     keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     if x.numel():
         grid = (rows, triton.cdiv(row_size, BLOCK))
-        _forward_kernel[grid](x, keys, y, keep, row_size, start, layer, round(p * 2 ** 32),
-                              _scale(p, x.dtype), BLOCK=BLOCK)
+        # Triton launches on the calling thread's current device and its stream: a thread
+        # that runs a replica on cuda:1 (gpu-threads, --devices cuda:1) still has cuda:0's.
+        with _on_its_device(x):
+            _forward_kernel[grid](x, keys, y, keep, row_size, start, layer,
+                                  round(p * 2 ** 32), _scale(p, x.dtype), BLOCK=BLOCK)
     return y, keep
 
 
@@ -94,7 +105,8 @@ def backward(grad: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     grad = grad.contiguous()
     out = torch.empty_like(grad)
     if grad.numel():
-        _backward_kernel[(triton.cdiv(grad.numel(), BLOCK),)](grad, keep, out, grad.numel(),
-                                                              _scale(p, grad.dtype),
-                                                              BLOCK=BLOCK)
+        with _on_its_device(grad):  # the tensors' device, whatever the thread's
+            _backward_kernel[(triton.cdiv(grad.numel(), BLOCK),)](grad, keep, out, grad.numel(),
+                                                                  _scale(p, grad.dtype),
+                                                                  BLOCK=BLOCK)
     return out

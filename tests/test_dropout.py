@@ -1,5 +1,6 @@
 """Keyed dropout: a sample's masks depend on (seed, epoch, sample index, layer) only."""
 
+import contextlib
 import os
 
 import pytest
@@ -167,6 +168,45 @@ def test_the_triton_kernels_draw_the_reference_bits_in_tritons_interpreter():
                           text=True, env={**os.environ, "TRITON_INTERPRET": "1",
                                           "PYTHONPATH": str(repo)}, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "same bits", done.stderr[-2000:]
+
+
+TRITON_DEVICE = """
+import contextlib
+import torch
+from hybriddl import dropout, dropout_triton
+made_current = []
+def recorded(tensor):
+    made_current.append(tensor.device)
+    return contextlib.nullcontext()
+dropout_triton._on_its_device = recorded
+keys = dropout.sample_keys(7, 2, torch.arange(4))
+y, keep = dropout_triton.forward(torch.randn(4, 9), keys, 1, 0.5, 0)
+dropout_triton.backward(torch.randn(4, 9), keep, 0.5)
+assert made_current == [torch.device("cpu")] * 2, made_current
+print("each launch on its tensors' device")
+"""
+
+
+def test_each_triton_launch_is_made_on_its_tensors_device():
+    """Triton launches on the calling thread's current CUDA device and stream: gpu-threads'
+    pool threads (replicas on cuda:1 and up) and `--devices cuda:1` still had cuda:0's, so
+    the kernels ran against another device's memory, unordered with its stream. Here, in
+    Triton's interpreter, each launch is seen to go through the guard that makes the
+    tensors' device current (a second GPU would be needed to see the race itself)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="Triton comes with torch's CUDA builds; this torch "
+                        "has none, so CUDA devices would run torch.compile's kernels")
+    from hybriddl import dropout_triton
+
+    assert isinstance(dropout_triton._on_its_device(torch.ones(1)), contextlib.nullcontext)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", TRITON_DEVICE], cwd=repo, capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "1",
+                                          "PYTHONPATH": str(repo)}, timeout=120)
+    assert done.returncode == 0 and "on its tensors' device" in done.stdout, done.stderr[-2000:]
 
 
 def test_cuda_falls_back_to_torch_compile_where_the_triton_kernels_fail_their_check(
