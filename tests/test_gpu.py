@@ -224,6 +224,30 @@ def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_pat
     assert epoch["images_per_second"] <= 16 / queued
 
 
+def test_a_validation_inside_an_epoch_does_not_take_the_work_its_steps_queued(tmp_path):
+    """--eval-every inside an epoch: validation's first read-back waited for the steps'
+    queued work, and the clock restarted after validation, so that work was in no one's
+    seconds (images/s too high)."""
+    from hybriddl.run import trainer
+    from hybriddl.run.settings import TrainConfig
+
+    config = TrainConfig(strategy="gpu", strategy_options=StrategyOptions(devices=("cpu",)),
+                         model="resnet18", image_size=32, batch_size=8, max_steps=2,
+                         eval_every=1, run_dir=str(tmp_path / "run"))
+    prepared = trainer.prepare(config.resolved())
+    queued = 0.5  # seconds of work a stand-in device still has whenever it is asked
+    prepared.strategy.synchronize = lambda: time.sleep(queued)
+    steps = []
+
+    class Steps(trainer.TrainingObserver):
+        def on_step(self, epoch, step, samples, seconds, loss):
+            steps.append(seconds)
+
+    epoch = trainer.run(prepared, Steps())["epochs"][0]
+    # Before each of the two validations, and at the epoch's end.
+    assert len(steps) == 2 and epoch["seconds"] >= sum(steps) + 3 * queued
+
+
 @pytest.mark.parametrize("name, devices", [("gpu", ("cpu",)), ("pipeline", ("cpu", "cpu")),
                                            ("gpu-threads", ("cpu", "cpu"))])
 def test_no_gpu_strategy_reads_its_loss_back_inside_the_step(name, devices, monkeypatch):

@@ -444,6 +444,10 @@ def train_epoch(epoch, batches, progress, split, transform, model, strategy, opt
             # A validation due at this step comes before its checkpoint, which keeps it (a
             # stop or --checkpoint-every there lost it: the resumed run never made it).
             if validate is not None and validate.due(keeper.position.steps_done + 1):
+                # A GPU step returns once queued: the work it left is the epoch's time, not
+                # the validation's, whose first read-back would wait for it.
+                strategy.synchronize()
+                progress.seconds += time.perf_counter() - last
                 at_target = validate.after_step(epoch, keeper.position.steps_done + 1,
                                                 progress.steps)
                 last = time.perf_counter()  # validation is not the next step's time
