@@ -201,17 +201,17 @@ def test_a_checkpoint_of_a_device_is_staged_in_host_memory_and_its_buffers_reuse
     assert again["optimizer"]["state"][0]["momentum_buffer"] is m  # reused, not reallocated
 
 
-def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_path):
-    """A GPU step returns once its kernels are queued: the epoch's seconds end when the
-    device has run them (`synchronize`), not when the last step was queued."""
+def epoch_on_a_queueing_device(run_dir, queued: float, **flags) -> tuple[dict, list[float]]:
+    """Two steps of the gpu strategy on a stand-in device that has `queued` seconds of work
+    left whenever it is asked to finish (`synchronize`): the epoch's record and the steps'
+    seconds as the observer saw them."""
     from hybriddl.run import trainer
     from hybriddl.run.settings import TrainConfig
 
     config = TrainConfig(strategy="gpu", strategy_options=StrategyOptions(devices=("cpu",)),
                          model="resnet18", image_size=32, batch_size=8, max_steps=2,
-                         run_dir=str(tmp_path / "run"))
+                         run_dir=str(run_dir), **flags)
     prepared = trainer.prepare(config.resolved())
-    queued = 0.5  # seconds of work a stand-in device still has when the last step returns
     prepared.strategy.synchronize = lambda: time.sleep(queued)
     steps = []
 
@@ -219,7 +219,14 @@ def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_pat
         def on_step(self, epoch, step, samples, seconds, loss):
             steps.append(seconds)
 
-    epoch = trainer.run(prepared, Steps())["epochs"][0]
+    return trainer.run(prepared, Steps())["epochs"][0], steps
+
+
+def test_an_epochs_images_per_second_waits_for_the_work_its_steps_queued(tmp_path):
+    """A GPU step returns once its kernels are queued: the epoch's seconds end when the
+    device has run them (`synchronize`), not when the last step was queued."""
+    queued = 0.5
+    epoch, steps = epoch_on_a_queueing_device(tmp_path / "run", queued)
     assert len(steps) == 2 and epoch["seconds"] >= sum(steps) + queued
     assert epoch["images_per_second"] <= 16 / queued
 
@@ -228,22 +235,8 @@ def test_a_validation_inside_an_epoch_does_not_take_the_work_its_steps_queued(tm
     """--eval-every inside an epoch: validation's first read-back waited for the steps'
     queued work, and the clock restarted after validation, so that work was in no one's
     seconds (images/s too high)."""
-    from hybriddl.run import trainer
-    from hybriddl.run.settings import TrainConfig
-
-    config = TrainConfig(strategy="gpu", strategy_options=StrategyOptions(devices=("cpu",)),
-                         model="resnet18", image_size=32, batch_size=8, max_steps=2,
-                         eval_every=1, run_dir=str(tmp_path / "run"))
-    prepared = trainer.prepare(config.resolved())
-    queued = 0.5  # seconds of work a stand-in device still has whenever it is asked
-    prepared.strategy.synchronize = lambda: time.sleep(queued)
-    steps = []
-
-    class Steps(trainer.TrainingObserver):
-        def on_step(self, epoch, step, samples, seconds, loss):
-            steps.append(seconds)
-
-    epoch = trainer.run(prepared, Steps())["epochs"][0]
+    queued = 0.5
+    epoch, steps = epoch_on_a_queueing_device(tmp_path / "run", queued, eval_every=1)
     # Before each of the two validations, and at the epoch's end.
     assert len(steps) == 2 and epoch["seconds"] >= sum(steps) + 3 * queued
 

@@ -27,25 +27,35 @@ def test_layerwise_matches_sequential_on_vgg16():
     assert_matches_sequential("layerwise", StrategyOptions(workers=2, oversubscribe=True), "vgg16")
 
 
+def trained(strategy: str, workers: int, model: nn.Module, steps, keys=None
+            ) -> list[torch.Tensor]:
+    """The parameters after `steps` ((x, y) batches) under `strategy`; `keys(step)` the
+    dropout keys of each step's samples (None: torch's RNG draws the masks)."""
+    from hybriddl.dropout import dropout_keys
+
+    threads = torch.get_num_threads()
+    try:
+        with make_strategy(strategy, StrategyOptions(workers=workers, oversubscribe=True)) as local:
+            local.setup(model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            torch.manual_seed(5)
+            for step, (x, y) in enumerate(steps):
+                optimizer.zero_grad(set_to_none=False)
+                with dropout_keys(keys(step) if keys else None):
+                    local.compute_gradients(x, y)
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def train_with_dropout(strategy: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = build_model("alexnet", 3, dropout=0.5)
     model.classifier[1] = nn.Linear(model.classifier[1].in_features, 64)
     model.classifier[4] = nn.Linear(64, 64)
     model.classifier[6] = nn.Linear(64, 3)
-    threads = torch.get_num_threads()
-    try:
-        with make_strategy(strategy, StrategyOptions(workers=2, oversubscribe=True)) as local:
-            local.setup(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            torch.manual_seed(5)
-            for x, y in batches("alexnet"):
-                optimizer.zero_grad(set_to_none=False)
-                local.compute_gradients(x, y)
-                optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
-    return [p.detach().clone() for p in model.parameters()]
+    return trained(strategy, 2, model, batches("alexnet"))
 
 
 def test_layerwise_matches_sequential_with_classifier_dropout():
@@ -150,7 +160,7 @@ def test_layerwise_gives_the_model_back_as_it_came():
 def train_with_stochastic_depth(strategy: str, workers: int) -> list[torch.Tensor]:
     """EfficientNet-B0 (its BatchNorms made identities: sub-batches would change their
     statistics) with stochastic depth at 0.5, keyed per sample."""
-    from hybriddl.dropout import KeyedStochasticDepth, dropout_keys, sample_keys
+    from hybriddl.dropout import KeyedStochasticDepth, sample_keys
 
     torch.manual_seed(0)
     model = build_model("efficientnet_b0", 3)
@@ -161,21 +171,10 @@ def train_with_stochastic_depth(strategy: str, workers: int) -> list[torch.Tenso
             elif isinstance(child, KeyedStochasticDepth):
                 child.p = 0.5
     generator = torch.Generator().manual_seed(1)
-    threads = torch.get_num_threads()
-    try:
-        with make_strategy(strategy, StrategyOptions(workers=workers, oversubscribe=True)) as local:
-            local.setup(model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            for step in range(2):
-                x = torch.randn(5, 3, 32, 32, generator=generator)
-                y = torch.randint(3, (5,), generator=generator)
-                optimizer.zero_grad(set_to_none=False)
-                with dropout_keys(sample_keys(0, step, torch.arange(5))):
-                    local.compute_gradients(x, y)
-                optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
-    return [p.detach().clone() for p in model.parameters()]
+    steps = [(torch.randn(5, 3, 32, 32, generator=generator),
+              torch.randint(3, (5,), generator=generator)) for _ in range(2)]
+    return trained(strategy, workers, model, steps,
+                   keys=lambda step: sample_keys(0, step, torch.arange(5)))
 
 
 def test_layerwise_matches_sequential_with_stochastic_depth_in_the_convolutions():
