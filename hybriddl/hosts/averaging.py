@@ -170,6 +170,7 @@ class BucketedAverager(Averager):
         finally:
             self.armed = False
         for bucket in self.buckets.buckets:
+            self.compression.check_sum(self._received[bucket.index])
             bucket.flat.copy_(self._received[bucket.index])  # the sum, back in its own dtype
             self.buckets.scatter(bucket)
 

@@ -135,3 +135,7 @@ class WireScheme(ABC):
     def load_part_errors(self, part: int, errors) -> None:
         """The checkpointed state of this host's logical rank `part` (see `use_parts`): a
         stateless scheme holds none."""
+
+    def check_sum(self, summed) -> None:
+        """A bucket's sum over the hosts as it came off the wire (the same on every host):
+        raise a TrainingError where it cannot be applied. Float32 cannot overflow there."""
