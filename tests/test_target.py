@@ -272,3 +272,26 @@ def test_a_cut_off_the_validation_grid_is_not_in_the_targets_record(images, ever
     assert main(["train", "--resume", str(run_dir), "--max-steps", str(2 * STEPS_PER_EPOCH)]) == 0
     steps = [e["step"] for e in target_of(run_dir)["evaluations"]]
     assert steps == [2, 3, 4, 6]  # every second step and each epoch's end, as uncut
+
+
+def test_hosts_resumed_with_other_settings_are_refused_even_with_no_step_left(images, tmp_path):
+    """A run with no step left under one host's --max-steps returned before the hosts
+    agreed, while a host given more steps went on into `settle`'s agreement: split, they
+    waited on each other. Every host agrees first, and a difference is refused."""
+    from hybriddl.errors import UsageError
+    from hybriddl.hosts.cluster import SingleHost
+    from hybriddl.run import trainer
+    from hybriddl.run.settings import settled_config
+
+    class TwoHosts(SingleHost):
+        rank, size = 0, 2
+
+        def allgather(self, value):  # the other host was given --max-steps 4
+            return [value, {**value, "max_steps": 4} if isinstance(value, dict) else value]
+
+    run_dir = tmp_path / "run"
+    assert main(train_args(images, run_dir, "--max-steps", "2")) == 0
+    config, resume, _ = settled_config({}, str(run_dir))
+    prepared = trainer.prepare(config, resume=resume)
+    with pytest.raises(UsageError, match="hosts disagree on max_steps"):
+        trainer.run(prepared, hosts=TwoHosts())

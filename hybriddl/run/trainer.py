@@ -258,6 +258,9 @@ def run(prepared: PreparedRun, observer: TrainingObserver | None = None,
     stop = stop or StopRequest()
     config, split, model, strategy = prepared.config, prepared.split, prepared.model, prepared.strategy
     if prepared.resume is not None and (why := _nothing_left(prepared)):
+        # The hosts agree first, as `settle` does on a run that goes on: hosts given other
+        # settings are refused together, not split between this return and `settle`.
+        hosts.agree(settings_hosts_share(prepared), config.balance, config.throughput)
         # Nothing written: its checkpoint leaves out an epoch it stopped inside (to resume
         # inside it), which metrics.json holds; rewritten from it, that record was lost.
         observer.on_warning(f"the run in {prepared.run_dir} {why}: nothing left to train, "
